@@ -1,0 +1,258 @@
+// Package v1 holds buildq's wire contract: the build request that producers
+// publish, the result event (CloudEvents 1.0, structured mode) that workers
+// publish once per request, the progress events, and the NATS names they travel
+// on.
+//
+// It is deliberately small and depends only on the standard library and
+// go-containerregistry's reference parser, so that producers and third-party
+// subscribers can import it without pulling Kubernetes or the worker into their
+// build.
+package v1
+
+import (
+	"encoding/json"
+	"fmt"
+	"time"
+)
+
+// APIVersion is the only request version this package understands.
+const APIVersion = "buildq.dev/v1"
+
+// NATS names shared by producers, workers and subscribers (DESIGN §3).
+const (
+	RequestsStream  = "BUILDQ_REQUESTS"
+	ResultsStream   = "BUILDQ_RESULTS"
+	WorkersConsumer = "buildq-workers"
+	BuildsBucket    = "buildq-builds"
+
+	RequestsPrefix   = "buildq.requests"
+	ResultsPrefix    = "buildq.results"
+	EventsPrefix     = "buildq.events"
+	CancelPrefix     = "buildq.cancel"
+	DeadLetterPrefix = "buildq.deadletter"
+
+	// MsgIDHeader is the JetStream de-duplication header; buildq sets it to
+	// the requestId on both requests and results.
+	MsgIDHeader = "Nats-Msg-Id"
+)
+
+// RequestSubject is where a tenant's requests are published.
+func RequestSubject(tenant string) string { return RequestsPrefix + "." + tenant }
+
+// ResultSubject is where the results of tenant/name are published.
+func ResultSubject(tenant, name string) string { return ResultsPrefix + "." + tenant + "." + name }
+
+// EventSubject is where progress events of tenant/name are published (core NATS).
+func EventSubject(tenant, name string) string { return EventsPrefix + "." + tenant + "." + name }
+
+// CancelSubject is where cancel requests for tenant/name are sent (core NATS request).
+func CancelSubject(tenant, name string) string { return CancelPrefix + "." + tenant + "." + name }
+
+// DeadLetterSubject receives copies of requests that exhausted their deliveries.
+func DeadLetterSubject(tenant string) string { return DeadLetterPrefix + "." + tenant }
+
+// Request is a build request, published as JSON on RequestSubject(Tenant)
+// with the header Nats-Msg-Id set to RequestID.
+type Request struct {
+	APIVersion string `json:"apiVersion"`
+	// RequestID is unique per submission; it is the JetStream message id of
+	// the request and of its result.
+	RequestID string `json:"requestId"`
+	// Tenant and Name are DNS-1123 labels; they become subject tokens.
+	Tenant string `json:"tenant"`
+	Name   string `json:"name"`
+	Source Source `json:"source"`
+	// ContextDigest is "sha256:<hex>" of the normalized context tar; required
+	// for S3 sources.
+	ContextDigest string `json:"contextDigest,omitempty"`
+	// Dockerfile is the path of the Dockerfile inside the context
+	// (default "Dockerfile").
+	Dockerfile string            `json:"dockerfile,omitempty"`
+	BuildArgs  map[string]string `json:"buildArgs,omitempty"`
+	Target     string            `json:"target,omitempty"`
+	Platforms  []string          `json:"platforms,omitempty"`
+	// Image is the destination repository, without tag or digest. Empty means
+	// the worker's naming policy decides.
+	Image string `json:"image,omitempty"`
+	// Tags are extra tags; the build key's first 12 hex digits are always one.
+	Tags []string `json:"tags,omitempty"`
+	// Timeout bounds the build (the Job's activeDeadlineSeconds); zero means
+	// the worker's default.
+	Timeout Duration          `json:"timeout,omitzero"`
+	Labels  map[string]string `json:"labels,omitempty"`
+	// SubmittedAt is set by the producer; it is informational.
+	SubmittedAt time.Time `json:"submittedAt,omitzero"`
+}
+
+// Source says where the build context comes from: exactly one of S3 or Git.
+type Source struct {
+	S3  *S3Source  `json:"s3,omitempty"`
+	Git *GitSource `json:"git,omitempty"`
+}
+
+// S3Source is a normalized context tar.gz in an S3 bucket.
+type S3Source struct {
+	Bucket string `json:"bucket"`
+	Key    string `json:"key"`
+}
+
+// GitSource is a commit of a git repository.
+type GitSource struct {
+	URL     string `json:"url"`
+	Commit  string `json:"commit"`
+	SubPath string `json:"subPath,omitempty"`
+}
+
+// Duration is a time.Duration that travels as a Go duration string ("15m").
+type Duration struct{ time.Duration }
+
+// MarshalJSON implements json.Marshaler.
+func (d Duration) MarshalJSON() ([]byte, error) { return json.Marshal(d.String()) }
+
+// UnmarshalJSON implements json.Unmarshaler; it accepts "90s"-style strings.
+func (d *Duration) UnmarshalJSON(b []byte) error {
+	var s string
+	if err := json.Unmarshal(b, &s); err != nil {
+		return fmt.Errorf("duration must be a string such as \"15m\": %w", err)
+	}
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		return err
+	}
+	d.Duration = v
+	return nil
+}
+
+// IsZero lets encoding/json's omitzero drop an unset timeout.
+func (d Duration) IsZero() bool { return d.Duration == 0 }
+
+// Status is the terminal status of a request.
+type Status string
+
+// Terminal statuses.
+const (
+	StatusSucceeded Status = "succeeded"
+	StatusFailed    Status = "failed"
+	StatusCanceled  Status = "canceled"
+)
+
+// Origin says how a successful request got its image.
+type Origin string
+
+// Origins.
+const (
+	// OriginBuild: this request's own build ran.
+	OriginBuild Origin = "build"
+	// OriginInflight: the request joined a build another request started.
+	OriginInflight Origin = "inflight"
+	// OriginCache: the image already existed; nothing was built.
+	OriginCache Origin = "cache"
+)
+
+// Reasons are machine words for why a request did not succeed.
+const (
+	ReasonInvalidRequest      = "InvalidRequest"
+	ReasonBuildFailed         = "BuildFailed"
+	ReasonDeadlineExceeded    = "DeadlineExceeded"
+	ReasonCanceled            = "Canceled"
+	ReasonContextMissing      = "ContextMissing"
+	ReasonPushFailed          = "PushFailed"
+	ReasonJobDeleted          = "JobDeleted"
+	ReasonExpired             = "Expired"
+	ReasonInfrastructureError = "InfrastructureError"
+)
+
+// CloudEvents constants of the result event.
+const (
+	CloudEventsSpecVersion = "1.0"
+	ResultContentType      = "application/json"
+	// CloudEventsContentType is the Content-Type header of a structured-mode event.
+	CloudEventsContentType = "application/cloudevents+json"
+)
+
+// ResultType is the CloudEvents type for a status, e.g. dev.buildq.build.succeeded.v1.
+func ResultType(s Status) string { return "dev.buildq.build." + string(s) + ".v1" }
+
+// Result is the result event, a CloudEvents 1.0 structured-mode envelope
+// published on ResultSubject(tenant, name) with Nats-Msg-Id = RequestID.
+type Result struct {
+	SpecVersion     string     `json:"specversion"`
+	Type            string     `json:"type"`
+	Source          string     `json:"source"`
+	ID              string     `json:"id"`
+	Subject         string     `json:"subject"`
+	Time            time.Time  `json:"time"`
+	DataContentType string     `json:"datacontenttype"`
+	Data            ResultData `json:"data"`
+}
+
+// ResultData is the payload of a result event.
+type ResultData struct {
+	RequestID string `json:"requestId"`
+	Tenant    string `json:"tenant"`
+	Name      string `json:"name"`
+	Key       string `json:"key,omitempty"`
+	Status    Status `json:"status"`
+	Origin    Origin `json:"origin,omitempty"`
+	// Image is repo:tag, Digest sha256:…, ImageRef repo@digest.
+	Image    string  `json:"image,omitempty"`
+	Digest   string  `json:"digest,omitempty"`
+	ImageRef string  `json:"imageRef,omitempty"`
+	Reason   string  `json:"reason,omitempty"`
+	Message  string  `json:"message,omitempty"`
+	LogTail  string  `json:"logTail,omitempty"`
+	Job      string  `json:"job,omitempty"`
+	Attempts int     `json:"attempts,omitempty"`
+	Timings  Timings `json:"timings"`
+}
+
+// Timings of one request.
+type Timings struct {
+	QueuedAt    time.Time `json:"queuedAt,omitzero"`
+	StartedAt   time.Time `json:"startedAt,omitzero"`
+	FinishedAt  time.Time `json:"finishedAt,omitzero"`
+	QueueWaitMs int64     `json:"queueWaitMs"`
+	BuildMs     int64     `json:"buildMs"`
+}
+
+// NewResult wraps data in its CloudEvents envelope. source identifies the
+// publisher (a URI reference such as "/buildq/worker/w-1").
+func NewResult(source string, data ResultData, now time.Time) Result {
+	return Result{
+		SpecVersion:     CloudEventsSpecVersion,
+		Type:            ResultType(data.Status),
+		Source:          source,
+		ID:              data.RequestID,
+		Subject:         data.Tenant + "/" + data.Name,
+		Time:            now.UTC(),
+		DataContentType: ResultContentType,
+		Data:            data,
+	}
+}
+
+// Phase is a progress step of a request.
+type Phase string
+
+// Progress phases, in the order a request usually passes them.
+const (
+	PhaseQueued     Phase = "queued"
+	PhaseClaimed    Phase = "claimed"
+	PhaseWaiting    Phase = "waiting"
+	PhaseJobCreated Phase = "job-created"
+	PhaseRunning    Phase = "running"
+	PhaseFinished   Phase = "finished"
+)
+
+// Event is a progress event, published on core NATS (not stored) on
+// EventSubject(tenant, name).
+type Event struct {
+	RequestID string    `json:"requestId"`
+	Tenant    string    `json:"tenant"`
+	Name      string    `json:"name"`
+	Key       string    `json:"key,omitempty"`
+	Phase     Phase     `json:"phase"`
+	Message   string    `json:"message,omitempty"`
+	Job       string    `json:"job,omitempty"`
+	Worker    string    `json:"worker,omitempty"`
+	Time      time.Time `json:"time"`
+}

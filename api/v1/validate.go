@@ -1,0 +1,327 @@
+package v1
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"path"
+	"regexp"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/google/go-containerregistry/pkg/name"
+)
+
+// Limits on request fields. They keep every value inside what Kubernetes
+// (labels, annotations, args) and NATS (subjects, headers) accept.
+const (
+	MaxRequestBytes    = 64 << 10
+	MaxRequestIDLen    = 128
+	MaxLabelLen        = 63 // DNS-1123 label
+	MaxBuildArgs       = 64
+	MaxBuildArgKeyLen  = 128
+	MaxBuildArgValLen  = 4096
+	MaxBuildArgsBytes  = 32 << 10
+	MaxTags            = 16
+	MaxPlatforms       = 8
+	MaxLabels          = 64
+	MaxUserLabelKeyLen = 128
+	MaxUserLabelValLen = 1024
+	MaxPathLen         = 255
+	MaxS3KeyLen        = 1024
+	MaxTimeout         = 24 * time.Hour
+	MinTimeout         = 10 * time.Second
+	DefaultDockerfile  = "Dockerfile"
+)
+
+var (
+	dns1123Label = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?$`)
+	requestIDRe  = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.:-]*$`)
+	buildArgRe   = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)
+	targetRe     = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.-]*$`)
+	tagRe        = regexp.MustCompile(`^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$`)
+	labelKeyRe   = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._/-]*$`)
+	bucketRe     = regexp.MustCompile(`^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$`)
+	digestRe     = regexp.MustCompile(`^sha256:[a-f0-9]{64}$`)
+	commitRe     = regexp.MustCompile(`^([a-f0-9]{40}|[a-f0-9]{64})$`)
+)
+
+// Known platforms: os/arch[/variant]. Anything else is refused rather than
+// handed to an executor that would fail late.
+var (
+	knownOS    = map[string]bool{"linux": true, "windows": true}
+	knownArch  = map[string]bool{"amd64": true, "arm64": true, "arm": true, "386": true, "ppc64le": true, "s390x": true, "riscv64": true}
+	knownVarnt = map[string]bool{"v5": true, "v6": true, "v7": true, "v8": true}
+)
+
+// FieldError is one invalid field.
+type FieldError struct {
+	Field  string
+	Detail string
+}
+
+func (e FieldError) Error() string { return e.Field + ": " + e.Detail }
+
+// ValidationError lists every invalid field of a request.
+type ValidationError struct{ Fields []FieldError }
+
+func (e *ValidationError) Error() string {
+	parts := make([]string, len(e.Fields))
+	for i, f := range e.Fields {
+		parts[i] = f.Error()
+	}
+	return "invalid request: " + strings.Join(parts, "; ")
+}
+
+// ErrInvalid matches every validation or decoding failure with errors.Is.
+var ErrInvalid = errors.New("invalid request")
+
+// Is makes errors.Is(err, ErrInvalid) true for validation errors.
+func (e *ValidationError) Is(target error) bool { return target == ErrInvalid }
+
+// DecodeError is a request that is not valid JSON for this API.
+type DecodeError struct{ Err error }
+
+func (e *DecodeError) Error() string { return "invalid request: " + e.Err.Error() }
+
+// Unwrap returns the JSON error.
+func (e *DecodeError) Unwrap() error { return e.Err }
+
+// Is makes errors.Is(err, ErrInvalid) true for decoding errors.
+func (e *DecodeError) Is(target error) bool { return target == ErrInvalid }
+
+// DecodeRequest parses a request strictly (unknown fields are refused, so a
+// misspelt option is an error rather than silently ignored) and validates it.
+// On a validation error the decoded request is still returned, so the caller
+// can address a failure result to it.
+func DecodeRequest(data []byte) (*Request, error) {
+	if len(data) > MaxRequestBytes {
+		return nil, &DecodeError{Err: fmt.Errorf("request is %d bytes, more than the %d allowed", len(data), MaxRequestBytes)}
+	}
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.DisallowUnknownFields()
+	var r Request
+	if err := dec.Decode(&r); err != nil {
+		return nil, &DecodeError{Err: err}
+	}
+	if dec.More() {
+		return nil, &DecodeError{Err: errors.New("trailing data after the JSON object")}
+	}
+	if err := r.Validate(); err != nil {
+		return &r, err
+	}
+	return &r, nil
+}
+
+// Validate checks every field and returns a *ValidationError listing all
+// problems, or nil.
+func (r *Request) Validate() error {
+	var fe []FieldError
+	add := func(field, format string, args ...any) {
+		fe = append(fe, FieldError{Field: field, Detail: fmt.Sprintf(format, args...)})
+	}
+	if r.APIVersion != APIVersion {
+		add("apiVersion", "must be %q, got %q", APIVersion, r.APIVersion)
+	}
+	switch {
+	case r.RequestID == "":
+		add("requestId", "is required")
+	case len(r.RequestID) > MaxRequestIDLen:
+		add("requestId", "is %d characters, more than %d", len(r.RequestID), MaxRequestIDLen)
+	case !requestIDRe.MatchString(r.RequestID):
+		add("requestId", "may hold only letters, digits, '_', '.', ':' and '-'")
+	}
+	checkLabel := func(field, v string) {
+		if msg := DNSLabelProblem(v); msg != "" {
+			add(field, "%s", msg)
+		}
+	}
+	checkLabel("tenant", r.Tenant)
+	checkLabel("name", r.Name)
+
+	switch {
+	case r.Source.S3 != nil && r.Source.Git != nil:
+		add("source", "must have exactly one of s3 or git, not both")
+	case r.Source.S3 != nil:
+		s := r.Source.S3
+		if !bucketRe.MatchString(s.Bucket) {
+			add("source.s3.bucket", "%q is not a valid bucket name", s.Bucket)
+		}
+		if msg := relPathProblem(s.Key, MaxS3KeyLen); msg != "" {
+			add("source.s3.key", "%s", msg)
+		}
+		if !digestRe.MatchString(r.ContextDigest) {
+			add("contextDigest", "must be sha256:<64 hex digits> for an s3 source, got %q", truncate(r.ContextDigest, 80))
+		}
+	case r.Source.Git != nil:
+		g := r.Source.Git
+		if !(strings.HasPrefix(g.URL, "https://") || strings.HasPrefix(g.URL, "ssh://")) || len(g.URL) > 2048 || strings.ContainsAny(g.URL, " \t\r\n") {
+			add("source.git.url", "must be an https:// or ssh:// URL")
+		}
+		if !commitRe.MatchString(g.Commit) {
+			add("source.git.commit", "must be a full commit hash (40 or 64 lowercase hex digits)")
+		}
+		if g.SubPath != "" {
+			if msg := relPathProblem(g.SubPath, MaxPathLen); msg != "" {
+				add("source.git.subPath", "%s", msg)
+			}
+		}
+		if r.ContextDigest != "" {
+			add("contextDigest", "is only for s3 sources")
+		}
+	default:
+		add("source", "is required: s3 (bucket, key) or git (url, commit)")
+	}
+
+	if r.Dockerfile != "" {
+		if msg := relPathProblem(r.Dockerfile, MaxPathLen); msg != "" {
+			add("dockerfile", "%s", msg)
+		}
+	}
+	if len(r.BuildArgs) > MaxBuildArgs {
+		add("buildArgs", "has %d entries, more than %d", len(r.BuildArgs), MaxBuildArgs)
+	}
+	total := 0
+	for _, k := range sortedKeys(r.BuildArgs) {
+		v := r.BuildArgs[k]
+		total += len(k) + len(v)
+		switch {
+		case len(k) > MaxBuildArgKeyLen || !buildArgRe.MatchString(k):
+			add("buildArgs", "%q is not a valid argument name (letters, digits and '_', at most %d)", truncate(k, 40), MaxBuildArgKeyLen)
+		case len(v) > MaxBuildArgValLen:
+			add("buildArgs."+k, "value is %d bytes, more than %d", len(v), MaxBuildArgValLen)
+		case strings.ContainsRune(v, 0):
+			add("buildArgs."+k, "value holds a NUL byte")
+		}
+	}
+	if total > MaxBuildArgsBytes {
+		add("buildArgs", "total %d bytes, more than %d", total, MaxBuildArgsBytes)
+	}
+	if r.Target != "" && (len(r.Target) > MaxLabelLen || !targetRe.MatchString(r.Target)) {
+		add("target", "%q is not a valid stage name", truncate(r.Target, 40))
+	}
+	if len(r.Platforms) > MaxPlatforms {
+		add("platforms", "has %d entries, more than %d", len(r.Platforms), MaxPlatforms)
+	}
+	seen := map[string]bool{}
+	for _, p := range r.Platforms {
+		if msg := PlatformProblem(p); msg != "" {
+			add("platforms", "%s", msg)
+		} else if seen[p] {
+			add("platforms", "%q is listed twice", p)
+		}
+		seen[p] = true
+	}
+	if r.Image != "" {
+		if msg := RepositoryProblem(r.Image); msg != "" {
+			add("image", "%s", msg)
+		}
+	}
+	if len(r.Tags) > MaxTags {
+		add("tags", "has %d entries, more than %d", len(r.Tags), MaxTags)
+	}
+	for _, t := range r.Tags {
+		if !tagRe.MatchString(t) {
+			add("tags", "%q is not a valid tag", truncate(t, 40))
+		}
+	}
+	if r.Timeout.Duration != 0 && (r.Timeout.Duration < MinTimeout || r.Timeout.Duration > MaxTimeout) {
+		add("timeout", "must be between %s and %s, got %s", MinTimeout, MaxTimeout, r.Timeout.Duration)
+	}
+	if len(r.Labels) > MaxLabels {
+		add("labels", "has %d entries, more than %d", len(r.Labels), MaxLabels)
+	}
+	for _, k := range sortedKeys(r.Labels) {
+		v := r.Labels[k]
+		if len(k) > MaxUserLabelKeyLen || !labelKeyRe.MatchString(k) {
+			add("labels", "%q is not a valid label key", truncate(k, 40))
+		}
+		if len(v) > MaxUserLabelValLen || strings.ContainsRune(v, 0) {
+			add("labels."+truncate(k, 40), "value is longer than %d bytes or holds a NUL byte", MaxUserLabelValLen)
+		}
+	}
+	if len(fe) > 0 {
+		return &ValidationError{Fields: fe}
+	}
+	return nil
+}
+
+// DNSLabelProblem says what makes v an invalid DNS-1123 label, or "" when it
+// is valid. A valid label is also a safe NATS subject token.
+func DNSLabelProblem(v string) string {
+	switch {
+	case v == "":
+		return "is required"
+	case len(v) > MaxLabelLen:
+		return fmt.Sprintf("is %d characters, more than %d", len(v), MaxLabelLen)
+	case !dns1123Label.MatchString(v):
+		return fmt.Sprintf("%q must be a DNS-1123 label: lowercase letters, digits and '-', starting and ending with a letter or digit", truncate(v, 40))
+	}
+	return ""
+}
+
+// PlatformProblem says what makes p an invalid os/arch[/variant], or "".
+func PlatformProblem(p string) string {
+	parts := strings.Split(p, "/")
+	if len(parts) < 2 || len(parts) > 3 || !knownOS[parts[0]] || !knownArch[parts[1]] || (len(parts) == 3 && !knownVarnt[parts[2]]) {
+		return fmt.Sprintf("%q is not a known platform (os/arch[/variant], e.g. linux/amd64)", truncate(p, 40))
+	}
+	return ""
+}
+
+// RepositoryProblem says what makes s an invalid image repository, or "".
+// Tags and digests are refused: they belong in tags, and the digest is an
+// output.
+func RepositoryProblem(s string) string {
+	if len(s) > 255 {
+		return "is longer than 255 characters"
+	}
+	if strings.Contains(s, "@") {
+		return fmt.Sprintf("%q holds a digest; give the repository only", truncate(s, 80))
+	}
+	repo, err := name.NewRepository(s, name.StrictValidation)
+	if err != nil {
+		if _, terr := name.NewTag(s, name.StrictValidation); terr == nil {
+			return fmt.Sprintf("%q holds a tag; give the repository only and put tags in tags", truncate(s, 80))
+		}
+		return fmt.Sprintf("%q is not a valid repository: %v", truncate(s, 80), err)
+	}
+	if repo.String() != s && repo.Name() != s {
+		return fmt.Sprintf("%q is not in canonical form", truncate(s, 80))
+	}
+	return ""
+}
+
+func relPathProblem(p string, max int) string {
+	switch {
+	case p == "":
+		return "is required"
+	case len(p) > max:
+		return fmt.Sprintf("is longer than %d characters", max)
+	case strings.HasPrefix(p, "/"):
+		return fmt.Sprintf("%q must be a relative path", truncate(p, 80))
+	case strings.ContainsAny(p, "\x00\r\n\\"):
+		return "holds a control character or a backslash"
+	case path.Clean(p) != p || p == "." || strings.HasPrefix(p, "../") || p == "..":
+		return fmt.Sprintf("%q must be a clean relative path without '..'", truncate(p, 80))
+	}
+	return ""
+}
+
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "…"
+}
+
+func sortedKeys(m map[string]string) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
+}

@@ -1,0 +1,128 @@
+// Command buildq is the one binary of buildq: the worker, the embedded dev
+// stack and the client commands (submit, watch, status, cancel, render).
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
+)
+
+// Exit codes (DESIGN §6).
+const (
+	exitOK      = 0
+	exitFailed  = 1 // the build failed or was canceled, or an operation failed
+	exitInvalid = 2 // invalid input or usage
+)
+
+// exitError carries an exit code through cobra.
+type exitError struct {
+	code int
+	err  error
+}
+
+func (e *exitError) Error() string { return e.err.Error() }
+func (e *exitError) Unwrap() error { return e.err }
+
+func usageErr(format string, args ...any) error {
+	return &exitError{code: exitInvalid, err: fmt.Errorf(format, args...)}
+}
+
+func failed(err error) error { return &exitError{code: exitFailed, err: err} }
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, os.Args[1:])
+	stop()
+	os.Exit(code)
+}
+
+// run executes the command line and returns the process exit code.
+func run(ctx context.Context, args []string) int {
+	root := newRoot()
+	root.SetArgs(args)
+	err := root.ExecuteContext(ctx)
+	if err == nil {
+		return exitOK
+	}
+	var ee *exitError
+	if errors.As(err, &ee) {
+		if ee.err != nil && ee.err.Error() != "" {
+			fmt.Fprintln(root.ErrOrStderr(), "buildq:", ee.err)
+		}
+		return ee.code
+	}
+	// cobra's own errors (unknown flag, bad arg count) are usage errors.
+	fmt.Fprintln(root.ErrOrStderr(), "buildq:", err)
+	return exitInvalid
+}
+
+func newRoot() *cobra.Command {
+	root := &cobra.Command{
+		Use:   "buildq",
+		Short: "Queue-driven container image builds on NATS JetStream and Kubernetes",
+		Long: `buildq builds container images from build requests published on NATS JetStream.
+
+Workers take requests from the shared stream, build each unique source once
+(kaniko Jobs on Kubernetes, or the in-process local executor) and publish one
+result event per request. Run "buildq dev" for the whole stack on a laptop.`,
+		SilenceUsage:  true,
+		SilenceErrors: true,
+	}
+	root.SetFlagErrorFunc(func(c *cobra.Command, err error) error {
+		return usageErr("%v\nRun '%s --help' for usage.", err, c.CommandPath())
+	})
+	root.AddCommand(newWorkerCmd(), newRenderCmd())
+	return root
+}
+
+// bindEnv lets every flag of cmd be set from BUILDQ_<FLAG> (dashes become
+// underscores), unless it was given on the command line. Extra maps flag
+// names to further variables (NATS_URL for --nats-url).
+func bindEnv(cmd *cobra.Command, extra map[string]string) error {
+	var errs []error
+	cmd.Flags().VisitAll(func(f *pflag.Flag) {
+		if f.Changed || f.Name == "help" {
+			return
+		}
+		names := []string{"BUILDQ_" + strings.ToUpper(strings.ReplaceAll(f.Name, "-", "_"))}
+		if e, ok := extra[f.Name]; ok {
+			names = append(names, e)
+		}
+		for _, n := range names {
+			v, ok := os.LookupEnv(n)
+			if !ok {
+				continue
+			}
+			if sv, isSlice := f.Value.(pflag.SliceValue); isSlice {
+				if err := sv.Replace(splitList(v)); err != nil {
+					errs = append(errs, fmt.Errorf("%s: %w", n, err))
+				}
+			} else if err := f.Value.Set(v); err != nil {
+				errs = append(errs, fmt.Errorf("%s=%q: %w", n, v, err))
+			}
+			return
+		}
+	})
+	if err := errors.Join(errs...); err != nil {
+		return usageErr("%v", err)
+	}
+	return nil
+}
+
+func splitList(v string) []string {
+	var out []string
+	for _, s := range strings.Split(v, ",") {
+		if s = strings.TrimSpace(s); s != "" {
+			out = append(out, s)
+		}
+	}
+	return out
+}

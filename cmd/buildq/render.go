@@ -1,0 +1,105 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"strings"
+
+	"github.com/spf13/cobra"
+	"sigs.k8s.io/yaml"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/kaniko"
+	"github.com/buildq/buildq/internal/naming"
+)
+
+func newRenderCmd() *cobra.Command {
+	var (
+		rf     requestFlags
+		kc     kaniko.Config
+		np     naming.Policy
+		output string
+		reqID  string
+	)
+	cmd := &cobra.Command{
+		Use:   "render DIR",
+		Short: "Print the kaniko Job the worker would create for a request",
+		Long: `Print the kaniko Job manifest a worker would create for DIR and the given
+request flags. The context digest is computed locally; nothing is uploaded
+and no cluster is contacted. The output can be piped to kubectl apply
+--dry-run=server to have an API server validate it.
+
+The Job-shaping flags are the worker's (--executor-image, --s3-endpoint, …)
+and read the same BUILDQ_* variables.`,
+		Example: `  buildq render ./examples/static-site --image 127.0.0.1:5000/demo/site \
+      --executor-image ghcr.io/example/kaniko@sha256:<digest> --s3-endpoint http://minio:9000`,
+		Args: exactArgs(1, "DIR"),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if err := bindEnv(cmd, nil); err != nil {
+				return err
+			}
+			if output != "yaml" && output != "json" {
+				return usageErr("-o must be yaml or json, got %q", output)
+			}
+			if kc.ExecutorImage == "" {
+				return usageErr("--executor-image (or BUILDQ_EXECUTOR_IMAGE) is required: the kaniko image, pinned by digest")
+			}
+			req, err := rf.request(args[0])
+			if err != nil {
+				return err
+			}
+			if _, err := rf.digest(cmd.Context(), args[0], req); err != nil {
+				return err
+			}
+			req.RequestID = reqID
+			if err := validate(req); err != nil {
+				return err
+			}
+			if err := np.Validate(); err != nil {
+				return usageErr("%v", err)
+			}
+			repo, err := np.Repository(req)
+			if err != nil {
+				return usageErr("%v (pass --image, or --registry for the naming policy)", err)
+			}
+			kc = kc.Defaults()
+			if err := kc.Validate(); err != nil {
+				return usageErr("%v", err)
+			}
+			key := v1.BuildKey(req, "kaniko@"+kc.ExecutorImage)
+			job, err := kaniko.Job(kaniko.Spec{Request: req, Key: key, Destinations: naming.Destinations(repo, key, req.Tags)}, kc)
+			if err != nil {
+				return failed(err)
+			}
+			var b []byte
+			if output == "json" {
+				b, err = json.MarshalIndent(job, "", "  ")
+				b = append(b, '\n')
+			} else {
+				b, err = yaml.Marshal(job)
+			}
+			if err != nil {
+				return failed(err)
+			}
+			_, err = cmd.OutOrStdout().Write(b)
+			return err
+		},
+	}
+	rf.register(cmd.Flags())
+	registerKaniko(cmd.Flags(), &kc, &np)
+	cmd.Flags().StringVarP(&output, "output", "o", "yaml", "output format: yaml or json")
+	cmd.Flags().StringVar(&reqID, "request-id", "render", "request id recorded in the Job's annotations")
+	return cmd
+}
+
+// exactArgs is cobra.ExactArgs with a usage error that names the argument.
+func exactArgs(n int, names ...string) cobra.PositionalArgs {
+	return func(cmd *cobra.Command, args []string) error {
+		if len(args) != n {
+			return usageErr("%s needs %d argument(s): %s\nRun '%s --help' for usage.", cmd.Name(), n, strings.Join(names, " "), cmd.CommandPath())
+		}
+		return nil
+	}
+}
+
+var _ = fmt.Sprint

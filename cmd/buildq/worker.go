@@ -1,0 +1,249 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/go-logr/zapr"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/klog/v2"
+
+	"github.com/buildq/buildq/internal/kaniko"
+	"github.com/buildq/buildq/internal/kube"
+	"github.com/buildq/buildq/internal/naming"
+	"github.com/buildq/buildq/worker"
+)
+
+// workerFlags configure a worker; `buildq dev` reuses most of them.
+type workerFlags struct {
+	nats       natsFlags
+	id         string
+	inFlight   int
+	ackWait    time.Duration
+	maxDeliver int
+	resultsAge time.Duration
+	lease      time.Duration
+	storage    string
+	replicas   int
+	keepJobs   bool
+
+	kubeconfig string
+	kaniko     kaniko.Config
+	namingPol  naming.Policy
+
+	logLevel  string
+	logFormat string
+}
+
+func (f *workerFlags) register(cmd *cobra.Command) {
+	fs := cmd.Flags()
+	f.nats.register(fs)
+	fs.StringVar(&f.id, "id", "", "worker id in claims, events and logs (default: hostname-pid)")
+	fs.IntVar(&f.inFlight, "max-in-flight", 4, "requests this worker holds at once")
+	fs.DurationVar(&f.ackWait, "ack-wait", 30*time.Second, "AckWait of the shared consumer; heartbeats go every third of it")
+	fs.IntVar(&f.maxDeliver, "max-deliver", 5, "deliveries before a request that keeps failing transiently gets a failed result")
+	fs.DurationVar(&f.resultsAge, "results-max-age", 7*24*time.Hour, "how long result events are kept")
+	fs.DurationVar(&f.lease, "lease", 30*time.Second, "build claim lease; a dead worker's builds are taken over after it")
+	fs.StringVar(&f.storage, "storage", "file", "JetStream storage of streams and the KV bucket: file or memory")
+	fs.IntVar(&f.replicas, "replicas", 1, "JetStream replicas of streams and the KV bucket")
+	fs.BoolVar(&f.keepJobs, "keep-jobs", false, "leave finished Jobs to ttlSecondsAfterFinished instead of deleting them")
+
+	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "kubeconfig file (default: in-cluster, then $KUBECONFIG and ~/.kube/config)")
+	registerKaniko(fs, &f.kaniko, &f.namingPol)
+
+	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn, error")
+	fs.StringVar(&f.logFormat, "log-format", "json", "log format: json or console")
+}
+
+func (f *workerFlags) config(log *zap.Logger) (worker.Config, error) {
+	cfg := worker.Config{
+		ID: f.id, MaxInFlight: f.inFlight, AckWait: f.ackWait, MaxDeliver: f.maxDeliver,
+		ResultsMaxAge: f.resultsAge, Lease: f.lease, Replicas: f.replicas, KeepJobs: f.keepJobs,
+		Naming: f.namingPol, Logger: log,
+	}
+	switch f.storage {
+	case "file":
+		cfg.Storage = jetstream.FileStorage
+	case "memory":
+		cfg.Storage = jetstream.MemoryStorage
+	default:
+		return cfg, usageErr("--storage must be file or memory, got %q", f.storage)
+	}
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return cfg, usageErr("%v", err)
+	}
+	return cfg, nil
+}
+
+// registerKaniko registers the flags that shape Jobs and image names; the
+// worker, dev --kubeconfig and render share them.
+func registerKaniko(fs *pflag.FlagSet, kc *kaniko.Config, np *naming.Policy) {
+	fs.StringVar(&kc.Namespace, "namespace", "default", "namespace of the build Jobs")
+	fs.StringVar(&kc.ExecutorImage, "executor-image", "", "kaniko executor image, pinned by digest (repo@sha256:…)")
+	fs.StringVar(&kc.S3Endpoint, "s3-endpoint", "", "S3 endpoint for kaniko, with scheme (http://minio.minio:9000)")
+	fs.StringVar(&kc.S3Region, "s3-region", "us-east-1", "S3 region (AWS_REGION in the Job)")
+	fs.StringVar(&kc.S3Secret, "s3-secret", "", "Secret with the S3 keys, read by the Job through secretKeyRef")
+	fs.StringVar(&kc.S3AccessKeyField, "s3-access-key-field", "AWS_ACCESS_KEY_ID", "key of the access key in --s3-secret")
+	fs.StringVar(&kc.S3SecretKeyField, "s3-secret-key-field", "AWS_SECRET_ACCESS_KEY", "key of the secret key in --s3-secret")
+	fs.StringVar(&kc.RegistrySecret, "registry-secret", "", "kubernetes.io/dockerconfigjson Secret mounted as kaniko's docker config")
+	fs.StringSliceVar(&kc.InsecureRegistries, "insecure-registry", nil, "registries kaniko pushes to over plain HTTP (development only)")
+	fs.DurationVar(&kc.DefaultTimeout, "default-timeout", 30*time.Minute, "build timeout of requests without one")
+	fs.DurationVar(&kc.MaxTimeout, "max-timeout", 2*time.Hour, "cap on any request's build timeout")
+	fs.Int32Var(&kc.BackoffLimit, "backoff-limit", 2, "pod retries for failures the pod failure policy counts")
+	fs.DurationVar(&kc.TTLAfterFinished, "ttl-after-finished", time.Hour, "ttlSecondsAfterFinished of the Jobs (safety net)")
+	fs.IntVar(&kc.PushRetry, "push-retry", 2, "kaniko --push-retry")
+	fs.StringVar(&kc.CacheRepo, "cache-repo", "", "enable kaniko's layer cache in this repository")
+	fs.StringVar(&kc.ServiceAccountName, "service-account", "", "service account of the build pods")
+
+	fs.StringVar(&np.Registry, "registry", "", "default registry host[:port] for requests that name no image")
+	fs.StringVar(&np.Mode, "naming-mode", naming.ModeProject, "naming policy: project ({registry}/{tenant}/{name}) or flat ({registry}/{prefix}{tenant}-{name})")
+	fs.StringVar(&np.Project, "naming-project", "", "project mode: a fixed project instead of the tenant")
+	fs.StringVar(&np.Prefix, "naming-prefix", "", "flat mode: prefix before the tenant")
+
+}
+
+// newLogger builds the zap logger and routes client-go's klog into it.
+func newLogger(level, format string) (*zap.Logger, error) {
+	lvl, err := zapcore.ParseLevel(level)
+	if err != nil {
+		return nil, usageErr("--log-level: %v", err)
+	}
+	var zc zap.Config
+	switch format {
+	case "json":
+		zc = zap.NewProductionConfig()
+	case "console":
+		zc = zap.NewDevelopmentConfig()
+		zc.DisableStacktrace = true
+	default:
+		return nil, usageErr("--log-format must be json or console, got %q", format)
+	}
+	zc.Level = zap.NewAtomicLevelAt(lvl)
+	log, err := zc.Build()
+	if err != nil {
+		return nil, err
+	}
+	klog.SetLogger(zapr.NewLogger(log.Named("client-go")))
+	return log, nil
+}
+
+func newWorkerCmd() *cobra.Command {
+	var f workerFlags
+	cmd := &cobra.Command{
+		Use:   "worker",
+		Short: "Run a production worker: take requests, launch kaniko Jobs, publish results",
+		Long: `Run a buildq worker against a NATS JetStream server and a Kubernetes cluster.
+
+Any number of workers share the "buildq-workers" consumer. Each creates or
+updates the streams, the consumer and the KV bucket at start, takes as many
+requests as it has free slots, builds every unique build key once as a kaniko
+Job, watches Jobs and Pods through informers, and publishes one result per
+request before acking it. SIGTERM hands held requests back at once.
+
+Every flag can also be set as BUILDQ_<FLAG> (e.g. BUILDQ_EXECUTOR_IMAGE);
+--nats-url also reads NATS_URL.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := bindEnv(cmd, natsEnv); err != nil {
+				return err
+			}
+			return runWorker(cmd.Context(), &f)
+		},
+	}
+	f.register(cmd)
+	return cmd
+}
+
+func runWorker(ctx context.Context, f *workerFlags) error {
+	log, err := newLogger(f.logLevel, f.logFormat)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = log.Sync() }()
+	cfg, err := f.config(log)
+	if err != nil {
+		return err
+	}
+	if f.kaniko.ExecutorImage == "" {
+		return usageErr("--executor-image is required: a kaniko executor image pinned by digest (repo@sha256:…)")
+	}
+	if !strings.Contains(f.kaniko.ExecutorImage, "@sha256:") {
+		return usageErr("--executor-image %q is not pinned by digest: use repo@sha256:…", f.kaniko.ExecutorImage)
+	}
+	backend, stopKube, err := kubeBackend(ctx, f.kubeconfig, f.kaniko, log)
+	if err != nil {
+		return err
+	}
+	defer stopKube()
+
+	f.nats.name = "buildq-worker " + cfg.ID
+	nc, err := f.nats.connect(nats.MaxReconnects(-1))
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	w, err := worker.New(nc, backend, cfg)
+	if err != nil {
+		return usageErr("%v", err)
+	}
+	if err := w.Run(ctx); err != nil {
+		return failed(err)
+	}
+	return nil
+}
+
+// kubeBackend connects to the cluster, starts the label-filtered informers
+// and waits for their caches.
+func kubeBackend(ctx context.Context, kubeconfig string, kc kaniko.Config, log *zap.Logger) (*worker.KubeBackend, func(), error) {
+	rc, err := restConfig(kubeconfig)
+	if err != nil {
+		return nil, nil, failed(fmt.Errorf("kubernetes config: %w", err))
+	}
+	rc.UserAgent = "buildq-worker"
+	client, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return nil, nil, failed(fmt.Errorf("kubernetes client: %w", err))
+	}
+	factory := kube.NewInformerFactory(client, kc.Namespace)
+	watcher, err := kube.NewWatcher(factory, nil)
+	if err != nil {
+		return nil, nil, failed(err)
+	}
+	backend, err := worker.NewKubeBackend(client, watcher, kc)
+	if err != nil {
+		return nil, nil, usageErr("%v", err)
+	}
+	stop := make(chan struct{})
+	factory.Start(stop)
+	log.Info("waiting for the Job and Pod caches", zap.String("namespace", kc.Namespace))
+	sctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer cancel()
+	if !watcher.WaitForSync(sctx) {
+		close(stop)
+		factory.Shutdown()
+		return nil, nil, failed(fmt.Errorf("the Job and Pod informers of namespace %s did not sync: check the cluster and the worker's RBAC (list/watch jobs and pods)", kc.Namespace))
+	}
+	return backend, func() { close(stop); factory.Shutdown() }, nil
+}
+
+func restConfig(kubeconfig string) (*rest.Config, error) {
+	if kubeconfig != "" {
+		return clientcmd.BuildConfigFromFlags("", kubeconfig)
+	}
+	if rc, err := rest.InClusterConfig(); err == nil {
+		return rc, nil
+	}
+	rules := clientcmd.NewDefaultClientConfigLoadingRules()
+	return clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{}).ClientConfig()
+}

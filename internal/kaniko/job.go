@@ -1,0 +1,385 @@
+// Package kaniko turns a build request into the kaniko Job that runs it
+// (DESIGN §5). It is a pure function of the request and the worker's
+// configuration: no client calls, so the manifest can be rendered offline
+// (`buildq render`) and golden-tested.
+package kaniko
+
+import (
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"time"
+
+	batchv1 "k8s.io/api/batch/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	v1 "github.com/buildq/buildq/api/v1"
+)
+
+// Labels and annotations buildq puts on its Jobs and their Pods.
+const (
+	LabelManagedBy = "app.kubernetes.io/managed-by"
+	ManagedByValue = "buildq"
+	LabelKey       = "buildq.dev/key"
+	LabelTenant    = "buildq.dev/tenant"
+	LabelName      = "buildq.dev/name"
+
+	AnnotationKey           = "buildq.dev/key"
+	AnnotationRequestID     = "buildq.dev/request-id"
+	AnnotationImage         = "buildq.dev/image"
+	AnnotationContextDigest = "buildq.dev/context-digest"
+	AnnotationSource        = "buildq.dev/source"
+
+	// ContainerName is the name of the kaniko container.
+	ContainerName = "kaniko"
+	// DockerConfigDir is where kaniko reads registry credentials.
+	DockerConfigDir = "/kaniko/.docker"
+	// TerminationLog is where kaniko writes the pushed digest.
+	TerminationLog = "/dev/termination-log"
+
+	// KeyPrefixLen is how many hex digits of the build key go into Job names
+	// and labels: 128 bits, far from any collision, and short enough for
+	// the 63-character limits.
+	KeyPrefixLen = 32
+)
+
+// ManagedBySelector selects every object buildq manages.
+const ManagedBySelector = LabelManagedBy + "=" + ManagedByValue
+
+// Config is the part of the worker's configuration that shapes Jobs.
+type Config struct {
+	// Namespace the Jobs are created in.
+	Namespace string
+	// ExecutorImage is the kaniko executor image, pinned by digest.
+	ExecutorImage string
+	// S3Endpoint is the S3 endpoint with scheme (http://minio:9000).
+	S3Endpoint string
+	// S3Region is passed as AWS_REGION (default us-east-1).
+	S3Region string
+	// S3Secret names the Secret that holds the S3 keys, read through
+	// secretKeyRef only; S3AccessKeyField and S3SecretKeyField are its keys
+	// (default AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY).
+	S3Secret         string
+	S3AccessKeyField string
+	S3SecretKeyField string
+	// RegistrySecret names a kubernetes.io/dockerconfigjson Secret mounted
+	// as kaniko's docker config. Empty: anonymous push.
+	RegistrySecret string
+	// InsecureRegistries are pushed to over plain HTTP (kaniko
+	// --insecure-registry); for development registries only.
+	InsecureRegistries []string
+	// DefaultTimeout applies to requests without a timeout (default 30m);
+	// MaxTimeout caps every request (default 2h).
+	DefaultTimeout time.Duration
+	MaxTimeout     time.Duration
+	// BackoffLimit is the Job's retry budget for pod failures that the pod
+	// failure policy counts (default 2).
+	BackoffLimit int32
+	// TTLAfterFinished is the safety-net ttlSecondsAfterFinished (default
+	// 1h); the worker deletes finished Jobs itself.
+	TTLAfterFinished time.Duration
+	// PushRetry is kaniko's --push-retry (default 2).
+	PushRetry int
+	// CacheRepo enables kaniko's layer cache in that repository.
+	CacheRepo string
+	// Resources of the kaniko container.
+	Resources corev1.ResourceRequirements
+	// Template fields copied into the pod spec.
+	NodeSelector       map[string]string
+	Tolerations        []corev1.Toleration
+	PriorityClassName  string
+	ServiceAccountName string
+	ImagePullSecrets   []string
+}
+
+// Defaults fills unset fields with their documented defaults.
+func (c Config) Defaults() Config {
+	if c.Namespace == "" {
+		c.Namespace = "default"
+	}
+	if c.S3Region == "" {
+		c.S3Region = "us-east-1"
+	}
+	if c.S3AccessKeyField == "" {
+		c.S3AccessKeyField = "AWS_ACCESS_KEY_ID"
+	}
+	if c.S3SecretKeyField == "" {
+		c.S3SecretKeyField = "AWS_SECRET_ACCESS_KEY"
+	}
+	if c.DefaultTimeout == 0 {
+		c.DefaultTimeout = 30 * time.Minute
+	}
+	if c.MaxTimeout == 0 {
+		c.MaxTimeout = 2 * time.Hour
+	}
+	if c.BackoffLimit == 0 {
+		c.BackoffLimit = 2
+	}
+	if c.TTLAfterFinished == 0 {
+		c.TTLAfterFinished = time.Hour
+	}
+	if c.PushRetry == 0 {
+		c.PushRetry = 2
+	}
+	return c
+}
+
+// Validate reports configuration that would produce unusable Jobs.
+func (c Config) Validate() error {
+	var errs []error
+	if c.ExecutorImage == "" {
+		errs = append(errs, errors.New("executor image is required"))
+	}
+	if c.S3Endpoint != "" && !strings.Contains(c.S3Endpoint, "://") {
+		errs = append(errs, fmt.Errorf("S3 endpoint %q needs a scheme (http:// or https://)", c.S3Endpoint))
+	}
+	if c.MaxTimeout > 0 && c.DefaultTimeout > c.MaxTimeout {
+		errs = append(errs, fmt.Errorf("default timeout %s exceeds the maximum %s", c.DefaultTimeout, c.MaxTimeout))
+	}
+	return errors.Join(errs...)
+}
+
+// Spec is one build: the request that started it, its key and where the
+// image goes.
+type Spec struct {
+	Request *v1.Request
+	Key     string
+	// Destinations are full references (repo:tag); the first is the
+	// primary one.
+	Destinations []string
+}
+
+// JobName is the deterministic Job name for a build key: every worker that
+// sees the key computes the same name, so a second create gets
+// AlreadyExists and adopts the first Job.
+func JobName(key string) string {
+	if len(key) > KeyPrefixLen {
+		key = key[:KeyPrefixLen]
+	}
+	return "buildq-" + key
+}
+
+// KeyLabel is the label value of a build key.
+func KeyLabel(key string) string {
+	if len(key) > KeyPrefixLen {
+		return key[:KeyPrefixLen]
+	}
+	return key
+}
+
+// Timeout is the build deadline for a request under cfg: the request's
+// timeout or the default, capped at the maximum.
+func Timeout(r *v1.Request, cfg Config) time.Duration {
+	t := r.Timeout.Duration
+	if t == 0 {
+		t = cfg.DefaultTimeout
+	}
+	if cfg.MaxTimeout > 0 && t > cfg.MaxTimeout {
+		t = cfg.MaxTimeout
+	}
+	return t
+}
+
+// Job builds the kaniko Job for spec. cfg should have had Defaults applied.
+func Job(spec Spec, cfg Config) (*batchv1.Job, error) {
+	r := spec.Request
+	if r == nil || spec.Key == "" || len(spec.Destinations) == 0 {
+		return nil, errors.New("kaniko job: request, key and destination are required")
+	}
+	labels := map[string]string{
+		LabelManagedBy: ManagedByValue,
+		LabelKey:       KeyLabel(spec.Key),
+		LabelTenant:    r.Tenant,
+		LabelName:      r.Name,
+	}
+	annotations := map[string]string{
+		AnnotationKey:       spec.Key,
+		AnnotationRequestID: r.RequestID,
+		AnnotationImage:     spec.Destinations[0],
+	}
+	if r.ContextDigest != "" {
+		annotations[AnnotationContextDigest] = r.ContextDigest
+	}
+
+	args, err := Args(spec, cfg)
+	if err != nil {
+		return nil, err
+	}
+	env := []corev1.EnvVar{}
+	if r.Source.S3 != nil {
+		env = append(env,
+			corev1.EnvVar{Name: "S3_ENDPOINT", Value: cfg.S3Endpoint},
+			corev1.EnvVar{Name: "S3_FORCE_PATH_STYLE", Value: "true"},
+			corev1.EnvVar{Name: "AWS_REGION", Value: cfg.S3Region},
+		)
+		if cfg.S3Secret != "" {
+			env = append(env,
+				secretEnv("AWS_ACCESS_KEY_ID", cfg.S3Secret, cfg.S3AccessKeyField),
+				secretEnv("AWS_SECRET_ACCESS_KEY", cfg.S3Secret, cfg.S3SecretKeyField),
+			)
+		}
+	}
+	env = append(env, corev1.EnvVar{Name: "DOCKER_CONFIG", Value: DockerConfigDir})
+
+	var volumes []corev1.Volume
+	var mounts []corev1.VolumeMount
+	if cfg.RegistrySecret != "" {
+		volumes = append(volumes, corev1.Volume{
+			Name: "docker-config",
+			VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{
+				SecretName: cfg.RegistrySecret,
+				Items:      []corev1.KeyToPath{{Key: corev1.DockerConfigJsonKey, Path: "config.json"}},
+			}},
+		})
+		mounts = append(mounts, corev1.VolumeMount{Name: "docker-config", MountPath: DockerConfigDir, ReadOnly: true})
+	}
+
+	deadline := int64(Timeout(r, cfg) / time.Second)
+	ttl := int32(cfg.TTLAfterFinished / time.Second)
+	backoff := cfg.BackoffLimit
+	var pullSecrets []corev1.LocalObjectReference
+	for _, s := range cfg.ImagePullSecrets {
+		pullSecrets = append(pullSecrets, corev1.LocalObjectReference{Name: s})
+	}
+
+	nodeSelector := maps.Clone(cfg.NodeSelector)
+	if len(r.Platforms) == 1 {
+		// kaniko builds for --custom-platform without emulation: run it on
+		// a node of that platform.
+		parts := strings.Split(r.Platforms[0], "/")
+		if nodeSelector == nil {
+			nodeSelector = map[string]string{}
+		}
+		nodeSelector[corev1.LabelOSStable] = parts[0]
+		nodeSelector[corev1.LabelArchStable] = parts[1]
+	}
+
+	job := &batchv1.Job{
+		TypeMeta: metav1.TypeMeta{APIVersion: "batch/v1", Kind: "Job"},
+		ObjectMeta: metav1.ObjectMeta{
+			Name:        JobName(spec.Key),
+			Namespace:   cfg.Namespace,
+			Labels:      labels,
+			Annotations: annotations,
+		},
+		Spec: batchv1.JobSpec{
+			BackoffLimit:            &backoff,
+			ActiveDeadlineSeconds:   &deadline,
+			TTLSecondsAfterFinished: &ttl,
+			PodFailurePolicy: &batchv1.PodFailurePolicy{Rules: []batchv1.PodFailurePolicyRule{
+				// kaniko exits 1 on a Dockerfile, build or push error:
+				// retrying cannot help, so fail the Job at once.
+				{
+					Action: batchv1.PodFailurePolicyActionFailJob,
+					OnExitCodes: &batchv1.PodFailurePolicyOnExitCodesRequirement{
+						ContainerName: ptr(ContainerName),
+						Operator:      batchv1.PodFailurePolicyOnExitCodesOpIn,
+						Values:        []int32{1},
+					},
+				},
+				// A node drain or preemption is not the build's fault:
+				// retry without counting it against the backoff limit.
+				{
+					Action: batchv1.PodFailurePolicyActionIgnore,
+					OnPodConditions: []batchv1.PodFailurePolicyOnPodConditionsPattern{
+						{Type: corev1.DisruptionTarget, Status: corev1.ConditionTrue},
+					},
+				},
+			}},
+			Template: corev1.PodTemplateSpec{
+				ObjectMeta: metav1.ObjectMeta{Labels: maps.Clone(labels), Annotations: map[string]string{AnnotationKey: spec.Key}},
+				Spec: corev1.PodSpec{
+					RestartPolicy:                 corev1.RestartPolicyNever,
+					AutomountServiceAccountToken:  ptr(false),
+					EnableServiceLinks:            ptr(false),
+					ServiceAccountName:            cfg.ServiceAccountName,
+					PriorityClassName:             cfg.PriorityClassName,
+					NodeSelector:                  nodeSelector,
+					Tolerations:                   slices.Clone(cfg.Tolerations),
+					ImagePullSecrets:              pullSecrets,
+					TerminationGracePeriodSeconds: ptr(int64(10)),
+					SecurityContext: &corev1.PodSecurityContext{
+						SeccompProfile: &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeRuntimeDefault},
+					},
+					Containers: []corev1.Container{{
+						Name:                     ContainerName,
+						Image:                    cfg.ExecutorImage,
+						Args:                     args,
+						Env:                      env,
+						VolumeMounts:             mounts,
+						Resources:                cfg.Resources,
+						TerminationMessagePath:   TerminationLog,
+						TerminationMessagePolicy: corev1.TerminationMessageFallbackToLogsOnError,
+						ImagePullPolicy:          corev1.PullIfNotPresent,
+						SecurityContext: &corev1.SecurityContext{
+							// kaniko unpacks images as root inside its own
+							// container; it needs no privilege escalation.
+							AllowPrivilegeEscalation: ptr(false),
+							Capabilities: &corev1.Capabilities{
+								Drop: []corev1.Capability{"ALL"},
+								Add:  []corev1.Capability{"CHOWN", "DAC_OVERRIDE", "FOWNER", "SETUID", "SETGID"},
+							},
+						},
+					}},
+					Volumes: volumes,
+				},
+			},
+		},
+	}
+	return job, nil
+}
+
+// Args are the kaniko executor arguments for spec, in a stable order.
+func Args(spec Spec, cfg Config) ([]string, error) {
+	r := spec.Request
+	var args []string
+	switch {
+	case r.Source.S3 != nil:
+		args = append(args, "--context=s3://"+r.Source.S3.Bucket+"/"+r.Source.S3.Key)
+	case r.Source.Git != nil:
+		u := r.Source.Git.URL
+		u = strings.TrimPrefix(u, "https://")
+		args = append(args, "--context=git://"+u+"#"+r.Source.Git.Commit)
+		if r.Source.Git.SubPath != "" {
+			args = append(args, "--context-sub-path="+r.Source.Git.SubPath)
+		}
+	default:
+		return nil, errors.New("kaniko job: request has no source")
+	}
+	args = append(args, "--dockerfile="+r.DockerfileOrDefault())
+	for _, d := range spec.Destinations {
+		args = append(args, "--destination="+d)
+	}
+	args = append(args, "--digest-file="+TerminationLog)
+	for _, k := range slices.Sorted(maps.Keys(r.BuildArgs)) {
+		args = append(args, "--build-arg="+k+"="+r.BuildArgs[k])
+	}
+	if r.Target != "" {
+		args = append(args, "--target="+r.Target)
+	}
+	for _, k := range slices.Sorted(maps.Keys(r.Labels)) {
+		args = append(args, "--label="+k+"="+r.Labels[k])
+	}
+	if len(r.Platforms) == 1 {
+		args = append(args, "--custom-platform="+r.Platforms[0])
+	}
+	if cfg.CacheRepo != "" {
+		args = append(args, "--cache=true", "--cache-repo="+cfg.CacheRepo)
+	}
+	for _, reg := range cfg.InsecureRegistries {
+		args = append(args, "--insecure-registry="+reg)
+	}
+	args = append(args, fmt.Sprintf("--push-retry=%d", cfg.PushRetry), "--reproducible")
+	return args, nil
+}
+
+func secretEnv(name, secret, key string) corev1.EnvVar {
+	return corev1.EnvVar{Name: name, ValueFrom: &corev1.EnvVarSource{
+		SecretKeyRef: &corev1.SecretKeySelector{LocalObjectReference: corev1.LocalObjectReference{Name: secret}, Key: key},
+	}}
+}
+
+func ptr[T any](v T) *T { return &v }

@@ -1,0 +1,178 @@
+package kaniko
+
+import (
+	"flag"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	"sigs.k8s.io/yaml"
+
+	v1 "github.com/buildq/buildq/api/v1"
+)
+
+var update = flag.Bool("update", false, "rewrite the golden files")
+
+var baseConfig = Config{
+	Namespace:          "builds",
+	ExecutorImage:      "ghcr.io/example/kaniko-executor@sha256:" + strings.Repeat("1", 64),
+	S3Endpoint:         "http://minio.minio:9000",
+	S3Secret:           "buildq-s3",
+	RegistrySecret:     "buildq-registry",
+	InsecureRegistries: nil,
+}
+
+func s3Request() *v1.Request {
+	d := strings.Repeat("a", 64)
+	return &v1.Request{
+		APIVersion: v1.APIVersion, RequestID: "req-1", Tenant: "acme", Name: "web",
+		Source:        v1.Source{S3: &v1.S3Source{Bucket: "buildq", Key: "contexts/sha256/" + d + ".tar.gz"}},
+		ContextDigest: "sha256:" + d,
+	}
+}
+
+func TestJobGolden(t *testing.T) {
+	t.Parallel()
+	key := strings.Repeat("0123456789abcdef", 4)
+	cases := []struct {
+		name string
+		req  func() *v1.Request
+		cfg  func(c Config) Config
+		dest []string
+	}{
+		{
+			name: "s3-minimal",
+			req:  s3Request,
+			dest: []string{"registry.example.com/acme/web:0123456789ab"},
+		},
+		{
+			name: "s3-all-options",
+			req: func() *v1.Request {
+				r := s3Request()
+				r.Dockerfile = "build/Dockerfile.prod"
+				r.BuildArgs = map[string]string{"VERSION": "1.2.3", "A_FIRST": "x"}
+				r.Target = "runtime"
+				r.Platforms = []string{"linux/arm64"}
+				r.Labels = map[string]string{"team": "platform"}
+				r.Timeout = v1.Duration{Duration: 5 * time.Hour}
+				return r
+			},
+			cfg: func(c Config) Config {
+				c.CacheRepo = "registry.example.com/cache"
+				c.InsecureRegistries = []string{"registry.dev:5000"}
+				c.NodeSelector = map[string]string{"kubernetes.io/arch": "arm64"}
+				c.Tolerations = []corev1.Toleration{{Key: "builds", Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoSchedule}}
+				c.PriorityClassName = "batch-low"
+				c.ServiceAccountName = "buildq-builder"
+				c.ImagePullSecrets = []string{"ghcr-pull"}
+				c.Resources = corev1.ResourceRequirements{
+					Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("500m"), corev1.ResourceMemory: resource.MustParse("1Gi")},
+					Limits:   corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("4Gi")},
+				}
+				return c
+			},
+			dest: []string{"registry.example.com/acme/web:0123456789ab", "registry.example.com/acme/web:v1"},
+		},
+		{
+			name: "git",
+			req: func() *v1.Request {
+				r := s3Request()
+				r.Source = v1.Source{Git: &v1.GitSource{URL: "https://github.com/acme/web.git", Commit: strings.Repeat("c", 40), SubPath: "services/api"}}
+				r.ContextDigest = ""
+				return r
+			},
+			dest: []string{"registry.example.com/acme/web:0123456789ab"},
+		},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			cfg := baseConfig
+			if c.cfg != nil {
+				cfg = c.cfg(cfg)
+			}
+			job, err := Job(Spec{Request: c.req(), Key: key, Destinations: c.dest}, cfg.Defaults())
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := yaml.Marshal(job)
+			if err != nil {
+				t.Fatal(err)
+			}
+			path := filepath.Join("testdata", c.name+".golden.yaml")
+			if *update {
+				if err := os.WriteFile(path, got, 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			want, err := os.ReadFile(path)
+			if err != nil {
+				t.Fatalf("%v (run go test ./internal/kaniko -update to create it)", err)
+			}
+			if string(got) != string(want) {
+				t.Errorf("job differs from %s (go test ./internal/kaniko -update rewrites it):\n%s", path, got)
+			}
+		})
+	}
+}
+
+func TestJobContract(t *testing.T) {
+	t.Parallel()
+	key := strings.Repeat("f", 64)
+	r := s3Request()
+	r.Timeout = v1.Duration{Duration: 5 * time.Hour}
+	job, err := Job(Spec{Request: r, Key: key, Destinations: []string{"r.example.com/a/b:ffffffffffff"}}, baseConfig.Defaults())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(job.Name) > 63 || job.Name != "buildq-"+key[:32] {
+		t.Errorf("name %q", job.Name)
+	}
+	for k, v := range job.Labels {
+		if len(v) > 63 {
+			t.Errorf("label %s=%q longer than 63", k, v)
+		}
+	}
+	if job.Annotations[AnnotationKey] != key || job.Annotations[AnnotationRequestID] != "req-1" {
+		t.Errorf("annotations %v", job.Annotations)
+	}
+	if got := *job.Spec.ActiveDeadlineSeconds; got != int64((2 * time.Hour).Seconds()) {
+		t.Errorf("activeDeadlineSeconds %d: the request's 5h must be capped at the 2h maximum", got)
+	}
+	pod := job.Spec.Template.Spec
+	if pod.RestartPolicy != corev1.RestartPolicyNever || pod.AutomountServiceAccountToken == nil || *pod.AutomountServiceAccountToken {
+		t.Error("pod must not restart and must not mount a service account token")
+	}
+	if pod.SecurityContext.SeccompProfile.Type != corev1.SeccompProfileTypeRuntimeDefault {
+		t.Error("seccomp RuntimeDefault missing")
+	}
+	if !slices.Equal(pod.Containers[0].Args[:1], []string{"--context=s3://buildq/" + r.Source.S3.Key}) {
+		t.Errorf("args %q", pod.Containers[0].Args)
+	}
+	for _, e := range pod.Containers[0].Env {
+		if strings.HasPrefix(e.Name, "AWS_") && e.Name != "AWS_REGION" && (e.Value != "" || e.ValueFrom == nil || e.ValueFrom.SecretKeyRef == nil) {
+			t.Errorf("credential %s must come from a secretKeyRef only", e.Name)
+		}
+	}
+	if job.Spec.Template.Labels[LabelManagedBy] != ManagedByValue {
+		t.Error("pods must carry the managed-by label the informer filters on")
+	}
+}
+
+func TestJobRefusesIncompleteSpec(t *testing.T) {
+	t.Parallel()
+	if _, err := Job(Spec{Request: s3Request(), Key: "k"}, baseConfig.Defaults()); err == nil {
+		t.Error("no destination accepted")
+	}
+	if err := (Config{}).Validate(); err == nil {
+		t.Error("empty config accepted")
+	}
+	if err := (Config{ExecutorImage: "x", S3Endpoint: "minio:9000"}).Validate(); err == nil {
+		t.Error("endpoint without scheme accepted")
+	}
+}

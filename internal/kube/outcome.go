@@ -1,0 +1,158 @@
+package kube
+
+import (
+	"regexp"
+	"sort"
+	"strings"
+	"time"
+
+	batchv1 "k8s.io/api/batch/v1"
+	corev1 "k8s.io/api/core/v1"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/kaniko"
+)
+
+// MaxLogTail bounds the log tail carried in a result.
+const MaxLogTail = 4096
+
+var digestRe = regexp.MustCompile(`sha256:[a-f0-9]{64}`)
+
+// Outcome is what a finished Job says about its build.
+type Outcome struct {
+	Done       bool
+	Succeeded  bool
+	Digest     string
+	Reason     string
+	Message    string
+	LogTail    string
+	StartedAt  time.Time
+	FinishedAt time.Time
+	// NeedLogs is set for a failure whose pod left no termination message:
+	// the caller may read the tail from pods/log (LogPod names the pod).
+	NeedLogs bool
+	LogPod   string
+	// Pending is set for a success whose digest is not in the pod cache
+	// (yet): wait for the next pod event.
+	Pending bool
+}
+
+// JobOutcome reads the outcome of a Job from the Job and its Pods. It is a
+// pure function of cached objects, so it is safe to call on every event.
+func JobOutcome(job *batchv1.Job, pods []*corev1.Pod) Outcome {
+	done, ok := Finished(job)
+	if !done {
+		return Outcome{}
+	}
+	out := Outcome{Done: true, Succeeded: ok}
+	if job.Status.StartTime != nil {
+		out.StartedAt = job.Status.StartTime.Time
+	}
+	if job.Status.CompletionTime != nil {
+		out.FinishedAt = job.Status.CompletionTime.Time
+	}
+	for _, c := range job.Status.Conditions {
+		if c.Status == corev1.ConditionTrue && out.FinishedAt.IsZero() &&
+			(c.Type == batchv1.JobComplete || c.Type == batchv1.JobFailed || c.Type == batchv1.JobSuccessCriteriaMet || c.Type == batchv1.JobFailureTarget) {
+			out.FinishedAt = c.LastTransitionTime.Time
+		}
+	}
+	// Newest pods first: the last attempt decides.
+	sorted := append([]*corev1.Pod(nil), pods...)
+	sort.SliceStable(sorted, func(i, j int) bool {
+		return sorted[j].CreationTimestamp.Before(&sorted[i].CreationTimestamp)
+	})
+
+	if ok {
+		for _, p := range sorted {
+			if t := kanikoTerminated(p); t != nil && t.ExitCode == 0 {
+				if d := digestRe.FindString(t.Message); d != "" {
+					out.Digest = d
+					return out
+				}
+			}
+		}
+		// The Job and Pod informers are separate streams: the Job's
+		// completion can arrive before its Pod's final status. Wait for it;
+		// the caller bounds the wait for Pods that are gone for good.
+		out.Pending = true
+		return out
+	}
+
+	var cond *batchv1.JobCondition
+	for i := range job.Status.Conditions {
+		c := &job.Status.Conditions[i]
+		if c.Status == corev1.ConditionTrue && (c.Type == batchv1.JobFailed || c.Type == batchv1.JobFailureTarget) {
+			cond = c
+			break
+		}
+	}
+	out.Reason = v1.ReasonBuildFailed
+	if cond != nil {
+		out.Message = strings.TrimSpace(cond.Reason + ": " + cond.Message)
+		if cond.Reason == batchv1.JobReasonDeadlineExceeded {
+			out.Reason = v1.ReasonDeadlineExceeded
+		}
+	}
+	for _, p := range sorted {
+		t := kanikoTerminated(p)
+		if t == nil || t.ExitCode == 0 {
+			continue
+		}
+		out.LogPod = p.Name
+		out.LogTail = Tail(t.Message, MaxLogTail)
+		if t.Reason == "OOMKilled" {
+			out.Message = "the build ran out of memory (OOMKilled); raise the executor's memory limit"
+		}
+		break
+	}
+	if out.LogTail == "" {
+		out.NeedLogs = out.LogPod != "" || len(sorted) > 0
+		if out.LogPod == "" && len(sorted) > 0 {
+			out.LogPod = sorted[0].Name
+		}
+	}
+	if out.Reason == v1.ReasonBuildFailed {
+		out.Reason = ClassifyLog(out.LogTail)
+	}
+	return out
+}
+
+// ClassifyLog picks a reason from the executor's log tail. kaniko reports
+// everything through its log and exit code 1, so its wording is the only
+// signal there is.
+func ClassifyLog(tail string) string {
+	l := strings.ToLower(tail)
+	switch {
+	case strings.Contains(l, "error pushing image"), strings.Contains(l, "failed to push"),
+		strings.Contains(l, "push access denied"), strings.Contains(l, "checking push permissions"),
+		strings.Contains(l, "unauthorized"):
+		return v1.ReasonPushFailed
+	case strings.Contains(l, "nosuchkey"), strings.Contains(l, "failed to get context"),
+		strings.Contains(l, "error retrieving context"), strings.Contains(l, "context missing"):
+		return v1.ReasonContextMissing
+	}
+	return v1.ReasonBuildFailed
+}
+
+func kanikoTerminated(p *corev1.Pod) *corev1.ContainerStateTerminated {
+	for _, cs := range p.Status.ContainerStatuses {
+		if cs.Name == kaniko.ContainerName && cs.State.Terminated != nil {
+			return cs.State.Terminated
+		}
+	}
+	return nil
+}
+
+// Tail keeps the last n bytes of s, cut at a line boundary where possible.
+func Tail(s string, n int) string {
+	s = strings.TrimRight(s, "\n")
+	if len(s) <= n {
+		return s
+	}
+	s = s[len(s)-n:]
+	if i := strings.IndexByte(s, '\n'); i >= 0 && i < len(s)-1 {
+		s = s[i+1:]
+	}
+	return s
+}

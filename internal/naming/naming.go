@@ -1,0 +1,91 @@
+// Package naming decides where a build's image is pushed when the request
+// names no repository (DESIGN §5).
+package naming
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/google/go-containerregistry/pkg/name"
+
+	v1 "github.com/buildq/buildq/api/v1"
+)
+
+// Modes of the naming policy.
+const (
+	// ModeProject: {registry}/{project}/{name}; the project is the tenant
+	// unless Project is set (Harbor, GHCR, GCR).
+	ModeProject = "project"
+	// ModeFlat: {registry}/{prefix}{tenant}-{name} (Docker Hub style, one
+	// namespace for everyone).
+	ModeFlat = "flat"
+)
+
+// Policy is the naming policy.
+type Policy struct {
+	// Registry host[:port]; empty means requests must name their image.
+	Registry string
+	// Mode is ModeProject (default) or ModeFlat.
+	Mode string
+	// Project, in project mode, replaces the tenant as the project.
+	Project string
+	// Prefix, in flat mode, goes before the tenant (e.g. an organisation
+	// "acme/" on Docker Hub).
+	Prefix string
+}
+
+// ErrNoRepository is returned for a request without image when no registry
+// is configured.
+var ErrNoRepository = errors.New("the request names no image and the worker has no default registry")
+
+// Validate checks the policy.
+func (p Policy) Validate() error {
+	switch p.Mode {
+	case "", ModeProject, ModeFlat:
+	default:
+		return fmt.Errorf("naming mode must be %q or %q, got %q", ModeProject, ModeFlat, p.Mode)
+	}
+	if p.Registry != "" {
+		if _, err := name.NewRegistry(p.Registry, name.StrictValidation); err != nil {
+			return fmt.Errorf("naming registry %q: %w", p.Registry, err)
+		}
+	}
+	return nil
+}
+
+// Repository returns the repository a request's image goes to.
+func (p Policy) Repository(r *v1.Request) (string, error) {
+	if r.Image != "" {
+		return r.Image, nil
+	}
+	if p.Registry == "" {
+		return "", ErrNoRepository
+	}
+	var repo string
+	switch p.Mode {
+	case ModeFlat:
+		repo = p.Registry + "/" + p.Prefix + r.Tenant + "-" + r.Name
+	default:
+		project := p.Project
+		if project == "" {
+			project = r.Tenant
+		}
+		repo = p.Registry + "/" + project + "/" + r.Name
+	}
+	if msg := v1.RepositoryProblem(repo); msg != "" {
+		return "", fmt.Errorf("naming policy produced an invalid repository: %s", msg)
+	}
+	return repo, nil
+}
+
+// Destinations are the full references a build pushes: the key's default
+// tag first, then the request's tags.
+func Destinations(repo, key string, tags []string) []string {
+	out := []string{repo + ":" + v1.DefaultTag(key)}
+	for _, t := range tags {
+		if t != v1.DefaultTag(key) {
+			out = append(out, repo+":"+t)
+		}
+	}
+	return out
+}

@@ -1,0 +1,260 @@
+package worker
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
+
+	v1 "github.com/buildq/buildq/api/v1"
+)
+
+// errLostClaim cancels a build whose claim another worker took over.
+var errLostClaim = errors.New("build claim taken over by another worker")
+
+// build gets the final record for key: from the index (cache), by joining
+// the build in flight, or by claiming the key and running the build.
+// owned is true when this request ran (or adopted) the build and so cleans
+// up after it.
+func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, dests []string) (rec *Record, origin v1.Origin, owned bool, err error) {
+	for {
+		if err := ctx.Err(); err != nil {
+			return nil, "", false, err
+		}
+		cur, rev, err := w.claims.get(ctx, key)
+		if err != nil {
+			return nil, "", false, Transient(err)
+		}
+		now := w.cfg.Now()
+		switch {
+		case cur == nil:
+			claim := w.newClaim(req, key, repo)
+			rev, ok, err := w.claims.create(ctx, claim)
+			if err != nil {
+				return nil, "", false, Transient(err)
+			}
+			if !ok {
+				continue // another worker claimed it first: look again
+			}
+			return w.own(ctx, req, claim, rev, dests)
+
+		case cur.State == StateSucceeded:
+			origin := v1.OriginCache
+			if cur.RequestID == req.RequestID {
+				origin = v1.OriginBuild // our own build, finished before a crash
+			}
+			return cur, origin, cur.RequestID == req.RequestID, nil
+
+		case cur.State == StateFailed && cur.RequestID == req.RequestID:
+			return cur, v1.OriginBuild, true, nil
+
+		case cur.State == StateFailed, cur.LeaseUntil.Before(now):
+			// A failed build is retried by the next request for its key; a
+			// claim whose owner stopped renewing it is taken over.
+			claim := w.newClaim(req, key, repo)
+			if cur.State == StateBuilding {
+				claim.StartedAt = cur.StartedAt
+			}
+			rev, ok, err := w.claims.update(ctx, claim, rev)
+			if err != nil {
+				return nil, "", false, Transient(err)
+			}
+			if !ok {
+				continue
+			}
+			if cur.State == StateBuilding {
+				w.log.Info("took over a lapsed build claim", zap.String("key", key), zap.String("previousOwner", cur.Owner))
+			}
+			return w.own(ctx, req, claim, rev, dests)
+
+		default:
+			w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: key, Phase: v1.PhaseWaiting, Job: cur.Job,
+				Message: "joined the build of request " + cur.RequestID})
+			final, err := w.join(ctx, key)
+			if err != nil {
+				return nil, "", false, err
+			}
+			if final != nil {
+				return final, v1.OriginInflight, false, nil
+			}
+			// The claim lapsed or was released: try to take it over.
+		}
+	}
+}
+
+func (w *Worker) newClaim(req *v1.Request, key, repo string) *Record {
+	now := w.cfg.Now().UTC()
+	return &Record{
+		Key: key, State: StateBuilding, Owner: w.cfg.ID, LeaseUntil: now.Add(w.cfg.Lease),
+		RequestID: req.RequestID, Repository: repo, StartedAt: now,
+	}
+}
+
+// join waits for the build that holds key's claim. It returns the final
+// record, or nil when the claim lapsed or was released (the caller then
+// tries to take it over).
+func (w *Worker) join(ctx context.Context, key string) (*Record, error) {
+	watcher, err := w.claims.kv.Watch(ctx, key)
+	if err != nil {
+		return nil, Transient(fmt.Errorf("watch claim %s: %w", key, err))
+	}
+	defer func() { _ = watcher.Stop() }()
+	timer := time.NewTimer(w.cfg.Lease)
+	defer timer.Stop()
+	for {
+		select {
+		case e, ok := <-watcher.Updates():
+			if !ok {
+				return nil, Transient(fmt.Errorf("watch claim %s: closed", key))
+			}
+			if e == nil {
+				continue // end of the initial values
+			}
+			if e.Operation() != jetstream.KeyValuePut {
+				return nil, nil
+			}
+			var r Record
+			if err := json.Unmarshal(e.Value(), &r); err != nil {
+				return nil, nil
+			}
+			if r.Final() {
+				return &r, nil
+			}
+			left := r.LeaseUntil.Sub(w.cfg.Now())
+			if left <= 0 {
+				return nil, nil
+			}
+			if !timer.Stop() {
+				select {
+				case <-timer.C:
+				default:
+				}
+			}
+			// A little slack so a renewal in flight is not mistaken for a
+			// lapse.
+			timer.Reset(left + w.cfg.Lease/10)
+		case <-timer.C:
+			return nil, nil
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+}
+
+// own runs the build while holding the claim, renewing its lease, and
+// stores the final record.
+func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev uint64, dests []string) (*Record, v1.Origin, bool, error) {
+	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: claim.Key, Phase: v1.PhaseClaimed, Message: "claimed build by " + w.cfg.ID})
+	runCtx, cancelRun := context.WithCancelCause(ctx)
+	defer cancelRun(nil)
+
+	var (
+		mu     sync.Mutex
+		origin = v1.OriginBuild
+	)
+	renewDone := make(chan struct{})
+	renewStopped := make(chan struct{})
+	go func() {
+		defer close(renewStopped)
+		t := time.NewTicker(w.cfg.Lease / 3)
+		defer t.Stop()
+		for {
+			select {
+			case <-t.C:
+				mu.Lock()
+				c := *claim
+				mu.Unlock()
+				c.LeaseUntil = w.cfg.Now().UTC().Add(w.cfg.Lease)
+				nrev, ok, err := w.claims.update(runCtx, &c, rev)
+				switch {
+				case err != nil:
+					w.log.Warn("lease renewal failed", zap.String("key", c.Key), zap.Error(err))
+				case !ok:
+					cancelRun(errLostClaim)
+					return
+				default:
+					mu.Lock()
+					claim.LeaseUntil, rev = c.LeaseUntil, nrev
+					mu.Unlock()
+				}
+			case <-renewDone:
+				return
+			}
+		}
+	}()
+	stopRenew := func() { close(renewDone); <-renewStopped }
+
+	out, err := w.backend.Run(runCtx, Build{Request: req, Key: claim.Key, Destinations: dests}, func(job string, created bool, creator string) {
+		mu.Lock()
+		claim.Job = job
+		if creator != req.RequestID {
+			origin = v1.OriginInflight
+		}
+		mu.Unlock()
+		msg := "created job " + job
+		phase := v1.PhaseJobCreated
+		if !created {
+			msg = "adopted job " + job + " of request " + creator
+			phase = v1.PhaseRunning
+		}
+		w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: claim.Key, Phase: phase, Job: job, Message: msg})
+	})
+	stopRenew()
+
+	if err != nil {
+		if errors.Is(context.Cause(runCtx), errLostClaim) && ctx.Err() == nil {
+			w.log.Info("lost the build claim; joining the new owner", zap.String("key", claim.Key))
+			return w.build(ctx, req, claim.Key, claim.Repository, dests)
+		}
+		// Shutdown or trouble: let the claim go so another worker takes
+		// over now rather than after the lease.
+		w.releaseClaim(ctx, claim, rev)
+		if ctx.Err() != nil || IsTransient(err) {
+			return nil, "", false, err
+		}
+		return nil, "", false, fmt.Errorf("run build: %w", err)
+	}
+
+	final := *claim
+	final.Owner, final.LeaseUntil = "", time.Time{}
+	final.Job = out.Job
+	final.FinishedAt = w.cfg.Now().UTC()
+	if !out.FinishedAt.IsZero() {
+		final.FinishedAt = out.FinishedAt.UTC()
+	}
+	if !out.StartedAt.IsZero() && out.StartedAt.Before(final.StartedAt) {
+		final.StartedAt = out.StartedAt.UTC()
+	}
+	if out.Succeeded {
+		final.State, final.Digest, final.Image = StateSucceeded, out.Digest, dests[0]
+	} else {
+		final.State, final.Reason, final.Message, final.LogTail = StateFailed, out.Reason, out.Message, out.LogTail
+	}
+	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
+	defer cancel()
+	stored, err := w.claims.finalize(fctx, &final)
+	if err != nil {
+		return nil, "", false, Transient(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	return stored, origin, true, nil
+}
+
+// releaseClaim zeroes the lease of a claim we hold, so the next worker
+// takes it over at once.
+func (w *Worker) releaseClaim(ctx context.Context, claim *Record, rev uint64) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	c := *claim
+	c.LeaseUntil = time.Time{}
+	c.Owner = ""
+	if _, _, err := w.claims.update(ctx, &c, rev); err != nil {
+		w.log.Warn("release claim failed; it lapses after the lease", zap.String("key", c.Key), zap.Error(err))
+	}
+}

@@ -1,0 +1,118 @@
+package worker
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
+
+	"github.com/buildq/buildq/internal/naming"
+)
+
+// Config is the worker's validated configuration. Zero fields take the
+// defaults documented on each field (see WithDefaults).
+type Config struct {
+	// ID names this worker in claims, events and logs (default: hostname
+	// and pid).
+	ID string
+	// MaxInFlight is how many requests this worker holds at once; it fetches
+	// only as many messages as it has free slots (default 4).
+	MaxInFlight int
+	// AckWait of the shared consumer (default 30s). Heartbeats are sent
+	// every AckWait/3 while a request is held.
+	AckWait time.Duration
+	// MaxDeliver of the shared consumer (default 5). A request that
+	// still fails transiently on its last delivery gets a failed result.
+	MaxDeliver int
+	// ResultsMaxAge is how long results are kept (default 7 days).
+	ResultsMaxAge time.Duration
+	// DuplicateWindow of both streams (default 10m, the contract's minimum).
+	DuplicateWindow time.Duration
+	// Storage of streams and the KV bucket (default file).
+	Storage jetstream.StorageType
+	// Replicas of streams and the KV bucket (default 1).
+	Replicas int
+	// Lease is how long a build claim stays valid without renewal (default
+	// 30s); a claim whose owner stops renewing is taken over after it.
+	Lease time.Duration
+	// ShutdownTimeout bounds the hand-back of in-flight requests (default 10s).
+	ShutdownTimeout time.Duration
+	// Naming decides the repository of requests that name none.
+	Naming naming.Policy
+	// KeepJobs leaves finished Jobs for their ttlSecondsAfterFinished
+	// instead of deleting them after the results are stored (default false).
+	KeepJobs bool
+	// Logger (default: a no-op logger).
+	Logger *zap.Logger
+	// Now is the clock (default time.Now).
+	Now func() time.Time
+}
+
+// WithDefaults returns c with unset fields set to their defaults.
+func (c Config) WithDefaults() Config {
+	if c.ID == "" {
+		h, _ := os.Hostname()
+		if h == "" {
+			h = "worker"
+		}
+		c.ID = fmt.Sprintf("%s-%d", h, os.Getpid())
+	}
+	if c.MaxInFlight == 0 {
+		c.MaxInFlight = 4
+	}
+	if c.AckWait == 0 {
+		c.AckWait = 30 * time.Second
+	}
+	if c.MaxDeliver == 0 {
+		c.MaxDeliver = 5
+	}
+	if c.ResultsMaxAge == 0 {
+		c.ResultsMaxAge = 7 * 24 * time.Hour
+	}
+	if c.DuplicateWindow == 0 {
+		c.DuplicateWindow = 10 * time.Minute
+	}
+	if c.Replicas == 0 {
+		c.Replicas = 1
+	}
+	if c.Lease == 0 {
+		c.Lease = 30 * time.Second
+	}
+	if c.ShutdownTimeout == 0 {
+		c.ShutdownTimeout = 10 * time.Second
+	}
+	if c.Logger == nil {
+		c.Logger = zap.NewNop()
+	}
+	if c.Now == nil {
+		c.Now = time.Now
+	}
+	return c
+}
+
+// Validate reports every invalid setting.
+func (c Config) Validate() error {
+	var errs []error
+	if c.MaxInFlight < 1 {
+		errs = append(errs, fmt.Errorf("max in flight must be at least 1, got %d", c.MaxInFlight))
+	}
+	if c.AckWait < time.Second {
+		errs = append(errs, fmt.Errorf("ack wait must be at least 1s, got %s", c.AckWait))
+	}
+	if c.MaxDeliver < 1 {
+		errs = append(errs, fmt.Errorf("max deliver must be at least 1, got %d", c.MaxDeliver))
+	}
+	if c.DuplicateWindow < 10*time.Minute {
+		errs = append(errs, fmt.Errorf("duplicate window must be at least 10m, got %s", c.DuplicateWindow))
+	}
+	if c.Lease < time.Second {
+		errs = append(errs, fmt.Errorf("lease must be at least 1s, got %s", c.Lease))
+	}
+	if err := c.Naming.Validate(); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}

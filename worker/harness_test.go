@@ -1,0 +1,391 @@
+package worker
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap/zaptest"
+	batchv1 "k8s.io/api/batch/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/kaniko"
+	"github.com/buildq/buildq/internal/kube"
+	"github.com/buildq/buildq/internal/naming"
+	"github.com/buildq/buildq/publisher"
+)
+
+const testNamespace = "builds"
+
+// env is one embedded NATS server with JetStream and one fake cluster,
+// shared by the workers a test starts.
+type env struct {
+	t       *testing.T
+	srv     *server.Server
+	nc      *nats.Conn
+	js      jetstream.JetStream
+	kube    *fake.Clientset
+	pub     *publisher.Client
+	creates *counter
+}
+
+type counter struct {
+	mu sync.Mutex
+	n  map[string]int
+}
+
+func (c *counter) inc(name string) {
+	c.mu.Lock()
+	c.n[name]++
+	c.mu.Unlock()
+}
+
+func (c *counter) total() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	t := 0
+	for _, v := range c.n {
+		t += v
+	}
+	return t
+}
+
+func setup(t *testing.T) *env {
+	t.Helper()
+	srv, err := server.NewServer(&server.Options{
+		Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: t.TempDir(), NoLog: true, NoSigs: true,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv.Start()
+	if !srv.ReadyForConnections(10 * time.Second) {
+		t.Fatal("nats-server did not start")
+	}
+	t.Cleanup(srv.Shutdown)
+	nc, err := nats.Connect(srv.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub, err := publisher.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &env{t: t, srv: srv, nc: nc, js: js, kube: fake.NewClientset(), pub: pub, creates: &counter{n: map[string]int{}}}
+	// Count the Job creations that reach the "API server" (the tracker
+	// answers AlreadyExists for the rest).
+	e.kube.PrependReactor("create", "jobs", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		job := a.(k8stesting.CreateAction).GetObject().(*batchv1.Job)
+		if _, err := e.kube.Tracker().Get(batchv1.SchemeGroupVersion.WithResource("jobs"), job.Namespace, job.Name); err == nil {
+			return true, nil, apierrors.NewAlreadyExists(batchv1.Resource("jobs"), job.Name)
+		}
+		e.creates.inc(job.Name)
+		return false, nil, nil
+	})
+	return e
+}
+
+func testConfig(id string) Config {
+	return Config{
+		ID:              id,
+		MaxInFlight:     8,
+		AckWait:         2 * time.Second,
+		MaxDeliver:      5,
+		Lease:           2 * time.Second,
+		ShutdownTimeout: 5 * time.Second,
+		Naming:          naming.Policy{Registry: "registry.test:5000"},
+	}
+}
+
+var testKaniko = kaniko.Config{
+	Namespace:      testNamespace,
+	ExecutorImage:  "gcr.io/kaniko-project/executor@sha256:" + hex64("executor"),
+	S3Endpoint:     "http://minio.test:9000",
+	S3Secret:       "buildq-s3",
+	RegistrySecret: "buildq-registry",
+}
+
+// runningWorker is a worker with its own informers, as in production.
+type runningWorker struct {
+	w      *Worker
+	cancel context.CancelFunc
+	done   chan struct{}
+	err    error
+}
+
+func (r *runningWorker) stop(t *testing.T) {
+	t.Helper()
+	r.cancel()
+	select {
+	case <-r.done:
+		if r.err != nil {
+			t.Errorf("worker returned %v", r.err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("worker did not stop")
+	}
+}
+
+func (e *env) startWorker(id string, mutate func(*Config)) *runningWorker {
+	t := e.t
+	t.Helper()
+	cfg := testConfig(id)
+	cfg.Logger = zaptest.NewLogger(t).Named(id)
+	if mutate != nil {
+		mutate(&cfg)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	factory := kube.NewInformerFactory(e.kube, testNamespace)
+	watcher, err := kube.NewWatcher(factory, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	factory.Start(ctx.Done())
+	if !watcher.WaitForSync(ctx) {
+		t.Fatal("informers did not sync")
+	}
+	backend, err := NewKubeBackend(e.kube, watcher, testKaniko)
+	if err != nil {
+		t.Fatal(err)
+	}
+	nc, err := nats.Connect(e.srv.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := New(nc, backend, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Setup(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r := &runningWorker{w: w, cancel: cancel, done: make(chan struct{})}
+	go func() {
+		defer close(r.done)
+		r.err = w.Run(ctx)
+		factory.Shutdown()
+		nc.Close()
+	}()
+	t.Cleanup(func() {
+		cancel()
+		<-r.done
+	})
+	return r
+}
+
+func hex64(s string) string {
+	sum := sha256.Sum256([]byte(s))
+	return hex.EncodeToString(sum[:])
+}
+
+// request returns a valid request whose context digest derives from seed.
+func request(seed string) *v1.Request {
+	d := hex64(seed)
+	return &v1.Request{
+		Tenant: "acme", Name: "web",
+		Source:        v1.Source{S3: &v1.S3Source{Bucket: "buildq", Key: "contexts/sha256/" + d + ".tar.gz"}},
+		ContextDigest: "sha256:" + d,
+		BuildArgs:     map[string]string{"VERSION": "1.2.3"},
+		Labels:        map[string]string{"team": "platform"},
+	}
+}
+
+// resultCollector subscribes to every stored result.
+type resultCollector struct {
+	mu  sync.Mutex
+	got []v1.Result
+	ch  chan struct{}
+}
+
+func (e *env) collect() *resultCollector {
+	t := e.t
+	c := &resultCollector{ch: make(chan struct{}, 1)}
+	ctx, cancel := context.WithCancel(context.Background())
+	ready := make(chan struct{})
+	go func() {
+		// The results stream exists once a worker has set up.
+		for ctx.Err() == nil {
+			if _, err := e.js.Stream(ctx, v1.ResultsStream); err == nil {
+				break
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		close(ready)
+		_ = e.pub.Watch(ctx, publisher.Filter{DeliverAll: true}, func(r v1.Result) error {
+			c.mu.Lock()
+			c.got = append(c.got, r)
+			c.mu.Unlock()
+			select {
+			case c.ch <- struct{}{}:
+			default:
+			}
+			return nil
+		})
+	}()
+	t.Cleanup(cancel)
+	<-ready
+	return c
+}
+
+func (c *resultCollector) snapshot() []v1.Result {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([]v1.Result(nil), c.got...)
+}
+
+// waitFor blocks until n results arrived.
+func (c *resultCollector) waitFor(t *testing.T, n int, timeout time.Duration) []v1.Result {
+	t.Helper()
+	deadline := time.After(timeout)
+	for {
+		if got := c.snapshot(); len(got) >= n {
+			return got
+		}
+		select {
+		case <-c.ch:
+		case <-deadline:
+			t.Fatalf("got %d results, want %d: %+v", len(c.snapshot()), n, c.snapshot())
+		}
+	}
+}
+
+// eventually polls cond (test code only) until it holds.
+func eventually(t *testing.T, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func (e *env) waitJob(name string) *batchv1.Job {
+	e.t.Helper()
+	var job *batchv1.Job
+	eventually(e.t, 10*time.Second, "job "+name, func() bool {
+		j, err := e.kube.BatchV1().Jobs(testNamespace).Get(context.Background(), name, metav1.GetOptions{})
+		if err != nil {
+			return false
+		}
+		job = j
+		return true
+	})
+	return job
+}
+
+// kubelet plays the node and the Job controller for one Job: it creates the
+// pod with its terminated kaniko container, then sets the Job's conditions.
+func (e *env) kubelet(job *batchv1.Job, exitCode int32, message string) {
+	t := e.t
+	t.Helper()
+	ctx := context.Background()
+	now := metav1.Now()
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{
+			Name: job.Name + "-abcde", Namespace: job.Namespace,
+			Labels:            merge(job.Spec.Template.Labels, map[string]string{batchv1.JobNameLabel: job.Name}),
+			CreationTimestamp: now,
+		},
+		Spec: job.Spec.Template.Spec,
+		Status: corev1.PodStatus{
+			Phase: map[bool]corev1.PodPhase{true: corev1.PodSucceeded, false: corev1.PodFailed}[exitCode == 0],
+			ContainerStatuses: []corev1.ContainerStatus{{
+				Name: kaniko.ContainerName,
+				State: corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{
+					ExitCode: exitCode, Message: message, FinishedAt: now,
+				}},
+			}},
+		},
+	}
+	if _, err := e.kube.CoreV1().Pods(job.Namespace).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	j := job.DeepCopy()
+	j.Status.StartTime = &now
+	if exitCode == 0 {
+		j.Status.Succeeded = 1
+		j.Status.CompletionTime = &now
+		j.Status.Conditions = []batchv1.JobCondition{
+			{Type: batchv1.JobSuccessCriteriaMet, Status: corev1.ConditionTrue, LastTransitionTime: now},
+			{Type: batchv1.JobComplete, Status: corev1.ConditionTrue, LastTransitionTime: now},
+		}
+	} else {
+		j.Status.Failed = 1
+		j.Status.Conditions = []batchv1.JobCondition{
+			{Type: batchv1.JobFailureTarget, Status: corev1.ConditionTrue, Reason: batchv1.JobReasonPodFailurePolicy, Message: "Container kaniko for pod exited with code 1", LastTransitionTime: now},
+			{Type: batchv1.JobFailed, Status: corev1.ConditionTrue, Reason: batchv1.JobReasonPodFailurePolicy, Message: "Container kaniko for pod exited with code 1", LastTransitionTime: now},
+		}
+	}
+	if _, err := e.kube.BatchV1().Jobs(job.Namespace).UpdateStatus(ctx, j, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func merge(a, b map[string]string) map[string]string {
+	out := map[string]string{}
+	for k, v := range a {
+		out[k] = v
+	}
+	for k, v := range b {
+		out[k] = v
+	}
+	return out
+}
+
+// streamState returns the messages left in the requests stream and the
+// consumer's pending acks.
+func (e *env) streamState() (msgs uint64, ackPending int, redelivered int) {
+	e.t.Helper()
+	ctx := context.Background()
+	s, err := e.js.Stream(ctx, v1.RequestsStream)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	si, err := s.Info(ctx)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	c, err := s.Consumer(ctx, v1.WorkersConsumer)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	ci, err := c.Info(ctx)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return si.State.Msgs, ci.NumAckPending, ci.NumRedelivered
+}
+
+func digestOf(s string) string { return "sha256:" + hex64(s) }
+
+func mustJSON(t *testing.T, v any) string {
+	t.Helper()
+	b, err := json.Marshal(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+var _ = fmt.Sprintf

@@ -1,0 +1,491 @@
+// Package worker is buildq's build worker: it takes requests from the
+// shared JetStream consumer, deduplicates them by build key through a KV
+// claim, runs each unique build once on a Backend (kaniko Jobs, or the local
+// executor), and publishes one result per request before acking it.
+//
+// Any number of workers share the consumer; none is a leader. A worker that
+// dies loses nothing: its requests are redelivered, its claims lapse, and
+// the deterministic Job name lets the next worker adopt the running build.
+package worker
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/naming"
+)
+
+// Worker consumes build requests. Create it with New and call Run.
+type Worker struct {
+	cfg     Config
+	nc      *nats.Conn
+	js      jetstream.JetStream
+	backend Backend
+	log     *zap.Logger
+	claims  claims
+	cons    jetstream.Consumer
+	sem     chan struct{}
+	source  string
+
+	setupOnce sync.Once
+	setupErr  error
+}
+
+// New validates cfg and returns a worker that uses nc and runs builds on
+// backend. It does not touch the server until Run (or Setup).
+func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("worker config: %w", err)
+	}
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return nil, fmt.Errorf("jetstream: %w", err)
+	}
+	return &Worker{
+		cfg:     cfg,
+		nc:      nc,
+		js:      js,
+		backend: backend,
+		log:     cfg.Logger.With(zap.String("worker", cfg.ID)),
+		sem:     make(chan struct{}, cfg.MaxInFlight),
+		source:  "/buildq/worker/" + cfg.ID,
+	}, nil
+}
+
+// Setup creates or updates the streams, the shared consumer and the KV
+// bucket. It is idempotent and safe to run from many workers at once.
+func (w *Worker) Setup(ctx context.Context) error {
+	w.setupOnce.Do(func() { w.setupErr = w.setup(ctx) })
+	return w.setupErr
+}
+
+func (w *Worker) setup(ctx context.Context) error {
+	kv, cons, err := EnsureStreams(ctx, w.js, w.cfg)
+	if err != nil {
+		return err
+	}
+	w.claims = claims{kv: kv}
+	w.cons = cons
+	return nil
+}
+
+// EnsureStreams creates or updates everything of the wire contract
+// (DESIGN §3) on the server: BUILDQ_REQUESTS, BUILDQ_RESULTS, the dead-letter
+// stream, the buildq-workers consumer and the buildq-builds bucket.
+func EnsureStreams(ctx context.Context, js jetstream.JetStream, cfg Config) (jetstream.KeyValue, jetstream.Consumer, error) {
+	cfg = cfg.WithDefaults()
+	if _, err := js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
+		Name:        v1.RequestsStream,
+		Description: "buildq build requests (work queue)",
+		Subjects:    []string{v1.RequestsPrefix + ".>"},
+		Retention:   jetstream.WorkQueuePolicy,
+		Storage:     cfg.Storage,
+		Replicas:    cfg.Replicas,
+		Duplicates:  cfg.DuplicateWindow,
+	}); err != nil {
+		return nil, nil, fmt.Errorf("create stream %s: %w", v1.RequestsStream, err)
+	}
+	if _, err := js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
+		Name:        v1.ResultsStream,
+		Description: "buildq build results (CloudEvents), one per request",
+		Subjects:    []string{v1.ResultsPrefix + ".>"},
+		Retention:   jetstream.LimitsPolicy,
+		MaxAge:      cfg.ResultsMaxAge,
+		Storage:     cfg.Storage,
+		Replicas:    cfg.Replicas,
+		Duplicates:  cfg.DuplicateWindow,
+	}); err != nil {
+		return nil, nil, fmt.Errorf("create stream %s: %w", v1.ResultsStream, err)
+	}
+	if _, err := js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
+		Name:        DeadLetterStream,
+		Description: "buildq requests that exhausted their deliveries",
+		Subjects:    []string{v1.DeadLetterPrefix + ".>"},
+		Retention:   jetstream.LimitsPolicy,
+		MaxAge:      cfg.ResultsMaxAge,
+		Storage:     cfg.Storage,
+		Replicas:    cfg.Replicas,
+		Duplicates:  cfg.DuplicateWindow,
+	}); err != nil {
+		return nil, nil, fmt.Errorf("create stream %s: %w", DeadLetterStream, err)
+	}
+	cons, err := js.CreateOrUpdateConsumer(ctx, v1.RequestsStream, jetstream.ConsumerConfig{
+		Durable:       v1.WorkersConsumer,
+		Description:   "buildq workers (shared)",
+		AckPolicy:     jetstream.AckExplicitPolicy,
+		AckWait:       cfg.AckWait,
+		MaxDeliver:    cfg.MaxDeliver,
+		FilterSubject: v1.RequestsPrefix + ".>",
+	})
+	if err != nil {
+		return nil, nil, fmt.Errorf("create consumer %s: %w", v1.WorkersConsumer, err)
+	}
+	kv, err := js.CreateOrUpdateKeyValue(ctx, jetstream.KeyValueConfig{
+		Bucket:      v1.BuildsBucket,
+		Description: "buildq build claims and the build key → digest index",
+		History:     1,
+		Storage:     cfg.Storage,
+		Replicas:    cfg.Replicas,
+	})
+	if err != nil {
+		return nil, nil, fmt.Errorf("create key-value bucket %s: %w", v1.BuildsBucket, err)
+	}
+	return kv, cons, nil
+}
+
+// DeadLetterStream stores copies of requests that exhausted MaxDeliver.
+const DeadLetterStream = "BUILDQ_DEADLETTER"
+
+// fetchWait bounds one pull request; shorter means a faster stop.
+const fetchWait = 2 * time.Second
+
+// Run consumes requests until ctx ends. Then it stops fetching and hands
+// every held request back with Nak (releasing its claims), so another worker
+// adopts the builds at once; it waits up to ShutdownTimeout for that.
+func (w *Worker) Run(ctx context.Context) error {
+	if err := w.Setup(ctx); err != nil {
+		return err
+	}
+	// Work outlives the fetch context by design: requests in flight are
+	// handed back explicitly, not abandoned mid-publish.
+	workCtx, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancelWork()
+	var wg sync.WaitGroup
+	w.log.Info("worker started", zap.Int("maxInFlight", w.cfg.MaxInFlight), zap.String("executor", w.backend.Identity()))
+
+	backoff := 100 * time.Millisecond
+fetch:
+	for {
+		// Fetch only as many messages as there are free slots.
+		select {
+		case w.sem <- struct{}{}:
+		case <-ctx.Done():
+			break fetch
+		}
+		n := 1
+	more:
+		for n < cap(w.sem) {
+			select {
+			case w.sem <- struct{}{}:
+				n++
+			default:
+				break more
+			}
+		}
+		fctx, cancel := context.WithTimeout(ctx, fetchWait)
+		batch, err := w.cons.Fetch(n, jetstream.FetchContext(fctx))
+		if err != nil {
+			cancel()
+			w.release(n)
+			if ctx.Err() != nil {
+				break fetch
+			}
+			w.log.Warn("fetch failed; retrying", zap.Error(err), zap.Duration("backoff", backoff))
+			select {
+			case <-time.After(backoff):
+			case <-ctx.Done():
+				break fetch
+			}
+			backoff = min(backoff*2, 5*time.Second)
+			continue
+		}
+		got := 0
+		for msg := range batch.Messages() {
+			got++
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer w.release(1)
+				w.handle(workCtx, msg)
+			}()
+		}
+		cancel()
+		w.release(n - got)
+		if err := batch.Error(); err == nil || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) || errors.Is(err, nats.ErrTimeout) {
+			backoff = 100 * time.Millisecond
+		} else if ctx.Err() == nil {
+			w.log.Warn("fetch ended with an error", zap.Error(err))
+		}
+	}
+
+	w.log.Info("stopping: handing back requests in flight")
+	cancelWork()
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(w.cfg.ShutdownTimeout):
+		w.log.Warn("shutdown timeout: some requests were not handed back; they are redelivered after AckWait")
+	}
+	w.log.Info("worker stopped")
+	return nil
+}
+
+func (w *Worker) release(n int) {
+	for range n {
+		<-w.sem
+	}
+}
+
+// verdict is what happens to a request message once it is handled.
+type verdict struct {
+	tenant, name string
+	data         v1.ResultData
+	// term: terminate the message instead of acking it (bad input).
+	term bool
+	// cleanupKey: this request owned the build; remove its Job after the
+	// result is stored.
+	cleanupKey string
+}
+
+func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
+	meta, err := msg.Metadata()
+	if err != nil {
+		w.log.Error("message without JetStream metadata; terminating it", zap.Error(err))
+		_ = msg.TermWithReason("no metadata")
+		return
+	}
+	log := w.log.With(zap.Uint64("seq", meta.Sequence.Stream), zap.Uint64("delivery", meta.NumDelivered))
+
+	stop := w.heartbeat(msg)
+	defer stop()
+
+	v, err := w.process(ctx, msg, meta)
+	// Whatever comes now must not be cut short by shutdown: publishing a
+	// result and acking are quick and keep the request from being redone.
+	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
+	defer cancel()
+	switch {
+	case err != nil && ctx.Err() != nil:
+		log.Info("handing request back", zap.String("reason", "shutdown"))
+		_ = msg.Nak()
+		return
+	case err != nil && IsTransient(err) && int(meta.NumDelivered) < w.cfg.MaxDeliver:
+		delay := retryDelay(meta.NumDelivered)
+		log.Warn("transient failure; retrying later", zap.Error(err), zap.Duration("delay", delay))
+		_ = msg.NakWithDelay(delay)
+		return
+	case err != nil:
+		// Terminal, or out of deliveries: the request still gets its one
+		// result, and its payload is kept on the dead-letter subject.
+		v.data.Status = v1.StatusFailed
+		v.data.Reason = v1.ReasonInfrastructureError
+		v.data.Message = err.Error()
+		v.cleanupKey = ""
+		if IsTransient(err) {
+			v.data.Message = fmt.Sprintf("gave up after %d deliveries: %v", meta.NumDelivered, err)
+			w.deadLetter(actx, v.tenant, msg, err)
+		}
+		v.term = true
+	}
+	if v.data.Timings.FinishedAt.IsZero() {
+		v.data.Timings.FinishedAt = w.cfg.Now().UTC()
+	}
+	if err := w.publishResult(actx, v.tenant, v.name, v.data); err != nil {
+		log.Error("publish result failed; retrying the request", zap.Error(err), zap.String("requestId", v.data.RequestID))
+		_ = msg.NakWithDelay(retryDelay(meta.NumDelivered))
+		return
+	}
+	w.event(v.tenant, v.name, v1.Event{RequestID: v.data.RequestID, Key: v.data.Key, Phase: v1.PhaseFinished,
+		Message: string(v.data.Status) + phaseDetail(v.data), Job: v.data.Job})
+	if v.term {
+		err = msg.TermWithReason(v.data.Reason)
+	} else {
+		err = msg.DoubleAck(actx)
+	}
+	if err != nil {
+		log.Warn("ack failed; the result is stored and a redelivery will find it", zap.Error(err))
+	}
+	log.Info("request done", zap.String("requestId", v.data.RequestID), zap.String("status", string(v.data.Status)),
+		zap.String("origin", string(v.data.Origin)), zap.String("reason", v.data.Reason), zap.String("digest", v.data.Digest))
+	if v.cleanupKey != "" && !w.cfg.KeepJobs {
+		if err := w.backend.Cleanup(actx, v.cleanupKey); err != nil {
+			log.Warn("cleanup failed; ttlSecondsAfterFinished will remove the job", zap.Error(err))
+		}
+	}
+}
+
+func phaseDetail(d v1.ResultData) string {
+	if d.Reason != "" {
+		return " (" + d.Reason + ")"
+	}
+	return ""
+}
+
+func retryDelay(delivered uint64) time.Duration {
+	d := time.Second << min(delivered, 6)
+	return min(d, time.Minute)
+}
+
+// heartbeat tells JetStream the request is still being worked on, so a
+// build longer than AckWait is not redelivered.
+func (w *Worker) heartbeat(msg jetstream.Msg) func() {
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		t := time.NewTicker(w.cfg.AckWait / 3)
+		defer t.Stop()
+		for {
+			select {
+			case <-t.C:
+				if err := msg.InProgress(); err != nil {
+					w.log.Debug("heartbeat failed", zap.Error(err))
+				}
+			case <-done:
+				return
+			}
+		}
+	}()
+	return func() { close(done); wg.Wait() }
+}
+
+// process decides a request's result. An error means no result yet: the
+// caller retries (transient), hands back (shutdown) or fails the request.
+func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream.MsgMetadata) (verdict, error) {
+	started := w.cfg.Now().UTC()
+	timings := v1.Timings{QueuedAt: meta.Timestamp.UTC(), StartedAt: started, QueueWaitMs: started.Sub(meta.Timestamp).Milliseconds()}
+	req, err := v1.DecodeRequest(msg.Data())
+	if err != nil {
+		return w.invalid(msg, req, err, timings, meta), nil
+	}
+	v := verdict{tenant: req.Tenant, name: req.Name, data: v1.ResultData{
+		RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, Attempts: int(meta.NumDelivered), Timings: timings,
+	}}
+	key := v1.BuildKey(req, w.backend.Identity())
+	v.data.Key = key
+	repo, err := w.cfg.Naming.Repository(req)
+	if err != nil {
+		v.data.Status, v.data.Reason, v.data.Message = v1.StatusFailed, v1.ReasonInvalidRequest, err.Error()
+		v.term = true
+		return v, nil
+	}
+	dests := naming.Destinations(repo, key, req.Tags)
+	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: key, Phase: v1.PhaseQueued,
+		Message: fmt.Sprintf("taken by %s after %s in the queue", w.cfg.ID, time.Duration(timings.QueueWaitMs)*time.Millisecond)})
+
+	rec, origin, owned, err := w.build(ctx, req, key, repo, dests)
+	if err != nil {
+		return v, err
+	}
+	v.data.Origin = origin
+	v.data.Job = rec.Job
+	if owned {
+		v.cleanupKey = key
+	}
+	if origin != v1.OriginCache {
+		v.data.Timings.BuildMs = rec.FinishedAt.Sub(rec.StartedAt).Milliseconds()
+		if v.data.Timings.BuildMs < 0 {
+			v.data.Timings.BuildMs = 0
+		}
+	}
+	if rec.State == StateSucceeded {
+		v.data.Status = v1.StatusSucceeded
+		v.data.Image = dests[0]
+		v.data.Digest = rec.Digest
+		v.data.ImageRef = repo + "@" + rec.Digest
+		return v, nil
+	}
+	v.data.Status = v1.StatusFailed
+	if rec.Reason == v1.ReasonCanceled {
+		v.data.Status = v1.StatusCanceled
+	}
+	v.data.Reason, v.data.Message, v.data.LogTail = rec.Reason, rec.Message, rec.LogTail
+	return v, nil
+}
+
+// invalid builds the failed result of a request that cannot be decoded or
+// validated. It is still addressed as well as the input allows: tenant
+// from the subject, name "_invalid" when the name itself is bad.
+func (w *Worker) invalid(msg jetstream.Msg, req *v1.Request, err error, timings v1.Timings, meta *jetstream.MsgMetadata) verdict {
+	tenant, name, id := "", "", ""
+	if req != nil {
+		tenant, name, id = req.Tenant, req.Name, req.RequestID
+	} else {
+		// Not decodable strictly: recover what addressing the input has.
+		var loose struct{ RequestID, Tenant, Name string }
+		if json.Unmarshal(msg.Data(), &loose) == nil {
+			tenant, name, id = loose.Tenant, loose.Name, loose.RequestID
+		}
+	}
+	if v1.DNSLabelProblem(tenant) != "" {
+		tenant = "_invalid"
+		if parts := strings.Split(msg.Subject(), "."); len(parts) >= 3 && v1.DNSLabelProblem(parts[2]) == "" {
+			tenant = parts[2]
+		}
+	}
+	if v1.DNSLabelProblem(name) != "" {
+		name = "_invalid"
+	}
+	if !usableID(id) {
+		id = msg.Headers().Get(v1.MsgIDHeader)
+		if !usableID(id) {
+			id = fmt.Sprintf("invalid-%d", meta.Sequence.Stream)
+		}
+	}
+	w.log.Info("invalid request", zap.String("requestId", id), zap.Error(err))
+	return verdict{tenant: tenant, name: name, term: true, data: v1.ResultData{
+		RequestID: id, Tenant: tenant, Name: name, Status: v1.StatusFailed, Reason: v1.ReasonInvalidRequest,
+		Message: err.Error(), Attempts: int(meta.NumDelivered), Timings: timings,
+	}}
+}
+
+// usableID reports whether an id from bad input can still serve as the
+// result's message id and CloudEvents id.
+func usableID(id string) bool {
+	return id != "" && len(id) <= v1.MaxRequestIDLen && !strings.ContainsAny(id, " \t\r\n\x00")
+}
+
+func (w *Worker) publishResult(ctx context.Context, tenant, name string, data v1.ResultData) error {
+	ev := v1.NewResult(w.source, data, w.cfg.Now())
+	b, err := json.Marshal(ev)
+	if err != nil {
+		return err
+	}
+	m := nats.NewMsg(v1.ResultSubject(tenant, name))
+	m.Header.Set(v1.MsgIDHeader, data.RequestID)
+	m.Header.Set("Content-Type", v1.CloudEventsContentType)
+	m.Data = b
+	if _, err := w.js.PublishMsg(ctx, m); err != nil {
+		return fmt.Errorf("publish result %s: %w", data.RequestID, err)
+	}
+	return nil
+}
+
+func (w *Worker) deadLetter(ctx context.Context, tenant string, msg jetstream.Msg, cause error) {
+	m := nats.NewMsg(v1.DeadLetterSubject(tenant))
+	for k, vs := range msg.Headers() {
+		m.Header[k] = vs
+	}
+	m.Header.Set("Buildq-Error", cause.Error())
+	m.Header.Set("Buildq-Original-Subject", msg.Subject())
+	m.Data = msg.Data()
+	if _, err := w.js.PublishMsg(ctx, m); err != nil {
+		w.log.Error("dead-letter publish failed", zap.Error(err))
+	}
+}
+
+// event publishes a progress event; progress is best effort.
+func (w *Worker) event(tenant, name string, e v1.Event) {
+	if tenant == "" || name == "" || strings.HasPrefix(tenant, "_") || strings.HasPrefix(name, "_") {
+		return
+	}
+	e.Tenant, e.Name, e.Worker, e.Time = tenant, name, w.cfg.ID, w.cfg.Now().UTC()
+	b, err := json.Marshal(e)
+	if err != nil {
+		return
+	}
+	_ = w.nc.Publish(v1.EventSubject(tenant, name), b)
+}
