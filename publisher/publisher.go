@@ -88,6 +88,12 @@ type Filter struct {
 	DeliverAll bool
 }
 
+// Validate checks the tenant and name of a filter.
+func (f Filter) Validate() error {
+	_, err := f.subject()
+	return err
+}
+
 func (f Filter) subject() (string, error) {
 	t, n := f.Tenant, f.Name
 	if t == "" {

@@ -223,10 +223,11 @@ func (k *KubeBackend) logTail(ctx context.Context, pod string) (string, error) {
 	return kube.Tail(string(b), kube.MaxLogTail), err
 }
 
-// Cleanup deletes the build's Job and its Pods.
+// Cleanup deletes the build's Job and, first, its Pods (foreground): a
+// canceled build stops before it can push.
 func (k *KubeBackend) Cleanup(ctx context.Context, key string) error {
-	bg := metav1.DeletePropagationBackground
-	err := k.client.BatchV1().Jobs(k.cfg.Namespace).Delete(ctx, kaniko.JobName(key), metav1.DeleteOptions{PropagationPolicy: &bg})
+	fg := metav1.DeletePropagationForeground
+	err := k.client.BatchV1().Jobs(k.cfg.Namespace).Delete(ctx, kaniko.JobName(key), metav1.DeleteOptions{PropagationPolicy: &fg})
 	if err != nil && !apierrors.IsNotFound(err) {
 		return fmt.Errorf("delete job %s: %w", kaniko.JobName(key), err)
 	}

@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/registry"
 )
 
 // errLostClaim cancels a build whose claim another worker took over.
@@ -44,11 +45,33 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 			return w.own(ctx, req, claim, rev, dests)
 
 		case cur.State == StateSucceeded:
+			mine := cur.RequestID == req.RequestID
 			origin := v1.OriginCache
-			if cur.RequestID == req.RequestID {
+			if mine {
 				origin = v1.OriginBuild // our own build, finished before a crash
 			}
-			return cur, origin, cur.RequestID == req.RequestID, nil
+			if w.registry != nil && !mine {
+				// The index says built; only the registry knows whether
+				// the image is still there. Not found means build again;
+				// any other error means try later, never "exists".
+				_, err := w.registry.Head(ctx, cur.Repository+"@"+cur.Digest)
+				switch {
+				case errors.Is(err, registry.ErrNotFound):
+					w.log.Info("indexed image is gone from the registry; rebuilding", zap.String("key", key), zap.String("image", cur.Repository+"@"+cur.Digest))
+					claim := w.newClaim(req, key, repo)
+					rev, ok, err := w.claims.update(ctx, claim, rev)
+					if err != nil {
+						return nil, "", false, Transient(err)
+					}
+					if !ok {
+						continue
+					}
+					return w.own(ctx, req, claim, rev, dests)
+				case err != nil:
+					return nil, "", false, Transient(fmt.Errorf("check %s in the registry: %w", cur.Repository, err))
+				}
+			}
+			return cur, origin, mine, nil
 
 		case cur.State == StateFailed && cur.RequestID == req.RequestID:
 			return cur, v1.OriginBuild, true, nil
@@ -91,7 +114,7 @@ func (w *Worker) newClaim(req *v1.Request, key, repo string) *Record {
 	now := w.cfg.Now().UTC()
 	return &Record{
 		Key: key, State: StateBuilding, Owner: w.cfg.ID, LeaseUntil: now.Add(w.cfg.Lease),
-		RequestID: req.RequestID, Repository: repo, StartedAt: now,
+		RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, Repository: repo, StartedAt: now,
 	}
 }
 
@@ -150,6 +173,9 @@ func (w *Worker) join(ctx context.Context, key string) (*Record, error) {
 // stores the final record.
 func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev uint64, dests []string) (*Record, v1.Origin, bool, error) {
 	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: claim.Key, Phase: v1.PhaseClaimed, Message: "claimed build by " + w.cfg.ID})
+	if rec, done, err := w.preflight(ctx, req, claim, rev, dests); err != nil || done {
+		return rec, v1.OriginCache, false, err
+	}
 	runCtx, cancelRun := context.WithCancelCause(ctx)
 	defer cancelRun(nil)
 
@@ -207,9 +233,14 @@ func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev ui
 	stopRenew()
 
 	if err != nil {
-		if errors.Is(context.Cause(runCtx), errLostClaim) && ctx.Err() == nil {
-			w.log.Info("lost the build claim; joining the new owner", zap.String("key", claim.Key))
-			return w.build(ctx, req, claim.Key, claim.Repository, dests)
+		if ctx.Err() == nil {
+			// A cancel or a take-over ends a build from outside: the
+			// record then says what happened.
+			cur, _, gerr := w.claims.get(ctx, claim.Key)
+			if errors.Is(context.Cause(runCtx), errLostClaim) || (gerr == nil && cur != nil && (cur.Final() || cur.Owner != w.cfg.ID)) {
+				w.log.Info("the build claim changed hands; following the record", zap.String("key", claim.Key))
+				return w.build(ctx, req, claim.Key, claim.Repository, dests)
+			}
 		}
 		// Shutdown or trouble: let the claim go so another worker takes
 		// over now rather than after the lease.
@@ -231,7 +262,7 @@ func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev ui
 		final.StartedAt = out.StartedAt.UTC()
 	}
 	if out.Succeeded {
-		final.State, final.Digest, final.Image = StateSucceeded, out.Digest, dests[0]
+		final.State, final.Digest, final.Image, final.Pushed = StateSucceeded, out.Digest, dests[0], dests
 	} else {
 		final.State, final.Reason, final.Message, final.LogTail = StateFailed, out.Reason, out.Message, out.LogTail
 	}
@@ -257,4 +288,41 @@ func (w *Worker) releaseClaim(ctx context.Context, claim *Record, rev uint64) {
 	if _, _, err := w.claims.update(ctx, &c, rev); err != nil {
 		w.log.Warn("release claim failed; it lapses after the lease", zap.String("key", c.Key), zap.Error(err))
 	}
+}
+
+// preflight runs between claiming a key and building it. A tag that
+// already exists in the registry is the build's answer (the index may have
+// been lost); done reports that. Harbor projects are created on demand.
+// On error the claim is released and the request retried.
+func (w *Worker) preflight(ctx context.Context, req *v1.Request, claim *Record, rev uint64, dests []string) (*Record, bool, error) {
+	if w.registry == nil {
+		return nil, false, nil
+	}
+	fail := func(err error) (*Record, bool, error) {
+		w.releaseClaim(ctx, claim, rev)
+		return nil, false, Transient(err)
+	}
+	// Harbor answers 401, not 404, for a repository of a missing project:
+	// create the project before asking for the tag.
+	if project, ok := w.cfg.Naming.HarborProject(claim.Repository); ok {
+		if err := w.registry.EnsureHarborProject(ctx, w.cfg.Naming.Registry, project); err != nil {
+			return fail(fmt.Errorf("harbor project %s: %w", project, err))
+		}
+	}
+	digest, err := w.registry.Head(ctx, dests[0])
+	switch {
+	case err == nil:
+		final := *claim
+		final.Owner, final.LeaseUntil = "", time.Time{}
+		final.State, final.Digest, final.Image, final.Pushed = StateSucceeded, digest, dests[0], []string{dests[0]}
+		final.FinishedAt = w.cfg.Now().UTC()
+		stored, err := w.claims.finalize(ctx, &final)
+		if err != nil {
+			return fail(err)
+		}
+		return stored, true, nil
+	case !errors.Is(err, registry.ErrNotFound):
+		return fail(fmt.Errorf("check %s in the registry: %w", dests[0], err))
+	}
+	return nil, false, nil
 }

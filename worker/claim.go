@@ -26,11 +26,16 @@ type Record struct {
 	// lapses unless renewed. A zero lease means the owner let it go.
 	Owner      string    `json:"owner,omitempty"`
 	LeaseUntil time.Time `json:"leaseUntil,omitzero"`
+	// Tenant and Name of the request that claimed the key.
+	Tenant string `json:"tenant,omitempty"`
+	Name   string `json:"name,omitempty"`
 	// RequestID is the request whose build this is.
-	RequestID  string    `json:"requestId,omitempty"`
-	Job        string    `json:"job,omitempty"`
-	Repository string    `json:"repository,omitempty"`
-	Image      string    `json:"image,omitempty"`
+	RequestID  string `json:"requestId,omitempty"`
+	Job        string `json:"job,omitempty"`
+	Repository string `json:"repository,omitempty"`
+	Image      string `json:"image,omitempty"`
+	// Pushed lists every repo:tag known to point at Digest.
+	Pushed     []string  `json:"pushed,omitempty"`
 	Digest     string    `json:"digest,omitempty"`
 	Reason     string    `json:"reason,omitempty"`
 	Message    string    `json:"message,omitempty"`

@@ -1,6 +1,7 @@
 package worker
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -42,6 +43,9 @@ type Config struct {
 	ShutdownTimeout time.Duration
 	// Naming decides the repository of requests that name none.
 	Naming naming.Policy
+	// Registry checks and tags images (nil: the index is trusted as is and
+	// requests for other repositories than the build's fail).
+	Registry Registry
 	// KeepJobs leaves finished Jobs for their ttlSecondsAfterFinished
 	// instead of deleting them after the results are stored (default false).
 	KeepJobs bool
@@ -49,6 +53,18 @@ type Config struct {
 	Logger *zap.Logger
 	// Now is the clock (default time.Now).
 	Now func() time.Time
+}
+
+// Registry is what the worker needs of the OCI registry; internal/registry
+// implements it with go-containerregistry.
+type Registry interface {
+	// Head returns the digest of ref, or an error matching
+	// registry.ErrNotFound when it does not exist.
+	Head(ctx context.Context, ref string) (string, error)
+	// Copy makes dst refer to the image at src.
+	Copy(ctx context.Context, src, dst string) (string, error)
+	// EnsureHarborProject creates a Harbor project if it is missing.
+	EnsureHarborProject(ctx context.Context, registry, project string) error
 }
 
 // WithDefaults returns c with unset fields set to their defaults.

@@ -6,10 +6,18 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"io"
+	"log"
+	"net/http"
+	"net/http/httptest"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	ggcrregistry "github.com/google/go-containerregistry/pkg/registry"
+	"github.com/google/go-containerregistry/pkg/v1/random"
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -26,6 +34,7 @@ import (
 	"github.com/buildq/buildq/internal/kaniko"
 	"github.com/buildq/buildq/internal/kube"
 	"github.com/buildq/buildq/internal/naming"
+	"github.com/buildq/buildq/internal/registry"
 	"github.com/buildq/buildq/publisher"
 )
 
@@ -99,6 +108,19 @@ func setup(t *testing.T) *env {
 			return true, nil, apierrors.NewAlreadyExists(batchv1.Resource("jobs"), job.Name)
 		}
 		e.creates.inc(job.Name)
+		return false, nil, nil
+	})
+	// The garbage collector: deleting a Job deletes its Pods.
+	e.kube.PrependReactor("delete", "jobs", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		name := a.(k8stesting.DeleteAction).GetName()
+		pods, _ := e.kube.Tracker().List(corev1.SchemeGroupVersion.WithResource("pods"), corev1.SchemeGroupVersion.WithKind("Pod"), a.GetNamespace())
+		if pl, ok := pods.(*corev1.PodList); ok {
+			for _, p := range pl.Items {
+				if p.Labels[batchv1.JobNameLabel] == name {
+					_ = e.kube.Tracker().Delete(corev1.SchemeGroupVersion.WithResource("pods"), p.Namespace, p.Name)
+				}
+			}
+		}
 		return false, nil, nil
 	})
 	return e
@@ -303,7 +325,7 @@ func (e *env) kubelet(job *batchv1.Job, exitCode int32, message string) {
 	now := metav1.Now()
 	pod := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{
-			Name: job.Name + "-abcde", Namespace: job.Namespace,
+			Name: fmt.Sprintf("%s-%d", job.Name, podSeq.Add(1)), Namespace: job.Namespace,
 			Labels:            merge(job.Spec.Template.Labels, map[string]string{batchv1.JobNameLabel: job.Name}),
 			CreationTimestamp: now,
 		},
@@ -388,4 +410,58 @@ func mustJSON(t *testing.T, v any) string {
 	return string(b)
 }
 
-var _ = fmt.Sprintf
+var podSeq atomic.Int64
+
+// testRegistry is go-containerregistry's in-memory registry behind a switch
+// that makes manifest requests fail, and the worker's client for it.
+type testRegistry struct {
+	host   string
+	client *registry.Client
+	fail   atomic.Bool
+}
+
+func newTestRegistry(t *testing.T) *testRegistry {
+	t.Helper()
+	tr := &testRegistry{}
+	inner := ggcrregistry.New(ggcrregistry.Logger(log.New(io.Discard, "", 0)))
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if tr.fail.Load() && strings.Contains(r.URL.Path, "/manifests/") {
+			http.Error(w, "registry down", http.StatusInternalServerError)
+			return
+		}
+		inner.ServeHTTP(w, r)
+	}))
+	t.Cleanup(srv.Close)
+	tr.host = strings.TrimPrefix(srv.URL, "http://")
+	c, err := registry.New(registry.Options{Insecure: []string{tr.host}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr.client = c
+	return tr
+}
+
+// push stores a random image under ref and returns its digest, as kaniko
+// would have.
+func (tr *testRegistry) push(t *testing.T, ref string) string {
+	t.Helper()
+	img, err := random.Image(256, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := tr.client.Push(context.Background(), img, []string{ref})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
+
+// destination returns the first --destination of a Job.
+func destination(job *batchv1.Job) string {
+	for _, a := range job.Spec.Template.Spec.Containers[0].Args {
+		if d, ok := strings.CutPrefix(a, "--destination="); ok {
+			return d
+		}
+	}
+	return ""
+}

@@ -13,6 +13,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -27,15 +28,17 @@ import (
 
 // Worker consumes build requests. Create it with New and call Run.
 type Worker struct {
-	cfg     Config
-	nc      *nats.Conn
-	js      jetstream.JetStream
-	backend Backend
-	log     *zap.Logger
-	claims  claims
-	cons    jetstream.Consumer
-	sem     chan struct{}
-	source  string
+	cfg      Config
+	registry Registry
+	nc       *nats.Conn
+	js       jetstream.JetStream
+	backend  Backend
+	log      *zap.Logger
+	claims   claims
+	requests jetstream.KeyValue
+	cons     jetstream.Consumer
+	sem      chan struct{}
+	source   string
 
 	setupOnce sync.Once
 	setupErr  error
@@ -53,13 +56,14 @@ func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 		return nil, fmt.Errorf("jetstream: %w", err)
 	}
 	return &Worker{
-		cfg:     cfg,
-		nc:      nc,
-		js:      js,
-		backend: backend,
-		log:     cfg.Logger.With(zap.String("worker", cfg.ID)),
-		sem:     make(chan struct{}, cfg.MaxInFlight),
-		source:  "/buildq/worker/" + cfg.ID,
+		cfg:      cfg,
+		registry: cfg.Registry,
+		nc:       nc,
+		js:       js,
+		backend:  backend,
+		log:      cfg.Logger.With(zap.String("worker", cfg.ID)),
+		sem:      make(chan struct{}, cfg.MaxInFlight),
+		source:   "/buildq/worker/" + cfg.ID,
 	}, nil
 }
 
@@ -77,7 +81,8 @@ func (w *Worker) setup(ctx context.Context) error {
 	}
 	w.claims = claims{kv: kv}
 	w.cons = cons
-	return nil
+	w.requests, err = ensureRequestsBucket(ctx, w.js, w.cfg)
+	return err
 }
 
 // EnsureStreams creates or updates everything of the wire contract
@@ -161,6 +166,11 @@ func (w *Worker) Run(ctx context.Context) error {
 	// handed back explicitly, not abandoned mid-publish.
 	workCtx, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelWork()
+	cancelSub, err := w.serveCancel(workCtx)
+	if err != nil {
+		return fmt.Errorf("subscribe to cancel requests: %w", err)
+	}
+	defer func() { _ = cancelSub.Unsubscribe() }()
 	var wg sync.WaitGroup
 	w.log.Info("worker started", zap.Int("maxInFlight", w.cfg.MaxInFlight), zap.String("executor", w.backend.Identity()))
 
@@ -292,13 +302,17 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 	if v.data.Timings.FinishedAt.IsZero() {
 		v.data.Timings.FinishedAt = w.cfg.Now().UTC()
 	}
+	// Progress first: a client waiting for the result sees the last step
+	// before the result ends its wait.
+	w.event(v.tenant, v.name, v1.Event{RequestID: v.data.RequestID, Key: v.data.Key, Phase: v1.PhaseFinished,
+		Message: finishedMessage(v.data), Job: v.data.Job})
 	if err := w.publishResult(actx, v.tenant, v.name, v.data); err != nil {
 		log.Error("publish result failed; retrying the request", zap.Error(err), zap.String("requestId", v.data.RequestID))
 		_ = msg.NakWithDelay(retryDelay(meta.NumDelivered))
 		return
 	}
-	w.event(v.tenant, v.name, v1.Event{RequestID: v.data.RequestID, Key: v.data.Key, Phase: v1.PhaseFinished,
-		Message: string(v.data.Status) + phaseDetail(v.data), Job: v.data.Job})
+	w.index(actx, RequestEntry{RequestID: v.data.RequestID, Tenant: v.tenant, Name: v.name, Key: v.data.Key,
+		State: string(v.data.Status), Origin: v.data.Origin, Digest: v.data.Digest, Reason: v.data.Reason})
 	if v.term {
 		err = msg.TermWithReason(v.data.Reason)
 	} else {
@@ -316,11 +330,11 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 	}
 }
 
-func phaseDetail(d v1.ResultData) string {
-	if d.Reason != "" {
-		return " (" + d.Reason + ")"
+func finishedMessage(d v1.ResultData) string {
+	if d.Status == v1.StatusSucceeded {
+		return fmt.Sprintf("succeeded (%s): %s", d.Origin, d.ImageRef)
 	}
-	return ""
+	return fmt.Sprintf("%s: %s", d.Status, d.Reason)
 }
 
 func retryDelay(delivered uint64) time.Duration {
@@ -373,6 +387,7 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 		return v, nil
 	}
 	dests := naming.Destinations(repo, key, req.Tags)
+	w.index(ctx, RequestEntry{RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, Key: key, State: "building"})
 	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: key, Phase: v1.PhaseQueued,
 		Message: fmt.Sprintf("taken by %s after %s in the queue", w.cfg.ID, time.Duration(timings.QueueWaitMs)*time.Millisecond)})
 
@@ -392,6 +407,9 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 		}
 	}
 	if rec.State == StateSucceeded {
+		if err := w.ensureTags(ctx, rec, dests); err != nil {
+			return v, err
+		}
 		v.data.Status = v1.StatusSucceeded
 		v.data.Image = dests[0]
 		v.data.Digest = rec.Digest
@@ -404,6 +422,25 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 	}
 	v.data.Reason, v.data.Message, v.data.LogTail = rec.Reason, rec.Message, rec.LogTail
 	return v, nil
+}
+
+// ensureTags makes every destination of a request point at the built
+// image: a request for a known key but another repository or tag gets the
+// image copied or tagged there, not rebuilt.
+func (w *Worker) ensureTags(ctx context.Context, rec *Record, dests []string) error {
+	for _, d := range dests {
+		if slices.Contains(rec.Pushed, d) || d == rec.Image {
+			continue
+		}
+		if w.registry == nil {
+			return fmt.Errorf("cannot tag %s: the worker has no registry client", d)
+		}
+		src := rec.Repository + "@" + rec.Digest
+		if _, err := w.registry.Copy(ctx, src, d); err != nil {
+			return Transient(fmt.Errorf("copy %s to %s: %w", src, d, err))
+		}
+	}
+	return nil
 }
 
 // invalid builds the failed result of a request that cannot be decoded or

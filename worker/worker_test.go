@@ -273,3 +273,59 @@ func TestInvalidRequestIsTerminatedWithoutJob(t *testing.T) {
 		t.Errorf("%d jobs created for bad input", c)
 	}
 }
+
+func TestConcurrentIdenticalRequestsBuildOnce(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	for _, id := range []string{"w1", "w2", "w3"} {
+		e.startWorker(id, withRegistry(tr))
+	}
+	results := e.collect()
+
+	const n = 50
+	var key string
+	for i := range n {
+		r := request("same-content")
+		r.Name = fmt.Sprintf("svc-%d", i%5) // who asks does not change the build
+		key = v1.BuildKey(r, "kaniko@"+testKaniko.ExecutorImage)
+		if _, err := e.pub.Publish(context.Background(), r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	job := e.waitJob(kaniko.JobName(key))
+	// Let every worker take its share before the build ends.
+	time.Sleep(500 * time.Millisecond)
+	shared := tr.push(t, destination(job))
+	e.kubelet(job, 0, shared)
+
+	got := results.waitFor(t, n, 30*time.Second)
+	origins := map[v1.Origin]int{}
+	ids := map[string]bool{}
+	for _, r := range got {
+		origins[r.Data.Origin]++
+		ids[r.ID] = true
+		// Five names, five repositories: the image is copied, not rebuilt.
+		if r.Data.Status != v1.StatusSucceeded || r.Data.Digest != shared || r.Data.Key != key ||
+			r.Data.ImageRef != tr.host+"/acme/"+r.Data.Name+"@"+shared {
+			t.Errorf("result %s", mustJSON(t, r))
+		}
+	}
+	if len(ids) != n {
+		t.Errorf("%d distinct request ids in %d results", len(ids), len(got))
+	}
+	if origins[v1.OriginBuild] != 1 {
+		t.Errorf("origins %v: want exactly one build", origins)
+	}
+	if c := e.creates.total(); c != 1 {
+		t.Errorf("%d jobs created, want 1", c)
+	}
+	time.Sleep(300 * time.Millisecond)
+	if len(results.snapshot()) != n {
+		t.Errorf("%d results, want %d", len(results.snapshot()), n)
+	}
+	eventually(t, 5*time.Second, "all acked", func() bool {
+		msgs, pending, _ := e.streamState()
+		return msgs == 0 && pending == 0
+	})
+}

@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/signal"
 	"strings"
@@ -39,15 +40,17 @@ func failed(err error) error { return &exitError{code: exitFailed, err: err} }
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	code := run(ctx, os.Args[1:])
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()
 	os.Exit(code)
 }
 
 // run executes the command line and returns the process exit code.
-func run(ctx context.Context, args []string) int {
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	root := newRoot()
 	root.SetArgs(args)
+	root.SetOut(stdout)
+	root.SetErr(stderr)
 	err := root.ExecuteContext(ctx)
 	if err == nil {
 		return exitOK
@@ -79,7 +82,7 @@ result event per request. Run "buildq dev" for the whole stack on a laptop.`,
 	root.SetFlagErrorFunc(func(c *cobra.Command, err error) error {
 		return usageErr("%v\nRun '%s --help' for usage.", err, c.CommandPath())
 	})
-	root.AddCommand(newWorkerCmd(), newRenderCmd())
+	root.AddCommand(newWorkerCmd(), newDevCmd(), newSubmitCmd(), newWatchCmd(), newStatusCmd(), newCancelCmd(), newRenderCmd())
 	return root
 }
 

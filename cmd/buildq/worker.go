@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/go-logr/zapr"
@@ -134,9 +135,12 @@ func newLogger(level, format string) (*zap.Logger, error) {
 	if err != nil {
 		return nil, err
 	}
-	klog.SetLogger(zapr.NewLogger(log.Named("client-go")))
+	// klog is process-global: route it once, to the first logger built.
+	klogOnce.Do(func() { klog.SetLogger(zapr.NewLogger(log.Named("client-go"))) })
 	return log, nil
 }
+
+var klogOnce sync.Once
 
 func newWorkerCmd() *cobra.Command {
 	var f workerFlags

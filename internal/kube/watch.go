@@ -175,9 +175,15 @@ func (w *Watcher) Get(namespace, jobName string) (*batchv1.Job, []*corev1.Pod, b
 		if p.Namespace != namespace {
 			continue
 		}
-		if sel.Matches(labels.Set(p.Labels)) || jobNameOf(p) == jobName {
-			pods = append(pods, p)
+		if !sel.Matches(labels.Set(p.Labels)) && jobNameOf(p) != jobName {
+			continue
 		}
+		// A Job deleted and created again under the same name may leave
+		// Pods of the old one behind: only this Job's own Pods count.
+		if uid := p.Labels[batchv1.ControllerUidLabel]; uid != "" && job.UID != "" && uid != string(job.UID) {
+			continue
+		}
+		pods = append(pods, p)
 	}
 	return job, pods, true
 }

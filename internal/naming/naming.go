@@ -5,6 +5,7 @@ package naming
 import (
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/google/go-containerregistry/pkg/name"
 
@@ -32,6 +33,23 @@ type Policy struct {
 	// Prefix, in flat mode, goes before the tenant (e.g. an organisation
 	// "acme/" on Docker Hub).
 	Prefix string
+	// Harbor: the registry is Harbor, whose projects must exist before a
+	// push; the worker creates them on demand (project mode only).
+	Harbor bool
+}
+
+// HarborProject returns the Harbor project a repository of this policy's
+// registry lives in, and whether one must be ensured.
+func (p Policy) HarborProject(repo string) (string, bool) {
+	if !p.Harbor || p.Mode == ModeFlat || p.Registry == "" || !strings.HasPrefix(repo, p.Registry+"/") {
+		return "", false
+	}
+	rest := strings.TrimPrefix(repo, p.Registry+"/")
+	project, _, ok := strings.Cut(rest, "/")
+	if !ok || project == "" {
+		return "", false
+	}
+	return project, true
 }
 
 // ErrNoRepository is returned for a request without image when no registry

@@ -1,0 +1,360 @@
+package main
+
+import (
+	"archive/tar"
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/go-containerregistry/pkg/name"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
+
+	v1 "github.com/buildq/buildq/api/v1"
+)
+
+// dev is an in-process `buildq dev` on free ports.
+type dev struct {
+	nats, s3, registry string
+	stop               func()
+}
+
+var readyRe = regexp.MustCompile(`nats=(\S+)\s+s3=(\S+) .*registry=(\S+)`)
+
+func startDev(t *testing.T, data string) *dev {
+	t.Helper()
+	return startDevOn(t, data, "127.0.0.1:0", "127.0.0.1:0", "127.0.0.1:0")
+}
+
+// freeAddr returns a loopback address that was free a moment ago.
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+func startDevOn(t *testing.T, data, natsAddr, s3Addr, registryAddr string) *dev {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	pr, pw := io.Pipe()
+	done := make(chan int, 1)
+	go func() {
+		code := run(ctx, []string{"dev", "--data", data, "--nats-addr", natsAddr, "--s3-addr", s3Addr,
+			"--registry-addr", registryAddr, "--log-level", "warn"}, io.Discard, pw)
+		pw.Close()
+		done <- code
+	}()
+	lines := make(chan string)
+	var tail bytes.Buffer
+	var mu sync.Mutex
+	go func() {
+		sc := bufio.NewScanner(pr)
+		for sc.Scan() {
+			mu.Lock()
+			tail.WriteString(sc.Text() + "\n")
+			mu.Unlock()
+			if strings.Contains(sc.Text(), "buildq dev ready") {
+				lines <- sc.Text()
+			}
+		}
+		close(lines)
+	}()
+	select {
+	case l, ok := <-lines:
+		if !ok {
+			mu.Lock()
+			defer mu.Unlock()
+			t.Fatalf("buildq dev exited before ready:\n%s", tail.String())
+		}
+		m := readyRe.FindStringSubmatch(l)
+		if m == nil {
+			t.Fatalf("ready line %q lacks endpoints", l)
+		}
+		d := &dev{nats: m[1], s3: m[2], registry: m[3]}
+		stopped := false
+		d.stop = func() {
+			if stopped {
+				return
+			}
+			stopped = true
+			cancel()
+			select {
+			case code := <-done:
+				if code != 0 {
+					t.Errorf("buildq dev exited %d", code)
+				}
+			case <-time.After(30 * time.Second):
+				t.Error("buildq dev did not stop")
+			}
+		}
+		t.Cleanup(d.stop)
+		return d
+	case <-time.After(60 * time.Second):
+		cancel()
+		t.Fatal("buildq dev not ready in 60s")
+	}
+	return nil
+}
+
+// cli runs one buildq command and returns its exit code and output.
+func cli(t *testing.T, args ...string) (int, string, string) {
+	t.Helper()
+	var out, errb bytes.Buffer
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	code := run(ctx, args, &out, &errb)
+	return code, out.String(), errb.String()
+}
+
+func (d *dev) submit(t *testing.T, dir string, extra ...string) (int, string, string) {
+	t.Helper()
+	args := append([]string{"submit", dir, "--nats-url", d.nats, "--s3-endpoint", d.s3}, extra...)
+	return cli(t, args...)
+}
+
+func writeTree(t *testing.T, files map[string]string) string {
+	t.Helper()
+	dir := t.TempDir()
+	for p, c := range files {
+		full := filepath.Join(dir, filepath.FromSlash(p))
+		if err := os.MkdirAll(filepath.Dir(full), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(full, []byte(c), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return dir
+}
+
+func decodeResult(t *testing.T, stdout string) v1.ResultData {
+	t.Helper()
+	dec := json.NewDecoder(strings.NewReader(stdout))
+	var d v1.ResultData
+	if err := dec.Decode(&d); err != nil {
+		t.Fatalf("stdout is not one JSON object: %v\n%s", err, stdout)
+	}
+	if dec.More() {
+		t.Fatalf("stdout holds more than one JSON object:\n%s", stdout)
+	}
+	return d
+}
+
+func TestDevSubmitBuildsAndDeduplicates(t *testing.T) {
+	t.Parallel()
+	d := startDev(t, t.TempDir())
+	ctxDir := writeTree(t, map[string]string{
+		"Dockerfile": "FROM scratch\nARG GREETING=hi\nENV GREETING=$GREETING MODE=prod\n" +
+			"LABEL org.example.team=platform\nCOPY app/ /app/\nENTRYPOINT [\"/app/run\"]\n",
+		"app/run":        "#!/bin/sh\necho run\n",
+		"app/data/a.txt": "a",
+		"notes.swp":      "ignored",
+		".dockerignore":  "*.swp\n",
+	})
+	repo := strings.Replace(d.registry, "http://", "", 1) + "/acme/site"
+
+	code, stdout, stderr := d.submit(t, ctxDir, "--image", repo, "--tenant", "acme", "--name", "site",
+		"--build-arg", "GREETING=hello", "--wait", "-o", "json")
+	if code != 0 {
+		t.Fatalf("submit exit %d\nstdout %s\nstderr %s", code, stdout, stderr)
+	}
+	res := decodeResult(t, stdout)
+	if res.Status != v1.StatusSucceeded || res.Origin != v1.OriginBuild || !strings.HasPrefix(res.Digest, "sha256:") {
+		t.Fatalf("result %+v", res)
+	}
+	for _, phase := range []string{"queued", "claimed", "building", "pushed"} {
+		if !strings.Contains(stderr, phase) {
+			t.Errorf("stderr lacks progress %q:\n%s", phase, stderr)
+		}
+	}
+
+	// The image in the registry: layers hold exactly the context's COPY
+	// sources, the config what the Dockerfile says.
+	ref, err := name.ParseReference(res.ImageRef, name.Insecure)
+	if err != nil {
+		t.Fatal(err)
+	}
+	img, err := remote.Image(ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	digest, _ := img.Digest()
+	if digest.String() != res.Digest {
+		t.Fatalf("registry digest %s, result %s", digest, res.Digest)
+	}
+	cfg, err := img.ConfigFile()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Contains(cfg.Config.Env, "GREETING=hello") || !slices.Contains(cfg.Config.Env, "MODE=prod") {
+		t.Errorf("env %v", cfg.Config.Env)
+	}
+	if !slices.Equal(cfg.Config.Entrypoint, []string{"/app/run"}) {
+		t.Errorf("entrypoint %v", cfg.Config.Entrypoint)
+	}
+	if cfg.Config.Labels["org.example.team"] != "platform" {
+		t.Errorf("labels %v", cfg.Config.Labels)
+	}
+	var files []string
+	layers, _ := img.Layers()
+	for _, l := range layers {
+		rc, err := l.Uncompressed()
+		if err != nil {
+			t.Fatal(err)
+		}
+		tr := tar.NewReader(rc)
+		for {
+			h, err := tr.Next()
+			if err == io.EOF {
+				break
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if h.Typeflag == tar.TypeReg {
+				files = append(files, strings.TrimPrefix(h.Name, "/"))
+			}
+		}
+		rc.Close()
+	}
+	slices.Sort(files)
+	if want := []string{"app/data/a.txt", "app/run"}; !slices.Equal(files, want) {
+		t.Errorf("image files %v, want %v", files, want)
+	}
+
+	// The same submit again: answered from the index, same digest.
+	code, stdout, stderr = d.submit(t, ctxDir, "--image", repo, "--tenant", "acme", "--name", "site",
+		"--build-arg", "GREETING=hello", "--wait", "-o", "json")
+	if code != 0 {
+		t.Fatalf("second submit exit %d: %s", code, stderr)
+	}
+	again := decodeResult(t, stdout)
+	if again.Origin != v1.OriginCache || again.Digest != res.Digest || again.RequestID == res.RequestID {
+		t.Fatalf("second result %+v", again)
+	}
+	if !strings.Contains(stderr, "already uploaded") {
+		t.Errorf("the context was uploaded twice:\n%s", stderr)
+	}
+
+	// status by request id and by key.
+	code, stdout, _ = cli(t, "status", res.RequestID, "--nats-url", d.nats, "-o", "json")
+	if code != 0 || !strings.Contains(stdout, res.Digest) || !strings.Contains(stdout, res.Key) {
+		t.Errorf("status exit %d: %s", code, stdout)
+	}
+	code, stdout, _ = cli(t, "status", res.Key, "--nats-url", d.nats)
+	if code != 0 || !strings.Contains(stdout, "succeeded") {
+		t.Errorf("status by key exit %d: %s", code, stdout)
+	}
+}
+
+func TestDevRefusesRun(t *testing.T) {
+	t.Parallel()
+	d := startDev(t, t.TempDir())
+	dir := writeTree(t, map[string]string{"Dockerfile": "FROM scratch\nRUN echo hi\n"})
+	code, stdout, stderr := d.submit(t, dir, "--wait")
+	if code != 1 {
+		t.Fatalf("exit %d, want 1\nstdout %s\nstderr %s", code, stdout, stderr)
+	}
+	if !strings.Contains(stdout, "RUN") || !strings.Contains(stdout, "kaniko") || !strings.Contains(stdout, "BuildFailed") {
+		t.Errorf("output does not explain the refusal:\n%s", stdout)
+	}
+}
+
+func TestDevKeepsImagesAcrossRestart(t *testing.T) {
+	t.Parallel()
+	data := t.TempDir()
+	// The index records where images live: restart on the same addresses,
+	// as `buildq dev` does with its fixed defaults.
+	addrs := []string{freeAddr(t), freeAddr(t), freeAddr(t)}
+	d := startDevOn(t, data, addrs[0], addrs[1], addrs[2])
+	dir := writeTree(t, map[string]string{"Dockerfile": "FROM scratch\nCOPY f /f\n", "f": "content"})
+	code, stdout, stderr := d.submit(t, dir, "--wait", "-o", "json")
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	first := decodeResult(t, stdout)
+	d.stop()
+
+	d2 := startDevOn(t, data, addrs[0], addrs[1], addrs[2])
+	// The image is still in the registry.
+	repo := strings.SplitN(first.ImageRef, "/", 2)[1]
+	ref, err := name.ParseReference(d2.registry+"/"+repo, name.Insecure)
+	if err != nil {
+		t.Fatal(err)
+	}
+	desc, err := remote.Head(ref)
+	if err != nil || desc.Digest.String() != first.Digest {
+		t.Fatalf("image after restart: %v %v", desc, err)
+	}
+	// And the dedupe index too.
+	code, stdout, stderr = d2.submit(t, dir, "--wait", "-o", "json")
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	if again := decodeResult(t, stdout); again.Origin != v1.OriginCache || again.Digest != first.Digest {
+		t.Fatalf("after restart %+v", again)
+	}
+}
+
+func TestUsageErrorsExit2(t *testing.T) {
+	t.Parallel()
+	dir := writeTree(t, map[string]string{"Dockerfile": "FROM scratch\n"})
+	cases := map[string][]string{
+		"unknown flag":       {"submit", dir, "--bogus"},
+		"missing DIR":        {"submit"},
+		"no such DIR":        {"submit", filepath.Join(dir, "nope")},
+		"no Dockerfile":      {"submit", dir, "-f", "Other.Dockerfile"},
+		"bad build arg":      {"submit", dir, "--build-arg", "NOVALUE"},
+		"bad platform":       {"submit", dir, "--platform", "plan9/mips"},
+		"bad tenant":         {"submit", dir, "--tenant", "a.b"},
+		"image with tag":     {"submit", dir, "--image", "127.0.0.1:5000/a/b:v1"},
+		"bad output":         {"submit", dir, "-o", "xml"},
+		"render bad name":    {"render", dir, "--name", "Bad_Name", "--executor-image", "x@sha256:" + strings.Repeat("0", 64)},
+		"render no executor": {"render", dir},
+		"status no arg":      {"status"},
+		"unknown command":    {"frobnicate"},
+	}
+	for name, args := range cases {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			code, _, stderr := cli(t, append(args, "--nats-url", "nats://127.0.0.1:1")...)
+			if code != 2 {
+				t.Fatalf("exit %d, want 2; stderr: %s", code, stderr)
+			}
+			if !strings.HasPrefix(stderr, "buildq: ") {
+				t.Errorf("stderr %q does not say what is wrong", stderr)
+			}
+		})
+	}
+}
+
+func TestNoNATSSaysStartDev(t *testing.T) {
+	t.Parallel()
+	dir := writeTree(t, map[string]string{"Dockerfile": "FROM scratch\n"})
+	code, _, stderr := cli(t, "watch", "--nats-url", "nats://127.0.0.1:1")
+	if code != 1 || !strings.Contains(stderr, "no NATS at nats://127.0.0.1:1") {
+		t.Fatalf("exit %d stderr %q", code, stderr)
+	}
+	code, _, stderr = cli(t, "status", strings.Repeat("a", 64))
+	_ = dir
+	if code != 1 || !strings.Contains(stderr, "is `buildq dev` running?") {
+		// Only when nothing listens on the default port.
+		if !strings.Contains(stderr, "no build is known") {
+			t.Fatalf("exit %d stderr %q", code, stderr)
+		}
+	}
+}

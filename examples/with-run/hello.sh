@@ -1,0 +1,2 @@
+#!/bin/sh
+echo "hello from an image built by kaniko via buildq"

@@ -1,0 +1,624 @@
+package s3store
+
+import (
+	"context"
+	"errors"
+	"io"
+	"maps"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/minio/minio-go/v7"
+
+	"github.com/buildq/buildq/internal/contexttar"
+)
+
+// sampleFiles is a small context: a Dockerfile, nested files and an empty
+// directory.
+var sampleFiles = map[string]string{
+	"Dockerfile":   "FROM scratch\nCOPY . /\n",
+	"src/main.go":  "package main\n\nfunc main() {}\n",
+	"src/data.txt": strings.Repeat("some data\n", 1000),
+	"empty/":       "",
+}
+
+// sampleEntries is what the archive of sampleFiles holds.
+var sampleEntries = map[string]string{
+	"Dockerfile":   sampleFiles["Dockerfile"],
+	"src/":         "",
+	"src/main.go":  sampleFiles["src/main.go"],
+	"src/data.txt": sampleFiles["src/data.txt"],
+	"empty/":       "",
+}
+
+func TestNew(t *testing.T) {
+	t.Parallel()
+	valid := Config{Endpoint: "http://127.0.0.1:9000", AccessKey: "a", SecretKey: "b"}
+	tests := []struct {
+		name    string
+		mutate  func(*Config)
+		wantErr string // substring; "" means success
+	}{
+		{"accepts http endpoint", func(*Config) {}, ""},
+		{"accepts https endpoint with trailing slash", func(c *Config) { c.Endpoint = "https://s3.amazonaws.com/" }, ""},
+		{"accepts anonymous access", func(c *Config) { c.AccessKey, c.SecretKey = "", "" }, ""},
+		{"refuses endpoint without scheme", func(c *Config) { c.Endpoint = "127.0.0.1:9000" }, "http:// or https://"},
+		{"refuses host name without scheme", func(c *Config) { c.Endpoint = "minio:9000" }, "http:// or https://"},
+		{"refuses other scheme", func(c *Config) { c.Endpoint = "s3://bucket" }, "http:// or https://"},
+		{"refuses empty endpoint", func(c *Config) { c.Endpoint = "" }, "http:// or https://"},
+		{"refuses endpoint with path", func(c *Config) { c.Endpoint = "http://minio:9000/prefix" }, "path"},
+		{"refuses access key without secret", func(c *Config) { c.SecretKey = "" }, "both"},
+		{"refuses secret without access key", func(c *Config) { c.AccessKey = "" }, "both"},
+		{"refuses invalid bucket name", func(c *Config) { c.Bucket = "Not_A_Bucket" }, "bucket"},
+		{"refuses part size below S3 minimum", func(c *Config) { c.PartSize = 1 << 20 }, "part size"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			cfg := valid
+			tt.mutate(&cfg)
+			s, err := New(cfg)
+			if tt.wantErr == "" {
+				if err != nil {
+					t.Fatalf("New: %v", err)
+				}
+				return
+			}
+			if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+				t.Fatalf("New = %v, %v; want error containing %q", s, err, tt.wantErr)
+			}
+		})
+	}
+
+	t.Run("applies defaults", func(t *testing.T) {
+		t.Parallel()
+		s, err := New(valid)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if s.Bucket() != DefaultBucket || s.region != DefaultRegion || s.partSize != DefaultPartSize {
+			t.Errorf("bucket, region, part size = %q, %q, %d; want %q, %q, %d",
+				s.Bucket(), s.region, s.partSize, DefaultBucket, DefaultRegion, DefaultPartSize)
+		}
+	})
+}
+
+func TestContextKey(t *testing.T) {
+	t.Parallel()
+	hex := strings.Repeat("0123456789abcdef", 4)
+	tests := []struct{ digest, want string }{
+		{"sha256:" + hex, "contexts/sha256/" + hex + ".tar.gz"},
+		{hex, ""},                              // no algorithm
+		{"sha512:" + hex, ""},                  // other algorithm
+		{"sha256:" + hex[:63], ""},             // too short
+		{"sha256:" + strings.ToUpper(hex), ""}, // not contexttar's form
+		{"sha256:" + hex[:62] + "/x", ""},      // path characters
+		{"sha256:../../" + hex[:58], ""},       // traversal attempt
+		{"", ""},
+	}
+	for _, tt := range tests {
+		if got := ContextKey(tt.digest); got != tt.want {
+			t.Errorf("ContextKey(%q) = %q, want %q", tt.digest, got, tt.want)
+		}
+	}
+}
+
+func TestUploadContext(t *testing.T) {
+	t.Parallel()
+
+	t.Run("first upload stores the archive under its digest", func(t *testing.T) {
+		t.Parallel()
+		f := newFakeS3(t)
+		s := f.store(t, f.config(), tuning{})
+		dir := t.TempDir()
+		writeTree(t, dir, sampleFiles, time.Unix(1e9, 0))
+
+		res, err := s.UploadContext(context.Background(), dir, contexttar.Options{}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := digestOf(t, dir)
+		if res.Digest != want || res.Key != ContextKey(want) || res.Bucket != testBucket || res.Skipped {
+			t.Errorf("result = %+v, want digest %s at %s/%s, not skipped", res, want, testBucket, ContextKey(want))
+		}
+		if res.Files != len(sampleEntries) || res.Size <= 0 {
+			t.Errorf("result files, size = %d, %d; want %d files and a size", res.Files, res.Size, len(sampleEntries))
+		}
+		reqs := f.rec.take()
+		if len(reqs) == 0 || reqs[0].Method != http.MethodHead || reqs[0].Path != "/"+testBucket+"/"+res.Key {
+			t.Errorf("requests = %v; want a HEAD of the key first", reqs)
+		}
+		if got := readArchive(t, s, res.Key); !maps.Equal(got, sampleEntries) {
+			t.Errorf("archive holds %v, want %v", keysOf(got), keysOf(sampleEntries))
+		}
+		info, err := s.client.StatObject(context.Background(), testBucket, res.Key, minio.StatObjectOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := info.Metadata.Get("X-Amz-Meta-Buildq-Digest"); got != want {
+			t.Errorf("x-amz-meta-buildq-digest = %q, want %q", got, want)
+		}
+		if info.ContentType != "application/gzip" {
+			t.Errorf("Content-Type = %q, want application/gzip", info.ContentType)
+		}
+		if got := objects(t, s); !slices.Equal(got, []string{res.Key}) {
+			t.Errorf("bucket holds %v, want only %s", got, res.Key)
+		}
+	})
+
+	t.Run("same content again is skipped with only a HEAD", func(t *testing.T) {
+		t.Parallel()
+		f := newFakeS3(t)
+		s := f.store(t, f.config(), tuning{})
+		dir := t.TempDir()
+		writeTree(t, dir, sampleFiles, time.Unix(1e9, 0))
+		first, err := s.UploadContext(context.Background(), dir, contexttar.Options{}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+
+		// A copy with other mtimes has the same digest, hence the same key.
+		copyDir := t.TempDir()
+		writeTree(t, copyDir, sampleFiles, time.Unix(2e9, 0))
+		for _, d := range []string{dir, copyDir} {
+			f.rec.take()
+			var phases []string
+			res, err := s.UploadContext(context.Background(), d, contexttar.Options{}, func(phase string, _, _ int64) {
+				phases = append(phases, phase)
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !res.Skipped || res.Digest != first.Digest || res.Key != first.Key || res.Size != first.Size || res.Files != first.Files {
+				t.Errorf("%s: result = %+v, want %+v skipped", d, res, first)
+			}
+			want := []request{{Method: http.MethodHead, Path: "/" + testBucket + "/" + first.Key}}
+			if got := f.rec.take(); !slices.Equal(got, want) {
+				t.Errorf("%s: requests = %v, want only %v", d, got, want)
+			}
+			if slices.Contains(phases, PhaseUploading) {
+				t.Errorf("%s: skipped upload reported phases %v", d, slices.Compact(phases))
+			}
+		}
+	})
+
+	t.Run("large context goes up in several parts and reads back intact", func(t *testing.T) {
+		t.Parallel()
+		f := newFakeS3(t)
+		cfg := f.config()
+		cfg.PartSize = smallPart
+		s := f.store(t, cfg, tuning{minPartSize: smallPart})
+		files := map[string]string{
+			"Dockerfile": "FROM scratch\n",
+			"blob.bin":   randomText(1, 5*smallPart+123),
+		}
+		dir := t.TempDir()
+		writeTree(t, dir, files, time.Unix(1e9, 0))
+
+		res, err := s.UploadContext(context.Background(), dir, contexttar.Options{}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		parts := 0
+		for _, r := range f.rec.take() {
+			if r.Method == http.MethodPut && strings.Contains(r.Query, "partNumber=") {
+				parts++
+			}
+		}
+		if parts < 5 {
+			t.Errorf("uploaded %d parts, want at least 5 parts of %d bytes", parts, smallPart)
+		}
+		if got := readArchive(t, s, res.Key); !maps.Equal(got, files) {
+			t.Errorf("archive holds %v, want %v with their content", keysOf(got), keysOf(files))
+		}
+		if res.Digest != digestOf(t, dir) {
+			t.Errorf("digest %s differs from contexttar's", res.Digest)
+		}
+	})
+
+	t.Run("files changed between passes abort the upload", func(t *testing.T) {
+		t.Parallel()
+		f := newFakeS3(t)
+		cfg := f.config()
+		cfg.PartSize = smallPart
+		s := f.store(t, cfg, tuning{minPartSize: smallPart})
+		dir := t.TempDir()
+		writeTree(t, dir, map[string]string{
+			"a.bin": randomText(2, 4*smallPart),
+			"z.txt": "last in the archive\n",
+		}, time.Unix(1e9, 0))
+		hashed := digestOf(t, dir)
+
+		// Once hashed, change the last file: the second pass streams
+		// several parts before its digest, known only at the end, differs.
+		changed := false
+		res, err := s.UploadContext(context.Background(), dir, contexttar.Options{}, func(phase string, done, total int64) {
+			if phase == PhaseHashing && done == total && !changed {
+				changed = true
+				if err := os.WriteFile(filepath.Join(dir, "z.txt"), []byte("edited meanwhile\n"), 0o644); err != nil {
+					t.Error(err)
+				}
+			}
+		})
+		if !errors.Is(err, ErrContextChanged) {
+			t.Fatalf("UploadContext = %+v, %v; want ErrContextChanged", res, err)
+		}
+		if IsTransient(err) {
+			t.Errorf("IsTransient(%v) = true", err)
+		}
+		reqs := f.rec.take()
+		parts, aborted := 0, false
+		for _, r := range reqs {
+			parts += btoi(r.Method == http.MethodPut && strings.Contains(r.Query, "partNumber="))
+			aborted = aborted || (r.Method == http.MethodDelete && strings.Contains(r.Query, "uploadId="))
+		}
+		if parts < 2 || !aborted {
+			t.Errorf("requests = %v; want parts uploaded, then the multipart upload aborted", reqs)
+		}
+		if got := objects(t, s); len(got) != 0 {
+			t.Errorf("bucket holds %v after an aborted upload, want nothing", got)
+		}
+		if got := incompleteUploads(t, s); len(got) != 0 {
+			t.Errorf("incomplete uploads left: %v", got)
+		}
+
+		// Once stable, the new content goes up under its own key.
+		res, err = s.UploadContext(context.Background(), dir, contexttar.Options{}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.Skipped || res.Digest == hashed || res.Digest != digestOf(t, dir) {
+			t.Errorf("retry = %+v; want a fresh upload of the new digest", res)
+		}
+	})
+
+	t.Run("cancelled context aborts the upload", func(t *testing.T) {
+		t.Parallel()
+		f := newFakeS3(t)
+		cfg := f.config()
+		cfg.PartSize = smallPart
+		s := f.store(t, cfg, tuning{minPartSize: smallPart})
+		dir := t.TempDir()
+		writeTree(t, dir, map[string]string{
+			"a.bin": randomText(3, 4*smallPart),
+			"b.txt": "b", "c.txt": "c", "d/e.txt": "e",
+		}, time.Unix(1e9, 0))
+
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		// Cancel once a.bin has gone through the pipe: by then the
+		// multipart upload exists and parts are on the server.
+		_, err := s.UploadContext(ctx, dir, contexttar.Options{}, func(phase string, done, _ int64) {
+			if phase == PhaseUploading && done > 3*smallPart {
+				cancel()
+			}
+		})
+		if !errors.Is(err, context.Canceled) {
+			t.Fatalf("UploadContext = %v, want context.Canceled", err)
+		}
+		if IsTransient(err) {
+			t.Errorf("IsTransient(%v) = true", err)
+		}
+		if got := objects(t, s); len(got) != 0 {
+			t.Errorf("bucket holds %v after a cancelled upload, want nothing", got)
+		}
+		if got := incompleteUploads(t, s); len(got) != 0 {
+			t.Errorf("incomplete uploads left: %v", got)
+		}
+	})
+
+	t.Run("progress reports hashing then uploading up to the total", func(t *testing.T) {
+		t.Parallel()
+		f := newFakeS3(t)
+		s := f.store(t, f.config(), tuning{})
+		dir := t.TempDir()
+		writeTree(t, dir, sampleFiles, time.Unix(1e9, 0))
+
+		type call struct {
+			phase       string
+			done, total int64
+		}
+		var (
+			mu    sync.Mutex // calls come from two goroutines, one at a time
+			calls []call
+		)
+		callerCalls := 0
+		opts := contexttar.Options{Progress: func(int64, int) { callerCalls++ }}
+		res, err := s.UploadContext(context.Background(), dir, opts, func(phase string, done, total int64) {
+			mu.Lock()
+			defer mu.Unlock()
+			calls = append(calls, call{phase, done, total})
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		mu.Lock()
+		defer mu.Unlock()
+
+		split := slices.IndexFunc(calls, func(c call) bool { return c.phase == PhaseUploading })
+		if split <= 0 {
+			t.Fatalf("calls = %v; want hashing calls, then uploading calls", calls)
+		}
+		hashing, uploading := calls[:split], calls[split:]
+		for i, c := range hashing {
+			last := i == len(hashing)-1
+			switch {
+			case c.phase != PhaseHashing:
+				t.Errorf("call %v interleaved with uploading calls", c)
+			case !last && c.total != -1:
+				t.Errorf("hashing call %v: total should be -1 until the end", c)
+			case i > 0 && c.done < hashing[i-1].done:
+				t.Errorf("hashing call %v went backwards from %v", c, hashing[i-1])
+			case last && (c.done != res.Size || c.total != res.Size):
+				t.Errorf("last hashing call %v, want done = total = %d", c, res.Size)
+			}
+		}
+		for i, c := range uploading {
+			switch {
+			case c.phase != PhaseUploading:
+				t.Errorf("call %v after uploading began", c)
+			case c.total != res.Size:
+				t.Errorf("uploading call %v, want total %d", c, res.Size)
+			case i > 0 && c.done < uploading[i-1].done:
+				t.Errorf("uploading call %v went backwards from %v", c, uploading[i-1])
+			}
+		}
+		if last := uploading[len(uploading)-1]; last.done != res.Size {
+			t.Errorf("last uploading call %v, want done = %d", last, res.Size)
+		}
+		if callerCalls != 2*res.Files {
+			t.Errorf("opts.Progress called %d times, want once per entry in each pass (%d)", callerCalls, 2*res.Files)
+		}
+	})
+}
+
+func TestExistsAndOpen(t *testing.T) {
+	t.Parallel()
+	f := newFakeS3(t)
+	s := f.store(t, f.config(), tuning{})
+	ctx := context.Background()
+	key := ContextKey("sha256:" + strings.Repeat("ab", 32))
+
+	t.Run("missing key does not exist", func(t *testing.T) {
+		if ok, err := s.Exists(ctx, testBucket, key); ok || err != nil {
+			t.Errorf("Exists = %v, %v; want false, nil", ok, err)
+		}
+	})
+	t.Run("missing bucket does not exist", func(t *testing.T) {
+		if ok, err := s.Exists(ctx, "no-such-bucket", key); ok || err != nil {
+			t.Errorf("Exists = %v, %v; want false, nil", ok, err)
+		}
+	})
+	t.Run("opening a missing key is ErrNotFound at Open time", func(t *testing.T) {
+		body, err := s.Open(ctx, testBucket, key)
+		if !errors.Is(err, ErrNotFound) {
+			t.Fatalf("Open = %v, %v; want ErrNotFound", body, err)
+		}
+		if IsTransient(err) {
+			t.Errorf("IsTransient(%v) = true", err)
+		}
+	})
+	t.Run("opening in a missing bucket is ErrNotFound", func(t *testing.T) {
+		if _, err := s.Open(ctx, "no-such-bucket", key); !errors.Is(err, ErrNotFound) {
+			t.Fatalf("Open = %v; want ErrNotFound", err)
+		}
+	})
+
+	const content = "not really a tar.gz"
+	if _, err := s.client.PutObject(ctx, testBucket, key, strings.NewReader(content), int64(len(content)), minio.PutObjectOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Run("stored key exists", func(t *testing.T) {
+		if ok, err := s.Exists(ctx, testBucket, key); !ok || err != nil {
+			t.Errorf("Exists = %v, %v; want true, nil", ok, err)
+		}
+	})
+	t.Run("opening a stored key streams its body", func(t *testing.T) {
+		body, err := s.Open(ctx, testBucket, key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer body.Close()
+		if b, err := io.ReadAll(body); err != nil || string(b) != content {
+			t.Errorf("body = %q, %v; want %q", b, err, content)
+		}
+	})
+}
+
+func TestEnsureBucket(t *testing.T) {
+	t.Parallel()
+	f := newFakeS3(t)
+	s, err := newStore(f.config(), tuning{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	for i := range 2 { // the second call finds the bucket there
+		if err := s.EnsureBucket(ctx); err != nil {
+			t.Fatalf("EnsureBucket #%d: %v", i+1, err)
+		}
+	}
+	if ok, err := s.client.BucketExists(ctx, testBucket); !ok || err != nil {
+		t.Errorf("BucketExists = %v, %v; want true", ok, err)
+	}
+	// Two stores racing to create it both succeed.
+	s2, err := newStore(func() Config { c := f.config(); c.Bucket = "raced"; return c }(), tuning{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	errs := make([]error, 4)
+	for i := range errs {
+		wg.Go(func() { errs[i] = s2.EnsureBucket(ctx) })
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		t.Errorf("concurrent EnsureBucket: %v", err)
+	}
+}
+
+func TestErrors(t *testing.T) {
+	t.Parallel()
+
+	t.Run("wrong access key is a permanent error and writes nothing", func(t *testing.T) {
+		t.Parallel()
+		f := newFakeS3(t)
+		f.store(t, f.config(), tuning{}) // the bucket exists
+		cfg := f.config()
+		cfg.AccessKey = "intruder"
+		s, err := New(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		dir := t.TempDir()
+		writeTree(t, dir, sampleFiles, time.Unix(1e9, 0))
+
+		_, err = s.UploadContext(context.Background(), dir, contexttar.Options{}, nil)
+		if err == nil || IsTransient(err) {
+			t.Errorf("UploadContext = %v; want a non-transient error", err)
+		}
+		if n := countWrites(f.rec.take()); n != 0 {
+			t.Errorf("made %d PUT/POST requests with rejected credentials", n)
+		}
+		// A GET carries the server's error document.
+		_, err = s.Open(context.Background(), testBucket, "any")
+		if code := errCode(err); code != "InvalidAccessKeyId" || IsTransient(err) || errors.Is(err, ErrNotFound) {
+			t.Errorf("Open = %v (code %q, transient %v); want permanent InvalidAccessKeyId", err, code, IsTransient(err))
+		}
+		if err := s.EnsureBucket(context.Background()); err == nil || IsTransient(err) {
+			t.Errorf("EnsureBucket = %v; want a non-transient error", err)
+		}
+	})
+
+	t.Run("refused connection is transient", func(t *testing.T) {
+		t.Parallel()
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		addr := l.Addr().String()
+		l.Close() // nothing listens there now
+		// One attempt: minio-go would otherwise retry with backoff for
+		// seconds before giving up.
+		s, err := newStore(Config{Endpoint: "http://" + addr, AccessKey: "a", SecretKey: "b"}, tuning{maxRetries: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx := context.Background()
+		if _, err := s.Exists(ctx, "bucket", "key"); !IsTransient(err) {
+			t.Errorf("Exists = %v; want a transient error", err)
+		}
+		if _, err := s.Open(ctx, "bucket", "key"); !IsTransient(err) || errors.Is(err, ErrNotFound) {
+			t.Errorf("Open = %v; want a transient error", err)
+		}
+		dir := t.TempDir()
+		writeTree(t, dir, sampleFiles, time.Unix(1e9, 0))
+		if _, err := s.UploadContext(ctx, dir, contexttar.Options{}, nil); !IsTransient(err) {
+			t.Errorf("UploadContext = %v; want a transient error", err)
+		}
+	})
+
+	t.Run("upload to a missing bucket is a permanent error", func(t *testing.T) {
+		t.Parallel()
+		f := newFakeS3(t)
+		cfg := f.config()
+		cfg.Bucket = "never-created"
+		s, err := New(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		dir := t.TempDir()
+		writeTree(t, dir, sampleFiles, time.Unix(1e9, 0))
+		_, err = s.UploadContext(context.Background(), dir, contexttar.Options{}, nil)
+		if code := errCode(err); code != minio.NoSuchBucket || IsTransient(err) {
+			t.Errorf("UploadContext = %v (code %q); want permanent NoSuchBucket", err, code)
+		}
+	})
+
+	t.Run("packing errors are returned as is", func(t *testing.T) {
+		t.Parallel()
+		f := newFakeS3(t)
+		s := f.store(t, f.config(), tuning{})
+		dir := t.TempDir()
+		writeTree(t, dir, map[string]string{"big": strings.Repeat("x", 100)}, time.Unix(1e9, 0))
+		_, err := s.UploadContext(context.Background(), dir, contexttar.Options{MaxBytes: 10}, nil)
+		if !errors.Is(err, contexttar.ErrTooLarge) || IsTransient(err) {
+			t.Errorf("UploadContext = %v; want permanent contexttar.ErrTooLarge", err)
+		}
+		if reqs := f.rec.take(); len(reqs) != 0 {
+			t.Errorf("requests = %v; want none for a context that cannot be packed", reqs)
+		}
+	})
+}
+
+// TestIsTransient checks the classification of errors gofakes3 cannot
+// produce (it checks no signatures and never throttles), on the values
+// minio-go builds from S3 responses.
+func TestIsTransient(t *testing.T) {
+	t.Parallel()
+	s3err := func(status int, code string) error {
+		return minio.ErrorResponse{StatusCode: status, Code: code, Message: code}
+	}
+	tests := []struct {
+		name string
+		err  error
+		want bool
+	}{
+		{"nil", nil, false},
+		{"NoSuchKey", s3err(404, "NoSuchKey"), false},
+		{"AccessDenied", s3err(403, "AccessDenied"), false},
+		{"InvalidAccessKeyId", s3err(403, "InvalidAccessKeyId"), false},
+		{"SignatureDoesNotMatch", s3err(403, "SignatureDoesNotMatch"), false},
+		{"ExpiredToken", s3err(400, "ExpiredToken"), false},
+		{"NoSuchBucket", s3err(404, "NoSuchBucket"), false},
+		{"503 SlowDown", s3err(503, "SlowDown"), true},
+		{"500 InternalError", s3err(500, "InternalError"), true},
+		{"502 without code", s3err(502, "502 Bad Gateway"), true},
+		{"429", s3err(429, "TooManyRequests"), true},
+		{"SlowDown without status", s3err(0, "SlowDown"), true},
+		{"wrapped 503", errors.Join(errors.New("context"), s3err(503, "ServiceUnavailable")), true},
+		{"wrapped AccessDenied", errors.Join(errors.New("context"), s3err(403, "AccessDenied")), false},
+		{"connection refused", &net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("connect", syscall.ECONNREFUSED)}, true},
+		{"reset mid-response", io.ErrUnexpectedEOF, true},
+		{"deadline", context.DeadlineExceeded, true},
+		{"cancelled", context.Canceled, false},
+		{"changed context", ErrContextChanged, false},
+		{"not found", ErrNotFound, false},
+		{"plain error", errors.New("boom"), false},
+	}
+	for _, tt := range tests {
+		if got := IsTransient(tt.err); got != tt.want {
+			t.Errorf("%s: IsTransient(%v) = %v, want %v", tt.name, tt.err, got, tt.want)
+		}
+	}
+}
+
+func keysOf(m map[string]string) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	return keys
+}
+
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// errCode returns the S3 error code in err's chain, or "".
+func errCode(err error) string {
+	er, _ := asErrorResponse(err)
+	return er.Code
+}

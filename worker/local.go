@@ -1,0 +1,173 @@
+package worker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"sync"
+	"time"
+
+	ggcrv1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/contexttar"
+	"github.com/buildq/buildq/internal/localexec"
+	"github.com/buildq/buildq/internal/s3store"
+)
+
+// ContextSource reads build contexts from object storage.
+type ContextSource interface {
+	// Open returns the object's body, or an error matching
+	// s3store.ErrNotFound.
+	Open(ctx context.Context, bucket, key string) (io.ReadCloser, error)
+}
+
+// ImagePusher pushes built images and gives pull options for base images.
+type ImagePusher interface {
+	Push(ctx context.Context, img ggcrv1.Image, refs []string) (string, error)
+	RemoteOptions(ctx context.Context) []remote.Option
+}
+
+// LocalBackend builds in-process with the local executor: no cluster, no
+// container runtime. It is what `buildq dev` runs; Dockerfiles with RUN
+// need the kaniko backend.
+type LocalBackend struct {
+	contexts   ContextSource
+	pusher     ImagePusher
+	workDir    string
+	maxContext int64
+
+	mu      sync.Mutex
+	running map[string]*localRun
+}
+
+type localRun struct {
+	cancel  context.CancelFunc
+	creator string
+	done    chan struct{}
+	out     Outcome
+	err     error
+}
+
+// NewLocalBackend builds contexts read from contexts and pushes with
+// pusher. workDir holds extracted contexts while they build (default: the
+// system temp dir); maxContext caps an extracted context (default
+// contexttar.DefaultMaxBytes).
+func NewLocalBackend(contexts ContextSource, pusher ImagePusher, workDir string, maxContext int64) *LocalBackend {
+	return &LocalBackend{contexts: contexts, pusher: pusher, workDir: workDir, maxContext: maxContext, running: map[string]*localRun{}}
+}
+
+// Identity implements Backend.
+func (l *LocalBackend) Identity() string { return localexec.Identity }
+
+// Run implements Backend. Concurrent runs of one key in this process share
+// one build.
+func (l *LocalBackend) Run(ctx context.Context, b Build, started Started) (Outcome, error) {
+	name := "local-" + v1.DefaultTag(b.Key)
+	l.mu.Lock()
+	if r, ok := l.running[b.Key]; ok {
+		l.mu.Unlock()
+		started(name, false, r.creator)
+		select {
+		case <-r.done:
+			return r.out, r.err
+		case <-ctx.Done():
+			return Outcome{}, ctx.Err()
+		}
+	}
+	bctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	r := &localRun{cancel: cancel, creator: b.Request.RequestID, done: make(chan struct{})}
+	l.running[b.Key] = r
+	l.mu.Unlock()
+	started(name, true, b.Request.RequestID)
+
+	r.out, r.err = l.build(bctx, b)
+	r.out.Job = name
+	l.mu.Lock()
+	delete(l.running, b.Key)
+	l.mu.Unlock()
+	close(r.done)
+	return r.out, r.err
+}
+
+func (l *LocalBackend) build(ctx context.Context, b Build) (Outcome, error) {
+	req := b.Request
+	start := time.Now().UTC()
+	fail := func(reason, msg string) (Outcome, error) {
+		return Outcome{Reason: reason, Message: msg, LogTail: msg, StartedAt: start, FinishedAt: time.Now().UTC()}, nil
+	}
+	if req.Source.S3 == nil {
+		return fail(v1.ReasonBuildFailed, "the local executor builds S3 contexts only; git sources need the kaniko executor (buildq worker, or buildq dev --kubeconfig)")
+	}
+	if len(req.Platforms) > 1 {
+		return fail(v1.ReasonBuildFailed, "the local executor builds one platform per request; multi-platform builds need the kaniko executor")
+	}
+	rc, err := l.contexts.Open(ctx, req.Source.S3.Bucket, req.Source.S3.Key)
+	if errors.Is(err, s3store.ErrNotFound) {
+		return fail(v1.ReasonContextMissing, fmt.Sprintf("context s3://%s/%s does not exist", req.Source.S3.Bucket, req.Source.S3.Key))
+	}
+	if err != nil {
+		return Outcome{}, Transient(fmt.Errorf("open context: %w", err))
+	}
+	defer rc.Close()
+	dir, err := os.MkdirTemp(l.workDir, "buildq-context-")
+	if err != nil {
+		return Outcome{}, fmt.Errorf("context work dir: %w", err)
+	}
+	defer os.RemoveAll(dir)
+	if err := contexttar.Extract(ctx, rc, dir, l.maxContext); err != nil {
+		if ctx.Err() != nil {
+			return Outcome{}, ctx.Err()
+		}
+		if errors.Is(err, contexttar.ErrUnsafePath) || errors.Is(err, contexttar.ErrTooLarge) {
+			return fail(v1.ReasonBuildFailed, "context refused: "+err.Error())
+		}
+		return Outcome{}, Transient(fmt.Errorf("read context: %w", err))
+	}
+	platform := ""
+	if len(req.Platforms) == 1 {
+		platform = req.Platforms[0]
+	}
+	img, err := localexec.Build(ctx, localexec.Options{
+		ContextDir: dir,
+		Dockerfile: req.DockerfileOrDefault(),
+		BuildArgs:  req.BuildArgs,
+		Target:     req.Target,
+		Platform:   platform,
+		Labels:     req.Labels,
+		Remote:     l.pusher.RemoteOptions(ctx),
+	})
+	if err != nil {
+		if ctx.Err() != nil {
+			return Outcome{}, ctx.Err()
+		}
+		var be *localexec.BuildError
+		if errors.As(err, &be) {
+			return fail(v1.ReasonBuildFailed, err.Error())
+		}
+		return Outcome{}, Transient(err)
+	}
+	digest, err := l.pusher.Push(ctx, img, b.Destinations)
+	if err != nil {
+		if ctx.Err() != nil {
+			return Outcome{}, ctx.Err()
+		}
+		return fail(v1.ReasonPushFailed, "push: "+err.Error())
+	}
+	return Outcome{Succeeded: true, Digest: digest, StartedAt: start, FinishedAt: time.Now().UTC()}, nil
+}
+
+// Cleanup implements Backend: a finished local build leaves nothing behind;
+// a running one (a cancel) is stopped.
+func (l *LocalBackend) Cleanup(_ context.Context, key string) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if r, ok := l.running[key]; ok {
+		r.cancel()
+	}
+	return nil
+}
