@@ -3,7 +3,7 @@ SHELL := /bin/bash
 GO ?= go
 BIN ?= bin
 PKGS := ./...
-# Integration tests need the real components built by hack/tools (cached
+# Integration tests need the real components built by integration/tools (cached
 # outside the clone, see integration/README.md).
 INTEGRATION_TIMEOUT ?= 40m
 
@@ -19,7 +19,10 @@ test: test-unit test-integration ## Unit tests (with -race), then the integratio
 test-unit: ## Unit tests, race detector on
 	$(GO) test -race -count=1 -timeout 10m $(PKGS)
 
-test-integration: ## Integration suite against real NATS, MinIO, registry and Kubernetes
+tools: ## Build the integration suite's real components (cached outside the clone)
+	bash integration/tools/build.sh
+
+test-integration: tools ## Integration suite against real NATS, MinIO, registry and Kubernetes
 	$(GO) test -tags integration -count=1 -timeout $(INTEGRATION_TIMEOUT) -v ./integration/... 2>&1 | tee /tmp/buildq-integration.log | grep -E '^(=== RUN|--- |PASS|FAIL|ok|panic)|_test.go' ; exit $${PIPESTATUS[0]}
 
 lint: vet ## go vet, gofmt, and golangci-lint when installed

@@ -112,6 +112,7 @@ func (k *KubeBackend) Identity() string { return k.identity }
 
 // Run implements Backend.
 func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcome, error) {
+	runStart := time.Now()
 	job, err := kaniko.Job(kaniko.Spec{Request: b.Request, Key: b.Key, Destinations: b.Destinations}, k.cfg)
 	if err != nil {
 		return Outcome{}, err
@@ -138,6 +139,12 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 
 	seen := false
 	var grace <-chan time.Time
+	// A Job created and deleted while the informer's watch was broken never
+	// reaches the cache, and a relist does not report it either. While the
+	// Job has not been seen, ask the API server now and then whether it
+	// still exists; once seen, the informer alone decides.
+	unseen := time.NewTicker(k.digestGrace)
+	defer unseen.Stop()
 	for {
 		cur, pods, ok := k.watcher.Get(k.cfg.Namespace, name)
 		switch {
@@ -152,19 +159,30 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 				return k.deleted(name), nil
 			}
 			o := kube.JobOutcome(cur, pods)
-			if o.Done && !o.Pending {
+			// A failure's log tail is on its Pod, which can reach the cache
+			// after the Job: wait for it as for a success's digest.
+			podLag := o.Done && !o.Succeeded && len(pods) == 0
+			if o.Done && !o.Pending && !podLag {
 				return k.outcome(ctx, name, b.Destinations[0], o), nil
 			}
-			if o.Pending && grace == nil {
+			if (o.Pending || podLag) && grace == nil {
 				t := time.NewTimer(k.digestGrace)
 				defer t.Stop()
 				grace = t.C
 			}
-		case seen:
+		case seen, k.watcher.DeletedSince(k.cfg.Namespace, name, runStart):
+			// Gone: seen and then not, or deleted before this goroutine
+			// ever read it from the cache (the informer saw it go).
 			return k.deleted(name), nil
 		}
 		select {
 		case <-signal:
+		case <-unseen.C:
+			if !seen {
+				if _, err := k.client.BatchV1().Jobs(k.cfg.Namespace).Get(ctx, name, metav1.GetOptions{}); apierrors.IsNotFound(err) {
+					return k.deleted(name), nil
+				}
+			}
 		case <-grace:
 			// Succeeded, but its Pod (and so the digest) never reached the
 			// cache: it was deleted. The registry has the answer.

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+
+	v1 "github.com/buildq/buildq/api/v1"
 )
 
 // Record states in the buildq-builds bucket.
@@ -106,7 +108,10 @@ func (c claims) finalize(ctx context.Context, final *Record) (*Record, error) {
 		if err != nil {
 			return nil, err
 		}
-		if cur != nil && cur.Final() && cur.RequestID == final.RequestID && cur.Job == final.Job {
+		// A cancel of this very build wins over the outcome the cancel
+		// caused (its Job deleted), even when the claim did not name the
+		// Job yet.
+		if cur != nil && cur.Final() && cur.RequestID == final.RequestID && (cur.Job == final.Job || cur.Reason == v1.ReasonCanceled) {
 			return cur, nil
 		}
 		if cur == nil {

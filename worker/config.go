@@ -46,9 +46,17 @@ type Config struct {
 	// Registry checks and tags images (nil: the index is trusted as is and
 	// requests for other repositories than the build's fail).
 	Registry Registry
+	// QueueTTL bounds how long a request may wait in the queue: a request
+	// first taken more than QueueTTL after the server stored it gets a
+	// failed result with reason Expired and is terminated without a build.
+	// Redeliveries of a request already taken are not expired. 0 (the
+	// default) means no limit.
+	QueueTTL time.Duration
 	// KeepJobs leaves finished Jobs for their ttlSecondsAfterFinished
 	// instead of deleting them after the results are stored (default false).
 	KeepJobs bool
+	// Metrics, when not nil, records Prometheus metrics.
+	Metrics *Metrics
 	// Logger (default: a no-op logger).
 	Logger *zap.Logger
 	// Now is the clock (default time.Now).
@@ -126,6 +134,9 @@ func (c Config) Validate() error {
 	}
 	if c.Lease < time.Second {
 		errs = append(errs, fmt.Errorf("lease must be at least 1s, got %s", c.Lease))
+	}
+	if c.QueueTTL < 0 {
+		errs = append(errs, fmt.Errorf("queue TTL must not be negative (0 means no limit), got %s", c.QueueTTL))
 	}
 	if err := c.Naming.Validate(); err != nil {
 		errs = append(errs, err)

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -88,7 +89,11 @@ func (w *Worker) serveCancel(ctx context.Context) (*nats.Subscription, error) {
 	return w.nc.QueueSubscribe(v1.CancelPrefix+".>", "buildq-cancel", func(m *nats.Msg) {
 		cctx, cancel := context.WithTimeout(ctx, 15*time.Second)
 		defer cancel()
-		rep := w.cancel(cctx, string(m.Data))
+		tenant := ""
+		if parts := strings.Split(m.Subject, "."); len(parts) == 4 {
+			tenant = parts[2]
+		}
+		rep := w.cancel(cctx, tenant, string(m.Data))
 		b, _ := json.Marshal(rep)
 		_ = m.Respond(b)
 	})
@@ -96,8 +101,11 @@ func (w *Worker) serveCancel(ctx context.Context) (*nats.Subscription, error) {
 
 // cancel ends the build of a key (or of a request's key): the claim becomes
 // a final Canceled record, which every waiting request turns into its
-// "canceled" result, and the build itself is stopped.
-func (w *Worker) cancel(ctx context.Context, target string) CancelReply {
+// "canceled" result, and the build itself is stopped. Only the tenant
+// whose request claimed the build may cancel it: the cancel subject's
+// tenant must match, so NATS permissions on buildq.cancel.<tenant>.> are
+// what guards a tenant's builds.
+func (w *Worker) cancel(ctx context.Context, tenant, target string) CancelReply {
 	key := target
 	if !IsBuildKey(target) {
 		e, err := w.requests.Get(ctx, RequestIndexKey(target))
@@ -107,6 +115,9 @@ func (w *Worker) cancel(ctx context.Context, target string) CancelReply {
 		var re RequestEntry
 		if err := json.Unmarshal(e.Value(), &re); err != nil || re.Key == "" {
 			return CancelReply{Message: fmt.Sprintf("request %q has no build yet", target)}
+		}
+		if re.Tenant != tenant {
+			return CancelReply{Message: fmt.Sprintf("request %q belongs to tenant %q: send the cancel on %s", target, re.Tenant, v1.CancelSubject(re.Tenant, re.Name))}
 		}
 		key = re.Key
 	}
@@ -120,6 +131,9 @@ func (w *Worker) cancel(ctx context.Context, target string) CancelReply {
 		}
 		if cur.Final() {
 			return CancelReply{Key: key, Message: "the build already finished: " + cur.State}
+		}
+		if cur.Tenant != "" && cur.Tenant != tenant {
+			return CancelReply{Key: key, Message: fmt.Sprintf("the build of key %s belongs to tenant %q: send the cancel on %s", key, cur.Tenant, v1.CancelSubject(cur.Tenant, cur.Name))}
 		}
 		final := *cur
 		final.State, final.Reason, final.Message = StateFailed, v1.ReasonCanceled, "canceled on request"

@@ -9,6 +9,7 @@
 package worker
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -217,6 +218,8 @@ fetch:
 			go func() {
 				defer wg.Done()
 				defer w.release(1)
+				w.cfg.Metrics.taken()
+				defer w.cfg.Metrics.released()
 				w.handle(workCtx, msg)
 			}()
 		}
@@ -284,6 +287,7 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 	case err != nil && IsTransient(err) && int(meta.NumDelivered) < w.cfg.MaxDeliver:
 		delay := retryDelay(meta.NumDelivered)
 		log.Warn("transient failure; retrying later", zap.Error(err), zap.Duration("delay", delay))
+		w.cfg.Metrics.retried()
 		_ = msg.NakWithDelay(delay)
 		return
 	case err != nil:
@@ -321,6 +325,7 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 	if err != nil {
 		log.Warn("ack failed; the result is stored and a redelivery will find it", zap.Error(err))
 	}
+	w.cfg.Metrics.published(v.data)
 	log.Info("request done", zap.String("requestId", v.data.RequestID), zap.String("status", string(v.data.Status)),
 		zap.String("origin", string(v.data.Origin)), zap.String("reason", v.data.Reason), zap.String("digest", v.data.Digest))
 	if v.cleanupKey != "" && !w.cfg.KeepJobs {
@@ -371,7 +376,17 @@ func (w *Worker) heartbeat(msg jetstream.Msg) func() {
 func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream.MsgMetadata) (verdict, error) {
 	started := w.cfg.Now().UTC()
 	timings := v1.Timings{QueuedAt: meta.Timestamp.UTC(), StartedAt: started, QueueWaitMs: started.Sub(meta.Timestamp).Milliseconds()}
+	if len(bytes.TrimSpace(msg.Data())) == 0 {
+		return w.invalid(msg, nil, &v1.DecodeError{Err: errors.New("the request body is empty")}, timings, meta), nil
+	}
 	req, err := v1.DecodeRequest(msg.Data())
+	if err == nil && msg.Subject() != v1.RequestSubject(req.Tenant) {
+		// The subject is what NATS permissions guard: a request may not
+		// speak for another tenant than the one it was published as.
+		err = &v1.ValidationError{Fields: []v1.FieldError{{Field: "tenant", Detail: fmt.Sprintf(
+			"%q does not match the subject %s; a request of tenant %q goes on %s",
+			req.Tenant, msg.Subject(), req.Tenant, v1.RequestSubject(req.Tenant))}}}
+	}
 	if err != nil {
 		return w.invalid(msg, req, err, timings, meta), nil
 	}
@@ -380,6 +395,9 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 	}}
 	key := v1.BuildKey(req, w.backend.Identity())
 	v.data.Key = key
+	if message, ok := w.expired(meta, started); ok {
+		return expiredVerdict(v, message), nil
+	}
 	repo, err := w.cfg.Naming.Repository(req)
 	if err != nil {
 		v.data.Status, v.data.Reason, v.data.Message = v1.StatusFailed, v1.ReasonInvalidRequest, err.Error()
@@ -457,11 +475,12 @@ func (w *Worker) invalid(msg jetstream.Msg, req *v1.Request, err error, timings 
 			tenant, name, id = loose.Tenant, loose.Name, loose.RequestID
 		}
 	}
-	if v1.DNSLabelProblem(tenant) != "" {
+	// The subject's tenant wins: it is the one NATS let the producer
+	// publish as, and so the one whose results it reads.
+	if parts := strings.Split(msg.Subject(), "."); len(parts) >= 3 && v1.DNSLabelProblem(parts[2]) == "" {
+		tenant = parts[2]
+	} else if v1.DNSLabelProblem(tenant) != "" {
 		tenant = "_invalid"
-		if parts := strings.Split(msg.Subject(), "."); len(parts) >= 3 && v1.DNSLabelProblem(parts[2]) == "" {
-			tenant = parts[2]
-		}
 	}
 	if v1.DNSLabelProblem(name) != "" {
 		name = "_invalid"

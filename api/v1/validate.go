@@ -281,15 +281,11 @@ func RepositoryProblem(s string) string {
 	if strings.Contains(s, "@") {
 		return fmt.Sprintf("%q holds a digest; give the repository only", truncate(s, 80))
 	}
-	repo, err := name.NewRepository(s, name.StrictValidation)
-	if err != nil {
+	if _, err := name.NewRepository(s, name.StrictValidation); err != nil {
 		if _, terr := name.NewTag(s, name.StrictValidation); terr == nil {
 			return fmt.Sprintf("%q holds a tag; give the repository only and put tags in tags", truncate(s, 80))
 		}
 		return fmt.Sprintf("%q is not a valid repository: %v", truncate(s, 80), err)
-	}
-	if repo.String() != s && repo.Name() != s {
-		return fmt.Sprintf("%q is not in canonical form", truncate(s, 80))
 	}
 	return ""
 }

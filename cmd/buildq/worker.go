@@ -2,7 +2,11 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"net"
+	"net/http"
+	"os"
 	"strings"
 	"sync"
 	"time"
@@ -10,6 +14,9 @@ import (
 	"github.com/go-logr/zapr"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 	"go.uber.org/zap"
@@ -22,6 +29,7 @@ import (
 	"github.com/buildq/buildq/internal/kaniko"
 	"github.com/buildq/buildq/internal/kube"
 	"github.com/buildq/buildq/internal/naming"
+	"github.com/buildq/buildq/internal/registry"
 	"github.com/buildq/buildq/worker"
 )
 
@@ -37,13 +45,17 @@ type workerFlags struct {
 	storage    string
 	replicas   int
 	keepJobs   bool
+	queueTTL   time.Duration
 
-	kubeconfig string
-	kaniko     kaniko.Config
-	namingPol  naming.Policy
+	kubeconfig     string
+	registryConfig string
+	jobTemplate    string
+	kaniko         kaniko.Config
+	namingPol      naming.Policy
 
-	logLevel  string
-	logFormat string
+	logLevel    string
+	logFormat   string
+	metricsAddr string
 }
 
 func (f *workerFlags) register(cmd *cobra.Command) {
@@ -57,19 +69,23 @@ func (f *workerFlags) register(cmd *cobra.Command) {
 	fs.DurationVar(&f.lease, "lease", 30*time.Second, "build claim lease; a dead worker's builds are taken over after it")
 	fs.StringVar(&f.storage, "storage", "file", "JetStream storage of streams and the KV bucket: file or memory")
 	fs.IntVar(&f.replicas, "replicas", 1, "JetStream replicas of streams and the KV bucket")
+	fs.DurationVar(&f.queueTTL, "queue-ttl", 0, "requests that waited longer than this in the queue fail with reason Expired instead of being built (0: no limit)")
 	fs.BoolVar(&f.keepJobs, "keep-jobs", false, "leave finished Jobs to ttlSecondsAfterFinished instead of deleting them")
 
 	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "kubeconfig file (default: in-cluster, then $KUBECONFIG and ~/.kube/config)")
+	fs.StringVar(&f.jobTemplate, "job-template", "", "YAML file with the build pods' resources, nodeSelector, tolerations, priorityClassName, serviceAccountName and imagePullSecrets")
+	fs.StringVar(&f.registryConfig, "registry-config", "", "docker config.json the worker checks and tags images with: the same credentials as --registry-secret (mount that Secret); empty: anonymous")
 	registerKaniko(fs, &f.kaniko, &f.namingPol)
 
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	fs.StringVar(&f.logFormat, "log-format", "json", "log format: json or console")
+	fs.StringVar(&f.metricsAddr, "metrics-addr", "", "serve /metrics (Prometheus), /healthz and /readyz on this address, e.g. :9090 (default: off)")
 }
 
 func (f *workerFlags) config(log *zap.Logger) (worker.Config, error) {
 	cfg := worker.Config{
 		ID: f.id, MaxInFlight: f.inFlight, AckWait: f.ackWait, MaxDeliver: f.maxDeliver,
-		ResultsMaxAge: f.resultsAge, Lease: f.lease, Replicas: f.replicas, KeepJobs: f.keepJobs,
+		ResultsMaxAge: f.resultsAge, Lease: f.lease, Replicas: f.replicas, KeepJobs: f.keepJobs, QueueTTL: f.queueTTL,
 		Naming: f.namingPol, Logger: log,
 	}
 	switch f.storage {
@@ -105,12 +121,14 @@ func registerKaniko(fs *pflag.FlagSet, kc *kaniko.Config, np *naming.Policy) {
 	fs.DurationVar(&kc.TTLAfterFinished, "ttl-after-finished", time.Hour, "ttlSecondsAfterFinished of the Jobs (safety net)")
 	fs.IntVar(&kc.PushRetry, "push-retry", 2, "kaniko --push-retry")
 	fs.StringVar(&kc.CacheRepo, "cache-repo", "", "enable kaniko's layer cache in this repository")
+	fs.DurationVar(&kc.CacheTTL, "cache-ttl", 0, "maximum age of cached layers (kaniko --cache-ttl; default kaniko's)")
 	fs.StringVar(&kc.ServiceAccountName, "service-account", "", "service account of the build pods")
 
 	fs.StringVar(&np.Registry, "registry", "", "default registry host[:port] for requests that name no image")
 	fs.StringVar(&np.Mode, "naming-mode", naming.ModeProject, "naming policy: project ({registry}/{tenant}/{name}) or flat ({registry}/{prefix}{tenant}-{name})")
 	fs.StringVar(&np.Project, "naming-project", "", "project mode: a fixed project instead of the tenant")
 	fs.StringVar(&np.Prefix, "naming-prefix", "", "flat mode: prefix before the tenant")
+	fs.BoolVar(&np.Harbor, "harbor", false, "the registry is Harbor: create each project (the tenant, or --naming-project) on demand")
 
 }
 
@@ -185,12 +203,39 @@ func runWorker(ctx context.Context, f *workerFlags) error {
 	if !strings.Contains(f.kaniko.ExecutorImage, "@sha256:") {
 		return usageErr("--executor-image %q is not pinned by digest: use repo@sha256:…", f.kaniko.ExecutorImage)
 	}
+	if f.jobTemplate != "" {
+		b, err := os.ReadFile(f.jobTemplate)
+		if err != nil {
+			return usageErr("--job-template: %v", err)
+		}
+		tpl, err := kaniko.ParseTemplate(b)
+		if err != nil {
+			return usageErr("--job-template %s: %v", f.jobTemplate, err)
+		}
+		f.kaniko = f.kaniko.Apply(tpl)
+	}
+	reg, err := registry.New(registry.Options{DockerConfig: f.registryConfig, Insecure: f.kaniko.InsecureRegistries})
+	if err != nil {
+		return usageErr("%v", err)
+	}
+	cfg.Registry = reg
 	backend, stopKube, err := kubeBackend(ctx, f.kubeconfig, f.kaniko, log)
 	if err != nil {
 		return err
 	}
 	defer stopKube()
+	backend.WithDigestResolver(reg.Head)
 
+	if f.metricsAddr != "" {
+		reg := prometheus.NewRegistry()
+		reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+		cfg.Metrics = worker.NewMetrics(reg)
+		stop, err := serveMetrics(f.metricsAddr, reg, log)
+		if err != nil {
+			return failed(err)
+		}
+		defer stop()
+	}
 	f.nats.name = "buildq-worker " + cfg.ID
 	nc, err := f.nats.connect(nats.MaxReconnects(-1))
 	if err != nil {
@@ -205,6 +250,31 @@ func runWorker(ctx context.Context, f *workerFlags) error {
 		return failed(err)
 	}
 	return nil
+}
+
+// serveMetrics serves Prometheus metrics and health endpoints.
+func serveMetrics(addr string, reg *prometheus.Registry, log *zap.Logger) (func(), error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("--metrics-addr %s: %w", addr, err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	ok := func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) }
+	mux.HandleFunc("/healthz", ok)
+	mux.HandleFunc("/readyz", ok)
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() {
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.Error("metrics server", zap.Error(err))
+		}
+	}()
+	log.Info("serving metrics", zap.String("addr", ln.Addr().String()))
+	return func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(ctx)
+	}, nil
 }
 
 // kubeBackend connects to the cluster, starts the label-filtered informers

@@ -83,8 +83,10 @@ type Config struct {
 	TTLAfterFinished time.Duration
 	// PushRetry is kaniko's --push-retry (default 2).
 	PushRetry int
-	// CacheRepo enables kaniko's layer cache in that repository.
+	// CacheRepo enables kaniko's layer cache in that repository;
+	// CacheTTL bounds the age of cached layers (kaniko's default: 2 weeks).
 	CacheRepo string
+	CacheTTL  time.Duration
 	// Resources of the kaniko container.
 	Resources corev1.ResourceRequirements
 	// Template fields copied into the pod spec.
@@ -368,6 +370,9 @@ func Args(spec Spec, cfg Config) ([]string, error) {
 	}
 	if cfg.CacheRepo != "" {
 		args = append(args, "--cache=true", "--cache-repo="+cfg.CacheRepo)
+		if cfg.CacheTTL > 0 {
+			args = append(args, "--cache-ttl="+cfg.CacheTTL.String())
+		}
 	}
 	for _, reg := range cfg.InsecureRegistries {
 		args = append(args, "--insecure-registry="+reg)

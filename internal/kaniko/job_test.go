@@ -176,3 +176,35 @@ func TestJobRefusesIncompleteSpec(t *testing.T) {
 		t.Error("endpoint without scheme accepted")
 	}
 }
+
+func TestTemplate(t *testing.T) {
+	t.Parallel()
+	tpl, err := ParseTemplate([]byte(`
+resources:
+  requests: {cpu: 500m, memory: 1Gi}
+  limits: {memory: 4Gi}
+nodeSelector: {pool: builds}
+tolerations:
+  - {key: builds, operator: Exists, effect: NoSchedule}
+priorityClassName: batch-low
+serviceAccountName: buildq-builder
+imagePullSecrets: [ghcr-pull]
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := baseConfig.Apply(tpl).Defaults()
+	job, err := Job(Spec{Request: s3Request(), Key: strings.Repeat("a", 64), Destinations: []string{"r.example.com/a/b:x"}}, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pod := job.Spec.Template.Spec
+	if pod.Containers[0].Resources.Limits.Memory().String() != "4Gi" || pod.NodeSelector["pool"] != "builds" ||
+		len(pod.Tolerations) != 1 || pod.PriorityClassName != "batch-low" || pod.ServiceAccountName != "buildq-builder" ||
+		len(pod.ImagePullSecrets) != 1 || pod.ImagePullSecrets[0].Name != "ghcr-pull" {
+		t.Fatalf("template not applied: %+v", pod)
+	}
+	if _, err := ParseTemplate([]byte("nodeSelectr: {a: b}\n")); err == nil {
+		t.Error("a misspelt field was accepted")
+	}
+}

@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"sync"
+	"time"
 
 	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -39,7 +40,13 @@ type Watcher struct {
 	mu       sync.Mutex
 	subs     map[string]map[chan struct{}]struct{}
 	finished func(job *batchv1.Job)
+	// deleted remembers when Jobs left the cache, so a waiter that never
+	// read a short-lived Job still learns that it is gone.
+	deleted map[string]time.Time
 }
+
+// tombstoneTTL bounds how long a deletion is remembered.
+const tombstoneTTL = 10 * time.Minute
 
 // NewWatcher registers event handlers on the factory's Job and Pod
 // informers. onFinished, if not nil, is called (from the informer's
@@ -52,11 +59,15 @@ func NewWatcher(factory informers.SharedInformerFactory, onFinished func(job *ba
 		pods:     factory.Core().V1().Pods().Informer(),
 		subs:     map[string]map[chan struct{}]struct{}{},
 		finished: onFinished,
+		deleted:  map[string]time.Time{},
 	}
 	if _, err := w.jobs.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { w.onJob(obj) },
 		UpdateFunc: func(_, obj any) { w.onJob(obj) },
-		DeleteFunc: func(obj any) { w.onJob(obj) },
+		DeleteFunc: func(obj any) {
+			w.tombstone(obj)
+			w.onJob(obj)
+		},
 	}); err != nil {
 		return nil, err
 	}
@@ -92,6 +103,33 @@ func (w *Watcher) onJob(obj any) {
 			w.finished(job)
 		}
 	}
+}
+
+func (w *Watcher) tombstone(obj any) {
+	if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = t.Obj
+	}
+	job, ok := obj.(*batchv1.Job)
+	if !ok {
+		return
+	}
+	now := time.Now()
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for k, at := range w.deleted {
+		if now.Sub(at) > tombstoneTTL {
+			delete(w.deleted, k)
+		}
+	}
+	w.deleted[job.Namespace+"/"+job.Name] = now
+}
+
+// DeletedSince reports whether the informer saw the Job deleted after t.
+func (w *Watcher) DeletedSince(namespace, jobName string, t time.Time) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	at, ok := w.deleted[namespace+"/"+jobName]
+	return ok && at.After(t)
 }
 
 func (w *Watcher) onPod(obj any) {

@@ -1,0 +1,312 @@
+//go:build integration
+
+package integration
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/buildq/buildq/internal/contexttar"
+	"github.com/buildq/buildq/internal/kaniko"
+	"github.com/buildq/buildq/internal/localexec"
+	"github.com/buildq/buildq/internal/registry"
+	"github.com/buildq/buildq/internal/s3store"
+)
+
+// fault changes what the emulated kubelet does with a pod.
+type fault struct {
+	// hold keeps the container running until the channel is closed.
+	hold <-chan struct{}
+	// exitCode, when not zero, ends the container with it and message
+	// instead of running the build.
+	exitCode int32
+	message  string
+	// deletePod deletes the pod instead of running it.
+	deletePod bool
+}
+
+// kubelet plays the node for one namespace. It binds buildq's pods and runs
+// the kaniko container's contract faithfully: it parses the container's
+// args, resolves secretKeyRef env and the mounted docker config from the
+// Secrets, fetches the context from S3 with those credentials, builds with
+// the local executor, pushes with those registry credentials, and writes
+// the digest as the termination message — or exits 1 with kaniko-style log
+// lines on failure.
+type kubelet struct {
+	t      *testing.T
+	client kubernetes.Interface
+	ns     string
+	faults func(pod *corev1.Pod) fault
+
+	mu      sync.Mutex
+	started map[types.UID]bool
+	runs    int
+}
+
+func startKubelet(t *testing.T, ns string, faults func(*corev1.Pod) fault) *kubelet {
+	t.Helper()
+	k := &kubelet{t: t, client: shared.kube, ns: ns, faults: faults, started: map[types.UID]bool{}}
+	if k.faults == nil {
+		k.faults = func(*corev1.Pod) fault { return fault{} }
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	factory := informers.NewSharedInformerFactoryWithOptions(shared.kube, 0, informers.WithNamespace(ns),
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = kaniko.ManagedBySelector }))
+	inf := factory.Core().V1().Pods().Informer()
+	var wg sync.WaitGroup
+	handle := func(obj any) {
+		pod, ok := obj.(*corev1.Pod)
+		if !ok || pod.DeletionTimestamp != nil || pod.Spec.NodeName != "" || pod.Status.Phase != "" && pod.Status.Phase != corev1.PodPending {
+			return
+		}
+		k.mu.Lock()
+		if k.started[pod.UID] {
+			k.mu.Unlock()
+			return
+		}
+		k.started[pod.UID] = true
+		k.runs++
+		k.mu.Unlock()
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			k.run(ctx, pod.DeepCopy())
+		}()
+	}
+	_, _ = inf.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: handle, UpdateFunc: func(_, o any) { handle(o) }})
+	factory.Start(ctx.Done())
+	t.Cleanup(func() {
+		cancel()
+		wg.Wait()
+		factory.Shutdown()
+	})
+	return k
+}
+
+func (k *kubelet) podsRun() int {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.runs
+}
+
+func (k *kubelet) run(ctx context.Context, pod *corev1.Pod) {
+	pods := k.client.CoreV1().Pods(k.ns)
+	err := pods.Bind(ctx, &corev1.Binding{
+		ObjectMeta: metav1.ObjectMeta{Name: pod.Name, Namespace: k.ns, UID: pod.UID},
+		Target:     corev1.ObjectReference{Kind: "Node", Name: "emulated-node"},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		if ctx.Err() == nil && !apierrors.IsNotFound(err) {
+			k.t.Logf("kubelet: bind %s: %v", pod.Name, err)
+		}
+		return
+	}
+	now := metav1.Now()
+	k.setStatus(ctx, pod.Name, func(s *corev1.PodStatus) {
+		s.Phase, s.StartTime = corev1.PodRunning, &now
+		s.ContainerStatuses = []corev1.ContainerStatus{{Name: kaniko.ContainerName, Image: pod.Spec.Containers[0].Image,
+			Started: ptr(true), State: corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: now}}}}
+	})
+
+	f := k.faults(pod)
+	if f.hold != nil {
+		select {
+		case <-f.hold:
+		case <-ctx.Done():
+			return
+		}
+	}
+	if f.deletePod {
+		_ = pods.Delete(ctx, pod.Name, metav1.DeleteOptions{})
+		return
+	}
+	code, msg := f.exitCode, f.message
+	if code == 0 && msg == "" {
+		code, msg = k.execute(ctx, pod)
+	}
+	if ctx.Err() != nil {
+		return
+	}
+	end := metav1.Now()
+	k.setStatus(ctx, pod.Name, func(s *corev1.PodStatus) {
+		s.Phase = corev1.PodSucceeded
+		reason := "Completed"
+		if code != 0 {
+			s.Phase, reason = corev1.PodFailed, "Error"
+		}
+		s.ContainerStatuses = []corev1.ContainerStatus{{Name: kaniko.ContainerName, Image: pod.Spec.Containers[0].Image,
+			State: corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{
+				ExitCode: code, Reason: reason, Message: msg, StartedAt: now, FinishedAt: end,
+			}}}}
+	})
+}
+
+// setStatus writes the pod's status like a kubelet: it keeps trying
+// through conflicts and an unreachable API server (a restart), and gives up
+// only when the pod is gone.
+func (k *kubelet) setStatus(ctx context.Context, name string, mutate func(*corev1.PodStatus)) {
+	deadline := time.Now().Add(2 * time.Minute)
+	for ctx.Err() == nil && time.Now().Before(deadline) {
+		cur, err := k.client.CoreV1().Pods(k.ns).Get(ctx, name, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			return
+		}
+		if err == nil {
+			mutate(&cur.Status)
+			_, err = k.client.CoreV1().Pods(k.ns).UpdateStatus(ctx, cur, metav1.UpdateOptions{})
+			if err == nil || apierrors.IsNotFound(err) {
+				return
+			}
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// execute runs the kaniko contract and returns the exit code and the
+// termination message (the digest, or the end of the log).
+func (k *kubelet) execute(ctx context.Context, pod *corev1.Pod) (int32, string) {
+	c := pod.Spec.Containers[0]
+	args := map[string][]string{}
+	for _, a := range c.Args {
+		name, val, _ := strings.Cut(strings.TrimPrefix(a, "--"), "=")
+		args[name] = append(args[name], val)
+	}
+	one := func(n string) string {
+		if v := args[n]; len(v) > 0 {
+			return v[0]
+		}
+		return ""
+	}
+	if one("digest-file") != "/dev/termination-log" || c.TerminationMessagePath != "/dev/termination-log" {
+		return 1, "error: the digest does not go to the termination log"
+	}
+	env := map[string]string{}
+	for _, e := range c.Env {
+		switch {
+		case e.ValueFrom != nil && e.ValueFrom.SecretKeyRef != nil:
+			ref := e.ValueFrom.SecretKeyRef
+			sec, err := k.client.CoreV1().Secrets(k.ns).Get(ctx, ref.Name, metav1.GetOptions{})
+			if err != nil {
+				return 1, fmt.Sprintf("CreateContainerConfigError: secret %q: %v", ref.Name, err)
+			}
+			env[e.Name] = string(sec.Data[ref.Key])
+		default:
+			env[e.Name] = e.Value
+		}
+	}
+	work, err := os.MkdirTemp("", "kubelet-")
+	if err != nil {
+		return 1, err.Error()
+	}
+	defer os.RemoveAll(work)
+
+	// The docker config the pod mounts at /kaniko/.docker.
+	dockerConfig := ""
+	for _, m := range c.VolumeMounts {
+		if m.MountPath != kaniko.DockerConfigDir {
+			continue
+		}
+		for _, v := range pod.Spec.Volumes {
+			if v.Name != m.Name || v.Secret == nil {
+				continue
+			}
+			sec, err := k.client.CoreV1().Secrets(k.ns).Get(ctx, v.Secret.SecretName, metav1.GetOptions{})
+			if err != nil {
+				return 1, fmt.Sprintf("MountVolume.SetUp failed: secret %q: %v", v.Secret.SecretName, err)
+			}
+			for _, it := range v.Secret.Items {
+				if it.Path == "config.json" {
+					dockerConfig = filepath.Join(work, "config.json")
+					if err := os.WriteFile(dockerConfig, sec.Data[it.Key], 0o600); err != nil {
+						return 1, err.Error()
+					}
+				}
+			}
+		}
+	}
+
+	// The context, with the pod's own S3 credentials.
+	bucket, key, ok := strings.Cut(strings.TrimPrefix(one("context"), "s3://"), "/")
+	if !ok || !strings.HasPrefix(one("context"), "s3://") {
+		return 1, "error: only s3:// contexts are emulated, got " + one("context")
+	}
+	if env["S3_FORCE_PATH_STYLE"] != "true" {
+		return 1, "error retrieving context: S3_FORCE_PATH_STYLE is not set"
+	}
+	store, err := s3store.New(s3store.Config{Endpoint: env["S3_ENDPOINT"], Region: env["AWS_REGION"],
+		AccessKey: env["AWS_ACCESS_KEY_ID"], SecretKey: env["AWS_SECRET_ACCESS_KEY"], Bucket: bucket})
+	if err != nil {
+		return 1, "error retrieving context: " + err.Error()
+	}
+	rc, err := store.Open(ctx, bucket, key)
+	if err != nil {
+		if errors.Is(err, s3store.ErrNotFound) {
+			return 1, "error: failed to get context: NoSuchKey: " + key
+		}
+		return 1, "error retrieving context: " + err.Error()
+	}
+	dir := filepath.Join(work, "context")
+	if err := os.Mkdir(dir, 0o755); err == nil {
+		err = contexttar.Extract(ctx, rc, dir, 0)
+	}
+	rc.Close()
+	if err != nil {
+		return 1, "error retrieving context: " + err.Error()
+	}
+
+	buildArgs := map[string]string{}
+	for _, a := range args["build-arg"] {
+		k, v, _ := strings.Cut(a, "=")
+		buildArgs[k] = v
+	}
+	labels := map[string]string{}
+	for _, a := range args["label"] {
+		k, v, _ := strings.Cut(a, "=")
+		labels[k] = v
+	}
+	reg, err := registry.New(registry.Options{DockerConfig: dockerConfig, Insecure: args["insecure-registry"]})
+	if err != nil {
+		return 1, "error: docker config: " + err.Error()
+	}
+	img, err := localexec.Build(ctx, localexec.Options{
+		ContextDir: dir, Dockerfile: one("dockerfile"), BuildArgs: buildArgs, Target: one("target"),
+		Platform: one("custom-platform"), Labels: labels, Remote: reg.RemoteOptions(ctx),
+	})
+	if err != nil {
+		return 1, "INFO[0000] Retrieving image manifest\nerror building image: " + err.Error()
+	}
+	digest, err := reg.Push(ctx, img, args["destination"])
+	if err != nil {
+		return 1, "INFO[0001] Pushing image to " + args["destination"][0] + "\nerror pushing image: failed to push to destination " + args["destination"][0] + ": " + err.Error()
+	}
+	return 0, digest
+}
+
+func ptr[T any](v T) *T { return &v }
+
+// eventually polls cond (test code only) until it holds.
+func eventually(t *testing.T, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for %s", timeout, what)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}

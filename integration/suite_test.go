@@ -1,0 +1,326 @@
+//go:build integration
+
+package integration
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/contexttar"
+	"github.com/buildq/buildq/internal/registry"
+	"github.com/buildq/buildq/internal/s3store"
+	"github.com/buildq/buildq/publisher"
+)
+
+// executorImage is what the Jobs name; the emulated kubelet does not pull
+// it, but the worker requires a digest-pinned reference.
+const executorImage = "ghcr.io/buildq/kaniko-emulated@sha256:0000000000000000000000000000000000000000000000000000000000000001"
+
+// suite is one test's slice of the environment.
+type suite struct {
+	t          *testing.T
+	ns         string
+	natsDir    string
+	natsAddr   string
+	nats       *exec.Cmd
+	natsMu     sync.Mutex
+	nc         *nats.Conn
+	pub        *publisher.Client
+	store      *s3store.Store
+	regClient  *registry.Client
+	dockerCfg  string
+	kubelet    *kubelet
+	workerArgs []string
+	// kubeconfig of the workers (default: the shared admin one).
+	kubeconfig string
+}
+
+type options struct {
+	// registryPassword for the Secret the Jobs mount (default: the right one).
+	registryPassword string
+	faults           func(*corev1.Pod) fault
+	workerArgs       []string
+}
+
+var nsSeq struct {
+	sync.Mutex
+	n int
+}
+
+func newSuite(t *testing.T, o options) *suite {
+	t.Helper()
+	ctx := context.Background()
+	nsSeq.Lock()
+	nsSeq.n++
+	ns := fmt.Sprintf("it-%d-%s", nsSeq.n, strings.ToLower(strings.ReplaceAll(t.Name(), "/", "-")))
+	nsSeq.Unlock()
+	if len(ns) > 63 {
+		ns = strings.TrimRight(ns[:63], "-")
+	}
+	s := &suite{t: t, ns: ns, kubeconfig: shared.kubeconfig}
+	if _, err := shared.kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	// The Secrets the worker references: S3 keys and a .dockerconfigjson.
+	pass := shared.registryPass
+	if o.registryPassword != "" {
+		pass = o.registryPassword
+	}
+	jobDockerCfg, err := registry.DockerConfigJSON(shared.registryHost, shared.registryUser, pass)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, sec := range []*corev1.Secret{
+		{ObjectMeta: metav1.ObjectMeta{Name: "buildq-s3", Namespace: ns}, Type: corev1.SecretTypeOpaque,
+			Data: map[string][]byte{"AWS_ACCESS_KEY_ID": []byte(shared.minioUser), "AWS_SECRET_ACCESS_KEY": []byte(shared.minioPassword)}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "buildq-registry", Namespace: ns}, Type: corev1.SecretTypeDockerConfigJson,
+			Data: map[string][]byte{corev1.DockerConfigJsonKey: jobDockerCfg}},
+	} {
+		if _, err := shared.kube.CoreV1().Secrets(ns).Create(ctx, sec, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The worker's own registry credentials: the right ones, as mounted
+	// from the same Secret in a healthy deployment.
+	s.dockerCfg = filepath.Join(t.TempDir(), "config.json")
+	if err := os.WriteFile(s.dockerCfg, shared.dockerConfig, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	s.regClient, err = registry.New(registry.Options{DockerConfig: s.dockerCfg, Insecure: []string{shared.registryHost}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.store, err = s3store.New(s3store.Config{Endpoint: shared.minioEndpoint, AccessKey: shared.minioUser, SecretKey: shared.minioPassword, Bucket: shared.bucket})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	s.natsDir, s.natsAddr = t.TempDir(), freeAddr()
+	s.startNATS()
+	s.nc, err = nats.Connect("nats://"+s.natsAddr, nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.nc.Close)
+	s.pub, err = publisher.New(s.nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.kubelet = startKubelet(t, ns, o.faults)
+	s.workerArgs = o.workerArgs
+	return s
+}
+
+// startNATS runs nats-server as a separate process, so tests can kill and
+// restart it.
+func (s *suite) startNATS() {
+	s.t.Helper()
+	host, port, _ := strings.Cut(s.natsAddr, ":")
+	cmd := exec.Command(filepath.Join(shared.bin, "nats-server"), "-js", "-a", host, "-p", port, "-sd", s.natsDir)
+	var logs bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &logs, &logs
+	if err := cmd.Start(); err != nil {
+		s.t.Fatal(err)
+	}
+	s.natsMu.Lock()
+	s.nats = cmd
+	s.natsMu.Unlock()
+	s.t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	eventually(s.t, 20*time.Second, "nats-server", func() bool {
+		nc, err := nats.Connect("nats://" + s.natsAddr)
+		if err != nil {
+			return false
+		}
+		nc.Close()
+		return true
+	})
+}
+
+// worker is one `buildq worker` process.
+type workerProc struct {
+	cmd  *exec.Cmd
+	logs *bytes.Buffer
+	done chan struct{}
+}
+
+func (s *suite) startWorker(id string) *workerProc {
+	s.t.Helper()
+	args := []string{"worker",
+		"--id", id,
+		"--nats-url", "nats://" + s.natsAddr,
+		"--kubeconfig", s.kubeconfig,
+		"--namespace", s.ns,
+		"--executor-image", executorImage,
+		"--s3-endpoint", shared.minioEndpoint,
+		"--s3-secret", "buildq-s3",
+		"--registry-secret", "buildq-registry",
+		"--registry-config", s.dockerCfg,
+		"--registry", shared.registryHost,
+		"--insecure-registry", shared.registryHost,
+		"--ack-wait", "5s",
+		"--lease", "3s",
+		"--max-in-flight", "16",
+		"--log-format", "console",
+		"--log-level", "debug",
+	}
+	args = append(args, s.workerArgs...)
+	cmd := exec.Command(filepath.Join(shared.bin, "buildq"), args...)
+	logs := &lockedBuffer{}
+	cmd.Stdout, cmd.Stderr = logs, logs
+	if err := cmd.Start(); err != nil {
+		s.t.Fatal(err)
+	}
+	w := &workerProc{cmd: cmd, logs: &logs.Buffer, done: make(chan struct{})}
+	go func() { _ = cmd.Wait(); close(w.done) }()
+	s.t.Cleanup(func() {
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-w.done:
+		case <-time.After(20 * time.Second):
+			_ = cmd.Process.Kill()
+			<-w.done
+		}
+		if s.t.Failed() {
+			s.t.Logf("worker %s log:\n%s", id, tail(logs.String(), 6000))
+		}
+	})
+	return w
+}
+
+type lockedBuffer struct {
+	mu sync.Mutex
+	bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.Buffer.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.Buffer.String()
+}
+
+// contextDir writes a build context.
+func contextDir(t *testing.T, files map[string]string) string {
+	t.Helper()
+	dir := t.TempDir()
+	for p, c := range files {
+		full := filepath.Join(dir, filepath.FromSlash(p))
+		if err := os.MkdirAll(filepath.Dir(full), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(full, []byte(c), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return dir
+}
+
+// submit uploads dir and publishes n requests for it (distinct ids).
+func (s *suite) submit(dir, name string, n int) []*v1.Request {
+	s.t.Helper()
+	ctx := context.Background()
+	up, err := s.store.UploadContext(ctx, dir, contexttar.Options{}, nil)
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	var reqs []*v1.Request
+	for range n {
+		req := &v1.Request{
+			Tenant: "acme", Name: name,
+			Source:        v1.Source{S3: &v1.S3Source{Bucket: up.Bucket, Key: up.Key}},
+			ContextDigest: up.Digest,
+		}
+		if _, err := s.pub.Publish(ctx, req); err != nil {
+			s.t.Fatal(err)
+		}
+		reqs = append(reqs, req)
+	}
+	return reqs
+}
+
+// results collects every stored result until ctx ends.
+type results struct {
+	mu  sync.Mutex
+	got []v1.Result
+}
+
+func (s *suite) collect() *results {
+	r := &results{}
+	ctx, cancel := context.WithCancel(context.Background())
+	s.t.Cleanup(cancel)
+	go func() {
+		for ctx.Err() == nil {
+			err := s.pub.Watch(ctx, publisher.Filter{DeliverAll: true}, func(res v1.Result) error {
+				r.mu.Lock()
+				defer r.mu.Unlock()
+				for _, g := range r.got {
+					if g.ID == res.ID {
+						// An ordered consumer replays after a reconnect; a
+						// duplicate here is a replay, counted by msg id below.
+						return nil
+					}
+				}
+				r.got = append(r.got, res)
+				return nil
+			})
+			if err != nil && ctx.Err() == nil {
+				time.Sleep(200 * time.Millisecond)
+			}
+		}
+	}()
+	return r
+}
+
+func (r *results) wait(t *testing.T, n int, timeout time.Duration) []v1.Result {
+	t.Helper()
+	eventually(t, timeout, fmt.Sprintf("%d results", n), func() bool {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		return len(r.got) >= n
+	})
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]v1.Result(nil), r.got...)
+}
+
+// storedResults counts the messages in BUILDQ_RESULTS: what subscribers
+// see, duplicates included.
+func (s *suite) storedResults() uint64 {
+	s.t.Helper()
+	js, _ := jetstream.New(s.nc)
+	st, err := js.Stream(context.Background(), v1.ResultsStream)
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	info, err := st.Info(context.Background())
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	return info.State.Msgs
+}
+
+func mustJSON(v any) string {
+	b, _ := json.Marshal(v)
+	return string(b)
+}

@@ -1,0 +1,82 @@
+package kube
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	batchv1 "k8s.io/api/batch/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/kaniko"
+)
+
+func job(conds ...batchv1.JobCondition) *batchv1.Job {
+	j := &batchv1.Job{ObjectMeta: metav1.ObjectMeta{Name: "buildq-x", Namespace: "b"}}
+	j.Status.Conditions = conds
+	return j
+}
+
+func cond(t batchv1.JobConditionType, reason string) batchv1.JobCondition {
+	return batchv1.JobCondition{Type: t, Status: corev1.ConditionTrue, Reason: reason, LastTransitionTime: metav1.Now()}
+}
+
+func pod(exit int32, reason, msg string, age time.Duration) *corev1.Pod {
+	p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "p" + reason, CreationTimestamp: metav1.NewTime(time.Now().Add(-age))}}
+	p.Status.ContainerStatuses = []corev1.ContainerStatus{{Name: kaniko.ContainerName,
+		State: corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{ExitCode: exit, Reason: reason, Message: msg}}}}
+	return p
+}
+
+func TestJobOutcome(t *testing.T) {
+	t.Parallel()
+	digest := "sha256:" + strings.Repeat("d", 64)
+	cases := []struct {
+		name                          string
+		job                           *batchv1.Job
+		pods                          []*corev1.Pod
+		done, ok, pending, needLogs   bool
+		reason, digest, tail, message string
+	}{
+		{name: "running", job: job(), pods: nil},
+		{name: "complete with digest", job: job(cond(batchv1.JobComplete, "")), pods: []*corev1.Pod{pod(0, "Completed", digest+"\n", 0)},
+			done: true, ok: true, digest: digest},
+		{name: "success criteria met counts as done", job: job(cond(batchv1.JobSuccessCriteriaMet, "")), pods: []*corev1.Pod{pod(0, "Completed", digest, 0)},
+			done: true, ok: true, digest: digest},
+		{name: "complete before its pod is cached", job: job(cond(batchv1.JobComplete, "")), done: true, ok: true, pending: true},
+		{name: "failure target counts as done", job: job(cond(batchv1.JobFailureTarget, batchv1.JobReasonPodFailurePolicy)),
+			pods: []*corev1.Pod{pod(1, "Error", "error building image: parsing dockerfile", 0)}, done: true, reason: v1.ReasonBuildFailed, tail: "parsing dockerfile"},
+		{name: "deadline", job: job(cond(batchv1.JobFailed, batchv1.JobReasonDeadlineExceeded)), pods: []*corev1.Pod{pod(137, "Error", "killed", 0)},
+			done: true, reason: v1.ReasonDeadlineExceeded},
+		{name: "push denied", job: job(cond(batchv1.JobFailed, batchv1.JobReasonPodFailurePolicy)),
+			pods: []*corev1.Pod{pod(1, "Error", "error pushing image: failed to push to destination r/x:y: UNAUTHORIZED", 0)}, done: true, reason: v1.ReasonPushFailed},
+		{name: "context missing", job: job(cond(batchv1.JobFailed, batchv1.JobReasonPodFailurePolicy)),
+			pods: []*corev1.Pod{pod(1, "Error", "error: failed to get context: NoSuchKey", 0)}, done: true, reason: v1.ReasonContextMissing},
+		{name: "OOMKilled without a message reads pods/log", job: job(cond(batchv1.JobFailed, batchv1.JobReasonBackoffLimitExceeded)),
+			pods: []*corev1.Pod{pod(137, "OOMKilled", "", 0)}, done: true, reason: v1.ReasonBuildFailed, needLogs: true, message: "out of memory"},
+		{name: "the newest pod decides", job: job(cond(batchv1.JobFailed, batchv1.JobReasonBackoffLimitExceeded)),
+			pods: []*corev1.Pod{pod(1, "Old", "error pushing image: old attempt", time.Hour), pod(1, "New", "error building image: new attempt", 0)},
+			done: true, reason: v1.ReasonBuildFailed, tail: "new attempt"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			o := JobOutcome(c.job, c.pods)
+			if o.Done != c.done || o.Succeeded != c.ok || o.Pending != c.pending || o.NeedLogs != c.needLogs ||
+				o.Reason != c.reason || o.Digest != c.digest || !strings.Contains(o.LogTail, c.tail) || !strings.Contains(o.Message, c.message) {
+				t.Fatalf("outcome %+v", o)
+			}
+		})
+	}
+}
+
+func TestTail(t *testing.T) {
+	t.Parallel()
+	long := strings.Repeat("line of log\n", 1000)
+	got := Tail(long, 100)
+	if len(got) > 100 || !strings.HasPrefix(got, "line") {
+		t.Fatalf("tail %q", got)
+	}
+}

@@ -1,0 +1,78 @@
+package worker
+
+import (
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	v1 "github.com/buildq/buildq/api/v1"
+)
+
+// Metrics are the worker's Prometheus metrics. A nil *Metrics records
+// nothing.
+type Metrics struct {
+	results   *prometheus.CounterVec
+	inFlight  prometheus.Gauge
+	queueWait prometheus.Histogram
+	buildTime *prometheus.HistogramVec
+	retries   prometheus.Counter
+}
+
+// NewMetrics registers the worker's metrics with reg.
+func NewMetrics(reg prometheus.Registerer) *Metrics {
+	m := &Metrics{
+		results: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "buildq_results_total",
+			Help: "Results published, by status, origin (build, inflight, cache) and reason.",
+		}, []string{"status", "origin", "reason"}),
+		inFlight: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "buildq_requests_in_flight",
+			Help: "Requests this worker holds.",
+		}),
+		queueWait: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "buildq_queue_wait_seconds",
+			Help:    "Time from a request's publication to a worker taking it.",
+			Buckets: prometheus.ExponentialBuckets(0.01, 4, 10),
+		}),
+		buildTime: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "buildq_build_duration_seconds",
+			Help:    "Duration of the builds results came from, by status.",
+			Buckets: prometheus.ExponentialBuckets(1, 2, 13),
+		}, []string{"status"}),
+		retries: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "buildq_retries_total",
+			Help: "Requests handed back for a later try (transient trouble).",
+		}),
+	}
+	reg.MustRegister(m.results, m.inFlight, m.queueWait, m.buildTime, m.retries)
+	return m
+}
+
+func (m *Metrics) taken() {
+	if m != nil {
+		m.inFlight.Inc()
+	}
+}
+
+func (m *Metrics) released() {
+	if m != nil {
+		m.inFlight.Dec()
+	}
+}
+
+func (m *Metrics) retried() {
+	if m != nil {
+		m.retries.Inc()
+	}
+}
+
+func (m *Metrics) published(d v1.ResultData) {
+	if m == nil {
+		return
+	}
+	m.results.WithLabelValues(string(d.Status), string(d.Origin), d.Reason).Inc()
+	m.queueWait.Observe(time.Duration(d.Timings.QueueWaitMs * int64(time.Millisecond)).Seconds())
+	if d.Origin == v1.OriginBuild && d.Timings.BuildMs > 0 {
+		m.buildTime.WithLabelValues(string(d.Status)).Observe(float64(d.Timings.BuildMs) / 1000)
+	}
+}
