@@ -131,6 +131,10 @@ func runDev(ctx context.Context, stderr io.Writer, f *devFlags) error {
 		if kc.S3Endpoint == "" {
 			kc.S3Endpoint = stack.S3Endpoint
 		}
+		if len(kc.InsecureRegistries) == 0 && f.namingPol.Registry == "" {
+			// The dev registry speaks plain HTTP.
+			kc.InsecureRegistries = []string{stack.RegistryAddr}
+		}
 		kb, stopKube, err := kubeBackend(ctx, f.kubeconfig, kc, log)
 		if err != nil {
 			return err

@@ -1,6 +1,7 @@
 package contexttar
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"fmt"
@@ -60,9 +61,10 @@ func BenchmarkPack200MB(b *testing.B) {
 		var maxRSS int64
 		for b.Loop() {
 			c := cmd()
-			c.Stdout = io.Discard
-			if out, err := c.CombinedOutput(); err != nil {
-				b.Fatalf("%v: %s", err, out)
+			var stderr bytes.Buffer
+			c.Stdout, c.Stderr = io.Discard, &stderr
+			if err := c.Run(); err != nil {
+				b.Fatalf("%v: %s", err, stderr.String())
 			}
 			if ru, ok := c.ProcessState.SysUsage().(*syscall.Rusage); ok {
 				maxRSS = max(maxRSS, ru.Maxrss)
