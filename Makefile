@@ -32,6 +32,7 @@ lint: vet ## go vet, gofmt, and golangci-lint when installed
 vet:
 	$(GO) vet $(PKGS)
 	$(GO) vet -tags integration ./integration/...
+	$(GO) vet -tags e2e ./integration/e2e/...
 
 fmt:
 	gofmt -w $$(git ls-files '*.go')

@@ -11,11 +11,13 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
 	"github.com/buildq/buildq/internal/kube"
+	"github.com/buildq/buildq/internal/registry"
 )
 
 // Build is one unique build: the request that claimed the key, the key,
@@ -24,16 +26,22 @@ type Build struct {
 	Request      *v1.Request
 	Key          string
 	Destinations []string
+	// Fresh: a new build of the key (first, or a retry after a failure or
+	// a cancel), not the take-over of a build whose owner went away. A
+	// fresh build never adopts a finished Job of an earlier one.
+	Fresh bool
 }
 
 // Outcome is the end of a build as a backend reports it.
 type Outcome struct {
-	Succeeded  bool
-	Digest     string
-	Reason     string
-	Message    string
-	LogTail    string
-	Job        string
+	Succeeded bool
+	Digest    string
+	Reason    string
+	Message   string
+	LogTail   string
+	Job       string
+	// JobUID identifies the run (the Job's UID) for Cleanup.
+	JobUID     string
 	StartedAt  time.Time
 	FinishedAt time.Time
 }
@@ -52,9 +60,10 @@ type Backend interface {
 	// a *TransientError for trouble worth retrying; any other error is
 	// terminal for the request.
 	Run(ctx context.Context, b Build, started Started) (Outcome, error)
-	// Cleanup removes what a finished build left behind once its results
-	// are stored.
-	Cleanup(ctx context.Context, key string) error
+	// Cleanup removes what a build left behind once its results are
+	// stored, or stops it (cancel). run names the build (Outcome.JobUID);
+	// empty means whatever runs for the key.
+	Cleanup(ctx context.Context, key, run string) error
 }
 
 // TransientError is trouble worth retrying later (the API server, the
@@ -112,7 +121,6 @@ func (k *KubeBackend) Identity() string { return k.identity }
 
 // Run implements Backend.
 func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcome, error) {
-	runStart := time.Now()
 	job, err := kaniko.Job(kaniko.Spec{Request: b.Request, Key: b.Key, Destinations: b.Destinations}, k.cfg)
 	if err != nil {
 		return Outcome{}, err
@@ -122,22 +130,16 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 	signal, cancel := k.watcher.Subscribe(name)
 	defer cancel()
 
-	created := true
-	_, err = k.client.BatchV1().Jobs(k.cfg.Namespace).Create(ctx, job, metav1.CreateOptions{})
-	switch {
-	case err == nil:
+	created, createdUID, err := k.create(ctx, job, b)
+	if err != nil {
+		return Outcome{}, err
+	}
+	if created {
 		started(name, true, b.Request.RequestID)
-	case apierrors.IsAlreadyExists(err):
-		created = false // adopt it; who created it is read from the cache
-	case ctx.Err() != nil:
-		return Outcome{}, ctx.Err()
-	case kube.IsTransient(err):
-		return Outcome{}, Transient(fmt.Errorf("create job %s: %w", name, err))
-	default:
-		return Outcome{}, fmt.Errorf("create job %s: %w", name, err)
 	}
 
 	seen := false
+	jobUID := createdUID
 	var grace <-chan time.Time
 	// A Job created and deleted while the informer's watch was broken never
 	// reaches the cache, and a relist does not report it either. While the
@@ -147,6 +149,10 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 	defer unseen.Stop()
 	for {
 		cur, pods, ok := k.watcher.Get(k.cfg.Namespace, name)
+		if ok && created && cur.UID != createdUID {
+			// The cache still shows the stale Job this build replaced.
+			ok = false
+		}
 		switch {
 		case ok && cur.Annotations[kaniko.AnnotationKey] != b.Key:
 			return Outcome{}, fmt.Errorf("job %s exists but belongs to build key %s", name, cur.Annotations[kaniko.AnnotationKey])
@@ -158,19 +164,20 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 			if cur.DeletionTimestamp != nil {
 				return k.deleted(name), nil
 			}
+			jobUID = cur.UID
 			o := kube.JobOutcome(cur, pods)
 			// A failure's log tail is on its Pod, which can reach the cache
 			// after the Job: wait for it as for a success's digest.
 			podLag := o.Done && !o.Succeeded && len(pods) == 0
 			if o.Done && !o.Pending && !podLag {
-				return k.outcome(ctx, name, b.Destinations[0], o), nil
+				return k.outcome(ctx, name, jobUID, b.Destinations[0], o)
 			}
 			if (o.Pending || podLag) && grace == nil {
 				t := time.NewTimer(k.digestGrace)
 				defer t.Stop()
 				grace = t.C
 			}
-		case seen, k.watcher.DeletedSince(k.cfg.Namespace, name, runStart):
+		case seen, created && k.watcher.Deleted(k.cfg.Namespace, name, createdUID):
 			// Gone: seen and then not, or deleted before this goroutine
 			// ever read it from the cache (the informer saw it go).
 			return k.deleted(name), nil
@@ -187,7 +194,7 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 			// Succeeded, but its Pod (and so the digest) never reached the
 			// cache: it was deleted. The registry has the answer.
 			o := kube.JobOutcome(cur, pods)
-			return k.outcome(ctx, name, b.Destinations[0], o), nil
+			return k.outcome(ctx, name, jobUID, b.Destinations[0], o)
 		case <-ctx.Done():
 			return Outcome{}, ctx.Err()
 		}
@@ -198,10 +205,10 @@ func (k *KubeBackend) deleted(name string) Outcome {
 	return Outcome{Reason: v1.ReasonJobDeleted, Job: name, Message: fmt.Sprintf("job %s was deleted before it finished", name)}
 }
 
-func (k *KubeBackend) outcome(ctx context.Context, name, dest string, o kube.Outcome) Outcome {
+func (k *KubeBackend) outcome(ctx context.Context, name string, uid types.UID, dest string, o kube.Outcome) (Outcome, error) {
 	out := Outcome{
 		Succeeded: o.Succeeded, Digest: o.Digest, Reason: o.Reason, Message: o.Message,
-		LogTail: o.LogTail, Job: name, StartedAt: o.StartedAt, FinishedAt: o.FinishedAt,
+		LogTail: o.LogTail, Job: name, JobUID: string(uid), StartedAt: o.StartedAt, FinishedAt: o.FinishedAt,
 	}
 	if o.NeedLogs && o.LogPod != "" {
 		if tail, err := k.logTail(ctx, o.LogPod); err == nil && tail != "" {
@@ -213,8 +220,15 @@ func (k *KubeBackend) outcome(ctx context.Context, name, dest string, o kube.Out
 	}
 	if out.Succeeded && out.Digest == "" && k.resolve != nil {
 		d, err := k.resolve(ctx, dest)
-		if err == nil {
+		switch {
+		case err == nil:
 			out.Digest = d
+		case ctx.Err() != nil:
+			return Outcome{}, ctx.Err()
+		case !errors.Is(err, registry.ErrNotFound):
+			// Only the registry saying "not there" makes this a failed
+			// push; anything else is asked again later.
+			return Outcome{}, Transient(fmt.Errorf("resolve the digest of %s: %w", dest, err))
 		}
 	}
 	if out.Succeeded && out.Digest == "" {
@@ -222,7 +236,7 @@ func (k *KubeBackend) outcome(ctx context.Context, name, dest string, o kube.Out
 		out.Reason = v1.ReasonPushFailed
 		out.Message = fmt.Sprintf("job %s succeeded but its pod reported no image digest", name)
 	}
-	return out
+	return out, nil
 }
 
 // logTail reads the end of the kaniko container's log (pods/log), for
@@ -241,15 +255,99 @@ func (k *KubeBackend) logTail(ctx context.Context, pod string) (string, error) {
 	return kube.Tail(string(b), kube.MaxLogTail), err
 }
 
-// Cleanup deletes the build's Job and, first, its Pods (foreground): a
-// canceled build stops before it can push.
-func (k *KubeBackend) Cleanup(ctx context.Context, key string) error {
+// create creates the build's Job. AlreadyExists means another worker runs
+// this build: adopt it (created false) — unless this is a fresh build (a
+// retry after a failure or a cancel) and the Job there is the previous
+// build's, finished or being deleted; that one is removed and replaced.
+func (k *KubeBackend) create(ctx context.Context, job *batchv1.Job, b Build) (bool, types.UID, error) {
+	jobs := k.client.BatchV1().Jobs(k.cfg.Namespace)
+	for attempt := 0; ; attempt++ {
+		got, err := jobs.Create(ctx, job, metav1.CreateOptions{})
+		switch {
+		case err == nil:
+			return true, got.UID, nil
+		case apierrors.IsAlreadyExists(err):
+			if !b.Fresh || attempt >= 3 {
+				return false, "", nil
+			}
+			stale, err := k.removeStale(ctx, job.Name)
+			if err != nil {
+				return false, "", err
+			}
+			if !stale {
+				return false, "", nil // a live build: adopt it
+			}
+		case ctx.Err() != nil:
+			return false, "", ctx.Err()
+		case kube.IsTransient(err):
+			return false, "", Transient(fmt.Errorf("create job %s: %w", job.Name, err))
+		default:
+			return false, "", fmt.Errorf("create job %s: %w", job.Name, err)
+		}
+	}
+}
+
+// removeStale deletes a finished or terminating Job of an earlier build and
+// waits until it is gone. It reports false for a Job still running, which
+// the caller adopts. This is a recovery path (one GET, then a short wait),
+// not how builds are observed.
+func (k *KubeBackend) removeStale(ctx context.Context, name string) (bool, error) {
+	jobs := k.client.BatchV1().Jobs(k.cfg.Namespace)
+	old, err := jobs.Get(ctx, name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return true, nil
+	}
+	if err != nil {
+		return false, Transient(fmt.Errorf("get job %s: %w", name, err))
+	}
+	if done, _ := kube.Finished(old); !done && old.DeletionTimestamp == nil {
+		return false, nil
+	}
+	if old.DeletionTimestamp == nil {
+		if err := k.deleteJob(ctx, name, old.UID); err != nil {
+			return false, err
+		}
+	}
+	deadline := time.NewTimer(2 * time.Minute)
+	defer deadline.Stop()
+	tick := time.NewTicker(500 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		cur, err := jobs.Get(ctx, name, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) || (err == nil && cur.UID != old.UID) {
+			return true, nil
+		}
+		select {
+		case <-tick.C:
+		case <-deadline.C:
+			return false, Transient(fmt.Errorf("the previous job %s is still being deleted", name))
+		case <-ctx.Done():
+			return false, ctx.Err()
+		}
+	}
+}
+
+func (k *KubeBackend) deleteJob(ctx context.Context, name string, uid types.UID) error {
 	fg := metav1.DeletePropagationForeground
-	err := k.client.BatchV1().Jobs(k.cfg.Namespace).Delete(ctx, kaniko.JobName(key), metav1.DeleteOptions{PropagationPolicy: &fg})
-	if err != nil && !apierrors.IsNotFound(err) {
-		return fmt.Errorf("delete job %s: %w", kaniko.JobName(key), err)
+	opts := metav1.DeleteOptions{PropagationPolicy: &fg}
+	if uid != "" {
+		opts.Preconditions = &metav1.Preconditions{UID: &uid}
+	}
+	err := k.client.BatchV1().Jobs(k.cfg.Namespace).Delete(ctx, name, opts)
+	if err != nil && !apierrors.IsNotFound(err) && !apierrors.IsConflict(err) {
+		if kube.IsTransient(err) {
+			return Transient(fmt.Errorf("delete job %s: %w", name, err))
+		}
+		return fmt.Errorf("delete job %s: %w", name, err)
 	}
 	return nil
+}
+
+// Cleanup deletes the build's Job and, first, its Pods (foreground): a
+// canceled build stops before it can push. With a uid, only that Job is
+// deleted (a precondition), never a newer build's Job of the same name.
+func (k *KubeBackend) Cleanup(ctx context.Context, key, uid string) error {
+	return k.deleteJob(ctx, kaniko.JobName(key), types.UID(uid))
 }
 
 // FinishedJobKey returns the build key of a finished buildq Job, for

@@ -42,7 +42,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 			if !ok {
 				continue // another worker claimed it first: look again
 			}
-			return w.own(ctx, req, claim, rev, dests)
+			return w.own(ctx, req, claim, rev, dests, true)
 
 		case cur.State == StateSucceeded:
 			mine := cur.RequestID == req.RequestID
@@ -66,7 +66,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 					if !ok {
 						continue
 					}
-					return w.own(ctx, req, claim, rev, dests)
+					return w.own(ctx, req, claim, rev, dests, true)
 				case err != nil:
 					return nil, "", false, Transient(fmt.Errorf("check %s in the registry: %w", cur.Repository, err))
 				}
@@ -93,7 +93,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 			if cur.State == StateBuilding {
 				w.log.Info("took over a lapsed build claim", zap.String("key", key), zap.String("previousOwner", cur.Owner))
 			}
-			return w.own(ctx, req, claim, rev, dests)
+			return w.own(ctx, req, claim, rev, dests, cur.State != StateBuilding)
 
 		default:
 			w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: key, Phase: v1.PhaseWaiting, Job: cur.Job,
@@ -171,7 +171,7 @@ func (w *Worker) join(ctx context.Context, key string) (*Record, error) {
 
 // own runs the build while holding the claim, renewing its lease, and
 // stores the final record.
-func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev uint64, dests []string) (*Record, v1.Origin, bool, error) {
+func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev uint64, dests []string, fresh bool) (*Record, v1.Origin, bool, error) {
 	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: claim.Key, Phase: v1.PhaseClaimed, Message: "claimed build by " + w.cfg.ID})
 	if rec, done, err := w.preflight(ctx, req, claim, rev, dests); err != nil || done {
 		return rec, v1.OriginCache, false, err
@@ -215,7 +215,7 @@ func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev ui
 	}()
 	stopRenew := func() { close(renewDone); <-renewStopped }
 
-	out, err := w.backend.Run(runCtx, Build{Request: req, Key: claim.Key, Destinations: dests}, func(job string, created bool, creator string) {
+	out, err := w.backend.Run(runCtx, Build{Request: req, Key: claim.Key, Destinations: dests, Fresh: fresh}, func(job string, created bool, creator string) {
 		mu.Lock()
 		claim.Job = job
 		if creator != req.RequestID {
@@ -253,7 +253,7 @@ func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev ui
 
 	final := *claim
 	final.Owner, final.LeaseUntil = "", time.Time{}
-	final.Job = out.Job
+	final.Job, final.JobUID = out.Job, out.JobUID
 	final.FinishedAt = w.cfg.Now().UTC()
 	if !out.FinishedAt.IsZero() {
 		final.FinishedAt = out.FinishedAt.UTC()

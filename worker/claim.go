@@ -32,8 +32,10 @@ type Record struct {
 	Tenant string `json:"tenant,omitempty"`
 	Name   string `json:"name,omitempty"`
 	// RequestID is the request whose build this is.
-	RequestID  string `json:"requestId,omitempty"`
-	Job        string `json:"job,omitempty"`
+	RequestID string `json:"requestId,omitempty"`
+	Job       string `json:"job,omitempty"`
+	// JobUID names the run (the Job's UID) the outcome came from.
+	JobUID     string `json:"jobUid,omitempty"`
 	Repository string `json:"repository,omitempty"`
 	Image      string `json:"image,omitempty"`
 	// Pushed lists every repo:tag known to point at Digest.

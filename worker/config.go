@@ -25,7 +25,8 @@ type Config struct {
 	// AckWait of the shared consumer (default 30s). Heartbeats are sent
 	// every AckWait/3 while a request is held.
 	AckWait time.Duration
-	// MaxDeliver of the shared consumer (default 5). A request that
+	// MaxDeliver is the delivery budget for transient failures (default
+	// 5): a request that
 	// still fails transiently on its last delivery gets a failed result.
 	MaxDeliver int
 	// ResultsMaxAge is how long results are kept (default 7 days).

@@ -907,3 +907,52 @@ func TestCancelFromAnotherTenantIsRefused(t *testing.T) {
 		t.Fatalf("result %s", mustJSON(t, r))
 	}
 }
+
+func TestRetryAfterFailureReplacesTheFinishedJob(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.startWorker("w1", func(c *Config) { c.KeepJobs = true })
+	results := e.collect()
+
+	first := request("retry-after-failure")
+	if _, err := e.pub.Publish(context.Background(), first); err != nil {
+		t.Fatal(err)
+	}
+	name := kaniko.JobName(v1.BuildKey(first, "kaniko@"+testKaniko.ExecutorImage))
+	e.kubelet(e.waitJob(name), 1, "error building image: flaky base")
+	if r := results.waitFor(t, 1, 10*time.Second)[0]; r.Data.Status != v1.StatusFailed {
+		t.Fatalf("first %s", mustJSON(t, r))
+	}
+	// The failed Job is still there (kept). A new request for the key is a
+	// fresh build: it must not adopt the old failure.
+	second := request("retry-after-failure")
+	if _, err := e.pub.Publish(context.Background(), second); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "a second job", func() bool { return e.creates.total() == 2 })
+	e.kubelet(e.waitJob(name), 0, digestOf("retried"))
+	r := results.waitFor(t, 2, 10*time.Second)[1]
+	if r.ID != second.RequestID || r.Data.Status != v1.StatusSucceeded || r.Data.Origin != v1.OriginBuild || r.Data.Digest != digestOf("retried") {
+		t.Fatalf("second %s", mustJSON(t, r))
+	}
+}
+
+func TestHandBackOnTheLastDeliveryIsNotStranded(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	w1 := e.startWorker("w1", func(c *Config) { c.MaxDeliver = 1 })
+	results := e.collect()
+	req := request("last-delivery")
+	if _, err := e.pub.Publish(context.Background(), req); err != nil {
+		t.Fatal(err)
+	}
+	job := e.waitJob(kaniko.JobName(v1.BuildKey(req, "kaniko@"+testKaniko.ExecutorImage)))
+	w1.stop(t) // hands the request back on its only allowed delivery
+	e.startWorker("w2", func(c *Config) { c.MaxDeliver = 1 })
+	time.Sleep(300 * time.Millisecond)
+	e.kubelet(job, 0, digestOf("not stranded"))
+	r := results.waitFor(t, 1, 10*time.Second)[0]
+	if r.Data.Status != v1.StatusSucceeded || r.Data.Attempts != 2 {
+		t.Fatalf("result %s", mustJSON(t, r))
+	}
+}

@@ -27,6 +27,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
 
@@ -108,6 +109,8 @@ func setup(t *testing.T) *env {
 			return true, nil, apierrors.NewAlreadyExists(batchv1.Resource("jobs"), job.Name)
 		}
 		e.creates.inc(job.Name)
+		// The API server gives every object a UID; the fake does not.
+		job.UID = types.UID(fmt.Sprintf("uid-%s-%d", job.Name, podSeq.Add(1)))
 		return false, nil, nil
 	})
 	// The garbage collector: deleting a Job deletes its Pods.

@@ -147,7 +147,7 @@ func (w *Worker) cancel(ctx context.Context, tenant, target string) CancelReply 
 		}
 		// The owner notices the lost claim at its next renewal; stop the
 		// build now so nothing is pushed after the cancel.
-		if err := w.backend.Cleanup(ctx, key); err != nil && !errors.Is(err, context.Canceled) {
+		if err := w.backend.Cleanup(ctx, key, ""); err != nil && !errors.Is(err, context.Canceled) {
 			w.log.Warn("cancel: stopping the build failed", zap.String("key", key), zap.Error(err))
 		}
 		w.log.Info("build canceled", zap.String("key", key))

@@ -86,7 +86,7 @@ func (l *LocalBackend) Run(ctx context.Context, b Build, started Started) (Outco
 	started(name, true, b.Request.RequestID)
 
 	r.out, r.err = l.build(bctx, b)
-	r.out.Job = name
+	r.out.Job, r.out.JobUID = name, r.creator
 	l.mu.Lock()
 	delete(l.running, b.Key)
 	l.mu.Unlock()
@@ -162,11 +162,12 @@ func (l *LocalBackend) build(ctx context.Context, b Build) (Outcome, error) {
 }
 
 // Cleanup implements Backend: a finished local build leaves nothing behind;
-// a running one (a cancel) is stopped.
-func (l *LocalBackend) Cleanup(_ context.Context, key string) error {
+// a running one (a cancel) is stopped — only the named run, so a finished
+// build's cleanup never stops the next build of its key.
+func (l *LocalBackend) Cleanup(_ context.Context, key, run string) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if r, ok := l.running[key]; ok {
+	if r, ok := l.running[key]; ok && (run == "" || r.creator == run) {
 		r.cancel()
 	}
 	return nil

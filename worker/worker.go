@@ -127,11 +127,16 @@ func EnsureStreams(ctx context.Context, js jetstream.JetStream, cfg Config) (jet
 		return nil, nil, fmt.Errorf("create stream %s: %w", DeadLetterStream, err)
 	}
 	cons, err := js.CreateOrUpdateConsumer(ctx, v1.RequestsStream, jetstream.ConsumerConfig{
-		Durable:       v1.WorkersConsumer,
-		Description:   "buildq workers (shared)",
-		AckPolicy:     jetstream.AckExplicitPolicy,
-		AckWait:       cfg.AckWait,
-		MaxDeliver:    cfg.MaxDeliver,
+		Durable:     v1.WorkersConsumer,
+		Description: "buildq workers (shared)",
+		AckPolicy:   jetstream.AckExplicitPolicy,
+		AckWait:     cfg.AckWait,
+		// Unlimited on the server: a hand-back at shutdown counts as a
+		// delivery, and a message past the server's MaxDeliver is never
+		// delivered again, so a request handed back on its last delivery
+		// would be stranded without a result. The worker enforces
+		// cfg.MaxDeliver itself, on transient failures.
+		MaxDeliver:    -1,
 		FilterSubject: v1.RequestsPrefix + ".>",
 	})
 	if err != nil {
@@ -257,9 +262,10 @@ type verdict struct {
 	data         v1.ResultData
 	// term: terminate the message instead of acking it (bad input).
 	term bool
-	// cleanupKey: this request owned the build; remove its Job after the
-	// result is stored.
+	// cleanupKey, cleanupRun: this request owned the build; remove its
+	// Job (that run only) after the result is stored.
 	cleanupKey string
+	cleanupRun string
 }
 
 func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
@@ -329,7 +335,7 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 	log.Info("request done", zap.String("requestId", v.data.RequestID), zap.String("status", string(v.data.Status)),
 		zap.String("origin", string(v.data.Origin)), zap.String("reason", v.data.Reason), zap.String("digest", v.data.Digest))
 	if v.cleanupKey != "" && !w.cfg.KeepJobs {
-		if err := w.backend.Cleanup(actx, v.cleanupKey); err != nil {
+		if err := w.backend.Cleanup(actx, v.cleanupKey, v.cleanupRun); err != nil {
 			log.Warn("cleanup failed; ttlSecondsAfterFinished will remove the job", zap.Error(err))
 		}
 	}
@@ -416,7 +422,7 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 	v.data.Origin = origin
 	v.data.Job = rec.Job
 	if owned {
-		v.cleanupKey = key
+		v.cleanupKey, v.cleanupRun = key, rec.JobUID
 	}
 	if origin != v1.OriginCache {
 		v.data.Timings.BuildMs = rec.FinishedAt.Sub(rec.StartedAt).Milliseconds()

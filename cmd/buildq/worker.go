@@ -64,7 +64,7 @@ func (f *workerFlags) register(cmd *cobra.Command) {
 	fs.StringVar(&f.id, "id", "", "worker id in claims, events and logs (default: hostname-pid)")
 	fs.IntVar(&f.inFlight, "max-in-flight", 4, "requests this worker holds at once")
 	fs.DurationVar(&f.ackWait, "ack-wait", 30*time.Second, "AckWait of the shared consumer; heartbeats go every third of it")
-	fs.IntVar(&f.maxDeliver, "max-deliver", 5, "deliveries before a request that keeps failing transiently gets a failed result")
+	fs.IntVar(&f.maxDeliver, "max-deliver", 5, "deliveries after which a request that still fails transiently gets a failed result and a dead-letter copy (the consumer itself redelivers without limit, so a hand-back never strands a request)")
 	fs.DurationVar(&f.resultsAge, "results-max-age", 7*24*time.Hour, "how long result events are kept")
 	fs.DurationVar(&f.lease, "lease", 30*time.Second, "build claim lease; a dead worker's builds are taken over after it")
 	fs.StringVar(&f.storage, "storage", "file", "JetStream storage of streams and the KV bucket: file or memory")

@@ -15,6 +15,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
@@ -42,7 +43,12 @@ type Watcher struct {
 	finished func(job *batchv1.Job)
 	// deleted remembers when Jobs left the cache, so a waiter that never
 	// read a short-lived Job still learns that it is gone.
-	deleted map[string]time.Time
+	deleted map[string]tombstone
+}
+
+type tombstone struct {
+	uid types.UID
+	at  time.Time
 }
 
 // tombstoneTTL bounds how long a deletion is remembered.
@@ -59,7 +65,7 @@ func NewWatcher(factory informers.SharedInformerFactory, onFinished func(job *ba
 		pods:     factory.Core().V1().Pods().Informer(),
 		subs:     map[string]map[chan struct{}]struct{}{},
 		finished: onFinished,
-		deleted:  map[string]time.Time{},
+		deleted:  map[string]tombstone{},
 	}
 	if _, err := w.jobs.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { w.onJob(obj) },
@@ -116,20 +122,23 @@ func (w *Watcher) tombstone(obj any) {
 	now := time.Now()
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	for k, at := range w.deleted {
-		if now.Sub(at) > tombstoneTTL {
+	for k, t := range w.deleted {
+		if now.Sub(t.at) > tombstoneTTL {
 			delete(w.deleted, k)
 		}
 	}
-	w.deleted[job.Namespace+"/"+job.Name] = now
+	w.deleted[job.Namespace+"/"+job.Name+"/"+string(job.UID)] = tombstone{uid: job.UID, at: now}
 }
 
-// DeletedSince reports whether the informer saw the Job deleted after t.
-func (w *Watcher) DeletedSince(namespace, jobName string, t time.Time) bool {
+// Deleted reports whether the informer saw this Job (by UID) deleted.
+func (w *Watcher) Deleted(namespace, jobName string, uid types.UID) bool {
+	if uid == "" {
+		return false
+	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	at, ok := w.deleted[namespace+"/"+jobName]
-	return ok && at.After(t)
+	_, ok := w.deleted[namespace+"/"+jobName+"/"+string(uid)]
+	return ok
 }
 
 func (w *Watcher) onPod(obj any) {
