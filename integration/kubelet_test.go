@@ -131,11 +131,14 @@ func (k *kubelet) run(ctx context.Context, pod *corev1.Pod) {
 			return
 		}
 	}
-	if f.deletePod {
-		_ = pods.Delete(ctx, pod.Name, metav1.DeleteOptions{})
-		return
-	}
 	code, msg := f.exitCode, f.message
+	if f.deletePod {
+		// Someone deletes the pod while it runs: the kubelet kills the
+		// container (SIGTERM, exit 143) and reports the pod Failed, then
+		// the pod object goes once the Job controller drops its finalizer.
+		_ = pods.Delete(ctx, pod.Name, metav1.DeleteOptions{})
+		code, msg = 143, "terminated: pod deleted"
+	}
 	if code == 0 && msg == "" {
 		code, msg = k.execute(ctx, pod)
 	}

@@ -246,3 +246,43 @@ func TestBrokenWatchMissesNoCompletion(t *testing.T) {
 		t.Fatalf("result %s", mustJSON(r))
 	}
 }
+
+// firstPodFault applies f to the first pod only; later pods run normally.
+func firstPodFault(f fault) func(*corev1.Pod) fault {
+	var mu sync.Mutex
+	first := true
+	return func(*corev1.Pod) fault {
+		mu.Lock()
+		defer mu.Unlock()
+		if first {
+			first = false
+			return f
+		}
+		return fault{}
+	}
+}
+
+func TestRetryableExitIsRetriedByTheJob(t *testing.T) {
+	// Exit code 2 is not a build error (the pod failure policy fails the Job
+	// at once only on 1): it counts against the backoff limit and the Job
+	// controller starts another pod.
+	s := newSuite(t, options{faults: firstPodFault(fault{exitCode: 2, message: "transient executor failure"})})
+	s.startWorker("w1")
+	res := s.collect()
+	s.submit(contextDir(t, map[string]string{"Dockerfile": "FROM scratch\nCOPY f /f\n", "f": "retry"}), "retry", 1)
+	r := res.wait(t, 1, 3*time.Minute)[0]
+	if r.Data.Status != v1.StatusSucceeded || s.kubelet.podsRun() != 2 {
+		t.Fatalf("result %s after %d pods", mustJSON(r), s.kubelet.podsRun())
+	}
+}
+
+func TestDeletedPodIsReplaced(t *testing.T) {
+	s := newSuite(t, options{faults: firstPodFault(fault{deletePod: true})})
+	s.startWorker("w1")
+	res := s.collect()
+	s.submit(contextDir(t, map[string]string{"Dockerfile": "FROM scratch\nCOPY f /f\n", "f": "deleted pod"}), "podgone", 1)
+	r := res.wait(t, 1, 3*time.Minute)[0]
+	if r.Data.Status != v1.StatusSucceeded || s.kubelet.podsRun() != 2 {
+		t.Fatalf("result %s after %d pods", mustJSON(r), s.kubelet.podsRun())
+	}
+}

@@ -22,7 +22,11 @@ var errLostClaim = errors.New("build claim taken over by another worker")
 // the build in flight, or by claiming the key and running the build.
 // owned is true when this request ran (or adopted) the build and so cleans
 // up after it.
-func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, dests []string) (rec *Record, origin v1.Origin, owned bool, err error) {
+//
+// seq is the request message's stream sequence: with the request id it
+// tells a redelivery of the request that made a record (its own build) from
+// a new submission that reuses an id.
+func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, dests []string, seq uint64) (rec *Record, origin v1.Origin, owned bool, err error) {
 	for {
 		if err := ctx.Err(); err != nil {
 			return nil, "", false, err
@@ -34,7 +38,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 		now := w.cfg.Now()
 		switch {
 		case cur == nil:
-			claim := w.newClaim(req, key, repo)
+			claim := w.newClaim(req, key, repo, seq)
 			rev, ok, err := w.claims.create(ctx, claim)
 			if err != nil {
 				return nil, "", false, Transient(err)
@@ -45,7 +49,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 			return w.own(ctx, req, claim, rev, dests, true)
 
 		case cur.State == StateSucceeded:
-			mine := cur.RequestID == req.RequestID
+			mine := cur.RequestID == req.RequestID && cur.Seq == seq
 			origin := v1.OriginCache
 			if mine {
 				origin = v1.OriginBuild // our own build, finished before a crash
@@ -58,7 +62,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 				switch {
 				case errors.Is(err, registry.ErrNotFound):
 					w.log.Info("indexed image is gone from the registry; rebuilding", zap.String("key", key), zap.String("image", cur.Repository+"@"+cur.Digest))
-					claim := w.newClaim(req, key, repo)
+					claim := w.newClaim(req, key, repo, seq)
 					rev, ok, err := w.claims.update(ctx, claim, rev)
 					if err != nil {
 						return nil, "", false, Transient(err)
@@ -73,13 +77,13 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 			}
 			return cur, origin, mine, nil
 
-		case cur.State == StateFailed && cur.RequestID == req.RequestID:
+		case cur.State == StateFailed && cur.RequestID == req.RequestID && cur.Seq == seq:
 			return cur, v1.OriginBuild, true, nil
 
 		case cur.State == StateFailed, cur.LeaseUntil.Before(now):
 			// A failed build is retried by the next request for its key; a
 			// claim whose owner stopped renewing it is taken over.
-			claim := w.newClaim(req, key, repo)
+			claim := w.newClaim(req, key, repo, seq)
 			if cur.State == StateBuilding {
 				claim.StartedAt = cur.StartedAt
 			}
@@ -110,11 +114,11 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 	}
 }
 
-func (w *Worker) newClaim(req *v1.Request, key, repo string) *Record {
+func (w *Worker) newClaim(req *v1.Request, key, repo string, seq uint64) *Record {
 	now := w.cfg.Now().UTC()
 	return &Record{
 		Key: key, State: StateBuilding, Owner: w.cfg.ID, LeaseUntil: now.Add(w.cfg.Lease),
-		RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, Repository: repo, StartedAt: now,
+		RequestID: req.RequestID, Seq: seq, Tenant: req.Tenant, Name: req.Name, Repository: repo, StartedAt: now,
 	}
 }
 
@@ -239,7 +243,7 @@ func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev ui
 			cur, _, gerr := w.claims.get(ctx, claim.Key)
 			if errors.Is(context.Cause(runCtx), errLostClaim) || (gerr == nil && cur != nil && (cur.Final() || cur.Owner != w.cfg.ID)) {
 				w.log.Info("the build claim changed hands; following the record", zap.String("key", claim.Key))
-				return w.build(ctx, req, claim.Key, claim.Repository, dests)
+				return w.build(ctx, req, claim.Key, claim.Repository, dests, claim.Seq)
 			}
 		}
 		// Shutdown or trouble: let the claim go so another worker takes

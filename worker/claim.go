@@ -33,7 +33,9 @@ type Record struct {
 	Name   string `json:"name,omitempty"`
 	// RequestID is the request whose build this is.
 	RequestID string `json:"requestId,omitempty"`
-	Job       string `json:"job,omitempty"`
+	// Seq is the stream sequence of that request's message.
+	Seq uint64 `json:"seq,omitempty"`
+	Job string `json:"job,omitempty"`
 	// JobUID names the run (the Job's UID) the outcome came from.
 	JobUID     string `json:"jobUid,omitempty"`
 	Repository string `json:"repository,omitempty"`

@@ -415,7 +415,7 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: key, Phase: v1.PhaseQueued,
 		Message: fmt.Sprintf("taken by %s after %s in the queue", w.cfg.ID, time.Duration(timings.QueueWaitMs)*time.Millisecond)})
 
-	rec, origin, owned, err := w.build(ctx, req, key, repo, dests)
+	rec, origin, owned, err := w.build(ctx, req, key, repo, dests, meta.Sequence.Stream)
 	if err != nil {
 		return v, err
 	}

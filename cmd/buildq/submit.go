@@ -317,10 +317,12 @@ func (p *progress) update(phase string, done, total int64) {
 		return
 	}
 	p.last, p.phase, p.drawn = time.Now(), phase, true
-	pct := 100
-	if total > 0 {
-		pct = int(done * 100 / total)
+	if total <= 0 {
+		// Size not known yet (the first pass is what measures it).
+		fmt.Fprintf(p.w, "\r%-9s %s \033[K", phase, humanBytes(done))
+		return
 	}
+	pct := int(done * 100 / total)
 	const width = 30
 	fill := pct * width / 100
 	fmt.Fprintf(p.w, "\r%-9s [%s%s] %3d%% %s / %s ", phase, strings.Repeat("=", fill), strings.Repeat(" ", width-fill), pct, humanBytes(done), humanBytes(total))
