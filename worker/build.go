@@ -233,6 +233,12 @@ func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev ui
 			phase = v1.PhaseRunning
 		}
 		w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: claim.Key, Phase: phase, Job: job, Message: msg})
+		// A cancel that came while the Job was being created found nothing
+		// to delete: look at the claim once now rather than at the next
+		// renewal, so the build stops before it can push.
+		if cur, _, err := w.claims.get(runCtx, claim.Key); err == nil && cur != nil && (cur.Final() || cur.Owner != w.cfg.ID) {
+			cancelRun(errLostClaim)
+		}
 	})
 	stopRenew()
 
