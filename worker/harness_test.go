@@ -21,7 +21,6 @@ import (
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
-	"go.uber.org/zap/zaptest"
 	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -33,7 +32,6 @@ import (
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
-	"github.com/buildq/buildq/internal/kube"
 	"github.com/buildq/buildq/internal/naming"
 	"github.com/buildq/buildq/internal/registry"
 	"github.com/buildq/buildq/publisher"
@@ -171,49 +169,8 @@ func (r *runningWorker) stop(t *testing.T) {
 }
 
 func (e *env) startWorker(id string, mutate func(*Config)) *runningWorker {
-	t := e.t
-	t.Helper()
-	cfg := testConfig(id)
-	cfg.Logger = zaptest.NewLogger(t).Named(id)
-	if mutate != nil {
-		mutate(&cfg)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	factory := kube.NewInformerFactory(e.kube, testNamespace)
-	watcher, err := kube.NewWatcher(factory, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	factory.Start(ctx.Done())
-	if !watcher.WaitForSync(ctx) {
-		t.Fatal("informers did not sync")
-	}
-	backend, err := NewKubeBackend(e.kube, watcher, testKaniko)
-	if err != nil {
-		t.Fatal(err)
-	}
-	nc, err := nats.Connect(e.srv.ClientURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	w, err := New(nc, backend, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := w.Setup(ctx); err != nil {
-		t.Fatal(err)
-	}
-	r := &runningWorker{w: w, cancel: cancel, done: make(chan struct{})}
-	go func() {
-		defer close(r.done)
-		r.err = w.Run(ctx)
-		factory.Shutdown()
-		nc.Close()
-	}()
-	t.Cleanup(func() {
-		cancel()
-		<-r.done
-	})
+	e.t.Helper()
+	r, _ := e.startWorkerWith(id, testKaniko, mutate)
 	return r
 }
 
