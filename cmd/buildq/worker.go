@@ -319,5 +319,9 @@ func restConfig(kubeconfig string) (*rest.Config, error) {
 		return rc, nil
 	}
 	rules := clientcmd.NewDefaultClientConfigLoadingRules()
-	return clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{}).ClientConfig()
+	rc, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{}).ClientConfig()
+	if clientcmd.IsEmptyConfig(err) {
+		return nil, errors.New("no cluster configured: pass --kubeconfig, set KUBECONFIG, or run the worker in a cluster")
+	}
+	return rc, err
 }
