@@ -93,6 +93,9 @@ type KubeBackend struct {
 	identity    string
 	digestGrace time.Duration
 	resolve     func(ctx context.Context, ref string) (string, error)
+	// finished receives the names of finished Jobs from the informers
+	// (their initial list, every event, every relist): reconciliation.
+	finished chan string
 }
 
 // DigestResolver looks up the digest of a pushed reference in the registry.
@@ -112,7 +115,18 @@ func NewKubeBackend(client kubernetes.Interface, watcher *kube.Watcher, cfg kani
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("kaniko config: %w", err)
 	}
-	return &KubeBackend{client: client, watcher: watcher, cfg: cfg, identity: "kaniko@" + cfg.ExecutorImage, digestGrace: 10 * time.Second}, nil
+	k := &KubeBackend{client: client, watcher: watcher, cfg: cfg, identity: "kaniko@" + cfg.ExecutorImage,
+		digestGrace: 10 * time.Second, finished: make(chan string, 256)}
+	watcher.OnFinished(func(job *batchv1.Job) {
+		select {
+		case k.finished <- job.Name:
+		default:
+			// Full: the hint is dropped, not the build. The requests of
+			// that build are still in the stream and recover it through
+			// redelivery and the claim's lease.
+		}
+	})
+	return k, nil
 }
 
 // Identity is the pinned executor image: another executor image is another
@@ -350,6 +364,38 @@ func (k *KubeBackend) Cleanup(ctx context.Context, key, uid string) error {
 	return k.deleteJob(ctx, kaniko.JobName(key), types.UID(uid))
 }
 
-// FinishedJobKey returns the build key of a finished buildq Job, for
-// reconciliation.
-func FinishedJobKey(job *batchv1.Job) string { return job.Annotations[kaniko.AnnotationKey] }
+// Reconcile is level-triggered reconciliation: for every finished Job the
+// informers show (at start, on events, after every relist) that no goroutine
+// of this worker waits on, it reads the outcome and hands it to finish,
+// which stores it if the build's owner is gone. It returns when ctx ends.
+func (k *KubeBackend) Reconcile(ctx context.Context, finish func(ctx context.Context, key string, out Outcome)) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case name := <-k.finished:
+			if k.watcher.Subscribers(name) > 0 {
+				continue // a build of this worker waits on it
+			}
+			job, pods, ok := k.watcher.Get(k.cfg.Namespace, name)
+			if !ok || job.DeletionTimestamp != nil {
+				continue
+			}
+			key := job.Annotations[kaniko.AnnotationKey]
+			o := kube.JobOutcome(job, pods)
+			if key == "" || !o.Done || o.Pending {
+				continue
+			}
+			out, err := k.outcome(ctx, name, job.UID, job.Annotations[kaniko.AnnotationImage], o)
+			if err != nil {
+				continue // transient: the next event or the redelivery retries
+			}
+			finish(ctx, key, out)
+		}
+	}
+}
+
+// Reconciler is a backend with reconciliation to run beside the worker.
+type Reconciler interface {
+	Reconcile(ctx context.Context, finish func(ctx context.Context, key string, out Outcome))
+}

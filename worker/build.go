@@ -336,3 +336,33 @@ func (w *Worker) preflight(ctx context.Context, req *v1.Request, claim *Record, 
 	}
 	return nil, false, nil
 }
+
+// finishOrphan stores the outcome of a finished build whose claim lapsed:
+// its owner died before it could. Joiners waiting on the key get their
+// results now instead of after a take-over, and the owner's redelivered
+// request finds its outcome. A live claim is left to its owner.
+func (w *Worker) finishOrphan(ctx context.Context, key string, out Outcome) {
+	cur, rev, err := w.claims.get(ctx, key)
+	if err != nil || cur == nil || cur.State != StateBuilding || cur.LeaseUntil.After(w.cfg.Now()) {
+		return
+	}
+	final := *cur
+	final.Owner, final.LeaseUntil = "", time.Time{}
+	final.Job, final.JobUID = out.Job, out.JobUID
+	final.FinishedAt = w.cfg.Now().UTC()
+	if !out.FinishedAt.IsZero() {
+		final.FinishedAt = out.FinishedAt.UTC()
+	}
+	if out.Succeeded {
+		final.State, final.Digest = StateSucceeded, out.Digest
+		if final.Image == "" {
+			final.Image = final.Repository + ":" + v1.DefaultTag(key)
+		}
+		final.Pushed = append(final.Pushed, final.Image)
+	} else {
+		final.State, final.Reason, final.Message, final.LogTail = StateFailed, out.Reason, out.Message, out.LogTail
+	}
+	if _, ok, err := w.claims.update(ctx, &final, rev); err == nil && ok {
+		w.log.Info("stored the outcome of a build whose owner is gone", zap.String("key", key), zap.String("state", final.State))
+	}
+}

@@ -956,3 +956,37 @@ func TestHandBackOnTheLastDeliveryIsNotStranded(t *testing.T) {
 		t.Fatalf("result %s", mustJSON(t, r))
 	}
 }
+
+func TestFinishedJobOfADeadOwnerIsReconciled(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	// A dead worker's leftovers: a lapsed "building" claim and its Job,
+	// finished while no worker ran.
+	req := request("orphan")
+	key := v1.BuildKey(req, "kaniko@"+testKaniko.ExecutorImage)
+	job, err := kaniko.Job(kaniko.Spec{Request: req, Key: key, Destinations: []string{"registry.test:5000/acme/web:" + v1.DefaultTag(key)}}, testKaniko.Defaults())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.kube.BatchV1().Jobs(testNamespace).Create(context.Background(), job, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	e.kubelet(job, 0, digestOf("orphan"))
+	r := e.startWorker("w1", nil)
+	rec, _ := json.Marshal(Record{Key: key, State: StateBuilding, Owner: "dead", LeaseUntil: time.Now().Add(-time.Minute),
+		RequestID: "gone", Repository: "registry.test:5000/acme/web", StartedAt: time.Now().Add(-time.Hour)})
+	if _, err := r.w.claims.kv.Put(context.Background(), key, rec); err != nil {
+		t.Fatal(err)
+	}
+	// Level-triggered: the next event for the finished Job (here, a label
+	// change) makes the worker store its outcome, with no request around.
+	j, _ := e.kube.BatchV1().Jobs(testNamespace).Get(context.Background(), job.Name, metav1.GetOptions{})
+	j.Labels["touched"] = "yes"
+	if _, err := e.kube.BatchV1().Jobs(testNamespace).Update(context.Background(), j, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the record to be final", func() bool {
+		cur, _, err := r.w.claims.get(context.Background(), key)
+		return err == nil && cur != nil && cur.State == StateSucceeded && cur.Digest == digestOf("orphan")
+	})
+}

@@ -178,6 +178,13 @@ func (w *Worker) Run(ctx context.Context) error {
 	}
 	defer func() { _ = cancelSub.Unsubscribe() }()
 	var wg sync.WaitGroup
+	if r, ok := w.backend.(Reconciler); ok {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r.Reconcile(workCtx, w.finishOrphan)
+		}()
+	}
 	w.log.Info("worker started", zap.Int("maxInFlight", w.cfg.MaxInFlight), zap.String("executor", w.backend.Identity()))
 
 	backoff := 100 * time.Millisecond

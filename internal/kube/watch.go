@@ -87,6 +87,14 @@ func NewWatcher(factory informers.SharedInformerFactory, onFinished func(job *ba
 	return w, nil
 }
 
+// OnFinished sets the hook called for every finished Job seen (see
+// NewWatcher); it replaces any earlier hook.
+func (w *Watcher) OnFinished(f func(job *batchv1.Job)) {
+	w.mu.Lock()
+	w.finished = f
+	w.mu.Unlock()
+}
+
 // HasSynced reports whether both caches hold a full list.
 func (w *Watcher) HasSynced() bool { return w.jobs.HasSynced() && w.pods.HasSynced() }
 
@@ -104,9 +112,12 @@ func (w *Watcher) onJob(obj any) {
 		return
 	}
 	w.notify(job.Name)
-	if w.finished != nil && job.DeletionTimestamp == nil {
+	w.mu.Lock()
+	finished := w.finished
+	w.mu.Unlock()
+	if finished != nil && job.DeletionTimestamp == nil {
 		if done, _ := Finished(job); done {
-			w.finished(job)
+			finished(job)
 		}
 	}
 }
