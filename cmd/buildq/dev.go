@@ -125,8 +125,8 @@ func runDev(ctx context.Context, stderr io.Writer, f *devFlags) error {
 	executor := "local (in-process; RUN needs --kubeconfig)"
 	if f.kubeconfig != "" {
 		kc := f.kaniko
-		if kc.ExecutorImage == "" {
-			return usageErr("--kubeconfig needs --executor-image: a kaniko executor image pinned by digest")
+		if err := checkExecutorImage(kc.ExecutorImage); err != nil {
+			return err
 		}
 		if kc.S3Endpoint == "" {
 			kc.S3Endpoint = stack.S3Endpoint

@@ -41,8 +41,8 @@ and read the same BUILDQ_* variables.`,
 			if output != "yaml" && output != "json" {
 				return usageErr("-o must be yaml or json, got %q", output)
 			}
-			if kc.ExecutorImage == "" {
-				return usageErr("--executor-image (or BUILDQ_EXECUTOR_IMAGE) is required: the kaniko image, pinned by digest")
+			if err := checkExecutorImage(kc.ExecutorImage); err != nil {
+				return err
 			}
 			req, err := rf.request(args[0])
 			if err != nil {

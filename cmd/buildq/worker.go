@@ -7,11 +7,11 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"strings"
 	"sync"
 	"time"
 
 	"github.com/go-logr/zapr"
+	"github.com/google/go-containerregistry/pkg/name"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
@@ -67,8 +67,8 @@ func (f *workerFlags) register(cmd *cobra.Command) {
 	fs.IntVar(&f.maxDeliver, "max-deliver", 5, "deliveries after which a request that still fails transiently gets a failed result and a dead-letter copy (the consumer itself redelivers without limit, so a hand-back never strands a request)")
 	fs.DurationVar(&f.resultsAge, "results-max-age", 7*24*time.Hour, "how long result events are kept")
 	fs.DurationVar(&f.lease, "lease", 30*time.Second, "build claim lease; a dead worker's builds are taken over after it")
-	fs.StringVar(&f.storage, "storage", "file", "JetStream storage of streams and the KV bucket: file or memory")
-	fs.IntVar(&f.replicas, "replicas", 1, "JetStream replicas of streams and the KV bucket")
+	fs.StringVar(&f.storage, "storage", "file", "JetStream storage of streams and the KV buckets: file or memory")
+	fs.IntVar(&f.replicas, "replicas", 1, "JetStream replicas of streams and the KV buckets")
 	fs.DurationVar(&f.queueTTL, "queue-ttl", 0, "requests that waited longer than this in the queue fail with reason Expired instead of being built (0: no limit)")
 	fs.BoolVar(&f.keepJobs, "keep-jobs", false, "leave finished Jobs to ttlSecondsAfterFinished instead of deleting them")
 
@@ -101,6 +101,18 @@ func (f *workerFlags) config(log *zap.Logger) (worker.Config, error) {
 		return cfg, usageErr("%v", err)
 	}
 	return cfg, nil
+}
+
+// checkExecutorImage requires a kaniko image pinned by digest: the image is
+// part of every build key, so a moving tag would silently change builds.
+func checkExecutorImage(img string) error {
+	if img == "" {
+		return usageErr("--executor-image (or BUILDQ_EXECUTOR_IMAGE) is required: a kaniko executor image pinned by digest (repo@sha256:…)")
+	}
+	if _, err := name.NewDigest(img, name.StrictValidation); err != nil {
+		return usageErr("--executor-image %q is not pinned by digest: use repo@sha256:<64 hex> (%v)", img, err)
+	}
+	return nil
 }
 
 // registerKaniko registers the flags that shape Jobs and image names; the
@@ -168,7 +180,7 @@ func newWorkerCmd() *cobra.Command {
 		Long: `Run a buildq worker against a NATS JetStream server and a Kubernetes cluster.
 
 Any number of workers share the "buildq-workers" consumer. Each creates or
-updates the streams, the consumer and the KV bucket at start, takes as many
+updates the streams, the consumer and the KV buckets at start, takes as many
 requests as it has free slots, builds every unique build key once as a kaniko
 Job, watches Jobs and Pods through informers, and publishes one result per
 request before acking it. SIGTERM hands held requests back at once.
@@ -197,11 +209,8 @@ func runWorker(ctx context.Context, f *workerFlags) error {
 	if err != nil {
 		return err
 	}
-	if f.kaniko.ExecutorImage == "" {
-		return usageErr("--executor-image is required: a kaniko executor image pinned by digest (repo@sha256:…)")
-	}
-	if !strings.Contains(f.kaniko.ExecutorImage, "@sha256:") {
-		return usageErr("--executor-image %q is not pinned by digest: use repo@sha256:…", f.kaniko.ExecutorImage)
+	if err := checkExecutorImage(f.kaniko.ExecutorImage); err != nil {
+		return err
 	}
 	if f.jobTemplate != "" {
 		b, err := os.ReadFile(f.jobTemplate)

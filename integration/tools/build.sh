@@ -5,7 +5,7 @@
 # module's go.mod and go.sum. Only missing binaries are built, so a warm
 # cache costs nothing. Prints the cache directory on stdout.
 #
-# Cold, on 2 cores: about 20 minutes. Override the cache root with
+# Cold, on 2 cores: about 25 minutes. Override the cache root with
 # BUILDQ_TOOLS_CACHE.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
