@@ -267,6 +267,33 @@ type results struct {
 
 func (s *suite) collect() *results {
 	r := &results{}
+	// The stream drops a repeated Nats-Msg-Id, so what is stored cannot show
+	// a second result for a request; a core subscription sees every
+	// publish. Each request id must be published at most once.
+	published := map[string]int{}
+	var pmu sync.Mutex
+	sub, err := s.nc.Subscribe(v1.ResultsPrefix+".>", func(m *nats.Msg) {
+		pmu.Lock()
+		published[m.Header.Get(v1.MsgIDHeader)]++
+		pmu.Unlock()
+	})
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	if err := s.nc.Flush(); err != nil {
+		s.t.Fatal(err)
+	}
+	s.t.Cleanup(func() {
+		_ = s.nc.Flush()
+		_ = sub.Unsubscribe()
+		pmu.Lock()
+		defer pmu.Unlock()
+		for id, n := range published {
+			if n > 1 {
+				s.t.Errorf("request %s: %d results published, want exactly one", id, n)
+			}
+		}
+	})
 	ctx, cancel := context.WithCancel(context.Background())
 	s.t.Cleanup(cancel)
 	go func() {
@@ -276,8 +303,8 @@ func (s *suite) collect() *results {
 				defer r.mu.Unlock()
 				for _, g := range r.got {
 					if g.ID == res.ID {
-						// An ordered consumer replays after a reconnect; a
-						// duplicate here is a replay, counted by msg id below.
+						// An ordered consumer replays after a reconnect;
+						// publishes are counted above.
 						return nil
 					}
 				}

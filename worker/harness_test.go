@@ -196,11 +196,38 @@ type resultCollector struct {
 	mu  sync.Mutex
 	got []v1.Result
 	ch  chan struct{}
+	// published counts every result publish by message id (core NATS).
+	published map[string]int
 }
 
 func (e *env) collect() *resultCollector {
 	t := e.t
-	c := &resultCollector{ch: make(chan struct{}, 1)}
+	c := &resultCollector{ch: make(chan struct{}, 1), published: map[string]int{}}
+	// The stream drops a repeated Nats-Msg-Id, so reading it back cannot
+	// show a second result for a request. A core subscription sees every
+	// publish: each request id must be published at most once.
+	sub, err := e.nc.Subscribe(v1.ResultsPrefix+".>", func(m *nats.Msg) {
+		c.mu.Lock()
+		c.published[m.Header.Get(v1.MsgIDHeader)]++
+		c.mu.Unlock()
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = e.nc.Flush()
+		_ = sub.Unsubscribe()
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		for id, n := range c.published {
+			if n > 1 {
+				t.Errorf("request %s: %d results published, want exactly one", id, n)
+			}
+		}
+	})
 	ctx, cancel := context.WithCancel(context.Background())
 	ready := make(chan struct{})
 	go func() {

@@ -172,15 +172,27 @@ func TestValidateAccepts(t *testing.T) {
 
 func TestDecodeRequestRefuses(t *testing.T) {
 	t.Parallel()
+	valid, err := json.Marshal(validRequest())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := DecodeRequest(valid); err != nil {
+		t.Fatalf("the valid request is refused: %v", err)
+	}
+	// Each input is the valid request with one defect, so only the decoder
+	// can be what refuses it.
+	body := strings.TrimSuffix(string(valid), "}")
 	for name, in := range map[string]string{
 		"not json":      "{",
-		"unknown field": `{"apiVersion":"buildq.dev/v1","bogus":1}`,
-		"trailing data": `{"apiVersion":"buildq.dev/v1"} {}`,
-		"bad timeout":   `{"timeout":"soon"}`,
-		"too large":     `{"name":"` + strings.Repeat("a", MaxRequestBytes) + `"}`,
+		"unknown field": body + `,"bogus":1}`,
+		"trailing data": string(valid) + ` {}`,
+		"bad timeout":   strings.Replace(string(valid), `"timeout":"10m0s"`, `"timeout":"soon"`, 1),
+		"too large":     body + `,"labels":{"big":"` + strings.Repeat("a", MaxRequestBytes) + `"}}`,
 	} {
-		if _, err := DecodeRequest([]byte(in)); !errors.Is(err, ErrInvalid) {
-			t.Errorf("%s: err = %v, want ErrInvalid", name, err)
+		_, err := DecodeRequest([]byte(in))
+		var de *DecodeError
+		if !errors.As(err, &de) || !errors.Is(err, ErrInvalid) {
+			t.Errorf("%s: err = %v, want a *DecodeError", name, err)
 		}
 	}
 }

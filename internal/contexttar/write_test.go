@@ -646,3 +646,16 @@ func BenchmarkWrite(b *testing.B) {
 		}
 	}
 }
+
+func TestZeroLimitMeansTheDefault(t *testing.T) {
+	t.Parallel()
+	if got, err := limit(0); err != nil || got != DefaultMaxBytes {
+		t.Fatalf("limit(0) = %d, %v; want %d", got, err, DefaultMaxBytes)
+	}
+	if got, err := limit(42); err != nil || got != 42 {
+		t.Fatalf("limit(42) = %d, %v", got, err)
+	}
+	if _, err := limit(-1); err == nil {
+		t.Fatal("a negative limit was accepted")
+	}
+}

@@ -1,6 +1,7 @@
 package kube
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -74,9 +75,12 @@ func TestJobOutcome(t *testing.T) {
 
 func TestTail(t *testing.T) {
 	t.Parallel()
-	long := strings.Repeat("line of log\n", 1000)
-	got := Tail(long, 100)
-	if len(got) > 100 || !strings.HasPrefix(got, "line") {
-		t.Fatalf("tail %q", got)
+	var b strings.Builder
+	for i := range 1000 {
+		fmt.Fprintf(&b, "line %d\n", i)
+	}
+	got := Tail(b.String(), 100)
+	if len(got) > 100 || !strings.HasPrefix(got, "line ") || !strings.HasSuffix(got, "line 999") {
+		t.Fatalf("tail %q: want whole lines ending with the last one", got)
 	}
 }

@@ -629,7 +629,7 @@ func TestCopySemantics(t *testing.T) {
 
 func TestChownChmod(t *testing.T) {
 	t.Parallel()
-	files := map[string]file{"f": {content: "f"}, "d/g": {content: "g"}}
+	files := map[string]file{"f": {content: "f"}, "d/g": {content: "g"}, "d/sub/h": {content: "h"}}
 	tests := []struct {
 		name string
 		body string
@@ -648,7 +648,7 @@ func TestChownChmod(t *testing.T) {
 		{
 			name: "directory copy chowns every entry and chmod applies to dirs too",
 			body: "COPY --chown=7:8 --chmod=700 d /app/",
-			want: map[string][3]int64{"app/": {7, 8, 0o755}, "app/g": {7, 8, 0o700}},
+			want: map[string][3]int64{"app/": {7, 8, 0o755}, "app/g": {7, 8, 0o700}, "app/sub/": {7, 8, 0o700}, "app/sub/h": {7, 8, 0o700}},
 		},
 		{
 			name: "build args expand in chown",
