@@ -144,7 +144,7 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 	signal, cancel := k.watcher.Subscribe(name)
 	defer cancel()
 
-	created, createdUID, err := k.create(ctx, job, b)
+	created, createdUID, err := k.create(ctx, job, b, signal)
 	if err != nil {
 		return Outcome{}, err
 	}
@@ -273,7 +273,7 @@ func (k *KubeBackend) logTail(ctx context.Context, pod string) (string, error) {
 // this build: adopt it (created false) — unless this is a fresh build (a
 // retry after a failure or a cancel) and the Job there is the previous
 // build's, finished or being deleted; that one is removed and replaced.
-func (k *KubeBackend) create(ctx context.Context, job *batchv1.Job, b Build) (bool, types.UID, error) {
+func (k *KubeBackend) create(ctx context.Context, job *batchv1.Job, b Build, signal <-chan struct{}) (bool, types.UID, error) {
 	jobs := k.client.BatchV1().Jobs(k.cfg.Namespace)
 	for attempt := 0; ; attempt++ {
 		got, err := jobs.Create(ctx, job, metav1.CreateOptions{})
@@ -284,7 +284,7 @@ func (k *KubeBackend) create(ctx context.Context, job *batchv1.Job, b Build) (bo
 			if !b.Fresh || attempt >= 3 {
 				return false, "", nil
 			}
-			stale, err := k.removeStale(ctx, job.Name)
+			stale, err := k.removeStale(ctx, job.Name, signal)
 			if err != nil {
 				return false, "", err
 			}
@@ -302,41 +302,61 @@ func (k *KubeBackend) create(ctx context.Context, job *batchv1.Job, b Build) (bo
 }
 
 // removeStale deletes a finished or terminating Job of an earlier build and
-// waits until it is gone. It reports false for a Job still running, which
-// the caller adopts. This is a recovery path (one GET, then a short wait),
-// not how builds are observed.
-func (k *KubeBackend) removeStale(ctx context.Context, name string) (bool, error) {
-	jobs := k.client.BatchV1().Jobs(k.cfg.Namespace)
-	old, err := jobs.Get(ctx, name, metav1.GetOptions{})
-	if apierrors.IsNotFound(err) {
-		return true, nil
+// waits until it is gone, reading both from the informer cache (signal
+// fires on every event for the name). It reports false for a Job still
+// running, which the caller adopts. Only a Job the cache has not shown
+// within a while (a watch gap) is read from the API server.
+func (k *KubeBackend) removeStale(ctx context.Context, name string, signal <-chan struct{}) (bool, error) {
+	deadline := time.NewTimer(2 * time.Minute)
+	defer deadline.Stop()
+	wait := func() error {
+		select {
+		case <-signal:
+			return nil
+		case <-deadline.C:
+			return Transient(fmt.Errorf("the previous job %s is still being deleted", name))
+		case <-ctx.Done():
+			return ctx.Err()
+		}
 	}
-	if err != nil {
-		return false, Transient(fmt.Errorf("get job %s: %w", name, err))
+
+	old, _, ok := k.watcher.Get(k.cfg.Namespace, name)
+	if !ok {
+		// AlreadyExists, yet not cached: give the informer a moment, then
+		// ask the API server once.
+		select {
+		case <-signal:
+		case <-time.After(k.digestGrace):
+		case <-ctx.Done():
+			return false, ctx.Err()
+		}
+		if old, _, ok = k.watcher.Get(k.cfg.Namespace, name); !ok {
+			got, err := k.client.BatchV1().Jobs(k.cfg.Namespace).Get(ctx, name, metav1.GetOptions{})
+			if apierrors.IsNotFound(err) {
+				return true, nil
+			}
+			if err != nil {
+				return false, Transient(fmt.Errorf("get job %s: %w", name, err))
+			}
+			old = got
+		}
 	}
 	if done, _ := kube.Finished(old); !done && old.DeletionTimestamp == nil {
 		return false, nil
 	}
+	uid := old.UID
 	if old.DeletionTimestamp == nil {
-		if err := k.deleteJob(ctx, name, old.UID); err != nil {
+		if err := k.deleteJob(ctx, name, uid); err != nil {
 			return false, err
 		}
 	}
-	deadline := time.NewTimer(2 * time.Minute)
-	defer deadline.Stop()
-	tick := time.NewTicker(500 * time.Millisecond)
-	defer tick.Stop()
 	for {
-		cur, err := jobs.Get(ctx, name, metav1.GetOptions{})
-		if apierrors.IsNotFound(err) || (err == nil && cur.UID != old.UID) {
+		cur, _, ok := k.watcher.Get(k.cfg.Namespace, name)
+		if !ok || cur.UID != uid || k.watcher.Deleted(k.cfg.Namespace, name, uid) {
 			return true, nil
 		}
-		select {
-		case <-tick.C:
-		case <-deadline.C:
-			return false, Transient(fmt.Errorf("the previous job %s is still being deleted", name))
-		case <-ctx.Done():
-			return false, ctx.Err()
+		if err := wait(); err != nil {
+			return false, err
 		}
 	}
 }
