@@ -196,6 +196,9 @@ func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev ui
 		for {
 			select {
 			case <-t.C:
+				if w.faults != nil && w.faults.beforeRenew != nil {
+					w.faults.beforeRenew(claim.Key)
+				}
 				mu.Lock()
 				c := *claim
 				mu.Unlock()
@@ -275,6 +278,9 @@ func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev ui
 		final.State, final.Digest, final.Image, final.Pushed = StateSucceeded, out.Digest, dests[0], dests
 	} else {
 		final.State, final.Reason, final.Message, final.LogTail = StateFailed, out.Reason, out.Message, out.LogTail
+	}
+	if w.faults != nil && w.faults.beforeFinalize != nil {
+		w.faults.beforeFinalize(claim.Key)
 	}
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
 	defer cancel()

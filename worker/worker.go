@@ -43,6 +43,9 @@ type Worker struct {
 
 	setupOnce sync.Once
 	setupErr  error
+
+	// faults is nil outside the package's fault simulation.
+	faults *faultHooks
 }
 
 // New validates cfg and returns a worker that uses nc and runs builds on
@@ -330,7 +333,9 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 	}
 	w.index(actx, RequestEntry{RequestID: v.data.RequestID, Tenant: v.tenant, Name: v.name, Key: v.data.Key,
 		State: string(v.data.Status), Origin: v.data.Origin, Digest: v.data.Digest, Reason: v.data.Reason})
-	if v.term {
+	if w.faults != nil && w.faults.loseAck != nil && w.faults.loseAck(v.data.RequestID) {
+		err = errors.New("ack lost (fault injection)")
+	} else if v.term {
 		err = msg.TermWithReason(v.data.Reason)
 	} else {
 		err = msg.DoubleAck(actx)

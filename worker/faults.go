@@ -1,0 +1,17 @@
+package worker
+
+// faultHooks are the fault-injection points of the package's randomized
+// fault simulation (sim_test.go). They are nil in every real worker: only
+// tests in this package can set Worker.faults.
+type faultHooks struct {
+	// loseAck, when it returns true, drops the ack (or term) of a request
+	// whose result was stored: the server redelivers it as if the ack had
+	// been lost on the wire.
+	loseAck func(requestID string) bool
+	// beforeRenew runs before each lease renewal of a build claim; it may
+	// block, as a worker paused longer than its lease would.
+	beforeRenew func(key string)
+	// beforeFinalize runs before the owner stores a build's final record;
+	// it may block (a pause between the outcome and the write).
+	beforeFinalize func(key string)
+}
