@@ -34,10 +34,14 @@ const executorImage = "ghcr.io/buildq/kaniko-emulated@sha256:0000000000000000000
 
 // suite is one test's slice of the environment.
 type suite struct {
-	t          *testing.T
-	ns         string
-	natsDir    string
-	natsAddr   string
+	t        *testing.T
+	ns       string
+	natsDir  string
+	natsAddr string
+	// natsURL is what the workers and the test's connection dial: the
+	// single server's, or every node's of a cluster (comma-separated).
+	natsURL    string
+	cluster    *natsCluster
 	nats       *exec.Cmd
 	natsMu     sync.Mutex
 	nc         *nats.Conn
@@ -56,6 +60,9 @@ type options struct {
 	registryPassword string
 	faults           func(*corev1.Pod) fault
 	workerArgs       []string
+	// clusterNodes, when set, runs a JetStream cluster of that many
+	// nats-server processes instead of the single server (cluster_test.go).
+	clusterNodes int
 }
 
 var nsSeq struct {
@@ -111,9 +118,15 @@ func newSuite(t *testing.T, o options) *suite {
 		t.Fatal(err)
 	}
 
-	s.natsDir, s.natsAddr = t.TempDir(), freeAddr()
-	s.startNATS()
-	s.nc, err = nats.Connect("nats://"+s.natsAddr, nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
+	if o.clusterNodes > 0 {
+		s.cluster = startNATSCluster(t, o.clusterNodes)
+		s.natsURL = s.cluster.url()
+	} else {
+		s.natsDir, s.natsAddr = t.TempDir(), freeAddr()
+		s.startNATS()
+		s.natsURL = "nats://" + s.natsAddr
+	}
+	s.nc, err = nats.Connect(s.natsURL, nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -163,7 +176,7 @@ func (s *suite) startWorker(id string) *workerProc {
 	s.t.Helper()
 	args := []string{"worker",
 		"--id", id,
-		"--nats-url", "nats://" + s.natsAddr,
+		"--nats-url", s.natsURL,
 		"--kubeconfig", s.kubeconfig,
 		"--namespace", s.ns,
 		"--executor-image", executorImage,

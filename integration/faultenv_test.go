@@ -1,0 +1,590 @@
+//go:build integration
+
+package integration
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"net/http/httputil"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	batchv1 "k8s.io/api/batch/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/contexttar"
+	"github.com/buildq/buildq/internal/kaniko"
+)
+
+// Helpers of the real-process fault tests (faults_test.go, cluster_test.go):
+// holds per build name, an HTTP fault proxy, a private kube-apiserver, and
+// the checks every fault test ends with.
+
+// holds keeps the build pods of a request name running until that name is
+// released; pods of other names run at once.
+type holds struct {
+	mu sync.Mutex
+	ch map[string]chan struct{}
+}
+
+func newHolds(t *testing.T, names ...string) *holds {
+	h := &holds{ch: map[string]chan struct{}{}}
+	for _, n := range names {
+		h.ch[n] = make(chan struct{})
+	}
+	t.Cleanup(func() {
+		for _, n := range names {
+			h.release(n)
+		}
+	})
+	return h
+}
+
+func (h *holds) fault(p *corev1.Pod) fault {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return fault{hold: h.ch[p.Labels[kaniko.LabelName]]}
+}
+
+func (h *holds) release(name string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	select {
+	case <-h.ch[name]:
+	default:
+		close(h.ch[name])
+	}
+}
+
+// dropConn as a faultProxy rule's answer closes the client's connection
+// without a response, as a server that died mid-request.
+const dropConn = -1
+
+// faultProxy is an HTTP reverse proxy in front of one of the suite's shared
+// servers (MinIO, the registry), for one test: the shared server stays up
+// for everyone else while this test's clients see it fail. rule decides per
+// request: 0 passes it on, dropConn drops the connection, any other value
+// is answered with that status.
+type faultProxy struct {
+	addr string
+	mu   sync.Mutex
+	rule func(*http.Request) int
+	// faulted lists "METHOD path" of every request the rule failed.
+	faulted []string
+}
+
+func startFaultProxy(t *testing.T, target string) *faultProxy {
+	t.Helper()
+	u, err := url.Parse(target)
+	if err != nil || u.Host == "" {
+		t.Fatalf("proxy target %q: %v", target, err)
+	}
+	// The Host header is kept: S3 signatures cover it, and the registry
+	// builds its upload URLs from it (so they lead back through the proxy).
+	rp := &httputil.ReverseProxy{Rewrite: func(pr *httputil.ProxyRequest) {
+		pr.SetURL(u)
+		pr.Out.Host = pr.In.Host
+	}}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &faultProxy{addr: ln.Addr().String()}
+	srv := &http.Server{ReadHeaderTimeout: 10 * time.Second, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		p.mu.Lock()
+		code := 0
+		if p.rule != nil {
+			code = p.rule(r)
+		}
+		if code != 0 {
+			p.faulted = append(p.faulted, r.Method+" "+r.URL.Path)
+		}
+		p.mu.Unlock()
+		switch code {
+		case 0:
+			rp.ServeHTTP(w, r)
+		case dropConn:
+			if hj, ok := w.(http.Hijacker); ok {
+				if c, _, err := hj.Hijack(); err == nil {
+					c.Close()
+					return
+				}
+			}
+			panic(http.ErrAbortHandler)
+		default:
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(code)
+			fmt.Fprintf(w, `{"errors":[{"code":"UNAVAILABLE","message":"fault injected by the test (%d)"}]}`, code)
+		}
+	})}
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(func() { _ = srv.Close() })
+	return p
+}
+
+func (p *faultProxy) setRule(rule func(*http.Request) int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.rule = rule
+}
+
+// count returns how many faulted requests had method and a path containing
+// part.
+func (p *faultProxy) count(method, part string) int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n := 0
+	for _, f := range p.faulted {
+		m, path, _ := strings.Cut(f, " ")
+		if (method == "" || m == method) && strings.Contains(path, part) {
+			n++
+		}
+	}
+	return n
+}
+
+// kubeAPIServer is a second kube-apiserver process on the suite's etcd, with
+// envtest's own certificates and flags but its own port: a test's worker
+// talks to it alone, so the test can kill and restart it while the shared
+// one serves the Job controller and the kubelet emulator.
+type kubeAPIServer struct {
+	t          *testing.T
+	path       string
+	args       []string
+	addr       string
+	kubeconfig string
+
+	mu   sync.Mutex
+	cmd  *exec.Cmd
+	done chan struct{}
+	logs *lockedBuffer
+}
+
+// envtestAPIServerCmd returns the command line envtest started its
+// kube-apiserver with: the child of this test process running that binary
+// on envtest's secure port.
+func envtestAPIServerCmd() (string, []string, error) {
+	port := shared.env.ControlPlane.APIServer.SecureServing.Port
+	me := strconv.Itoa(os.Getpid())
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return "", nil, err
+	}
+	for _, e := range entries {
+		if _, err := strconv.Atoi(e.Name()); err != nil {
+			continue
+		}
+		stat, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat"))
+		if err != nil {
+			continue
+		}
+		open, end := bytes.IndexByte(stat, '('), bytes.LastIndexByte(stat, ')')
+		if open < 0 || end < open || end+2 > len(stat) {
+			continue
+		}
+		fields := strings.Fields(string(stat[end+2:]))
+		if string(stat[open+1:end]) != "kube-apiserver" || len(fields) < 2 || fields[1] != me {
+			continue
+		}
+		raw, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
+		if err != nil {
+			continue
+		}
+		argv := strings.Split(strings.TrimRight(string(raw), "\x00"), "\x00")
+		for _, a := range argv[1:] {
+			if a == "--secure-port="+port {
+				return argv[0], argv[1:], nil
+			}
+		}
+	}
+	return "", nil, fmt.Errorf("no kube-apiserver child of pid %s serves envtest's port %s", me, port)
+}
+
+func startPrivateAPIServer(t *testing.T) *kubeAPIServer {
+	t.Helper()
+	path, args, err := envtestAPIServerCmd()
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := &kubeAPIServer{t: t, path: path, addr: freeAddr()}
+	_, port, _ := net.SplitHostPort(a.addr)
+	for _, arg := range args {
+		if strings.HasPrefix(arg, "--secure-port=") {
+			arg = "--secure-port=" + port
+		}
+		a.args = append(a.args, arg)
+	}
+	// The worker's kubeconfig: the admin user, this server. The serving
+	// certificate is for 127.0.0.1, whatever the port.
+	kc, err := clientcmd.LoadFromFile(shared.kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range kc.Clusters {
+		c.Server = "https://" + a.addr
+	}
+	a.kubeconfig = filepath.Join(t.TempDir(), "kubeconfig")
+	if err := clientcmd.WriteToFile(*kc, a.kubeconfig); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		a.kill()
+		if t.Failed() {
+			a.mu.Lock()
+			t.Logf("private kube-apiserver log:\n%s", tail(a.logs.String(), 3000))
+			a.mu.Unlock()
+		}
+	})
+	a.start()
+	return a
+}
+
+// start runs the server on its port and waits until it is ready.
+func (a *kubeAPIServer) start() {
+	a.t.Helper()
+	cmd := exec.Command(a.path, a.args...)
+	logs := &lockedBuffer{}
+	cmd.Stdout, cmd.Stderr = logs, logs
+	if err := cmd.Start(); err != nil {
+		a.t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(done) }()
+	a.mu.Lock()
+	a.cmd, a.done, a.logs = cmd, done, logs
+	a.mu.Unlock()
+
+	rc, err := clientcmd.BuildConfigFromFlags("", a.kubeconfig)
+	if err != nil {
+		a.t.Fatal(err)
+	}
+	rc.Timeout = 2 * time.Second
+	started := time.Now()
+	cs, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		a.t.Fatal(err)
+	}
+	eventually(a.t, 2*time.Minute, "the private kube-apiserver to be ready", func() bool {
+		select {
+		case <-done:
+			a.t.Fatalf("kube-apiserver exited:\n%s", tail(logs.String(), 3000))
+		default:
+		}
+		_, err := cs.Discovery().RESTClient().Get().AbsPath("/readyz").DoRaw(context.Background())
+		return err == nil
+	})
+	a.t.Logf("private kube-apiserver (pid %d) on %s ready after %s", cmd.Process.Pid, a.addr, time.Since(started).Round(time.Millisecond))
+}
+
+// kill ends the server with SIGKILL and waits for it.
+func (a *kubeAPIServer) kill() {
+	a.mu.Lock()
+	cmd, done := a.cmd, a.done
+	a.mu.Unlock()
+	if cmd == nil {
+		return
+	}
+	_ = cmd.Process.Signal(syscall.SIGKILL)
+	<-done
+	a.t.Logf("private kube-apiserver (pid %d) killed", cmd.Process.Pid)
+}
+
+// killNATS ends the suite's nats-server with SIGKILL and waits for it.
+func (s *suite) killNATS() {
+	s.t.Helper()
+	s.natsMu.Lock()
+	cmd := s.nats
+	s.natsMu.Unlock()
+	if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		s.t.Fatal(err)
+	}
+	_, _ = cmd.Process.Wait()
+}
+
+// submitWith uploads dir and publishes n requests for it, each changed by
+// mutate (may be nil).
+func (s *suite) submitWith(dir, name string, n int, mutate func(*v1.Request)) []*v1.Request {
+	s.t.Helper()
+	ctx := context.Background()
+	up, err := s.store.UploadContext(ctx, dir, contexttar.Options{}, nil)
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	var reqs []*v1.Request
+	for range n {
+		req := &v1.Request{
+			Tenant: "acme", Name: name,
+			Source:        v1.Source{S3: &v1.S3Source{Bucket: up.Bucket, Key: up.Key}},
+			ContextDigest: up.Digest,
+		}
+		if mutate != nil {
+			mutate(req)
+		}
+		if _, err := s.pub.Publish(ctx, req); err != nil {
+			s.t.Fatal(err)
+		}
+		reqs = append(reqs, req)
+	}
+	return reqs
+}
+
+func ids(reqs []*v1.Request) []string {
+	var out []string
+	for _, r := range reqs {
+		out = append(out, r.RequestID)
+	}
+	return out
+}
+
+// js is a JetStream handle on the test's own connection.
+func (s *suite) js() jetstream.JetStream {
+	s.t.Helper()
+	js, err := jetstream.New(s.nc)
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	return js
+}
+
+// retry runs f until it succeeds (a cluster may be electing a leader, a
+// restarted server may still be recovering its streams).
+func retry[T any](t *testing.T, what string, f func(context.Context) (T, error)) T {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		v, err := f(ctx)
+		cancel()
+		if err == nil {
+			return v
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: %v", what, err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+func (s *suite) streamInfo(name string) *jetstream.StreamInfo {
+	s.t.Helper()
+	js := s.js()
+	return retry(s.t, "stream info "+name, func(ctx context.Context) (*jetstream.StreamInfo, error) {
+		st, err := js.Stream(ctx, name)
+		if err != nil {
+			return nil, err
+		}
+		return st.Info(ctx)
+	})
+}
+
+func (s *suite) consumerInfo() *jetstream.ConsumerInfo {
+	s.t.Helper()
+	js := s.js()
+	return retry(s.t, "consumer info", func(ctx context.Context) (*jetstream.ConsumerInfo, error) {
+		c, err := js.Consumer(ctx, v1.RequestsStream, v1.WorkersConsumer)
+		if err != nil {
+			return nil, err
+		}
+		return c.Info(ctx)
+	})
+}
+
+// waitTaken waits until the workers hold n requests (delivered, not yet
+// acked) and none waits in the stream.
+func (s *suite) waitTaken(n int) {
+	s.t.Helper()
+	eventually(s.t, time.Minute, fmt.Sprintf("the workers to hold %d requests", n), func() bool {
+		ci := s.consumerInfo()
+		return ci.NumAckPending == n && ci.NumPending == 0
+	})
+}
+
+// storedResultCounts counts the results stored in BUILDQ_RESULTS by
+// request id (the Nats-Msg-Id header).
+func (s *suite) storedResultCounts() map[string]int {
+	s.t.Helper()
+	js := s.js()
+	return retry(s.t, "read the results stream", func(ctx context.Context) (map[string]int, error) {
+		st, err := js.Stream(ctx, v1.ResultsStream)
+		if err != nil {
+			return nil, err
+		}
+		info, err := st.Info(ctx)
+		if err != nil {
+			return nil, err
+		}
+		counts := map[string]int{}
+		if info.State.Msgs == 0 {
+			return counts, nil
+		}
+		for seq := info.State.FirstSeq; seq <= info.State.LastSeq; seq++ {
+			m, err := st.GetMsg(ctx, seq)
+			if errors.Is(err, jetstream.ErrMsgNotFound) {
+				continue
+			}
+			if err != nil {
+				return nil, err
+			}
+			counts[m.Header.Get(v1.MsgIDHeader)]++
+		}
+		return counts, nil
+	})
+}
+
+// answeredOnce waits until each request id has its result and checks that
+// the results stream stores exactly one per id. It returns the results by
+// id.
+func (s *suite) answeredOnce(res *results, want []string, timeout time.Duration) map[string]v1.Result {
+	s.t.Helper()
+	byID := func() map[string]v1.Result {
+		res.mu.Lock()
+		defer res.mu.Unlock()
+		out := map[string]v1.Result{}
+		for _, r := range res.got {
+			out[r.ID] = r
+		}
+		return out
+	}
+	deadline := time.Now().Add(timeout)
+	for {
+		got := byID()
+		var missing []string
+		for _, id := range want {
+			if _, ok := got[id]; !ok {
+				missing = append(missing, id)
+			}
+		}
+		if len(missing) == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			s.t.Fatalf("after %s, no result for %d of %d requests: %v", timeout, len(missing), len(want), missing)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	stored := s.storedResultCounts()
+	for _, id := range want {
+		if stored[id] != 1 {
+			s.t.Errorf("request %s: %d results stored, want exactly 1", id, stored[id])
+		}
+	}
+	got := byID()
+	out := map[string]v1.Result{}
+	for _, id := range want {
+		out[id] = got[id]
+	}
+	return out
+}
+
+// settled checks the end state after every request of the test was
+// answered: total results stored, one per request; the request stream and
+// the consumer empty; no Job left in the namespace.
+func (s *suite) settled(total int) {
+	s.t.Helper()
+	eventually(s.t, time.Minute, "the request stream to empty", func() bool {
+		return s.streamInfo(v1.RequestsStream).State.Msgs == 0
+	})
+	eventually(s.t, 30*time.Second, "the consumer to have nothing pending", func() bool {
+		ci := s.consumerInfo()
+		return ci.NumAckPending == 0 && ci.NumPending == 0
+	})
+	counts := s.storedResultCounts()
+	n := 0
+	for id, c := range counts {
+		n += c
+		if c != 1 {
+			s.t.Errorf("request %s: %d results stored", id, c)
+		}
+	}
+	if n != total {
+		s.t.Errorf("%d results stored, want %d (one per request)", n, total)
+	}
+	deadline := time.Now().Add(time.Minute)
+	for {
+		list, err := shared.kube.BatchV1().Jobs(s.ns).List(context.Background(), metav1.ListOptions{})
+		if err == nil && len(list.Items) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			var left []string
+			if list != nil {
+				for _, j := range list.Items {
+					left = append(left, fmt.Sprintf("%s(active=%d succeeded=%d failed=%d deleting=%v)", j.Name, j.Status.Active, j.Status.Succeeded, j.Status.Failed, j.DeletionTimestamp != nil))
+				}
+			}
+			sort.Strings(left)
+			s.t.Errorf("Jobs left in the namespace a minute after the last result: %v (%v)", left, err)
+			return
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// jobFinished reports whether the Job of request name has finished (as
+// the shared API server sees it).
+func (s *suite) jobFinished(name string) bool {
+	list, err := shared.kube.BatchV1().Jobs(s.ns).List(context.Background(), metav1.ListOptions{LabelSelector: kaniko.LabelName + "=" + name})
+	if err != nil {
+		return false
+	}
+	for _, j := range list.Items {
+		for _, c := range j.Status.Conditions {
+			switch c.Type {
+			case batchv1.JobComplete, batchv1.JobFailed, batchv1.JobSuccessCriteriaMet, batchv1.JobFailureTarget:
+				if c.Status == corev1.ConditionTrue {
+					return true
+				}
+			}
+		}
+	}
+	return false
+}
+
+// count is the number of distinct results seen so far.
+func (r *results) count() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.got)
+}
+
+// runCLI runs the buildq command line and returns its stdout, stderr and
+// exit code.
+func runCLI(t *testing.T, timeout time.Duration, args ...string) (string, string, int) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, filepath.Join(shared.bin, "buildq"), args...)
+	var out, errOut bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errOut
+	err := cmd.Run()
+	code := 0
+	var ee *exec.ExitError
+	switch {
+	case errors.As(err, &ee):
+		code = ee.ExitCode()
+	case err != nil:
+		t.Fatalf("buildq %v: %v", args, err)
+	}
+	if ctx.Err() != nil {
+		t.Fatalf("buildq %v did not finish within %s; stderr:\n%s", args, timeout, errOut.String())
+	}
+	return out.String(), errOut.String(), code
+}
