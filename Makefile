@@ -7,7 +7,7 @@ PKGS := ./...
 # outside the clone, see integration/README.md).
 INTEGRATION_TIMEOUT ?= 40m
 
-.PHONY: all build test test-unit test-integration lint fmt vet bench dev e2e tools clean
+.PHONY: all build test test-unit test-integration lint fmt vet bench dev e2e tools clean sim soak
 
 all: build
 
@@ -18,6 +18,20 @@ test: test-unit test-integration ## Unit tests (with -race), then the integratio
 
 test-unit: ## Unit tests, race detector on
 	$(GO) test -race -count=1 -timeout 10m $(PKGS)
+
+# The worker's seeded fault simulation (worker/sim_*_test.go): SEEDS schedules
+# from seed FIRST, SIM_PARALLEL at a time. Replay one seed with
+# BUILDQ_SIM_SEED=N go test ./worker/ -run '^TestFaultSimulation$$' -count=1 -v
+sim: SEEDS ?= 200
+soak: SEEDS ?= 2000
+sim soak: FIRST ?= 1
+sim soak: SIM_PARALLEL ?= 24
+sim: SIM_TIMEOUT ?= 30m
+soak: SIM_TIMEOUT ?= 4h
+sim soak: ## Fault simulation of the worker: `make sim` (SEEDS=200, < 3 min), `make soak` (SEEDS=2000)
+	set -o pipefail; BUILDQ_SIM_SEEDS=$(SEEDS) BUILDQ_SIM_FIRST=$(FIRST) BUILDQ_SIM_PARALLEL=$(SIM_PARALLEL) \
+	  $(GO) test -count=1 -timeout $(SIM_TIMEOUT) -run '^TestFaultSimulation$$' -v ./worker/ \
+	  | grep -Ev '^(=== (RUN|PAUSE|CONT|NAME)|    --- PASS)'
 
 tools: ## Build the integration suite's real components (cached outside the clone)
 	bash integration/tools/build.sh

@@ -1,0 +1,148 @@
+package worker
+
+// TestFaultSimulation: the seeded, randomized fault simulation (issue 9).
+//
+//	go test ./worker/ -run '^TestFaultSimulation$'                      # seeds 1..8
+//	BUILDQ_SIM_SEEDS=200 go test ./worker/ -run '^TestFaultSimulation$' # seeds 1..200
+//	BUILDQ_SIM_SEED=17 go test ./worker/ -run '^TestFaultSimulation$' -v # replay seed 17
+//
+// Variables (or the flags -sim.seeds, -sim.seed, -sim.first,
+// -sim.parallel): BUILDQ_SIM_SEEDS (how many seeds), BUILDQ_SIM_FIRST (the
+// first seed, default 1), BUILDQ_SIM_SEED (one seed), BUILDQ_SIM_PARALLEL
+// (schedules at once), BUILDQ_SIM_LOGS=1 (add the workers' logs to a
+// failing seed's report).
+
+import (
+	"flag"
+	"fmt"
+	"os"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+var (
+	simSeedsFlag    = flag.Int("sim.seeds", 0, "fault simulation: how many seeds (BUILDQ_SIM_SEEDS; default 8)")
+	simFirstFlag    = flag.Int64("sim.first", 0, "fault simulation: the first seed (BUILDQ_SIM_FIRST; default 1)")
+	simSeedFlag     = flag.Int64("sim.seed", 0, "fault simulation: run only this seed (BUILDQ_SIM_SEED)")
+	simParallelFlag = flag.Int("sim.parallel", 0, "fault simulation: schedules run at once (BUILDQ_SIM_PARALLEL)")
+)
+
+func simSetting(flagValue int64, env string, def int64, t *testing.T) int64 {
+	if flagValue != 0 {
+		return flagValue
+	}
+	if v := os.Getenv(env); v != "" {
+		n, err := strconv.ParseInt(v, 10, 64)
+		if err != nil {
+			t.Fatalf("%s=%q: %v", env, v, err)
+		}
+		return n
+	}
+	return def
+}
+
+func TestFaultSimulation(t *testing.T) {
+	first := simSetting(*simFirstFlag, "BUILDQ_SIM_FIRST", 1, t)
+	n := simSetting(int64(*simSeedsFlag), "BUILDQ_SIM_SEEDS", 8, t)
+	if one := simSetting(*simSeedFlag, "BUILDQ_SIM_SEED", 0, t); one != 0 {
+		first, n = one, 1
+	}
+	parallel := simSetting(int64(*simParallelFlag), "BUILDQ_SIM_PARALLEL", min(n, 8), t)
+	if testing.Short() && n > 2 {
+		n = 2
+	}
+
+	began := time.Now()
+	var (
+		mu       sync.Mutex
+		outcomes []simOutcome
+		wg       sync.WaitGroup
+		sem      = make(chan struct{}, parallel)
+	)
+	for seed := first; seed < first+n; seed++ {
+		sem <- struct{}{}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) {
+				out := runSimSchedule(t, seed)
+				mu.Lock()
+				outcomes = append(outcomes, out)
+				mu.Unlock()
+				if len(out.violations) > 0 {
+					t.Error(out.report)
+				} else if n == 1 {
+					t.Log(out.report)
+				}
+			})
+		}()
+	}
+	wg.Wait()
+	t.Log(simSummary(outcomes, first, n, time.Since(began)))
+}
+
+// simSummary aggregates the outcomes: which invariants failed, in which
+// seeds.
+func simSummary(outs []simOutcome, first, n int64, took time.Duration) string {
+	sort.Slice(outs, func(i, j int) bool { return outs[i].seed < outs[j].seed })
+	var b strings.Builder
+	failed := 0
+	bySeeds := map[string][]int64{}
+	counts := map[string]int{}
+	infra, infraSeeds := 0, 0
+	var slowest simOutcome
+	var total time.Duration
+	for _, o := range outs {
+		if len(o.violations) > 0 {
+			failed++
+		}
+		seen := map[string]bool{}
+		for _, v := range o.violations {
+			counts[v.class]++
+			if !seen[v.class] {
+				seen[v.class] = true
+				bySeeds[v.class] = append(bySeeds[v.class], o.seed)
+			}
+		}
+		if o.infra > 0 {
+			infra += o.infra
+			infraSeeds++
+		}
+		if o.dur > slowest.dur {
+			slowest = o
+		}
+		total += o.dur
+	}
+	fmt.Fprintf(&b, "fault simulation: %d schedules (seeds %d..%d) in %s, %d with violations", len(outs), first, first+n-1, took.Round(time.Second), failed)
+	if len(outs) > 0 {
+		fmt.Fprintf(&b, "; schedule time mean %s, max %s (seed %d)", (total / time.Duration(len(outs))).Round(100*time.Millisecond), slowest.dur.Round(100*time.Millisecond), slowest.seed)
+	}
+	b.WriteString("\n")
+	var classes []string
+	for c := range bySeeds {
+		classes = append(classes, c)
+	}
+	slices.SortFunc(classes, func(a, b string) int { return len(bySeeds[b]) - len(bySeeds[a]) })
+	for _, c := range classes {
+		seeds := bySeeds[c]
+		var ss []string
+		for i, s := range seeds {
+			if i == 12 {
+				ss = append(ss, fmt.Sprintf("… %d more", len(seeds)-12))
+				break
+			}
+			ss = append(ss, strconv.FormatInt(s, 10))
+		}
+		fmt.Fprintf(&b, "  %-24s %4d violations in %3d seeds: %s\n", c, counts[c], len(seeds), strings.Join(ss, " "))
+	}
+	if infra > 0 {
+		fmt.Fprintf(&b, "  InfrastructureError results under injected API errors (allowed): %d in %d seeds\n", infra, infraSeeds)
+	}
+	return b.String()
+}

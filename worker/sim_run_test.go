@@ -1,0 +1,796 @@
+package worker
+
+// One schedule of the fault simulation: build the world, drive the
+// schedule, heal, wait until everything is quiet, and judge.
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"slices"
+	"sort"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"k8s.io/client-go/kubernetes/fake"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/kaniko"
+	"github.com/buildq/buildq/internal/kube"
+	"github.com/buildq/buildq/internal/naming"
+	"github.com/buildq/buildq/publisher"
+)
+
+// How long the oracle waits, after healing, for the world to settle. Far
+// longer than a correct worker needs (the longest retry delay is a minute).
+var (
+	simResultsTimeout = 80 * time.Second
+	simQueueTimeout   = 30 * time.Second
+	simJobsTimeout    = simTTL + simBuildMin + simBuildSpan + 15*time.Second
+)
+
+type simViolation struct {
+	class  string
+	detail string
+}
+
+// simOutcome is what one schedule came to.
+type simOutcome struct {
+	seed       int64
+	dur        time.Duration
+	violations []simViolation
+	infra      int
+	kinds      []string
+	report     string
+}
+
+var (
+	simIdentityOnce sync.Once
+	simIdentity     string
+)
+
+// simExecutorIdentity is the kaniko backend's identity (part of build keys).
+func simExecutorIdentity(t *testing.T) string {
+	simIdentityOnce.Do(func() {
+		cs := fake.NewClientset()
+		watcher, err := kube.NewWatcher(kube.NewInformerFactory(cs, simKaniko.Namespace), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := NewKubeBackend(cs, watcher, simKaniko)
+		if err != nil {
+			t.Fatal(err)
+		}
+		simIdentity = b.Identity()
+	})
+	return simIdentity
+}
+
+func simRequestFor(seed int64, ctx, variant int, id, tenant, name string) *v1.Request {
+	d := hex64(fmt.Sprintf("sim-%d-context-%d", seed, ctx))
+	labels := map[string]string{"team": "platform"}
+	if variant != 0 {
+		labels["variant"] = fmt.Sprint(variant)
+	}
+	return &v1.Request{
+		APIVersion: v1.APIVersion, RequestID: id, Tenant: tenant, Name: name,
+		Source:        v1.Source{S3: &v1.S3Source{Bucket: "buildq", Key: "contexts/sha256/" + d + ".tar.gz"}},
+		ContextDigest: "sha256:" + d,
+		BuildArgs:     map[string]string{"VERSION": fmt.Sprint(ctx)},
+		Labels:        labels,
+		SubmittedAt:   time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC),
+	}
+}
+
+func (w *simWorld) newSub(id string, ctx, variant int, tenant, name string) *simSub {
+	req := simRequestFor(w.seed, ctx, variant, id, tenant, name)
+	key := v1.BuildKey(req, w.identity)
+	args, err := kaniko.Args(kaniko.Spec{Request: req, Key: key, Destinations: []string{"sim.invalid/x:y"}}, simKaniko.Defaults())
+	if err != nil {
+		w.t.Fatalf("harness: kaniko args: %v", err)
+	}
+	label := fmt.Sprintf("C%d", ctx)
+	if variant != 0 {
+		label += fmt.Sprintf("/L%d", variant)
+	}
+	s := &simSub{id: id, req: req, key: key, content: simContentArgs(args), label: label}
+	w.mu.Lock()
+	w.subs = append(w.subs, s)
+	w.subByID[id] = s
+	if _, ok := w.keyNames[key]; !ok {
+		w.keyNames[key] = fmt.Sprintf("K%d", ctx)
+	}
+	w.mu.Unlock()
+	return s
+}
+
+// runSimSchedule runs one seed and judges it.
+func runSimSchedule(t *testing.T, seed int64) simOutcome {
+	began := time.Now()
+	sc := newSimSchedule(seed)
+	w := &simWorld{
+		t: t, seed: seed, sc: sc, trace: &simTrace{t0: time.Now()}, logs: &simLogBuffer{},
+		api: newSimAPI(), keyNames: map[string]string{}, subByID: map[string]*simSub{},
+	}
+	w.identity = simExecutorIdentity(t)
+	w.node = &simNode{w: w, runs: map[string]int{}, jobs: map[string]*simJob{}}
+	w.api.onChange = w.node.onChange
+	out := simOutcome{seed: seed, kinds: sc.kinds}
+
+	var err error
+	w.dir, err = os.MkdirTemp("", "buildq-sim-*")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(w.dir)
+	if w.port, err = simFreePort(); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.startServer(); err != nil {
+		t.Fatalf("harness: %v", err)
+	}
+	defer w.stopServer()
+	w.reg = newTestRegistry(t)
+	if w.obs, err = w.connect("sim-observer"); err != nil {
+		t.Fatal(err)
+	}
+	defer w.obs.Close()
+	if w.pub, err = publisher.New(w.obs); err != nil {
+		t.Fatal(err)
+	}
+	if w.js, err = jetstream.New(w.obs); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.watchResults(); err != nil {
+		t.Fatal(err)
+	}
+	// The world's images, prepared before anything is timed.
+	for _, p := range sc.reqs {
+		w.newSub(p.id, p.ctx, p.variant, p.tenant, p.name)
+	}
+	for _, s := range w.subs {
+		if _, err := simImageFor(s.content); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	for i := range sc.workers {
+		s := &simSlot{idx: i, skew: sc.skews[i], pauses: map[string][]time.Duration{}}
+		w.slots = append(w.slots, s)
+		w.start(s)
+	}
+	defer w.shutdown()
+	// The workers create the streams; the schedule starts once they exist.
+	if !simPoll(30*time.Second, func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		_, _, _, err := w.queueState(ctx)
+		return err == nil
+	}) {
+		t.Fatalf("harness: the workers did not create the streams")
+	}
+
+	w.trace.t0 = time.Now()
+	w.faultsOn.Store(true)
+	w.drive()
+	w.heal()
+	w.trace.add("----  healed: no more faults")
+	w.settle(&out)
+	out.dur = time.Since(began)
+	w.judge(&out)
+	return out
+}
+
+// simPoll waits until cond holds (polling; test code only).
+func simPoll(timeout time.Duration, cond func() bool) bool {
+	deadline := time.Now().Add(timeout)
+	for {
+		if cond() {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+func (w *simWorld) sleepUntil(at time.Duration) {
+	if d := at - w.now(); d > 0 {
+		time.Sleep(d)
+	}
+}
+
+func (w *simWorld) proc(slot int) *simProc {
+	s := w.slots[slot%len(w.slots)]
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.proc
+}
+
+// latestAccepted is the accepted submission published last before now.
+func (w *simWorld) latestAccepted(prefer *simSub) *simSub {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if prefer != nil && prefer.accepted {
+		return prefer
+	}
+	var best *simSub
+	for _, s := range w.subs {
+		if s.accepted && (best == nil || s.start > best.start) {
+			best = s
+		}
+	}
+	return best
+}
+
+// drive runs the schedule's events at their times.
+func (w *simWorld) drive() {
+	sc := w.sc
+	type ev struct {
+		at  time.Duration
+		req *simSub
+		f   *simFault
+	}
+	var evs []ev
+	for i := range sc.reqs {
+		evs = append(evs, ev{at: sc.reqs[i].at, req: w.subByID[sc.reqs[i].id]})
+	}
+	for i := range sc.faults {
+		evs = append(evs, ev{at: sc.faults[i].at, f: &sc.faults[i]})
+	}
+	sort.SliceStable(evs, func(i, j int) bool { return evs[i].at < evs[j].at })
+	var restarting sync.Mutex
+	resubmits := 0
+	for _, e := range evs {
+		w.sleepUntil(e.at)
+		if e.req != nil {
+			w.ops.Add(1)
+			go func() { defer w.ops.Done(); w.submit(e.req) }()
+			continue
+		}
+		f := *e.f
+		switch f.kind {
+		case "kill", "term":
+			w.replace(w.slots[f.slot], f.kind == "kill", f.dur)
+		case "nats-restart":
+			if restarting.TryLock() {
+				w.ops.Add(1)
+				go func() {
+					defer w.ops.Done()
+					defer restarting.Unlock()
+					w.restartNATS(f.dur)
+				}()
+			}
+		case "lost-ack":
+			w.lostAcks.Add(1)
+			w.trace.add("fault the next ack will be lost")
+		case "api-errors":
+			af := &simAPIFault{until: time.Now().Add(f.dur), p: f.p, committed: f.flag}
+			w.mu.Lock()
+			w.apiFaults++
+			w.mu.Unlock()
+			for i := range w.slots {
+				if f.slot >= 0 && i != f.slot {
+					continue
+				}
+				if p := w.proc(i); p != nil {
+					p.client.setFault(af)
+					w.trace.add("fault api errors on %s for %s (p=%.2f)", p.id, f.dur, f.p)
+				}
+			}
+		case "watch-break":
+			if p := w.proc(f.slot); p != nil {
+				n := w.api.breakWatches(p.client, f.flag)
+				w.trace.add("fault %d watches of %s broken (410 Gone: %v)", n, p.id, f.flag)
+			}
+		case "job-delete", "pod-delete":
+			w.node.deleteExternally(f.kind == "pod-delete", f.pick)
+		case "pause-renew", "pause-finalize":
+			s := w.slots[f.slot]
+			s.mu.Lock()
+			hook := strings.TrimPrefix(f.kind, "pause-")
+			s.pauses[hook] = append(s.pauses[hook], f.dur)
+			s.mu.Unlock()
+			w.trace.add("fault w%d's next %s will block %s", f.slot, hook, f.dur)
+		case "dup-publish":
+			target := w.latestAccepted(w.subByID[w.sc.reqs[f.req].id])
+			if target == nil {
+				continue
+			}
+			w.ops.Add(1)
+			go func() { defer w.ops.Done(); w.republish(target) }()
+		case "cancel":
+			target := w.latestAccepted(w.subByID[w.sc.reqs[f.req].id])
+			if target == nil {
+				w.trace.add("fault cancel: nothing published yet")
+				continue
+			}
+			resubmits++
+			id := fmt.Sprintf("s%d-x%02d", w.seed, resubmits)
+			w.ops.Add(1)
+			go func() {
+				defer w.ops.Done()
+				what := target.id
+				if f.flag {
+					what = target.key
+				}
+				var re *simSub
+				if f.resubmit != 0 {
+					p := w.sc.reqs[0]
+					for _, q := range w.sc.reqs {
+						if q.id == target.id {
+							p = q
+						}
+					}
+					if strings.Contains(target.id, "-x") {
+						// a resubmit of a resubmit: same content as its origin
+						p.ctx, p.variant = simCtxOf(target.label)
+					}
+					re = w.newSub(id, p.ctx, p.variant, target.req.Tenant, target.req.Name)
+				}
+				if f.resubmit == 2 {
+					w.ops.Add(1)
+					go func() {
+						defer w.ops.Done()
+						time.Sleep(time.Duration(f.pick%30) * time.Millisecond)
+						w.submit(re)
+					}()
+				}
+				w.cancel(what, target.key, target.req.Tenant, target.req.Name)
+				if f.resubmit == 1 {
+					w.submit(re)
+				}
+			}()
+		}
+	}
+	w.sleepUntil(w.sc.window)
+}
+
+func simCtxOf(label string) (ctx, variant int) {
+	_, _ = fmt.Sscanf(label, "C%d/L%d", &ctx, &variant)
+	return ctx, variant
+}
+
+// heal ends every fault: NATS up, a worker in every slot, no injected
+// errors, pauses or lost acks from now on.
+func (w *simWorld) heal() {
+	w.faultsOn.Store(false)
+	w.lostAcks.Store(0)
+	w.mu.Lock()
+	procs := slices.Clone(w.procs)
+	w.mu.Unlock()
+	for _, p := range procs {
+		p.client.setFault(nil)
+	}
+	for _, s := range w.slots {
+		s.mu.Lock()
+		s.pauses = map[string][]time.Duration{}
+		s.mu.Unlock()
+	}
+	done := make(chan struct{})
+	go func() { w.ops.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(90 * time.Second):
+		w.t.Errorf("harness: the schedule's operations did not end")
+	}
+	w.srvMu.Lock()
+	down := w.srv == nil
+	w.srvMu.Unlock()
+	if down {
+		if err := w.startServer(); err != nil {
+			w.t.Fatalf("harness: %v", err)
+		}
+	}
+	for _, s := range w.slots {
+		s.mu.Lock()
+		t := s.pending
+		s.pending = nil
+		s.mu.Unlock()
+		if t != nil {
+			t.Stop()
+			w.start(s)
+		}
+	}
+}
+
+// settle waits until every accepted request has a stored result, the queue
+// is empty and every Job is gone; what does not happen in time is a
+// violation.
+func (w *simWorld) settle(out *simOutcome) {
+	ctx := context.Background()
+	accepted := map[string]bool{}
+	w.mu.Lock()
+	for _, s := range w.subs {
+		if s.accepted {
+			accepted[s.id] = true
+		}
+	}
+	w.mu.Unlock()
+	var stored []simStored
+	resultsIn := simPoll(simResultsTimeout, func() bool {
+		c, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		st, err := w.storedResults(c)
+		if err != nil {
+			return false
+		}
+		stored = st
+		have := map[string]bool{}
+		for _, r := range st {
+			have[r.id] = true
+		}
+		for id := range accepted {
+			if !have[id] {
+				return false
+			}
+		}
+		return true
+	})
+	w.trace.add("----  %s", map[bool]string{true: "every accepted request has a result", false: "gave up waiting for results"}[resultsIn])
+	qTimeout := simQueueTimeout
+	if !resultsIn {
+		qTimeout = 5 * time.Second
+	}
+	var msgs, pending uint64
+	var ackPending int
+	queueEmpty := simPoll(qTimeout, func() bool {
+		c, cancel := context.WithTimeout(ctx, 5*time.Second)
+		defer cancel()
+		var err error
+		msgs, pending, ackPending, err = w.queueState(c)
+		return err == nil && msgs == 0 && pending == 0 && ackPending == 0
+	})
+	quiet := w.now()
+	if !queueEmpty {
+		w.violate(out, "queue-not-empty", "after every result: %d messages in %s, consumer pending %d, awaiting ack %d",
+			msgs, v1.RequestsStream, pending, ackPending)
+	} else {
+		w.trace.add("----  the requests stream is empty and the consumer idle")
+	}
+	jobsGone := simPoll(simJobsTimeout, func() bool { return len(w.liveJobs()) == 0 })
+	if !jobsGone {
+		for _, j := range w.liveJobs() {
+			w.violate(out, "job-left-behind", "job %s still exists %s after the queue went quiet", j, simJobsTimeout)
+		}
+	}
+	// The last word on stored results, and the images in the registry.
+	c, cancel := context.WithTimeout(ctx, 10*time.Second)
+	if st, err := w.storedResults(c); err == nil {
+		stored = st
+	} else {
+		w.t.Errorf("harness: read results: %v", err)
+	}
+	cancel()
+	w.mu.Lock()
+	w.finalStored = stored
+	w.quiet = quiet
+	w.mu.Unlock()
+	w.checkImages()
+}
+
+// checkImages looks up every succeeded result's image in the registry.
+func (w *simWorld) checkImages() {
+	w.mu.Lock()
+	var refs []string
+	for _, r := range w.finalStored {
+		if r.r.Data.Status == v1.StatusSucceeded && r.r.Data.Image != "" {
+			refs = append(refs, r.r.Data.Image)
+		}
+	}
+	w.mu.Unlock()
+	found := map[string]string{}
+	for _, ref := range refs {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		d, err := w.reg.client.Head(ctx, ref)
+		cancel()
+		if err != nil {
+			d = "error: " + err.Error()
+		}
+		found[ref] = d
+	}
+	w.mu.Lock()
+	w.registry = found
+	w.mu.Unlock()
+}
+
+// shutdown stops every worker and waits for them.
+func (w *simWorld) shutdown() {
+	w.mu.Lock()
+	procs := slices.Clone(w.procs)
+	w.mu.Unlock()
+	for _, p := range procs {
+		p.cancel()
+	}
+	for _, p := range procs {
+		select {
+		case <-p.done:
+		case <-time.After(30 * time.Second):
+			w.t.Errorf("harness: worker %s did not stop", p.id)
+		}
+	}
+	w.node.mu.Lock()
+	w.node.closed = true
+	w.node.mu.Unlock()
+	w.api.close()
+}
+
+func (w *simWorld) violate(out *simOutcome, class, format string, args ...any) {
+	out.violations = append(out.violations, simViolation{class: class, detail: fmt.Sprintf(format, args...)})
+}
+
+type simDecision struct {
+	status         v1.Status
+	reason         string
+	key, digest    string
+	origin         v1.Origin
+	subject, image string
+}
+
+func (d simDecision) String() string {
+	s := string(d.status)
+	if d.reason != "" {
+		s += "/" + d.reason
+	}
+	if d.origin != "" {
+		s += " origin=" + string(d.origin)
+	}
+	if d.digest != "" {
+		s += " digest=" + d.digest[:19]
+	}
+	return s
+}
+
+func decisionOf(subject string, r v1.Result) simDecision {
+	return simDecision{status: r.Data.Status, reason: r.Data.Reason, key: r.Data.Key, digest: r.Data.Digest,
+		origin: r.Data.Origin, subject: subject, image: r.Data.Image}
+}
+
+// same compares what a client acts on: status, reason, key, digest, origin.
+func (d simDecision) same(o simDecision) bool {
+	return d.status == o.status && d.reason == o.reason && d.key == o.key && d.digest == o.digest && d.origin == o.origin
+}
+
+// judge checks the invariants on what the schedule left behind.
+func (w *simWorld) judge(out *simOutcome) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	n := w.node
+	n.mu.Lock()
+	defer n.mu.Unlock()
+
+	storedBy := map[string][]simStored{}
+	for _, r := range w.finalStored {
+		storedBy[r.id] = append(storedBy[r.id], r)
+	}
+	pubBy := map[string][]simPublish{}
+	for _, p := range w.published {
+		pubBy[p.id] = append(pubBy[p.id], p)
+	}
+	digestContent := map[string]string{}
+	for _, s := range w.subs {
+		if im, err := simImageFor(s.content); err == nil {
+			digestContent[im.digest] = s.label
+		}
+	}
+
+	for _, s := range w.subs {
+		if !s.accepted {
+			continue
+		}
+		st := storedBy[s.id]
+		if len(st) == 0 {
+			w.violate(out, "stuck", "request %s (%s %s, published at %.3fs) has no result %s after healing",
+				s.id, s.label, w.keyName(s.key), s.start.Seconds(), simResultsTimeout)
+			continue
+		}
+		if len(st) > 1 {
+			var ds []string
+			for _, r := range st {
+				ds = append(ds, decisionOf(r.subject, r.r).String())
+			}
+			w.violate(out, "two-stored-results", "request %s has %d results in %s: %s", s.id, len(st), v1.ResultsStream, strings.Join(ds, "; "))
+		}
+		// Every answer the request was given, stored or only published.
+		type answer struct {
+			d   simDecision
+			who string
+		}
+		var answers []answer
+		for _, r := range st {
+			answers = append(answers, answer{decisionOf(r.subject, r.r), "stored, by " + strings.TrimPrefix(r.r.Source, "/buildq/worker/")})
+		}
+		for _, p := range pubBy[s.id] {
+			answers = append(answers, answer{decisionOf(p.subject, p.r), fmt.Sprintf("published at %.3fs by %s", p.at.Seconds(), strings.TrimPrefix(p.r.Source, "/buildq/worker/"))})
+		}
+		var distinct []answer
+		for _, a := range answers {
+			if !slices.ContainsFunc(distinct, func(b answer) bool { return b.d.same(a.d) }) {
+				distinct = append(distinct, a)
+			}
+		}
+		if len(distinct) > 1 {
+			var ds []string
+			for _, a := range distinct {
+				ds = append(ds, fmt.Sprintf("%s (%s)", a.d, a.who))
+			}
+			class := "two-answers"
+			if !slices.ContainsFunc(distinct[1:], func(a answer) bool {
+				d0 := distinct[0].d
+				return a.d.status != d0.status || a.d.reason != d0.reason || a.d.key != d0.key || a.d.digest != d0.digest
+			}) {
+				class = "two-origins" // the same outcome, told as another origin
+			}
+			w.violate(out, class, "request %s (%s %s) was given %d different results: %s", s.id, s.label, w.keyName(s.key), len(distinct), strings.Join(ds, " | "))
+		}
+		for _, a := range distinct {
+			w.checkAnswer(out, s, a.d, a.who, digestContent)
+		}
+	}
+	for id, st := range storedBy {
+		if s := w.subByID[id]; s == nil {
+			w.violate(out, "unknown-result", "a result for request id %q that was never submitted: %s", id, decisionOf(st[0].subject, st[0].r))
+		}
+	}
+	for _, d := range n.twoJobs {
+		w.violate(out, "two-jobs", "%s", d)
+	}
+	for _, j := range n.order {
+		if j.created > w.quiet && w.quiet > 0 {
+			w.violate(out, "job-after-quiet", "job %s of %s created at %.3fs by %s, after every request was answered and acked (%.3fs)",
+				j.uid, w.keyName(j.key), j.created.Seconds(), j.creator, w.quiet.Seconds())
+		}
+	}
+	out.report = w.report(out)
+}
+
+// checkAnswer judges one answer against the request's own inputs and what
+// the world did.
+func (w *simWorld) checkAnswer(out *simOutcome, s *simSub, d simDecision, who string, digestContent map[string]string) {
+	n := w.node
+	if d.key != s.key {
+		w.violate(out, "wrong-key", "request %s: result for key %s, its own is %s (%s)", s.id, d.key, s.key, who)
+	}
+	if want := v1.ResultSubject(s.req.Tenant, s.req.Name); d.subject != want {
+		w.violate(out, "wrong-subject", "request %s: result on %s, want %s (%s)", s.id, d.subject, want, who)
+	}
+	switch {
+	case d.status == v1.StatusSucceeded:
+		im, _ := simImageFor(s.content)
+		if d.digest != im.digest {
+			other := digestContent[d.digest]
+			if other == "" {
+				other = "no known content"
+			}
+			w.violate(out, "wrong-image", "request %s (%s): succeeded with digest %s, the image of %s; its own inputs make %s (%s)",
+				s.id, s.label, d.digest, other, im.digest, who)
+		}
+		repo, _ := naming.Policy{Registry: w.reg.host}.Repository(s.req)
+		if !strings.HasPrefix(d.image, repo+":") {
+			w.violate(out, "wrong-destination", "request %s: image %s is not in its repository %s (%s)", s.id, d.image, repo, who)
+		} else if got, ok := w.registry[d.image]; ok && got != d.digest {
+			w.violate(out, "image-not-pushed", "request %s: %s is %s in the registry, the result says %s (%s)", s.id, d.image, got, d.digest, who)
+		}
+	case d.status == v1.StatusFailed && (d.reason == v1.ReasonBuildFailed || d.reason == v1.ReasonPushFailed):
+		// The failure must be news to this request: a build of its key
+		// failed, and that outcome was not yet known (published to
+		// anyone) when the request was published. A request that comes
+		// after the Job failed but before the outcome was recorded joins
+		// that build legitimately.
+		var at []string
+		ok := false
+		for _, f := range n.failures {
+			if f.key == s.key {
+				known := w.knownAt(s.key, f.at, v1.ReasonBuildFailed, v1.ReasonPushFailed)
+				at = append(at, fmt.Sprintf("%.3fs (first answered %s)", f.at.Seconds(), simSeconds(known)))
+				ok = ok || s.start < known
+			}
+		}
+		if !ok {
+			when := "never"
+			if len(at) > 0 {
+				when = "only at " + strings.Join(at, ", ")
+			}
+			w.violate(out, "stale-failure", "request %s (%s, published at %.3fs): failed/%s, but builds of %s failed %s (%s)",
+				s.id, w.keyName(s.key), s.start.Seconds(), d.reason, w.keyName(s.key), when, who)
+		}
+	case d.status == v1.StatusFailed && d.reason == v1.ReasonJobDeleted:
+		ok := false
+		var at []string
+		for _, del := range n.deletes {
+			if del.key == s.key {
+				known := w.knownAt(s.key, del.at, v1.ReasonJobDeleted)
+				at = append(at, fmt.Sprintf("%.3fs by %s (first answered %s)", del.at.Seconds(), del.cause, simSeconds(known)))
+				ok = ok || s.start < known
+			}
+		}
+		if !ok {
+			w.violate(out, "unexplained-job-deleted", "request %s (%s, published at %.3fs): failed/JobDeleted, but no job of its key was deleted from outside after that (deletions: %s) (%s)",
+				s.id, w.keyName(s.key), s.start.Seconds(), strings.Join(at, ", "), who)
+		}
+	case d.status == v1.StatusFailed && d.reason == v1.ReasonInfrastructureError:
+		if w.apiFaults == 0 {
+			w.violate(out, "infrastructure-error", "request %s: failed/InfrastructureError without injected API errors (%s)", s.id, who)
+		} else {
+			out.infra++
+		}
+	case d.status == v1.StatusCanceled:
+		ok := false
+		for _, c := range w.cancels {
+			ok = ok || (c.key == s.key && c.canceled && c.done > s.start)
+		}
+		if !ok {
+			w.violate(out, "unexplained-cancel", "request %s (%s, published at %.3fs): canceled, but no cancel of its key or id was made after it was published (%s)",
+				s.id, w.keyName(s.key), s.start.Seconds(), who)
+		}
+	default:
+		w.violate(out, "unexpected-result", "request %s: %s (%s)", s.id, d, who)
+	}
+}
+
+// knownAt is when an outcome that happened at "at" (a Job failed, a Job
+// was deleted) first reached anyone: the first result publish for the key
+// with one of the reasons at or after it. Until then a request may join
+// the build that outcome ends.
+func (w *simWorld) knownAt(key string, at time.Duration, reasons ...string) time.Duration {
+	for _, p := range w.published {
+		if p.at >= at && p.r.Data.Key == key && p.r.Data.Status == v1.StatusFailed && slices.Contains(reasons, p.r.Data.Reason) {
+			return p.at
+		}
+	}
+	return simNever
+}
+
+const simNever = time.Duration(1 << 62)
+
+func simSeconds(d time.Duration) string {
+	if d == simNever {
+		return "never"
+	}
+	return fmt.Sprintf("%.3fs", d.Seconds())
+}
+
+func (w *simWorld) report(out *simOutcome) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "seed %d: %d violation(s)\n", w.seed, len(out.violations))
+	fmt.Fprintf(&b, "replay: BUILDQ_SIM_SEED=%d go test ./worker/ -run '^TestFaultSimulation$' -count=1 -v\n", w.seed)
+	b.WriteString(w.sc.describe())
+	b.WriteString("violations:\n")
+	for _, v := range out.violations {
+		fmt.Fprintf(&b, "  [%s] %s\n", v.class, v.detail)
+	}
+	if len(w.notes) > 0 {
+		b.WriteString("notes:\n")
+		for _, n := range w.notes {
+			fmt.Fprintf(&b, "  %s\n", n)
+		}
+	}
+	var keys []string
+	for k, n := range w.keyNames {
+		keys = append(keys, fmt.Sprintf("%s=%s", n, k[:12]))
+	}
+	slices.Sort(keys)
+	fmt.Fprintf(&b, "keys: %s\n", strings.Join(keys, " "))
+	b.WriteString("trace (s since the schedule began):\n")
+	w.trace.mu.Lock()
+	for _, l := range w.trace.lines {
+		fmt.Fprintf(&b, "  %s\n", l)
+	}
+	if w.trace.dropped > 0 {
+		fmt.Fprintf(&b, "  … %d more lines\n", w.trace.dropped)
+	}
+	w.trace.mu.Unlock()
+	if os.Getenv("BUILDQ_SIM_LOGS") != "" {
+		b.WriteString("worker logs:\n")
+		w.logs.mu.Lock()
+		for _, l := range w.logs.lines {
+			fmt.Fprintf(&b, "  %s\n", l)
+		}
+		w.logs.mu.Unlock()
+	}
+	return b.String()
+}

@@ -1,0 +1,191 @@
+package worker
+
+// The fault simulation's schedules: everything random about a run is drawn
+// here, from the seed, before the world starts. (Timing still interleaves
+// goroutines differently from run to run: a replay repeats the schedule,
+// not every thread switch.)
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"sort"
+	"strings"
+	"time"
+)
+
+// Fault kinds. "skew" and "labels" shape the whole schedule; the others
+// are events at times within the fault window.
+var simKinds = []string{
+	"kill", "term", "nats-restart", "lost-ack", "api-errors", "watch-break", "job-delete", "pod-delete",
+	"cancel", "dup-publish", "pause-renew", "pause-finalize", "skew", "labels",
+}
+
+// simMaxSkew bounds the clock skew between workers: ±5 leases.
+const simMaxSkew = 5 * simLease
+
+type simSchedule struct {
+	seed     int64
+	window   time.Duration
+	workers  int
+	contexts int
+	failProb float64
+	kinds    []string
+	skews    []time.Duration
+	reqs     []simReqPlan
+	faults   []simFault
+}
+
+type simReqPlan struct {
+	at      time.Duration
+	id      string
+	ctx     int
+	variant int
+	tenant  string
+	name    string
+}
+
+type simFault struct {
+	at   time.Duration
+	kind string
+	slot int
+	dur  time.Duration
+	p    float64
+	flag bool // watch-break: 410 Gone; api-errors: creates may commit; cancel: by key
+	req  int  // cancel, dup-publish: index of the target request
+	// cancel: 0 no resubmit, 1 resubmit after the reply, 2 resubmit racing it
+	resubmit int
+	pick     int
+}
+
+func (s *simSchedule) has(kind string) bool { return slices.Contains(s.kinds, kind) }
+
+var simTenants = []string{"acme", "globex"}
+var simNames = []string{"web", "api"}
+
+func newSimSchedule(seed int64) *simSchedule {
+	r := rand.New(rand.NewPCG(uint64(seed), 0xb111d9))
+	dur := func(lo, hi time.Duration) time.Duration { return lo + time.Duration(r.Int64N(int64(hi-lo)+1)) }
+	s := &simSchedule{
+		seed:     seed,
+		window:   dur(5*time.Second, 9*time.Second),
+		workers:  2 + r.IntN(2),
+		contexts: 2 + r.IntN(5),
+		failProb: 0.15 + 0.35*r.Float64(),
+	}
+	for _, k := range simKinds {
+		p := 0.4
+		if k == "labels" {
+			p = 0.2
+		}
+		if r.Float64() < p {
+			s.kinds = append(s.kinds, k)
+		}
+	}
+	s.skews = make([]time.Duration, s.workers)
+	if s.has("skew") {
+		for i := range s.skews {
+			s.skews[i] = dur(-simMaxSkew, simMaxSkew).Round(time.Millisecond)
+		}
+	}
+	n := 10 + r.IntN(21)
+	for i := range n {
+		p := simReqPlan{
+			at:     dur(0, s.window*85/100),
+			id:     fmt.Sprintf("s%d-r%02d", seed, i),
+			ctx:    min(r.IntN(s.contexts), r.IntN(s.contexts)), // some keys popular: dedupe
+			tenant: simTenants[r.IntN(len(simTenants))],
+			name:   simNames[r.IntN(len(simNames))],
+		}
+		if s.has("labels") && r.IntN(3) == 0 {
+			p.variant = 1
+		}
+		s.reqs = append(s.reqs, p)
+	}
+	sort.SliceStable(s.reqs, func(i, j int) bool { return s.reqs[i].at < s.reqs[j].at })
+	for _, k := range s.kinds {
+		if k == "skew" || k == "labels" {
+			continue
+		}
+		for range 1 + r.IntN(3) {
+			f := simFault{at: dur(300*time.Millisecond, s.window), kind: k, slot: r.IntN(s.workers), pick: r.IntN(1000)}
+			switch k {
+			case "kill", "term":
+				f.dur = dur(100*time.Millisecond, 2*time.Second) // until the replacement starts
+			case "nats-restart":
+				f.dur = dur(100*time.Millisecond, 1500*time.Millisecond)
+			case "api-errors":
+				f.dur = dur(500*time.Millisecond, 3*time.Second)
+				f.p = 0.3 + 0.6*r.Float64()
+				f.flag = r.IntN(2) == 0
+				if r.IntN(3) == 0 {
+					f.slot = -1 // every worker
+				}
+			case "watch-break":
+				f.flag = r.IntN(2) == 0
+			case "cancel":
+				f.flag = r.IntN(2) == 0
+				f.req = r.IntN(n)
+				f.resubmit = r.IntN(3)
+			case "dup-publish":
+				f.req = r.IntN(n)
+			case "pause-renew", "pause-finalize":
+				f.dur = dur(simLease*3/2, 3*simLease)
+			}
+			s.faults = append(s.faults, f)
+		}
+	}
+	sort.SliceStable(s.faults, func(i, j int) bool { return s.faults[i].at < s.faults[j].at })
+	return s
+}
+
+func (f simFault) String() string {
+	w := fmt.Sprintf("w%d", f.slot)
+	if f.slot < 0 {
+		w = "all workers"
+	}
+	var what string
+	switch f.kind {
+	case "kill", "term":
+		what = fmt.Sprintf("%s %s, replaced after %s", f.kind, w, f.dur)
+	case "nats-restart":
+		what = fmt.Sprintf("nats-server restart, down %s", f.dur)
+	case "lost-ack":
+		what = "lose the next ack"
+	case "api-errors":
+		what = fmt.Sprintf("job create/delete errors on %s for %s, p=%.2f, commit-then-timeout=%v", w, f.dur, f.p, f.flag)
+	case "watch-break":
+		what = fmt.Sprintf("break the watches of %s (410 Gone: %v)", w, f.flag)
+	case "job-delete", "pod-delete":
+		what = f.kind + " (external)"
+	case "cancel":
+		by := "request id"
+		if f.flag {
+			by = "build key"
+		}
+		what = fmt.Sprintf("cancel request #%d by %s, resubmit: %s", f.req, by, []string{"no", "after the reply", "racing the cancel"}[f.resubmit])
+	case "dup-publish":
+		what = fmt.Sprintf("publish request #%d again (same Nats-Msg-Id)", f.req)
+	case "pause-renew", "pause-finalize":
+		what = fmt.Sprintf("%s: %s blocks %s", f.kind, w, f.dur)
+	}
+	return fmt.Sprintf("%7.3fs  %s", f.at.Seconds(), what)
+}
+
+func (s *simSchedule) describe() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "schedule: fault window %s, %d workers, %d contexts, %d requests, build failure rate %.0f%%\n",
+		s.window.Round(time.Millisecond), s.workers, s.contexts, len(s.reqs), 100*s.failProb)
+	fmt.Fprintf(&b, "  fault kinds: %s\n", strings.Join(s.kinds, " "))
+	if s.has("skew") {
+		var sk []string
+		for i, d := range s.skews {
+			sk = append(sk, fmt.Sprintf("w%d %+v", i, d))
+		}
+		fmt.Fprintf(&b, "  clock skew: %s\n", strings.Join(sk, ", "))
+	}
+	for _, f := range s.faults {
+		fmt.Fprintf(&b, "  %s\n", f)
+	}
+	return b.String()
+}

@@ -1,0 +1,1005 @@
+package worker
+
+// The fault simulation's world: a restartable embedded nats-server on a
+// fixed loopback port and file store, the shared fake API server, a fake
+// node (kubelet, Job controller, TTL controller), an in-memory registry,
+// the producer, and the worker slots.
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"slices"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	ggcrv1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/google/go-containerregistry/pkg/v1/empty"
+	"github.com/google/go-containerregistry/pkg/v1/mutate"
+	"github.com/google/go-containerregistry/pkg/v1/static"
+	ggcrtypes "github.com/google/go-containerregistry/pkg/v1/types"
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	batchv1 "k8s.io/api/batch/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/watch"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/kaniko"
+	"github.com/buildq/buildq/internal/kube"
+	"github.com/buildq/buildq/internal/naming"
+	"github.com/buildq/buildq/publisher"
+)
+
+// Timing of the simulated world. Lease and AckWait are the worker's
+// validated minimums.
+const (
+	simLease      = time.Second
+	simAckWait    = time.Second
+	simMaxDeliver = 20
+	simTTL        = 4 * time.Second // the fake TTL controller
+	simBuildMin   = 200 * time.Millisecond
+	simBuildSpan  = 1800 * time.Millisecond
+)
+
+// simTrace is what happened, for a failing seed's report.
+type simTrace struct {
+	mu      sync.Mutex
+	t0      time.Time
+	lines   []string
+	dropped int
+}
+
+const simTraceMax = 500
+
+func (tr *simTrace) rel() time.Duration { return time.Since(tr.t0) }
+
+func (tr *simTrace) add(format string, args ...any) {
+	line := fmt.Sprintf("%7.3fs  %s", tr.rel().Seconds(), fmt.Sprintf(format, args...))
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	if len(tr.lines) >= simTraceMax {
+		tr.dropped++
+		return
+	}
+	tr.lines = append(tr.lines, line)
+}
+
+// simLogBuffer keeps the workers' logs (printed with BUILDQ_SIM_LOGS=1).
+type simLogBuffer struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+func (b *simLogBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if len(b.lines) < 5000 {
+		b.lines = append(b.lines, strings.TrimRight(string(p), "\n"))
+	}
+	return len(p), nil
+}
+
+func (b *simLogBuffer) Sync() error { return nil }
+
+// simJob is the node's record of one Job (by UID).
+type simJob struct {
+	key, name, uid, creator string
+	content                 string
+	created                 time.Duration
+	finished                time.Duration // 0: not finished
+	succeeded               bool
+	deleted                 time.Duration // 0: not deleted
+	deleteCause             string
+}
+
+// simDeletion is a Job deletion the workers did not make (external, TTL).
+type simDeletion struct {
+	key   string
+	at    time.Duration
+	cause string
+}
+
+// simFailure is a build the node failed.
+type simFailure struct {
+	key string
+	at  time.Duration
+}
+
+// simNode plays the kubelet, the Job controller and the TTL controller.
+type simNode struct {
+	w        *simWorld
+	mu       sync.Mutex
+	runs     map[string]int
+	jobs     map[string]*simJob // by UID
+	order    []*simJob
+	failures []simFailure
+	deletes  []simDeletion
+	twoJobs  []string
+	closed   bool
+}
+
+// onChange is the API server's change hook (called under the API mutex).
+func (n *simNode) onChange(ev simAPIEvent, cause string) {
+	if ev.gvr != simJobsGVR {
+		return
+	}
+	job := ev.obj.(*batchv1.Job)
+	w := n.w
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	switch ev.typ {
+	case watch.Added:
+		key := job.Annotations[kaniko.AnnotationKey]
+		j := &simJob{key: key, name: job.Name, uid: string(job.UID), creator: cause, content: simContentOf(job), created: w.trace.rel()}
+		for _, o := range n.order {
+			if o.key == key && o.deleted == 0 {
+				n.twoJobs = append(n.twoJobs, fmt.Sprintf("job %s (%s) of key %s created by %s at %.3fs while job %s (%s, created by %s at %.3fs) still existed",
+					j.name, j.uid, w.keyName(key), cause, j.created.Seconds(), o.name, o.uid, o.creator, o.created.Seconds()))
+			}
+		}
+		n.jobs[j.uid] = j
+		n.order = append(n.order, j)
+		run := n.runs[key]
+		n.runs[key]++
+		h := simHash(w.seed, key, run)
+		ok := float64(h%1000)/1000 >= w.sc.failProb
+		d := simBuildMin + time.Duration(h/1000%uint64(simBuildSpan/time.Millisecond))*time.Millisecond
+		w.trace.add("job   %s %s %s created by %s (run %d: will %s after %s)", w.keyName(key), j.name[:14], j.uid, cause, run,
+			map[bool]string{true: "succeed", false: "fail"}[ok], d)
+		if !n.closed {
+			uid := j.uid
+			time.AfterFunc(d, func() { n.finish(uid, ok) })
+		}
+	case watch.Deleted:
+		j := n.jobs[string(job.UID)]
+		if j == nil {
+			return
+		}
+		j.deleted, j.deleteCause = w.trace.rel(), cause
+		if !strings.HasPrefix(cause, "w") {
+			n.deletes = append(n.deletes, simDeletion{key: j.key, at: j.deleted, cause: cause})
+		}
+		state := "running"
+		if j.finished != 0 {
+			state = map[bool]string{true: "succeeded", false: "failed"}[j.succeeded]
+		}
+		w.trace.add("job   %s %s %s deleted by %s (%s)", w.keyName(j.key), j.name[:14], j.uid, cause, state)
+	}
+}
+
+// simContentOf is what decides a Job's image: the executor arguments that
+// change the content, not where it is pushed.
+func simContentOf(job *batchv1.Job) string {
+	if len(job.Spec.Template.Spec.Containers) == 0 {
+		return ""
+	}
+	return simContentArgs(job.Spec.Template.Spec.Containers[0].Args)
+}
+
+func simContentArgs(args []string) string {
+	var keep []string
+	for _, a := range args {
+		for _, p := range []string{"--context=", "--context-sub-path=", "--dockerfile=", "--build-arg=", "--target=", "--label=", "--custom-platform="} {
+			if strings.HasPrefix(a, p) {
+				keep = append(keep, a)
+			}
+		}
+	}
+	sort.Strings(keep)
+	return strings.Join(keep, "\n")
+}
+
+func simDestinations(job *batchv1.Job) []string {
+	var out []string
+	for _, a := range job.Spec.Template.Spec.Containers[0].Args {
+		if d, ok := strings.CutPrefix(a, "--destination="); ok {
+			out = append(out, d)
+		}
+	}
+	return out
+}
+
+var errSimGone = errors.New("job gone")
+
+// finish ends a build: on success the image is pushed first (as kaniko
+// does), then the Pod's terminated container and the Job's conditions are
+// written; a TTL deletion follows.
+func (n *simNode) finish(uid string, ok bool) {
+	w := n.w
+	n.mu.Lock()
+	j := n.jobs[uid]
+	closed := n.closed
+	n.mu.Unlock()
+	if closed || j == nil {
+		return
+	}
+	var job *batchv1.Job
+	live := func() error {
+		cur, found := w.api.getJobLocked(testNamespace, j.name)
+		if !found || string(cur.UID) != uid || cur.DeletionTimestamp != nil {
+			return errSimGone
+		}
+		job = cur
+		return nil
+	}
+	if w.api.do(live) != nil {
+		return
+	}
+	msg := "error building image: error building stage: RUN make: exit status 2"
+	exit := int32(1)
+	if ok {
+		digest, err := w.push(j.content, simDestinations(job))
+		if err != nil {
+			w.trace.add("node  push of %s failed: %v", j.uid, err)
+			msg = "error pushing image: " + err.Error()
+		} else {
+			msg, exit = digest, 0
+		}
+	}
+	err := w.api.do(func() error {
+		if err := live(); err != nil {
+			return err
+		}
+		now := metav1.Now()
+		lbl := map[string]string{}
+		for k, v := range job.Spec.Template.Labels {
+			lbl[k] = v
+		}
+		lbl[batchv1.JobNameLabel] = job.Name
+		lbl[batchv1.ControllerUidLabel] = string(job.UID)
+		lbl["job-name"] = job.Name
+		lbl["controller-uid"] = string(job.UID)
+		pod := &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{
+				Name: fmt.Sprintf("%s-%s", job.Name, strings.TrimPrefix(uid, "uid-")), Namespace: job.Namespace, Labels: lbl,
+				OwnerReferences: []metav1.OwnerReference{{APIVersion: "batch/v1", Kind: "Job", Name: job.Name, UID: job.UID}},
+			},
+			Spec: job.Spec.Template.Spec,
+			Status: corev1.PodStatus{
+				Phase: map[bool]corev1.PodPhase{true: corev1.PodSucceeded, false: corev1.PodFailed}[exit == 0],
+				ContainerStatuses: []corev1.ContainerStatus{{
+					Name: kaniko.ContainerName,
+					State: corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{
+						ExitCode: exit, Message: msg, FinishedAt: now,
+					}},
+				}},
+			},
+		}
+		if _, err := w.api.createLocked(simPodsGVR, pod, job.Namespace, "node"); err != nil {
+			return err
+		}
+		jj := job.DeepCopy()
+		start := job.CreationTimestamp
+		jj.Status.StartTime = &start
+		if exit == 0 {
+			jj.Status.Succeeded = 1
+			jj.Status.CompletionTime = &now
+			jj.Status.Conditions = []batchv1.JobCondition{
+				{Type: batchv1.JobSuccessCriteriaMet, Status: corev1.ConditionTrue, LastTransitionTime: now},
+				{Type: batchv1.JobComplete, Status: corev1.ConditionTrue, LastTransitionTime: now},
+			}
+		} else {
+			jj.Status.Failed = 1
+			m := "Container kaniko for pod exited with code 1"
+			jj.Status.Conditions = []batchv1.JobCondition{
+				{Type: batchv1.JobFailureTarget, Status: corev1.ConditionTrue, Reason: batchv1.JobReasonPodFailurePolicy, Message: m, LastTransitionTime: now},
+				{Type: batchv1.JobFailed, Status: corev1.ConditionTrue, Reason: batchv1.JobReasonPodFailurePolicy, Message: m, LastTransitionTime: now},
+			}
+		}
+		if err := w.api.updateLocked(simJobsGVR, jj, "node"); err != nil {
+			return err
+		}
+		n.mu.Lock()
+		j.finished, j.succeeded = w.trace.rel(), exit == 0
+		if exit != 0 {
+			n.failures = append(n.failures, simFailure{key: j.key, at: j.finished})
+		}
+		n.mu.Unlock()
+		return nil
+	})
+	if err != nil {
+		return
+	}
+	w.trace.add("job   %s %s %s %s", w.keyName(j.key), j.name[:14], j.uid, map[bool]string{true: "succeeded", false: "FAILED"}[exit == 0])
+	time.AfterFunc(simTTL, func() {
+		_ = w.api.do(func() error {
+			cur, found := w.api.getJobLocked(testNamespace, j.name)
+			if !found || string(cur.UID) != uid {
+				return nil
+			}
+			return w.api.deleteJobLocked(testNamespace, j.name, metav1.DeleteOptions{}, "ttl")
+		})
+	})
+}
+
+// deleteExternally deletes a Job (or a Pod) as an operator would; it
+// prefers a Job still running.
+func (n *simNode) deleteExternally(pods bool, pick int) {
+	w := n.w
+	_ = w.api.do(func() error {
+		if pods {
+			l, err := w.api.tracker.List(simPodsGVR, simKindOf(simPodsGVR), testNamespace)
+			if err != nil {
+				return err
+			}
+			items := l.(*corev1.PodList).Items
+			if len(items) == 0 {
+				w.trace.add("fault pod-delete: no pod to delete")
+				return nil
+			}
+			p := items[pick%len(items)]
+			w.trace.add("fault pod-delete: %s", p.Name)
+			return w.api.removeLocked(simPodsGVR, testNamespace, p.Name, "external")
+		}
+		l, err := w.api.tracker.List(simJobsGVR, simKindOf(simJobsGVR), testNamespace)
+		if err != nil {
+			return err
+		}
+		var running, all []batchv1.Job
+		for _, j := range l.(*batchv1.JobList).Items {
+			if j.DeletionTimestamp != nil {
+				continue
+			}
+			all = append(all, j)
+			if done, _ := kube.Finished(&j); !done {
+				running = append(running, j)
+			}
+		}
+		if len(running) > 0 {
+			all = running
+		}
+		if len(all) == 0 {
+			w.trace.add("fault job-delete: no job to delete")
+			return nil
+		}
+		j := all[pick%len(all)]
+		w.trace.add("fault job-delete: %s %s", w.keyName(j.Annotations[kaniko.AnnotationKey]), j.UID)
+		return w.api.deleteJobLocked(testNamespace, j.Name, metav1.DeleteOptions{}, "external")
+	})
+}
+
+func simHash(seed int64, key string, run int) uint64 {
+	var b bytes.Buffer
+	_ = binary.Write(&b, binary.LittleEndian, seed)
+	b.WriteString(key)
+	_ = binary.Write(&b, binary.LittleEndian, int64(run))
+	sum := hex64(b.String())
+	var h uint64
+	for _, c := range sum[:15] {
+		h = h*16 + uint64(strings.IndexRune("0123456789abcdef", c))
+	}
+	return h
+}
+
+// simImages are the deterministic images of the simulation: one per
+// content (the executor arguments that decide an image).
+type simImages struct {
+	mu sync.Mutex
+	m  map[string]simImage
+}
+
+type simImage struct {
+	digest string
+	img    ggcrv1.Image
+}
+
+var simImageCache = &simImages{m: map[string]simImage{}}
+
+func simImageFor(content string) (simImage, error) {
+	simImageCache.mu.Lock()
+	defer simImageCache.mu.Unlock()
+	if im, ok := simImageCache.m[content]; ok {
+		return im, nil
+	}
+	img, err := mutate.AppendLayers(empty.Image, static.NewLayer([]byte(content), ggcrtypes.OCILayer))
+	if err != nil {
+		return simImage{}, err
+	}
+	d, err := img.Digest()
+	if err != nil {
+		return simImage{}, err
+	}
+	im := simImage{digest: d.String(), img: img}
+	simImageCache.m[content] = im
+	return im, nil
+}
+
+// simProc is one running worker process.
+type simProc struct {
+	id     string
+	slot   *simSlot
+	nc     *nats.Conn
+	client *simClient
+	cancel context.CancelFunc
+	done   chan struct{}
+	killed atomic.Bool
+}
+
+// simSlot is a place in the pool: a worker, and its replacements.
+type simSlot struct {
+	idx     int
+	skew    time.Duration
+	mu      sync.Mutex
+	gen     int
+	proc    *simProc
+	pending *time.Timer
+	pauses  map[string][]time.Duration
+}
+
+func (s *simSlot) takePause(hook string) time.Duration {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	q := s.pauses[hook]
+	if len(q) == 0 {
+		return 0
+	}
+	s.pauses[hook] = q[1:]
+	return q[0]
+}
+
+// simWorld is one schedule's world.
+type simWorld struct {
+	t     *testing.T
+	seed  int64
+	sc    *simSchedule
+	trace *simTrace
+	logs  *simLogBuffer
+
+	dir   string
+	port  int
+	srvMu sync.Mutex
+	srv   *server.Server
+
+	api      *simAPI
+	node     *simNode
+	reg      *testRegistry
+	obs      *nats.Conn
+	js       jetstream.JetStream
+	pub      *publisher.Client
+	identity string
+	slots    []*simSlot
+	procs    []*simProc
+
+	faultsOn atomic.Bool
+	lostAcks atomic.Int32
+	ops      sync.WaitGroup
+
+	keyNames map[string]string
+
+	mu        sync.Mutex
+	subs      []*simSub
+	subByID   map[string]*simSub
+	cancels   []*simCancel
+	published []simPublish // results seen on the core subscription
+	apiFaults int
+	notes     []string
+
+	finalStored []simStored
+	quiet       time.Duration
+	registry    map[string]string // image → digest (or error) at the end
+}
+
+// simSub is one submission: a request id and what the producer saw.
+type simSub struct {
+	id       string
+	req      *v1.Request
+	key      string
+	content  string
+	label    string
+	start    time.Duration // publish started
+	accepted bool          // a PubAck came back (stored once)
+	dup      bool
+	reacc    int // duplicate publishes the stream stored again
+}
+
+// simCancel is a cancel request and what came of it.
+type simCancel struct {
+	target, key, tenant, name string
+	sent, done                time.Duration // done: reply received; simNever when unknown
+	canceled                  bool
+	reply                     string
+}
+
+// simPublish is one result publish seen on the core subscription.
+type simPublish struct {
+	id      string
+	subject string
+	at      time.Duration
+	r       v1.Result
+}
+
+func (w *simWorld) now() time.Duration { return w.trace.rel() }
+
+func (w *simWorld) keyName(key string) string {
+	if n, ok := w.keyNames[key]; ok {
+		return n
+	}
+	if len(key) > 8 {
+		return "key:" + key[:8]
+	}
+	return "key:" + key
+}
+
+func (w *simWorld) note(format string, args ...any) {
+	w.mu.Lock()
+	w.notes = append(w.notes, fmt.Sprintf(format, args...))
+	w.mu.Unlock()
+}
+
+func simFreePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+func (w *simWorld) url() string { return fmt.Sprintf("nats://127.0.0.1:%d", w.port) }
+
+func (w *simWorld) startServer() error {
+	var last error
+	for range 50 {
+		srv, err := server.NewServer(&server.Options{
+			ServerName: "buildq-sim", Host: "127.0.0.1", Port: w.port, JetStream: true, StoreDir: w.dir,
+			NoLog: true, NoSigs: true, JetStreamMaxMemory: 64 << 20, JetStreamMaxStore: 1 << 30,
+		})
+		if err != nil {
+			return err
+		}
+		srv.Start()
+		if srv.ReadyForConnections(10 * time.Second) {
+			w.srvMu.Lock()
+			w.srv = srv
+			w.srvMu.Unlock()
+			return nil
+		}
+		srv.Shutdown()
+		last = fmt.Errorf("nats-server on port %d did not start", w.port)
+		time.Sleep(100 * time.Millisecond)
+	}
+	return last
+}
+
+func (w *simWorld) stopServer() {
+	w.srvMu.Lock()
+	srv := w.srv
+	w.srv = nil
+	w.srvMu.Unlock()
+	if srv != nil {
+		srv.Shutdown()
+		srv.WaitForShutdown()
+	}
+}
+
+func (w *simWorld) connect(name string) (*nats.Conn, error) {
+	return nats.Connect(w.url(), nats.Name(name), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond),
+		nats.ReconnectJitter(10*time.Millisecond, 10*time.Millisecond), nats.RetryOnFailedConnect(true),
+		nats.Timeout(2*time.Second))
+}
+
+func (w *simWorld) workerConfig(id string, skew time.Duration) Config {
+	enc := zap.NewDevelopmentEncoderConfig()
+	enc.TimeKey = ""
+	core := zapcore.NewCore(zapcore.NewConsoleEncoder(enc), zapcore.AddSync(w.logs), zapcore.InfoLevel)
+	logger := zap.New(core)
+	return Config{
+		ID:              id,
+		MaxInFlight:     4,
+		AckWait:         simAckWait,
+		MaxDeliver:      simMaxDeliver,
+		Lease:           simLease,
+		ShutdownTimeout: 5 * time.Second,
+		Naming:          naming.Policy{Registry: w.reg.host},
+		Registry:        w.reg.client,
+		Logger:          logger.Named(id),
+		Now:             func() time.Time { return time.Now().Add(skew) },
+	}
+}
+
+var simKaniko = func() kaniko.Config {
+	kc := testKaniko
+	kc.InsecureRegistries = nil
+	return kc
+}()
+
+// start starts the slot's next worker.
+func (w *simWorld) start(s *simSlot) {
+	s.mu.Lock()
+	id := fmt.Sprintf("w%d.%d", s.idx, s.gen)
+	s.gen++
+	s.pending = nil
+	s.mu.Unlock()
+
+	client := w.api.newClient(id, w.runtimeRand())
+	client.onFault = func(verb, name string, err error) {
+		w.trace.add("api   %s: %s job %s failed: %v", id, verb, name, err)
+	}
+	nc, err := w.connect(id)
+	if err != nil {
+		w.t.Errorf("harness: connect %s: %v", id, err)
+		return
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	p := &simProc{id: id, slot: s, nc: nc, client: client, cancel: cancel, done: make(chan struct{})}
+	s.mu.Lock()
+	s.proc = p
+	s.mu.Unlock()
+	w.mu.Lock()
+	w.procs = append(w.procs, p)
+	w.mu.Unlock()
+	w.trace.add("work  %s started (clock %+v)", id, s.skew)
+
+	factory := kube.NewInformerFactory(client.cs, simKaniko.Namespace)
+	watcher, err := kube.NewWatcher(factory, nil)
+	if err != nil {
+		w.t.Errorf("harness: watcher: %v", err)
+		cancel()
+		close(p.done)
+		return
+	}
+	backend, err := NewKubeBackend(client.cs, watcher, simKaniko)
+	if err != nil {
+		w.t.Errorf("harness: backend: %v", err)
+		cancel()
+		close(p.done)
+		return
+	}
+	backend.WithDigestResolver(func(ctx context.Context, ref string) (string, error) { return w.reg.client.Head(ctx, ref) })
+	w.mu.Lock()
+	if w.identity == "" {
+		w.identity = backend.Identity()
+	}
+	w.mu.Unlock()
+	factory.Start(ctx.Done())
+	cfg := w.workerConfig(id, s.skew)
+	go func() {
+		defer close(p.done)
+		defer factory.Shutdown()
+		defer nc.Close()
+		sctx, scancel := context.WithTimeout(ctx, 30*time.Second)
+		synced := watcher.WaitForSync(sctx)
+		scancel()
+		if !synced {
+			if ctx.Err() == nil {
+				w.trace.add("work  %s: informers did not sync", id)
+			}
+			return
+		}
+		for ctx.Err() == nil {
+			wk, err := New(nc, backend, cfg)
+			if err != nil {
+				w.t.Errorf("harness: New(%s): %v", id, err)
+				return
+			}
+			wk.faults = &faultHooks{
+				loseAck: func(requestID string) bool {
+					if p.killed.Load() || !w.faultsOn.Load() {
+						return false
+					}
+					for {
+						n := w.lostAcks.Load()
+						if n <= 0 {
+							return false
+						}
+						if w.lostAcks.CompareAndSwap(n, n-1) {
+							w.trace.add("fault %s: ack of %s lost", id, requestID)
+							return true
+						}
+					}
+				},
+				beforeRenew: func(key string) {
+					if d := s.takePause("renew"); d > 0 && !p.killed.Load() {
+						w.trace.add("fault %s: paused %s before renewing %s", id, d, w.keyName(key))
+						time.Sleep(d)
+						w.trace.add("fault %s: resumed (renew %s)", id, w.keyName(key))
+					}
+				},
+				beforeFinalize: func(key string) {
+					if d := s.takePause("finalize"); d > 0 && !p.killed.Load() {
+						w.trace.add("fault %s: paused %s before finalizing %s", id, d, w.keyName(key))
+						time.Sleep(d)
+						w.trace.add("fault %s: resumed (finalize %s)", id, w.keyName(key))
+					}
+				},
+			}
+			err = wk.Run(ctx)
+			if ctx.Err() != nil {
+				break
+			}
+			if !p.killed.Load() {
+				w.trace.add("work  %s: Run returned %v; starting it again", id, err)
+			}
+			select {
+			case <-time.After(200 * time.Millisecond):
+			case <-ctx.Done():
+			}
+		}
+		if !p.killed.Load() {
+			w.trace.add("work  %s stopped", id)
+		}
+	}()
+}
+
+// kill is SIGKILL: the connection drops first (no hand-back, no ack), the
+// API client dies, then everything is abandoned.
+func (w *simWorld) kill(p *simProc) {
+	p.killed.Store(true)
+	p.nc.Close()
+	p.client.dead.Store(true)
+	w.api.breakWatches(p.client, false)
+	p.cancel()
+	w.trace.add("fault %s killed (SIGKILL)", p.id)
+}
+
+// term is SIGTERM: the worker hands its requests back and stops.
+func (w *simWorld) term(p *simProc) {
+	w.trace.add("fault %s terminated (SIGTERM)", p.id)
+	p.cancel()
+}
+
+// replace stops the slot's worker and starts another after delay.
+func (w *simWorld) replace(s *simSlot, hard bool, delay time.Duration) {
+	s.mu.Lock()
+	p := s.proc
+	s.proc = nil
+	s.mu.Unlock()
+	if p == nil {
+		return
+	}
+	if hard {
+		w.kill(p)
+	} else {
+		w.term(p)
+	}
+	s.mu.Lock()
+	s.pending = time.AfterFunc(delay, func() {
+		s.mu.Lock()
+		stale := s.pending == nil
+		s.mu.Unlock()
+		if !stale {
+			w.start(s)
+		}
+	})
+	s.mu.Unlock()
+}
+
+// restartNATS stops the server and starts it again on the same store and
+// port after down.
+func (w *simWorld) restartNATS(down time.Duration) {
+	w.trace.add("fault nats-server stopped (down %s)", down)
+	w.stopServer()
+	time.Sleep(down)
+	if err := w.startServer(); err != nil {
+		w.t.Errorf("harness: restart nats-server: %v", err)
+		return
+	}
+	w.trace.add("fault nats-server started again")
+}
+
+// runtimeRand is a per-client random source for the runtime choices of
+// injected faults; seeded, though timing decides which call draws what.
+func (w *simWorld) runtimeRand() func() float64 {
+	var mu sync.Mutex
+	x := uint64(w.seed)*0x9E3779B97F4A7C15 + uint64(len(w.procs)+1)*0xBF58476D1CE4E5B9
+	return func() float64 {
+		mu.Lock()
+		defer mu.Unlock()
+		x ^= x << 13
+		x ^= x >> 7
+		x ^= x << 17
+		return float64(x>>11) / float64(1<<53)
+	}
+}
+
+// push "pushes" the image of a content to every destination.
+func (w *simWorld) push(content string, dests []string) (string, error) {
+	im, err := simImageFor(content)
+	if err != nil {
+		return "", err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	d, err := w.reg.client.Push(ctx, im.img, dests)
+	if err == nil && d != im.digest {
+		return "", fmt.Errorf("pushed digest %s, want %s", d, im.digest)
+	}
+	return d, err
+}
+
+// submit publishes a submission; a failed publish is retried with the same
+// id (as a producer would) until a PubAck says it is stored.
+func (w *simWorld) submit(s *simSub) {
+	s.start = w.now()
+	ctx := context.Background()
+	for attempt := 0; attempt < 40; attempt++ {
+		pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		req := *s.req
+		ack, err := w.pub.Publish(pctx, &req)
+		cancel()
+		if err == nil {
+			w.mu.Lock()
+			s.accepted = true
+			w.mu.Unlock()
+			extra := ""
+			if attempt > 0 {
+				extra = fmt.Sprintf(" after %d failed attempts", attempt)
+			}
+			if ack.Duplicate && attempt == 0 {
+				extra += " (DUPLICATE?)"
+			}
+			w.trace.add("req   %s %s %s/%s %s published seq %d%s", s.id, s.label, s.req.Tenant, s.req.Name, w.keyName(s.key), ack.Sequence, extra)
+			return
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	w.trace.add("req   %s: never stored (NATS unavailable)", s.id)
+}
+
+// republish publishes an accepted request again, same id and body.
+func (w *simWorld) republish(s *simSub) {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	req := *s.req
+	ack, err := w.pub.Publish(ctx, &req)
+	switch {
+	case err != nil:
+		w.trace.add("fault duplicate publish of %s: %v", s.id, err)
+	case ack.Duplicate:
+		w.trace.add("fault duplicate publish of %s: dropped as duplicate", s.id)
+	default:
+		w.mu.Lock()
+		s.reacc++
+		w.mu.Unlock()
+		w.trace.add("fault duplicate publish of %s: STORED AGAIN as seq %d (the stream forgot the id)", s.id, ack.Sequence)
+		w.note("a duplicate publish of %s was stored again by the stream (seq %d)", s.id, ack.Sequence)
+	}
+}
+
+// cancel sends a cancel for a key or request id and records the answer.
+func (w *simWorld) cancel(target, key, tenant, name string) *simCancel {
+	c := &simCancel{target: target, key: key, tenant: tenant, name: name, sent: w.now(), done: simNever}
+	w.mu.Lock()
+	w.cancels = append(w.cancels, c)
+	w.mu.Unlock()
+	what := w.keyName(key)
+	if target != key {
+		what = "request " + target
+	}
+	m, err := w.obs.Request(v1.CancelSubject(tenant, name), []byte(target), 5*time.Second)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	switch {
+	case errors.Is(err, nats.ErrNoResponders):
+		c.done, c.reply = c.sent, "no responders"
+	case err != nil:
+		c.canceled, c.reply = true, "unknown: "+err.Error()
+	default:
+		var rep CancelReply
+		_ = json.Unmarshal(m.Data, &rep)
+		c.done, c.canceled, c.reply = w.now(), rep.Canceled, rep.Message
+	}
+	w.trace.add("fault cancel %s (%s/%s): canceled=%v %q", what, tenant, name, c.canceled, c.reply)
+	return c
+}
+
+// watchResults records every result publish (core NATS sees repeats the
+// stream drops).
+func (w *simWorld) watchResults() error {
+	_, err := w.obs.Subscribe(v1.ResultsPrefix+".>", func(m *nats.Msg) {
+		var r v1.Result
+		if err := json.Unmarshal(m.Data, &r); err != nil {
+			return
+		}
+		id := m.Header.Get(v1.MsgIDHeader)
+		w.mu.Lock()
+		w.published = append(w.published, simPublish{id: id, subject: m.Subject, at: w.now(), r: r})
+		w.mu.Unlock()
+		d := r.Data
+		extra := d.Reason
+		if d.Digest != "" {
+			extra = d.Digest[7:19]
+		}
+		w.trace.add("res   %s %s/%s %s %s by %s", id, d.Status, d.Origin, w.keyName(d.Key), extra, strings.TrimPrefix(r.Source, "/buildq/worker/"))
+	})
+	if err != nil {
+		return err
+	}
+	return w.obs.Flush()
+}
+
+// storedResults reads every message of BUILDQ_RESULTS.
+type simStored struct {
+	id      string
+	subject string
+	r       v1.Result
+}
+
+func (w *simWorld) storedResults(ctx context.Context) ([]simStored, error) {
+	s, err := w.js.Stream(ctx, v1.ResultsStream)
+	if err != nil {
+		return nil, err
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		return nil, err
+	}
+	var out []simStored
+	if info.State.Msgs == 0 {
+		return nil, nil
+	}
+	for seq := info.State.FirstSeq; seq <= info.State.LastSeq; seq++ {
+		m, err := s.GetMsg(ctx, seq)
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		var r v1.Result
+		if err := json.Unmarshal(m.Data, &r); err != nil {
+			return nil, fmt.Errorf("result seq %d: %w", seq, err)
+		}
+		out = append(out, simStored{id: m.Header.Get(v1.MsgIDHeader), subject: m.Subject, r: r})
+	}
+	return out, nil
+}
+
+// queueState is the requests stream's and the consumer's state.
+func (w *simWorld) queueState(ctx context.Context) (msgs uint64, pending uint64, ackPending int, err error) {
+	s, err := w.js.Stream(ctx, v1.RequestsStream)
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	si, err := s.Info(ctx)
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	c, err := s.Consumer(ctx, v1.WorkersConsumer)
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	ci, err := c.Info(ctx)
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	return si.State.Msgs, ci.NumPending, ci.NumAckPending, nil
+}
+
+// liveJobs lists the Jobs that exist now.
+func (w *simWorld) liveJobs() []string {
+	var out []string
+	_ = w.api.do(func() error {
+		l, err := w.api.tracker.List(simJobsGVR, simKindOf(simJobsGVR), testNamespace)
+		if err != nil {
+			return err
+		}
+		for _, j := range l.(*batchv1.JobList).Items {
+			done, ok := kube.Finished(&j)
+			state := "running"
+			if done {
+				state = map[bool]string{true: "succeeded", false: "failed"}[ok]
+			}
+			if j.DeletionTimestamp != nil {
+				state += ", terminating"
+			}
+			out = append(out, fmt.Sprintf("%s %s %s (%s)", w.keyName(j.Annotations[kaniko.AnnotationKey]), j.Name, j.UID, state))
+		}
+		return nil
+	})
+	slices.Sort(out)
+	return out
+}
