@@ -20,16 +20,16 @@ import (
 	"github.com/buildq/buildq/internal/registry"
 )
 
-// Build is one unique build: the request that claimed the key, the key,
-// and the references to push.
+// Build is one run of a build key: the request it runs for, the key, the
+// run's id and the references to push.
 type Build struct {
 	Request      *v1.Request
 	Key          string
 	Destinations []string
-	// Fresh: a new build of the key (first, or a retry after a failure or
-	// a cancel), not the take-over of a build whose owner went away. A
-	// fresh build never adopts a finished Job of an earlier one.
-	Fresh bool
+	// Run identifies the attempt (claim.go). A backend adopts only a build
+	// of the same run; anything of another run of the key is stale and is
+	// replaced.
+	Run string
 }
 
 // Outcome is the end of a build as a backend reports it.
@@ -40,8 +40,10 @@ type Outcome struct {
 	Message   string
 	LogTail   string
 	Job       string
-	// JobUID identifies the run (the Job's UID) for Cleanup.
-	JobUID     string
+	// JobUID is the Job's UID.
+	JobUID string
+	// Run is the run the outcome belongs to (reconciliation).
+	Run        string
 	StartedAt  time.Time
 	FinishedAt time.Time
 }
@@ -60,9 +62,9 @@ type Backend interface {
 	// a *TransientError for trouble worth retrying; any other error is
 	// terminal for the request.
 	Run(ctx context.Context, b Build, started Started) (Outcome, error)
-	// Cleanup removes what a build left behind once its results are
-	// stored, or stops it (cancel). run names the build (Outcome.JobUID);
-	// empty means whatever runs for the key.
+	// Cleanup removes what a run of key left behind once its results are
+	// stored, or stops it (cancel). Only that run's build is touched,
+	// never a newer run's.
 	Cleanup(ctx context.Context, key, run string) error
 }
 
@@ -135,7 +137,7 @@ func (k *KubeBackend) Identity() string { return k.identity }
 
 // Run implements Backend.
 func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcome, error) {
-	job, err := kaniko.Job(kaniko.Spec{Request: b.Request, Key: b.Key, Destinations: b.Destinations}, k.cfg)
+	job, err := kaniko.Job(kaniko.Spec{Request: b.Request, Key: b.Key, Destinations: b.Destinations, Run: b.Run}, k.cfg)
 	if err != nil {
 		return Outcome{}, err
 	}
@@ -170,6 +172,12 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 		switch {
 		case ok && cur.Annotations[kaniko.AnnotationKey] != b.Key:
 			return Outcome{}, fmt.Errorf("job %s exists but belongs to build key %s", name, cur.Annotations[kaniko.AnnotationKey])
+		case ok && cur.Annotations[kaniko.AnnotationRun] != b.Run:
+			// Our run's Job is gone and another run's stands in its place:
+			// the record has moved on, which the caller finds out.
+			if seen {
+				return k.deleted(name), nil
+			}
 		case ok:
 			if !seen && !created {
 				started(name, false, cur.Annotations[kaniko.AnnotationRequestID])
@@ -269,10 +277,10 @@ func (k *KubeBackend) logTail(ctx context.Context, pod string) (string, error) {
 	return kube.Tail(string(b), kube.MaxLogTail), err
 }
 
-// create creates the build's Job. AlreadyExists means another worker runs
-// this build: adopt it (created false) — unless this is a fresh build (a
-// retry after a failure or a cancel) and the Job there is the previous
-// build's, finished or being deleted; that one is removed and replaced.
+// create creates the run's Job. AlreadyExists means a Job of the key is
+// there: the run's own (a take-over, or this run's earlier attempt) is
+// adopted (created false); any other run's is stale — its run ended when
+// the record left it — and is deleted by UID and replaced.
 func (k *KubeBackend) create(ctx context.Context, job *batchv1.Job, b Build, signal <-chan struct{}) (bool, types.UID, error) {
 	jobs := k.client.BatchV1().Jobs(k.cfg.Namespace)
 	for attempt := 0; ; attempt++ {
@@ -281,15 +289,15 @@ func (k *KubeBackend) create(ctx context.Context, job *batchv1.Job, b Build, sig
 		case err == nil:
 			return true, got.UID, nil
 		case apierrors.IsAlreadyExists(err):
-			if !b.Fresh || attempt >= 3 {
-				return false, "", nil
+			if attempt >= 5 {
+				return false, "", Transient(fmt.Errorf("create job %s: a job of another run keeps standing in its place", job.Name))
 			}
-			stale, err := k.removeStale(ctx, job.Name, signal)
+			own, err := k.removeStale(ctx, job.Name, b.Run, signal)
 			if err != nil {
 				return false, "", err
 			}
-			if !stale {
-				return false, "", nil // a live build: adopt it
+			if own {
+				return false, "", nil // our run's Job: adopt it
 			}
 		case ctx.Err() != nil:
 			return false, "", ctx.Err()
@@ -301,48 +309,43 @@ func (k *KubeBackend) create(ctx context.Context, job *batchv1.Job, b Build, sig
 	}
 }
 
-// removeStale deletes a finished or terminating Job of an earlier build and
-// waits until it is gone, reading both from the informer cache (signal
-// fires on every event for the name). It reports false for a Job still
-// running, which the caller adopts. Only a Job the cache has not shown
-// within a while (a watch gap) is read from the API server.
-func (k *KubeBackend) removeStale(ctx context.Context, name string, signal <-chan struct{}) (bool, error) {
-	deadline := time.NewTimer(2 * time.Minute)
-	defer deadline.Stop()
-	wait := func() error {
-		select {
-		case <-signal:
-			return nil
-		case <-deadline.C:
-			return Transient(fmt.Errorf("the previous job %s is still being deleted", name))
-		case <-ctx.Done():
-			return ctx.Err()
-		}
+// existing returns the Job called name: from the informer cache, or — when
+// the cache has not shown it within a moment (a watch gap) — from the API
+// server. nil when there is none.
+func (k *KubeBackend) existing(ctx context.Context, name string, signal <-chan struct{}) (*batchv1.Job, error) {
+	if j, _, ok := k.watcher.Get(k.cfg.Namespace, name); ok {
+		return j, nil
 	}
+	select {
+	case <-signal:
+	case <-time.After(k.digestGrace):
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	if j, _, ok := k.watcher.Get(k.cfg.Namespace, name); ok {
+		return j, nil
+	}
+	got, err := k.client.BatchV1().Jobs(k.cfg.Namespace).Get(ctx, name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, Transient(fmt.Errorf("get job %s: %w", name, err))
+	}
+	return got, nil
+}
 
-	old, _, ok := k.watcher.Get(k.cfg.Namespace, name)
-	if !ok {
-		// AlreadyExists, yet not cached: give the informer a moment, then
-		// ask the API server once.
-		select {
-		case <-signal:
-		case <-time.After(k.digestGrace):
-		case <-ctx.Done():
-			return false, ctx.Err()
-		}
-		if old, _, ok = k.watcher.Get(k.cfg.Namespace, name); !ok {
-			got, err := k.client.BatchV1().Jobs(k.cfg.Namespace).Get(ctx, name, metav1.GetOptions{})
-			if apierrors.IsNotFound(err) {
-				return true, nil
-			}
-			if err != nil {
-				return false, Transient(fmt.Errorf("get job %s: %w", name, err))
-			}
-			old = got
-		}
+// removeStale looks at the Job called name. It reports true when the Job is
+// run's own, to adopt. Otherwise it deletes the Job (UID precondition) and
+// waits, on the informer cache, until it is gone, then reports false: the
+// caller creates its own.
+func (k *KubeBackend) removeStale(ctx context.Context, name, run string, signal <-chan struct{}) (bool, error) {
+	old, err := k.existing(ctx, name, signal)
+	if err != nil || old == nil {
+		return false, err
 	}
-	if done, _ := kube.Finished(old); !done && old.DeletionTimestamp == nil {
-		return false, nil
+	if old.Annotations[kaniko.AnnotationRun] == run && old.DeletionTimestamp == nil {
+		return true, nil
 	}
 	uid := old.UID
 	if old.DeletionTimestamp == nil {
@@ -350,13 +353,19 @@ func (k *KubeBackend) removeStale(ctx context.Context, name string, signal <-cha
 			return false, err
 		}
 	}
+	deadline := time.NewTimer(2 * time.Minute)
+	defer deadline.Stop()
 	for {
 		cur, _, ok := k.watcher.Get(k.cfg.Namespace, name)
 		if !ok || cur.UID != uid || k.watcher.Deleted(k.cfg.Namespace, name, uid) {
-			return true, nil
+			return false, nil
 		}
-		if err := wait(); err != nil {
-			return false, err
+		select {
+		case <-signal:
+		case <-deadline.C:
+			return false, Transient(fmt.Errorf("the previous job %s is still being deleted", name))
+		case <-ctx.Done():
+			return false, ctx.Err()
 		}
 	}
 }
@@ -377,18 +386,35 @@ func (k *KubeBackend) deleteJob(ctx context.Context, name string, uid types.UID)
 	return nil
 }
 
-// Cleanup deletes the build's Job and, first, its Pods (foreground): a
-// canceled build stops before it can push. With a uid, only that Job is
-// deleted (a precondition), never a newer build's Job of the same name.
-func (k *KubeBackend) Cleanup(ctx context.Context, key, uid string) error {
-	return k.deleteJob(ctx, kaniko.JobName(key), types.UID(uid))
+// Cleanup deletes the Job of run — and first its Pods (foreground), so a
+// canceled build stops before it can push — with a UID precondition:
+// never a newer run's Job of the same name. The Job is read from the
+// informer cache, and from the API server only when the cache has not
+// shown it yet (a cancel right after the create).
+func (k *KubeBackend) Cleanup(ctx context.Context, key, run string) error {
+	name := kaniko.JobName(key)
+	job, _, ok := k.watcher.Get(k.cfg.Namespace, name)
+	if !ok {
+		got, err := k.client.BatchV1().Jobs(k.cfg.Namespace).Get(ctx, name, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("get job %s: %w", name, err)
+		}
+		job = got
+	}
+	if job.Annotations[kaniko.AnnotationRun] != run || job.DeletionTimestamp != nil {
+		return nil
+	}
+	return k.deleteJob(ctx, name, job.UID)
 }
 
 // Reconcile is level-triggered reconciliation: for every finished Job the
 // informers show (at start, on events, after every relist) that no goroutine
 // of this worker waits on, it reads the outcome and hands it to finish,
 // which stores it if the build's owner is gone. It returns when ctx ends.
-func (k *KubeBackend) Reconcile(ctx context.Context, finish func(ctx context.Context, key string, out Outcome)) {
+func (k *KubeBackend) Reconcile(ctx context.Context, finish func(ctx context.Context, key string, out Outcome) time.Duration) {
 	for {
 		select {
 		case <-ctx.Done():
@@ -410,12 +436,24 @@ func (k *KubeBackend) Reconcile(ctx context.Context, finish func(ctx context.Con
 			if err != nil {
 				continue // transient: the next event or the redelivery retries
 			}
-			finish(ctx, key, out)
+			out.Run = job.Annotations[kaniko.AnnotationRun]
+			if again := finish(ctx, key, out); again > 0 {
+				// The claim still looks alive: look again once it could
+				// have lapsed. A dropped hint is recovered by redelivery.
+				time.AfterFunc(again, func() {
+					select {
+					case k.finished <- name:
+					default:
+					}
+				})
+			}
 		}
 	}
 }
 
 // Reconciler is a backend with reconciliation to run beside the worker.
 type Reconciler interface {
-	Reconcile(ctx context.Context, finish func(ctx context.Context, key string, out Outcome))
+	// Reconcile hands finished builds to finish until ctx ends; finish
+	// returns when to hand the same build again (0: never).
+	Reconcile(ctx context.Context, finish func(ctx context.Context, key string, out Outcome) time.Duration)
 }

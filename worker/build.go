@@ -2,7 +2,6 @@ package worker
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"sync"
@@ -15,18 +14,19 @@ import (
 	"github.com/buildq/buildq/internal/registry"
 )
 
-// errLostClaim cancels a build whose claim another worker took over.
+// errLostClaim cancels a build whose claim another party changed.
 var errLostClaim = errors.New("build claim taken over by another worker")
 
-// build gets the final record for key: from the index (cache), by joining
-// the build in flight, or by claiming the key and running the build.
-// owned is true when this request ran (or adopted) the build and so cleans
-// up after it.
+// build gets the final record for key, walking the state machine of
+// claim.go: from the index (cache), by joining the run in flight, or by
+// claiming the key (or taking a lapsed run over) and running the build.
+// owned is true when this request ended the run and so cleans up its Job.
 //
 // seq is the request message's stream sequence: with the request id it
-// tells a redelivery of the request that made a record (its own build) from
-// a new submission that reuses an id.
+// tells a redelivery of the request that made a record (its own build)
+// from another request that reuses the id.
 func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, dests []string, seq uint64) (rec *Record, origin v1.Origin, owned bool, err error) {
+	mine := func(r *Record) bool { return r.RequestID == req.RequestID && r.Seq == seq }
 	for {
 		if err := ctx.Err(); err != nil {
 			return nil, "", false, err
@@ -35,10 +35,9 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 		if err != nil {
 			return nil, "", false, Transient(err)
 		}
-		now := w.cfg.Now()
 		switch {
 		case cur == nil:
-			claim := w.newClaim(req, key, repo, seq)
+			claim := w.newClaim(req, key, repo, dests, seq)
 			rev, ok, err := w.claims.create(ctx, claim)
 			if err != nil {
 				return nil, "", false, Transient(err)
@@ -46,15 +45,13 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 			if !ok {
 				continue // another worker claimed it first: look again
 			}
-			return w.own(ctx, req, claim, rev, dests, true)
+			return w.own(ctx, req, claim, rev, dests, seq, true)
 
 		case cur.State == StateSucceeded:
-			mine := cur.RequestID == req.RequestID && cur.Seq == seq
-			origin := v1.OriginCache
-			if mine {
-				origin = v1.OriginBuild // our own build, finished before a crash
+			if mine(cur) {
+				return cur, v1.OriginBuild, true, nil // our own build, finished before a crash
 			}
-			if w.registry != nil && !mine {
+			if w.registry != nil {
 				// The index says built; only the registry knows whether
 				// the image is still there. Not found means build again;
 				// any other error means try later, never "exists".
@@ -62,7 +59,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 				switch {
 				case errors.Is(err, registry.ErrNotFound):
 					w.log.Info("indexed image is gone from the registry; rebuilding", zap.String("key", key), zap.String("image", cur.Repository+"@"+cur.Digest))
-					claim := w.newClaim(req, key, repo, seq)
+					claim := w.newClaim(req, key, repo, dests, seq)
 					rev, ok, err := w.claims.update(ctx, claim, rev)
 					if err != nil {
 						return nil, "", false, Transient(err)
@@ -70,23 +67,20 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 					if !ok {
 						continue
 					}
-					return w.own(ctx, req, claim, rev, dests, true)
+					return w.own(ctx, req, claim, rev, dests, seq, true)
 				case err != nil:
 					return nil, "", false, Transient(fmt.Errorf("check %s in the registry: %w", cur.Repository, err))
 				}
 			}
-			return cur, origin, mine, nil
+			return cur, v1.OriginCache, false, nil
 
-		case cur.State == StateFailed && cur.RequestID == req.RequestID && cur.Seq == seq:
+		case cur.State == StateFailed && mine(cur):
 			return cur, v1.OriginBuild, true, nil
 
-		case cur.State == StateFailed, cur.LeaseUntil.Before(now):
-			// A failed build is retried by the next request for its key; a
-			// claim whose owner stopped renewing it is taken over.
-			claim := w.newClaim(req, key, repo, seq)
-			if cur.State == StateBuilding {
-				claim.StartedAt = cur.StartedAt
-			}
+		case cur.State == StateFailed:
+			// A failed build is retried by the next request for its key,
+			// as a new run: nothing of the failed run is adopted.
+			claim := w.newClaim(req, key, repo, dests, seq)
 			rev, ok, err := w.claims.update(ctx, claim, rev)
 			if err != nil {
 				return nil, "", false, Transient(err)
@@ -94,99 +88,146 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 			if !ok {
 				continue
 			}
-			if cur.State == StateBuilding {
-				w.log.Info("took over a lapsed build claim", zap.String("key", key), zap.String("previousOwner", cur.Owner))
+			return w.own(ctx, req, claim, rev, dests, seq, true)
+
+		case cur.Owner == "":
+			// Released by an owner that stopped: take the run over now.
+			if out, origin, owned, ok, err := w.takeOver(ctx, req, cur, rev, dests, seq); ok || err != nil {
+				return out, origin, owned, err
 			}
-			return w.own(ctx, req, claim, rev, dests, cur.State != StateBuilding)
 
 		default:
 			w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: key, Phase: v1.PhaseWaiting, Job: cur.Job,
 				Message: "joined the build of request " + cur.RequestID})
-			final, err := w.join(ctx, key)
+			final, lapsed, lrev, err := w.join(ctx, key)
 			if err != nil {
 				return nil, "", false, err
 			}
 			if final != nil {
+				if mine(final) {
+					return final, v1.OriginBuild, true, nil
+				}
 				return final, v1.OriginInflight, false, nil
 			}
-			// The claim lapsed or was released: try to take it over.
+			if lapsed != nil {
+				if out, origin, owned, ok, err := w.takeOver(ctx, req, lapsed, lrev, dests, seq); ok || err != nil {
+					return out, origin, owned, err
+				}
+			}
+			// Released, removed or changed under us: look again.
 		}
 	}
 }
 
-func (w *Worker) newClaim(req *v1.Request, key, repo string, seq uint64) *Record {
+// takeOver claims the run of cur (at revision rev) for this worker and
+// runs it on; ok is false when the record changed first.
+func (w *Worker) takeOver(ctx context.Context, req *v1.Request, cur *Record, rev uint64, dests []string, seq uint64) (*Record, v1.Origin, bool, bool, error) {
+	claim := *cur
+	now := w.cfg.Now().UTC()
+	claim.Owner, claim.LeaseMs, claim.LeaseUntil = w.cfg.ID, w.cfg.Lease.Milliseconds(), now.Add(w.cfg.Lease)
+	if len(claim.Destinations) == 0 {
+		// A record written before runs kept their destinations.
+		claim.Repository, claim.Destinations = cur.Repository, dests
+		if claim.Repository == "" {
+			claim.Repository = req.Image
+		}
+	}
+	nrev, ok, err := w.claims.update(ctx, &claim, rev)
+	if err != nil {
+		return nil, "", false, false, Transient(err)
+	}
+	if !ok {
+		return nil, "", false, false, nil
+	}
+	w.log.Info("took over a build run", zap.String("key", claim.Key), zap.String("run", claim.Run), zap.String("previousOwner", cur.Owner))
+	out, origin, owned, err := w.own(ctx, req, &claim, nrev, dests, seq, false)
+	return out, origin, owned, true, err
+}
+
+func (w *Worker) newClaim(req *v1.Request, key, repo string, dests []string, seq uint64) *Record {
 	now := w.cfg.Now().UTC()
 	return &Record{
-		Key: key, State: StateBuilding, Owner: w.cfg.ID, LeaseUntil: now.Add(w.cfg.Lease),
-		RequestID: req.RequestID, Seq: seq, Tenant: req.Tenant, Name: req.Name, Repository: repo, StartedAt: now,
+		Key: key, State: StateBuilding, Run: newRunID(), Owner: w.cfg.ID,
+		LeaseMs: w.cfg.Lease.Milliseconds(), LeaseUntil: now.Add(w.cfg.Lease),
+		RequestID: req.RequestID, Seq: seq, Tenant: req.Tenant, Name: req.Name,
+		Repository: repo, Destinations: dests, StartedAt: now,
 	}
 }
 
-// join waits for the build that holds key's claim. It returns the final
-// record, or nil when the claim lapsed or was released (the caller then
-// tries to take it over).
-func (w *Worker) join(ctx context.Context, key string) (*Record, error) {
+// join waits for the run that holds key's claim to end. It returns the
+// final record; or the record and revision it watched unchanged for the
+// owner's lease (lapsed: the caller may take the run over); or neither
+// when the claim was released, removed or is gone (the caller looks
+// again). The lapse is measured on this worker's clock from when it saw
+// the revision, so clocks that disagree between workers do not matter.
+func (w *Worker) join(ctx context.Context, key string) (final, lapsed *Record, rev uint64, err error) {
 	watcher, err := w.claims.kv.Watch(ctx, key)
 	if err != nil {
-		return nil, Transient(fmt.Errorf("watch claim %s: %w", key, err))
+		return nil, nil, 0, Transient(fmt.Errorf("watch claim %s: %w", key, err))
 	}
 	defer func() { _ = watcher.Stop() }()
-	timer := time.NewTimer(w.cfg.Lease)
-	defer timer.Stop()
+	var (
+		last    *Record
+		lastRev uint64
+		timer   *time.Timer
+		expired <-chan time.Time
+	)
+	defer func() {
+		if timer != nil {
+			timer.Stop()
+		}
+	}()
 	for {
 		select {
 		case e, ok := <-watcher.Updates():
 			if !ok {
-				return nil, Transient(fmt.Errorf("watch claim %s: closed", key))
+				return nil, nil, 0, Transient(fmt.Errorf("watch claim %s: closed", key))
 			}
 			if e == nil {
-				continue // end of the initial values
+				if last == nil {
+					return nil, nil, 0, nil // gone between the read and the watch
+				}
+				continue // end of the initial value
 			}
 			if e.Operation() != jetstream.KeyValuePut {
-				return nil, nil
+				return nil, nil, 0, nil
 			}
-			var r Record
-			if err := json.Unmarshal(e.Value(), &r); err != nil {
-				return nil, nil
-			}
+			r := decodeRecord(key, e.Value())
 			if r.Final() {
-				return &r, nil
+				return r, nil, 0, nil
 			}
-			left := r.LeaseUntil.Sub(w.cfg.Now())
-			if left <= 0 {
-				return nil, nil
+			if r.Owner == "" {
+				return nil, nil, 0, nil
 			}
-			if !timer.Stop() {
-				select {
-				case <-timer.C:
-				default:
-				}
+			last, lastRev = r, e.Revision()
+			if timer != nil {
+				timer.Stop()
 			}
-			// A little slack so a renewal in flight is not mistaken for a
-			// lapse.
-			timer.Reset(left + w.cfg.Lease/10)
-		case <-timer.C:
-			return nil, nil
+			timer = time.NewTimer(r.lapseAfter())
+			expired = timer.C
+		case <-expired:
+			return nil, last, lastRev, nil
 		case <-ctx.Done():
-			return nil, ctx.Err()
+			return nil, nil, 0, ctx.Err()
 		}
 	}
 }
 
-// own runs the build while holding the claim, renewing its lease, and
-// stores the final record.
-func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev uint64, dests []string, fresh bool) (*Record, v1.Origin, bool, error) {
+// own runs the claimed run while renewing its lease, and ends the run with
+// its outcome. fresh is a new run (not a take-over).
+func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev uint64, dests []string, seq uint64, fresh bool) (*Record, v1.Origin, bool, error) {
 	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: claim.Key, Phase: v1.PhaseClaimed, Message: "claimed build by " + w.cfg.ID})
-	if rec, done, err := w.preflight(ctx, req, claim, rev, dests); err != nil || done {
+	if rec, done, err := w.preflight(ctx, claim, rev); err != nil || done {
 		return rec, v1.OriginCache, false, err
+	}
+	origin := v1.OriginInflight
+	if claim.RequestID == req.RequestID && claim.Seq == seq {
+		origin = v1.OriginBuild
 	}
 	runCtx, cancelRun := context.WithCancelCause(ctx)
 	defer cancelRun(nil)
 
-	var (
-		mu     sync.Mutex
-		origin = v1.OriginBuild
-	)
+	var mu sync.Mutex // guards claim and rev against the renewer
 	renewDone := make(chan struct{})
 	renewStopped := make(chan struct{})
 	go func() {
@@ -200,10 +241,10 @@ func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev ui
 					w.faults.beforeRenew(claim.Key)
 				}
 				mu.Lock()
-				c := *claim
+				c, crev := *claim, rev
 				mu.Unlock()
 				c.LeaseUntil = w.cfg.Now().UTC().Add(w.cfg.Lease)
-				nrev, ok, err := w.claims.update(runCtx, &c, rev)
+				nrev, ok, err := w.claims.update(runCtx, &c, crev)
 				switch {
 				case err != nil:
 					w.log.Warn("lease renewal failed", zap.String("key", c.Key), zap.Error(err))
@@ -217,17 +258,18 @@ func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev ui
 				}
 			case <-renewDone:
 				return
+			case <-runCtx.Done():
+				return
 			}
 		}
 	}()
-	stopRenew := func() { close(renewDone); <-renewStopped }
+	var stopOnce sync.Once
+	stopRenew := func() { stopOnce.Do(func() { close(renewDone); <-renewStopped }) }
+	defer stopRenew() // also when the backend panics
 
-	out, err := w.backend.Run(runCtx, Build{Request: req, Key: claim.Key, Destinations: dests, Fresh: fresh}, func(job string, created bool, creator string) {
+	out, err := w.backend.Run(runCtx, Build{Request: req, Key: claim.Key, Run: claim.Run, Destinations: claim.Destinations}, func(job string, created bool, creator string) {
 		mu.Lock()
 		claim.Job = job
-		if creator != req.RequestID {
-			origin = v1.OriginInflight
-		}
 		mu.Unlock()
 		msg := "created job " + job
 		phase := v1.PhaseJobCreated
@@ -239,61 +281,81 @@ func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev ui
 		// A cancel that came while the Job was being created found nothing
 		// to delete: look at the claim once now rather than at the next
 		// renewal, so the build stops before it can push.
-		if cur, _, err := w.claims.get(runCtx, claim.Key); err == nil && cur != nil && (cur.Final() || cur.Owner != w.cfg.ID) {
+		if cur, _, err := w.claims.get(runCtx, claim.Key); err == nil && cur != nil && (cur.Final() || cur.Run != claim.Run || cur.Owner != w.cfg.ID) {
 			cancelRun(errLostClaim)
 		}
 	})
 	stopRenew()
+	mu.Lock()
+	held, heldRev := *claim, rev
+	mu.Unlock()
 
 	if err != nil {
 		if ctx.Err() == nil {
 			// A cancel or a take-over ends a build from outside: the
 			// record then says what happened.
-			cur, _, gerr := w.claims.get(ctx, claim.Key)
-			if errors.Is(context.Cause(runCtx), errLostClaim) || (gerr == nil && cur != nil && (cur.Final() || cur.Owner != w.cfg.ID)) {
-				w.log.Info("the build claim changed hands; following the record", zap.String("key", claim.Key))
-				return w.build(ctx, req, claim.Key, claim.Repository, dests, claim.Seq)
+			cur, _, gerr := w.claims.get(ctx, held.Key)
+			if errors.Is(context.Cause(runCtx), errLostClaim) || (gerr == nil && cur != nil && (cur.Final() || cur.Run != held.Run || cur.Owner != w.cfg.ID)) {
+				w.log.Info("the build claim changed hands; following the record", zap.String("key", held.Key), zap.String("run", held.Run))
+				return w.build(ctx, req, held.Key, held.Repository, dests, seq)
 			}
 		}
 		// Shutdown or trouble: let the claim go so another worker takes
-		// over now rather than after the lease.
-		w.releaseClaim(ctx, claim, rev)
+		// the run over now rather than after the lease.
+		w.releaseClaim(ctx, &held, heldRev)
 		if ctx.Err() != nil || IsTransient(err) {
 			return nil, "", false, err
 		}
 		return nil, "", false, fmt.Errorf("run build: %w", err)
 	}
 
-	final := *claim
-	final.Owner, final.LeaseUntil = "", time.Time{}
-	final.Job, final.JobUID = out.Job, out.JobUID
-	final.FinishedAt = w.cfg.Now().UTC()
-	if !out.FinishedAt.IsZero() {
-		final.FinishedAt = out.FinishedAt.UTC()
-	}
-	if !out.StartedAt.IsZero() && out.StartedAt.Before(final.StartedAt) {
-		final.StartedAt = out.StartedAt.UTC()
-	}
-	if out.Succeeded {
-		final.State, final.Digest, final.Image, final.Pushed = StateSucceeded, out.Digest, dests[0], dests
-	} else {
-		final.State, final.Reason, final.Message, final.LogTail = StateFailed, out.Reason, out.Message, out.LogTail
-	}
+	final := finalRecord(&held, out, w.cfg.Now())
 	if w.faults != nil && w.faults.beforeFinalize != nil {
-		w.faults.beforeFinalize(claim.Key)
+		w.faults.beforeFinalize(held.Key)
 	}
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
 	defer cancel()
-	stored, err := w.claims.finalize(fctx, &final)
+	stored, err := w.claims.finish(fctx, final, heldRev)
+	if errors.Is(err, errSuperseded) {
+		// The run ended (a cancel) and a newer run holds the key: this
+		// outcome answers nobody. Follow the record.
+		w.log.Info("the build run was superseded; following the record", zap.String("key", held.Key), zap.String("run", held.Run))
+		if !w.cfg.KeepJobs {
+			_ = w.backend.Cleanup(fctx, held.Key, held.Run)
+		}
+		return w.build(ctx, req, held.Key, held.Repository, dests, seq)
+	}
 	if err != nil {
 		return nil, "", false, Transient(err)
 	}
-	mu.Lock()
-	defer mu.Unlock()
 	return stored, origin, true, nil
 }
 
-// releaseClaim zeroes the lease of a claim we hold, so the next worker
+// finalRecord is the end of run claim with the backend's outcome.
+func finalRecord(claim *Record, out Outcome, now time.Time) *Record {
+	final := *claim
+	final.Owner, final.LeaseUntil = "", time.Time{}
+	final.Job, final.JobUID = out.Job, out.JobUID
+	final.FinishedAt = now.UTC()
+	if !out.FinishedAt.IsZero() {
+		final.FinishedAt = out.FinishedAt.UTC()
+	}
+	if !out.StartedAt.IsZero() && (final.StartedAt.IsZero() || out.StartedAt.Before(final.StartedAt)) {
+		final.StartedAt = out.StartedAt.UTC()
+	}
+	if out.Succeeded {
+		final.State, final.Digest = StateSucceeded, out.Digest
+		if len(final.Destinations) > 0 {
+			final.Image = final.Destinations[0]
+		}
+		final.Pushed = append([]string(nil), final.Destinations...)
+	} else {
+		final.State, final.Reason, final.Message, final.LogTail = StateFailed, out.Reason, out.Message, out.LogTail
+	}
+	return &final
+}
+
+// releaseClaim lets go of a run this worker holds, so the next worker
 // takes it over at once.
 func (w *Worker) releaseClaim(ctx context.Context, claim *Record, rev uint64) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
@@ -310,7 +372,7 @@ func (w *Worker) releaseClaim(ctx context.Context, claim *Record, rev uint64) {
 // already exists in the registry is the build's answer (the index may have
 // been lost); done reports that. Harbor projects are created on demand.
 // On error the claim is released and the request retried.
-func (w *Worker) preflight(ctx context.Context, req *v1.Request, claim *Record, rev uint64, dests []string) (*Record, bool, error) {
+func (w *Worker) preflight(ctx context.Context, claim *Record, rev uint64) (*Record, bool, error) {
 	if w.registry == nil {
 		return nil, false, nil
 	}
@@ -325,50 +387,85 @@ func (w *Worker) preflight(ctx context.Context, req *v1.Request, claim *Record, 
 			return fail(fmt.Errorf("harbor project %s: %w", project, err))
 		}
 	}
-	digest, err := w.registry.Head(ctx, dests[0])
+	dest := claim.Destinations[0]
+	digest, err := w.registry.Head(ctx, dest)
 	switch {
 	case err == nil:
 		final := *claim
 		final.Owner, final.LeaseUntil = "", time.Time{}
-		final.State, final.Digest, final.Image, final.Pushed = StateSucceeded, digest, dests[0], []string{dests[0]}
+		final.State, final.Digest, final.Image, final.Pushed = StateSucceeded, digest, dest, []string{dest}
 		final.FinishedAt = w.cfg.Now().UTC()
-		stored, err := w.claims.finalize(ctx, &final)
+		stored, err := w.claims.finish(ctx, &final, rev)
+		if errors.Is(err, errSuperseded) {
+			return nil, false, Transient(err)
+		}
 		if err != nil {
 			return fail(err)
 		}
 		return stored, true, nil
 	case !errors.Is(err, registry.ErrNotFound):
-		return fail(fmt.Errorf("check %s in the registry: %w", dests[0], err))
+		return fail(fmt.Errorf("check %s in the registry: %w", dest, err))
 	}
 	return nil, false, nil
 }
 
-// finishOrphan stores the outcome of a finished build whose claim lapsed:
-// its owner died before it could. Joiners waiting on the key get their
-// results now instead of after a take-over, and the owner's redelivered
-// request finds its outcome. A live claim is left to its owner.
-func (w *Worker) finishOrphan(ctx context.Context, key string, out Outcome) {
+// orphanWatch remembers, per key, the revision of a claim whose run's Job
+// has finished and when this worker first saw that revision: the
+// reconciler ends the run only once the claim sat unchanged for its lease.
+type orphanWatch struct {
+	mu   sync.Mutex
+	seen map[string]observed
+}
+
+type observed struct {
+	rev uint64
+	at  time.Time
+}
+
+// finishOrphan ends a run whose Job finished but whose owner is gone (it
+// died before storing the outcome): joiners get their results now instead
+// of after a take-over, and the owner's redelivered request finds the
+// outcome. Only the record's current run is ended, only with its own
+// Job's outcome, and only when the claim was released or sat unchanged
+// for its lease on this worker's clock. It returns when to look again
+// (0: done).
+func (w *Worker) finishOrphan(ctx context.Context, key string, out Outcome) time.Duration {
 	cur, rev, err := w.claims.get(ctx, key)
-	if err != nil || cur == nil || cur.State != StateBuilding || cur.LeaseUntil.After(w.cfg.Now()) {
-		return
+	if err != nil {
+		return w.cfg.Lease
 	}
-	final := *cur
-	final.Owner, final.LeaseUntil = "", time.Time{}
-	final.Job, final.JobUID = out.Job, out.JobUID
-	final.FinishedAt = w.cfg.Now().UTC()
-	if !out.FinishedAt.IsZero() {
-		final.FinishedAt = out.FinishedAt.UTC()
-	}
-	if out.Succeeded {
-		final.State, final.Digest = StateSucceeded, out.Digest
-		if final.Image == "" {
-			final.Image = final.Repository + ":" + v1.DefaultTag(key)
+	o := &w.orphans
+	o.mu.Lock()
+	now := w.cfg.Now()
+	for k, v := range o.seen {
+		if now.Sub(v.at) > 10*time.Minute {
+			delete(o.seen, k)
 		}
-		final.Pushed = append(final.Pushed, final.Image)
-	} else {
-		final.State, final.Reason, final.Message, final.LogTail = StateFailed, out.Reason, out.Message, out.LogTail
 	}
-	if _, ok, err := w.claims.update(ctx, &final, rev); err == nil && ok {
-		w.log.Info("stored the outcome of a build whose owner is gone", zap.String("key", key), zap.String("state", final.State))
+	if cur == nil || cur.State != StateBuilding || out.Run == "" || cur.Run != out.Run {
+		delete(o.seen, key)
+		o.mu.Unlock()
+		return 0
 	}
+	if cur.Owner != "" {
+		seen, ok := o.seen[key]
+		if !ok || seen.rev != rev {
+			o.seen[key] = observed{rev: rev, at: now}
+			o.mu.Unlock()
+			return cur.lapseAfter()
+		}
+		if wait := cur.lapseAfter() - now.Sub(seen.at); wait > 0 {
+			o.mu.Unlock()
+			return wait
+		}
+	}
+	delete(o.seen, key)
+	o.mu.Unlock()
+	// One compare-and-swap: a claim that changed meanwhile has a live
+	// owner again, and is left to it.
+	final := finalRecord(cur, out, now)
+	if _, ok, err := w.claims.update(ctx, final, rev); err == nil && ok {
+		w.log.Info("stored the outcome of a build whose owner is gone", zap.String("key", key), zap.String("run", cur.Run), zap.String("state", final.State))
+	}
+	return 0
 }

@@ -2,15 +2,49 @@ package worker
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
-
-	v1 "github.com/buildq/buildq/api/v1"
 )
+
+// The build record and its state machine.
+//
+// One record per build key lives in the buildq-builds bucket. It is the
+// claim while a build runs and the key → digest index once it succeeded.
+// Every write is a compare-and-swap on the record's revision, so each
+// transition below is taken by exactly one party even when many race:
+//
+//	from                   to                      who
+//	absent                 building(new run)       any worker (create)
+//	failed                 building(new run)       any worker (a retry)
+//	succeeded, image gone  building(new run)       any worker (a rebuild)
+//	building(run r, X)     building(run r, X)      X only (lease renewal)
+//	building(run r, X)     building(run r, -)      X only (release: shutdown, trouble)
+//	building(run r, -)     building(run r, Y)      any worker (take-over)
+//	building(run r, X)     building(run r, Y)      any worker that watched the
+//	                                               record unchanged for X's lease
+//	building(run r)        succeeded|failed(run r) the holder of run r, or
+//	                                               anyone holding the outcome of
+//	                                               the Job of run r (reconcile)
+//	building(run r)        failed/Canceled(run r)  the cancel service
+//	any                    absent                  the bucket's TTL
+//
+// A run is one attempt to build the key. Its id is new for every fresh
+// claim and kept by a take-over; the Job of a run carries the id
+// (kaniko.AnnotationRun), so only the Job of the record's current run is
+// ever adopted, and only its outcome can end the run. A Job of any other
+// run is stale by construction (its run ended when the record left it) and
+// is deleted, by UID, before a new Job of the key is created.
+//
+// Leases are judged on the reader's own clock, never by comparing the
+// writer's timestamp with the reader's: a claim is lapsed when its reader
+// watched it unchanged for the owner's lease (Record.LeaseMs) plus slack.
+// The owner renews every lease/3, and every renewal is a new revision.
 
 // Record states in the buildq-builds bucket.
 const (
@@ -24,9 +58,16 @@ const (
 type Record struct {
 	Key   string `json:"key"`
 	State string `json:"state"`
-	// Owner is the worker that holds the claim; LeaseUntil is when the claim
-	// lapses unless renewed. A zero lease means the owner let it go.
-	Owner      string    `json:"owner,omitempty"`
+	// Run identifies the current attempt to build the key.
+	Run string `json:"run,omitempty"`
+	// Owner is the worker that holds the claim; empty when it let it go
+	// (anyone may take the run over at once).
+	Owner string `json:"owner,omitempty"`
+	// LeaseMs is the owner's lease: the claim lapses when it stays
+	// unchanged for that long, measured by whoever watches it.
+	LeaseMs int64 `json:"leaseMs,omitempty"`
+	// LeaseUntil is the owner's own estimate of its lease's end, for
+	// people reading `buildq status`; no worker decides anything on it.
 	LeaseUntil time.Time `json:"leaseUntil,omitzero"`
 	// Tenant and Name of the request that claimed the key.
 	Tenant string `json:"tenant,omitempty"`
@@ -36,10 +77,13 @@ type Record struct {
 	// Seq is the stream sequence of that request's message.
 	Seq uint64 `json:"seq,omitempty"`
 	Job string `json:"job,omitempty"`
-	// JobUID names the run (the Job's UID) the outcome came from.
+	// JobUID is the UID of the Job the outcome came from.
 	JobUID     string `json:"jobUid,omitempty"`
 	Repository string `json:"repository,omitempty"`
-	Image      string `json:"image,omitempty"`
+	// Destinations are the references the run pushes to; a take-over
+	// keeps them, since the run's Job may already be pushing there.
+	Destinations []string `json:"destinations,omitempty"`
+	Image        string   `json:"image,omitempty"`
 	// Pushed lists every repo:tag known to point at Digest.
 	Pushed     []string  `json:"pushed,omitempty"`
 	Digest     string    `json:"digest,omitempty"`
@@ -52,6 +96,30 @@ type Record struct {
 
 // Final reports whether the record holds a finished build.
 func (r *Record) Final() bool { return r.State == StateSucceeded || r.State == StateFailed }
+
+// lease is the owner's lease (a default for records without one).
+func (r *Record) lease() time.Duration {
+	if r.LeaseMs <= 0 {
+		return 30 * time.Second
+	}
+	return time.Duration(r.LeaseMs) * time.Millisecond
+}
+
+// lapseAfter is how long a reader must see the claim unchanged before it
+// counts as lapsed: the owner's lease and half again, so a renewal in
+// flight or a slow link is not mistaken for a dead owner.
+func (r *Record) lapseAfter() time.Duration { return r.lease() + r.lease()/2 }
+
+// newRunID returns a fresh run id.
+func newRunID() string {
+	var b [12]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// errSuperseded: the record moved on to another run while this one was
+// finishing; its outcome no longer describes the key's claim.
+var errSuperseded = errors.New("the build record moved on to another run")
 
 // claims wraps the KV bucket with compare-and-swap helpers.
 type claims struct {
@@ -67,13 +135,18 @@ func (c claims) get(ctx context.Context, key string) (*Record, uint64, error) {
 	if err != nil {
 		return nil, 0, fmt.Errorf("read claim %s: %w", key, err)
 	}
+	return decodeRecord(key, e.Value()), e.Revision(), nil
+}
+
+// decodeRecord reads a stored record. A record that cannot be read counts
+// as a failed build, so the next claim replaces it rather than blocking
+// the key forever.
+func decodeRecord(key string, b []byte) *Record {
 	var r Record
-	if err := json.Unmarshal(e.Value(), &r); err != nil {
-		// A record we cannot read is treated as absent and overwritten by
-		// the next claim, rather than blocking the key forever.
-		return &Record{Key: key, State: StateFailed, Message: "unreadable record"}, e.Revision(), nil
+	if err := json.Unmarshal(b, &r); err != nil || r.State == "" {
+		return &Record{Key: key, State: StateFailed, Message: "unreadable record"}
 	}
-	return &r, e.Revision(), nil
+	return &r
 }
 
 // create stores r if the key is absent. ok is false when another worker got
@@ -104,37 +177,39 @@ func (c claims) update(ctx context.Context, r *Record, rev uint64) (uint64, bool
 	return nrev, true, nil
 }
 
-// finalize stores a final record unless the key already has one, and
-// returns the record that is final in the end (ours or the earlier one).
-func (c claims) finalize(ctx context.Context, final *Record) (*Record, error) {
+// finish ends run final.Run with final, starting from revision rev (the
+// last one this party wrote or read). It never touches another run: when
+// the record has moved to another run it returns errSuperseded, and when
+// someone else already ended this run (a cancel, the reconciler) it
+// returns their record, which stands.
+func (c claims) finish(ctx context.Context, final *Record, rev uint64) (*Record, error) {
 	for {
-		cur, rev, err := c.get(ctx, final.Key)
+		if _, ok, err := c.update(ctx, final, rev); err != nil {
+			return nil, err
+		} else if ok {
+			return final, nil
+		}
+		cur, crev, err := c.get(ctx, final.Key)
 		if err != nil {
 			return nil, err
 		}
-		// A cancel of this very build wins over the outcome the cancel
-		// caused (its Job deleted), even when the claim did not name the
-		// Job yet.
-		if cur != nil && cur.Final() && cur.RequestID == final.RequestID && (cur.Job == final.Job || cur.Reason == v1.ReasonCanceled) {
-			return cur, nil
-		}
-		if cur == nil {
+		switch {
+		case cur == nil:
+			// Gone (the bucket's TTL, an operator): nothing to race with.
 			if _, ok, err := c.create(ctx, final); err != nil {
 				return nil, err
 			} else if ok {
 				return final, nil
 			}
 			continue
-		}
-		if cur.State == StateSucceeded {
-			// Someone already recorded a success for this key; keep it.
+		case cur.Run != final.Run:
+			return nil, errSuperseded
+		case cur.Final():
 			return cur, nil
 		}
-		if _, ok, err := c.update(ctx, final, rev); err != nil {
-			return nil, err
-		} else if ok {
-			return final, nil
-		}
+		// The same run, still building: taken over while this party was
+		// slow. The outcome is the run's all the same.
+		rev = crev
 		if err := ctx.Err(); err != nil {
 			return nil, err
 		}

@@ -31,6 +31,9 @@ type Config struct {
 	MaxDeliver int
 	// ResultsMaxAge is how long results are kept (default 7 days).
 	ResultsMaxAge time.Duration
+	// IndexTTL is how long a build record (claim or index entry) is kept
+	// after its last write (default 30 days).
+	IndexTTL time.Duration
 	// DuplicateWindow of both streams (default 10m, the contract's minimum).
 	DuplicateWindow time.Duration
 	// Storage of streams and the KV bucket (default file).
@@ -97,6 +100,9 @@ func (c Config) WithDefaults() Config {
 	if c.ResultsMaxAge == 0 {
 		c.ResultsMaxAge = 7 * 24 * time.Hour
 	}
+	if c.IndexTTL == 0 {
+		c.IndexTTL = 30 * 24 * time.Hour
+	}
 	if c.DuplicateWindow == 0 {
 		c.DuplicateWindow = 10 * time.Minute
 	}
@@ -135,6 +141,9 @@ func (c Config) Validate() error {
 	}
 	if c.Lease < time.Second {
 		errs = append(errs, fmt.Errorf("lease must be at least 1s, got %s", c.Lease))
+	}
+	if c.IndexTTL < time.Hour {
+		errs = append(errs, fmt.Errorf("index TTL must be at least 1h, got %s", c.IndexTTL))
 	}
 	if c.QueueTTL < 0 {
 		errs = append(errs, fmt.Errorf("queue TTL must not be negative (0 means no limit), got %s", c.QueueTTL))

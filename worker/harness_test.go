@@ -196,19 +196,23 @@ type resultCollector struct {
 	mu  sync.Mutex
 	got []v1.Result
 	ch  chan struct{}
-	// published counts every result publish by message id (core NATS).
-	published map[string]int
+	// published holds every result publish by message id (core NATS).
+	published map[string][]v1.ResultData
 }
 
 func (e *env) collect() *resultCollector {
 	t := e.t
-	c := &resultCollector{ch: make(chan struct{}, 1), published: map[string]int{}}
+	c := &resultCollector{ch: make(chan struct{}, 1), published: map[string][]v1.ResultData{}}
 	// The stream drops a repeated Nats-Msg-Id, so reading it back cannot
 	// show a second result for a request. A core subscription sees every
-	// publish: each request id must be published at most once.
+	// publish: a request may be published again (a lost ack, a
+	// redelivery), but only ever with the same decision.
 	sub, err := e.nc.Subscribe(v1.ResultsPrefix+".>", func(m *nats.Msg) {
+		var ev v1.Result
+		_ = json.Unmarshal(m.Data, &ev)
 		c.mu.Lock()
-		c.published[m.Header.Get(v1.MsgIDHeader)]++
+		id := m.Header.Get(v1.MsgIDHeader)
+		c.published[id] = append(c.published[id], ev.Data)
 		c.mu.Unlock()
 	})
 	if err != nil {
@@ -222,9 +226,11 @@ func (e *env) collect() *resultCollector {
 		_ = sub.Unsubscribe()
 		c.mu.Lock()
 		defer c.mu.Unlock()
-		for id, n := range c.published {
-			if n > 1 {
-				t.Errorf("request %s: %d results published, want exactly one", id, n)
+		for id, ds := range c.published {
+			for _, d := range ds[1:] {
+				if decision(d) != decision(ds[0]) {
+					t.Errorf("request %s: two different results published:\n  %s\n  %s", id, decision(ds[0]), decision(d))
+				}
 			}
 		}
 	})
@@ -253,6 +259,19 @@ func (e *env) collect() *resultCollector {
 	t.Cleanup(cancel)
 	<-ready
 	return c
+}
+
+// decision is what a result decides: two publishes of one request must
+// agree on it.
+func decision(d v1.ResultData) string {
+	return fmt.Sprintf("status=%s reason=%s origin=%s key=%s digest=%s image=%s", d.Status, d.Reason, d.Origin, d.Key, d.Digest, d.Image)
+}
+
+// publishes returns how often request id's result was published.
+func (c *resultCollector) publishes(id string) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.published[id])
 }
 
 func (c *resultCollector) snapshot() []v1.Result {

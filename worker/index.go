@@ -18,11 +18,15 @@ import (
 	v1 "github.com/buildq/buildq/api/v1"
 )
 
-// RequestsBucket indexes requests by id, so `buildq status` and `buildq
-// cancel` can find a request's build key. Entries expire with the results.
+// RequestsBucket is the request ledger: one entry per tenant and request
+// id, holding the request's build key and state and, once decided, the
+// exact result it gets. A redelivered request finds its decision there and
+// publishes that again instead of deciding anew, so a request never gets
+// two different answers. It also serves `buildq status` and `buildq
+// cancel`. Entries expire with the results.
 const RequestsBucket = "buildq-requests"
 
-// RequestEntry is what the index knows of one request.
+// RequestEntry is what the ledger knows of one request.
 type RequestEntry struct {
 	RequestID string    `json:"requestId"`
 	Tenant    string    `json:"tenant"`
@@ -34,12 +38,30 @@ type RequestEntry struct {
 	Reason    string    `json:"reason,omitempty"`
 	Worker    string    `json:"worker,omitempty"`
 	UpdatedAt time.Time `json:"updatedAt"`
+	// Seq and MsgTime name the request message that holds the id: another
+	// message with the same id is a duplicate, not this request.
+	Seq     uint64    `json:"seq,omitempty"`
+	MsgTime time.Time `json:"msgTime,omitzero"`
+	// Result is the decided result, exactly as it is published; Term says
+	// the message is terminated rather than acked.
+	Result *v1.ResultData `json:"result,omitempty"`
+	Term   bool           `json:"term,omitempty"`
+	// Published is set once the result's PubAck came back.
+	Published bool `json:"published,omitempty"`
+	// CleanupKey and CleanupRun name the run this request ended, whose Job
+	// it removes after publishing.
+	CleanupKey string `json:"cleanupKey,omitempty"`
+	CleanupRun string `json:"cleanupRun,omitempty"`
 }
 
-// RequestIndexKey is the KV key of a request id. Request ids may hold ':'
-// which KV keys may not, so the key is a hash.
-func RequestIndexKey(requestID string) string {
-	sum := sha256.Sum256([]byte(requestID))
+// StateBuildingRequest is a ledger entry's state before its decision.
+const StateBuildingRequest = "building"
+
+// RequestIndexKey is the ledger key of a tenant's request id. Request ids
+// may hold ':' which KV keys may not, so the key is a hash; the tenant is
+// part of it, so tenants' ids never meet.
+func RequestIndexKey(tenant, requestID string) string {
+	sum := sha256.Sum256([]byte(tenant + "\n" + requestID))
 	return hex.EncodeToString(sum[:20])
 }
 
@@ -51,7 +73,7 @@ func IsBuildKey(s string) bool { return buildKeyRe.MatchString(s) }
 func ensureRequestsBucket(ctx context.Context, js jetstream.JetStream, cfg Config) (jetstream.KeyValue, error) {
 	kv, err := js.CreateOrUpdateKeyValue(ctx, jetstream.KeyValueConfig{
 		Bucket:      RequestsBucket,
-		Description: "buildq request id → build key and state",
+		Description: "buildq request ledger: tenant and request id → build key, state and decided result",
 		History:     1,
 		TTL:         cfg.ResultsMaxAge,
 		Storage:     cfg.Storage,
@@ -63,17 +85,103 @@ func ensureRequestsBucket(ctx context.Context, js jetstream.JetStream, cfg Confi
 	return kv, nil
 }
 
-// index records a request's state; the index serves status and cancel and
-// is best effort: a failure is logged, never fails the request.
-func (w *Worker) index(ctx context.Context, e RequestEntry) {
-	if w.requests == nil || e.RequestID == "" {
-		return
+// ledgerEntry is an entry and its revision.
+type ledgerEntry struct {
+	e   RequestEntry
+	rev uint64
+}
+
+// errDuplicateID: another message already holds this request id.
+var errDuplicateID = errors.New("duplicate request id")
+
+// openEntry finds or creates the ledger entry of a request message. fresh
+// is true when this call created it (the first time any worker handled the
+// message). A different message holding the id gives errDuplicateID.
+func (w *Worker) openEntry(ctx context.Context, tenant, name, id, key string, seq uint64, at time.Time) (le *ledgerEntry, fresh bool, err error) {
+	k := RequestIndexKey(tenant, id)
+	for range 10 {
+		got, err := w.requests.Get(ctx, k)
+		if errors.Is(err, jetstream.ErrKeyNotFound) {
+			e := RequestEntry{RequestID: id, Tenant: tenant, Name: name, Key: key, State: StateBuildingRequest,
+				Seq: seq, MsgTime: at.UTC(), Worker: w.cfg.ID, UpdatedAt: w.cfg.Now().UTC()}
+			b, _ := json.Marshal(e)
+			rev, err := w.requests.Create(ctx, k, b)
+			if isWrongRevision(err) {
+				continue
+			}
+			if err != nil {
+				return nil, false, fmt.Errorf("request ledger: %w", err)
+			}
+			return &ledgerEntry{e: e, rev: rev}, true, nil
+		}
+		if err != nil {
+			return nil, false, fmt.Errorf("request ledger: %w", err)
+		}
+		var e RequestEntry
+		if err := json.Unmarshal(got.Value(), &e); err != nil {
+			return nil, false, fmt.Errorf("request ledger: unreadable entry for %s: %w", id, err)
+		}
+		if e.Seq != seq || !e.MsgTime.Equal(at.UTC()) {
+			return nil, false, errDuplicateID
+		}
+		return &ledgerEntry{e: e, rev: got.Revision()}, false, nil
 	}
-	e.Worker, e.UpdatedAt = w.cfg.ID, w.cfg.Now().UTC()
+	return nil, false, errors.New("request ledger: entry keeps changing")
+}
+
+// record stores v as the request's decision, unless another handler of the
+// same message decided first: then that decision is returned and stands.
+func (w *Worker) record(ctx context.Context, le *ledgerEntry, v verdict) (verdict, error) {
+	k := RequestIndexKey(le.e.Tenant, le.e.RequestID)
+	for range 10 {
+		if le.e.Result != nil {
+			return verdictOf(le.e), nil
+		}
+		e := le.e
+		d := v.data
+		e.Key, e.State, e.Origin, e.Digest, e.Reason = d.Key, string(d.Status), d.Origin, d.Digest, d.Reason
+		e.Result, e.Term, e.CleanupKey, e.CleanupRun = &d, v.term, v.cleanupKey, v.cleanupRun
+		e.Worker, e.UpdatedAt = w.cfg.ID, w.cfg.Now().UTC()
+		b, _ := json.Marshal(e)
+		rev, err := w.requests.Update(ctx, k, b, le.rev)
+		if err == nil {
+			le.e, le.rev = e, rev
+			return v, nil
+		}
+		if !isWrongRevision(err) {
+			return v, fmt.Errorf("request ledger: %w", err)
+		}
+		got, err := w.requests.Get(ctx, k)
+		if err != nil {
+			return v, fmt.Errorf("request ledger: %w", err)
+		}
+		var cur RequestEntry
+		if err := json.Unmarshal(got.Value(), &cur); err != nil {
+			return v, fmt.Errorf("request ledger: %w", err)
+		}
+		le.e, le.rev = cur, got.Revision()
+	}
+	return v, errors.New("request ledger: entry keeps changing")
+}
+
+// published marks the entry's result as stored (best effort: without it a
+// redelivery publishes the same result again, which the results stream's
+// duplicate window drops).
+func (w *Worker) published(ctx context.Context, le *ledgerEntry) {
+	e := le.e
+	e.Published, e.UpdatedAt = true, w.cfg.Now().UTC()
 	b, _ := json.Marshal(e)
-	if _, err := w.requests.Put(ctx, RequestIndexKey(e.RequestID), b); err != nil {
-		w.log.Debug("request index update failed", zap.String("requestId", e.RequestID), zap.Error(err))
+	if rev, err := w.requests.Update(ctx, RequestIndexKey(e.Tenant, e.RequestID), b, le.rev); err == nil {
+		le.e, le.rev = e, rev
+	} else {
+		w.log.Debug("request ledger: marking published failed", zap.String("requestId", e.RequestID), zap.Error(err))
 	}
+}
+
+// verdictOf is the recorded decision of an entry.
+func verdictOf(e RequestEntry) verdict {
+	return verdict{tenant: e.Tenant, name: e.Name, data: *e.Result, term: e.Term,
+		cleanupKey: e.CleanupKey, cleanupRun: e.CleanupRun, recorded: true, publishedBefore: e.Published}
 }
 
 // CancelReply answers a cancel request.
@@ -108,7 +216,7 @@ func (w *Worker) serveCancel(ctx context.Context) (*nats.Subscription, error) {
 func (w *Worker) cancel(ctx context.Context, tenant, target string) CancelReply {
 	key := target
 	if !IsBuildKey(target) {
-		e, err := w.requests.Get(ctx, RequestIndexKey(target))
+		e, err := w.requests.Get(ctx, RequestIndexKey(tenant, target))
 		if err != nil {
 			return CancelReply{Message: fmt.Sprintf("no request %q is known", target)}
 		}
@@ -138,6 +246,7 @@ func (w *Worker) cancel(ctx context.Context, tenant, target string) CancelReply 
 		final := *cur
 		final.State, final.Reason, final.Message = StateFailed, v1.ReasonCanceled, "canceled on request"
 		final.Owner, final.LeaseUntil, final.FinishedAt = "", time.Time{}, w.cfg.Now().UTC()
+		final.Digest, final.LogTail = "", ""
 		_, ok, err := w.claims.update(ctx, &final, rev)
 		if err != nil {
 			return CancelReply{Key: key, Message: err.Error()}
@@ -147,7 +256,7 @@ func (w *Worker) cancel(ctx context.Context, tenant, target string) CancelReply 
 		}
 		// The owner notices the lost claim at its next renewal; stop the
 		// build now so nothing is pushed after the cancel.
-		if err := w.backend.Cleanup(ctx, key, ""); err != nil && !errors.Is(err, context.Canceled) {
+		if err := w.backend.Cleanup(ctx, key, cur.Run); err != nil && !errors.Is(err, context.Canceled) {
 			w.log.Warn("cancel: stopping the build failed", zap.String("key", key), zap.Error(err))
 		}
 		w.log.Info("build canceled", zap.String("key", key))

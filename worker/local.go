@@ -45,6 +45,7 @@ type LocalBackend struct {
 }
 
 type localRun struct {
+	run     string
 	cancel  context.CancelFunc
 	creator string
 	done    chan struct{}
@@ -63,35 +64,52 @@ func NewLocalBackend(contexts ContextSource, pusher ImagePusher, workDir string,
 // Identity implements Backend.
 func (l *LocalBackend) Identity() string { return localexec.Identity }
 
-// Run implements Backend. Concurrent runs of one key in this process share
-// one build.
+// Run implements Backend. Calls for the same run of a key in this process
+// share one build; a call for another run stops the stale one first.
 func (l *LocalBackend) Run(ctx context.Context, b Build, started Started) (Outcome, error) {
 	name := "local-" + v1.DefaultTag(b.Key)
-	l.mu.Lock()
-	if r, ok := l.running[b.Key]; ok {
+	for {
+		l.mu.Lock()
+		r, ok := l.running[b.Key]
+		if !ok {
+			break // still locked: start our own below
+		}
 		l.mu.Unlock()
-		started(name, false, r.creator)
+		if r.run == b.Run {
+			started(name, false, r.creator)
+		} else {
+			r.cancel() // a run the record has left
+		}
 		select {
 		case <-r.done:
-			return r.out, r.err
+			// A shared build that ended with its own context (its
+			// caller lost the claim or stopped) is not this caller's
+			// outcome: run the build again.
+			if r.run == b.Run && !isContextErr(r.err) {
+				return r.out, r.err
+			}
 		case <-ctx.Done():
 			return Outcome{}, ctx.Err()
 		}
 	}
 	bctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	r := &localRun{cancel: cancel, creator: b.Request.RequestID, done: make(chan struct{})}
+	r := &localRun{run: b.Run, cancel: cancel, creator: b.Request.RequestID, done: make(chan struct{})}
 	l.running[b.Key] = r
 	l.mu.Unlock()
 	started(name, true, b.Request.RequestID)
 
 	r.out, r.err = l.build(bctx, b)
-	r.out.Job, r.out.JobUID = name, r.creator
+	r.out.Job, r.out.JobUID, r.out.Run = name, b.Run, b.Run
 	l.mu.Lock()
 	delete(l.running, b.Key)
 	l.mu.Unlock()
 	close(r.done)
 	return r.out, r.err
+}
+
+func isContextErr(err error) bool {
+	return errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)
 }
 
 func (l *LocalBackend) build(ctx context.Context, b Build) (Outcome, error) {
@@ -163,11 +181,11 @@ func (l *LocalBackend) build(ctx context.Context, b Build) (Outcome, error) {
 
 // Cleanup implements Backend: a finished local build leaves nothing behind;
 // a running one (a cancel) is stopped — only the named run, so a finished
-// build's cleanup never stops the next build of its key.
+// build's cleanup never stops the next run of its key.
 func (l *LocalBackend) Cleanup(_ context.Context, key, run string) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if r, ok := l.running[key]; ok && (run == "" || r.creator == run) {
+	if r, ok := l.running[key]; ok && r.run == run {
 		r.cancel()
 	}
 	return nil

@@ -16,6 +16,7 @@ type Metrics struct {
 	queueWait prometheus.Histogram
 	buildTime *prometheus.HistogramVec
 	retries   prometheus.Counter
+	dupes     prometheus.Counter
 }
 
 // NewMetrics registers the worker's metrics with reg.
@@ -43,8 +44,12 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "buildq_retries_total",
 			Help: "Requests handed back for a later try (transient trouble).",
 		}),
+		dupes: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "buildq_duplicate_requests_total",
+			Help: "Request messages terminated without a result because an earlier message holds their request id.",
+		}),
 	}
-	reg.MustRegister(m.results, m.inFlight, m.queueWait, m.buildTime, m.retries)
+	reg.MustRegister(m.results, m.inFlight, m.queueWait, m.buildTime, m.retries, m.dupes)
 	return m
 }
 
@@ -63,6 +68,12 @@ func (m *Metrics) released() {
 func (m *Metrics) retried() {
 	if m != nil {
 		m.retries.Inc()
+	}
+}
+
+func (m *Metrics) duplicate() {
+	if m != nil {
+		m.dupes.Inc()
 	}
 }
 

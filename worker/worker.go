@@ -17,6 +17,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -37,9 +38,13 @@ type Worker struct {
 	log      *zap.Logger
 	claims   claims
 	requests jetstream.KeyValue
-	cons     jetstream.Consumer
-	sem      chan struct{}
-	source   string
+	orphans  orphanWatch
+	// ackWait is the consumer's AckWait as the server has it (nanoseconds):
+	// another worker may have set it lower than this one's.
+	ackWait atomic.Int64
+	cons    jetstream.Consumer
+	sem     chan struct{}
+	source  string
 
 	setupOnce sync.Once
 	setupErr  error
@@ -68,6 +73,7 @@ func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 		log:      cfg.Logger.With(zap.String("worker", cfg.ID)),
 		sem:      make(chan struct{}, cfg.MaxInFlight),
 		source:   "/buildq/worker/" + cfg.ID,
+		orphans:  orphanWatch{seen: map[string]observed{}},
 	}, nil
 }
 
@@ -85,6 +91,7 @@ func (w *Worker) setup(ctx context.Context) error {
 	}
 	w.claims = claims{kv: kv}
 	w.cons = cons
+	w.ackWait.Store(int64(cons.CachedInfo().Config.AckWait))
 	w.requests, err = ensureRequestsBucket(ctx, w.js, w.cfg)
 	return err
 }
@@ -149,8 +156,13 @@ func EnsureStreams(ctx context.Context, js jetstream.JetStream, cfg Config) (jet
 		Bucket:      v1.BuildsBucket,
 		Description: "buildq build claims and the build key → digest index",
 		History:     1,
-		Storage:     cfg.Storage,
-		Replicas:    cfg.Replicas,
+		// A record unused for this long is dropped: the bucket holds one
+		// record per unique build and would otherwise grow forever. A
+		// running build renews its record, so only finished ones age out;
+		// their key is simply built again when asked for.
+		TTL:      cfg.IndexTTL,
+		Storage:  cfg.Storage,
+		Replicas: cfg.Replicas,
 	})
 	if err != nil {
 		return nil, nil, fmt.Errorf("create key-value bucket %s: %w", v1.BuildsBucket, err)
@@ -189,6 +201,23 @@ func (w *Worker) Run(ctx context.Context) error {
 		}()
 	}
 	w.log.Info("worker started", zap.Int("maxInFlight", w.cfg.MaxInFlight), zap.String("executor", w.backend.Identity()))
+
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		// Another worker may lower the consumer's AckWait at any time;
+		// heartbeats follow within one tick.
+		t := time.NewTicker(ackWaitRefresh)
+		defer t.Stop()
+		for {
+			select {
+			case <-t.C:
+				w.refreshAckWait(workCtx)
+			case <-workCtx.Done():
+				return
+			}
+		}
+	}()
 
 	backoff := 100 * time.Millisecond
 fetch:
@@ -272,10 +301,17 @@ type verdict struct {
 	data         v1.ResultData
 	// term: terminate the message instead of acking it (bad input).
 	term bool
-	// cleanupKey, cleanupRun: this request owned the build; remove its
-	// Job (that run only) after the result is stored.
+	// cleanupKey, cleanupRun: this request ended the build's run; remove
+	// that run's Job after the result is stored.
 	cleanupKey string
 	cleanupRun string
+	// recorded: the decision is in the request ledger (or the request has
+	// no ledger entry); publishedBefore: its result was stored already.
+	recorded        bool
+	publishedBefore bool
+	// duplicate: another message holds this request id; this one gets no
+	// result of its own and is terminated.
+	duplicate bool
 }
 
 func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
@@ -290,7 +326,7 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 	stop := w.heartbeat(msg)
 	defer stop()
 
-	v, err := w.process(ctx, msg, meta)
+	v, le, err := w.safeProcess(ctx, msg, meta)
 	// Whatever comes now must not be cut short by shutdown: publishing a
 	// result and acking are quick and keep the request from being redone.
 	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
@@ -312,38 +348,63 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 		v.data.Status = v1.StatusFailed
 		v.data.Reason = v1.ReasonInfrastructureError
 		v.data.Message = err.Error()
-		v.cleanupKey = ""
+		v.data.Digest, v.data.Image, v.data.ImageRef, v.data.LogTail = "", "", "", ""
+		v.cleanupKey, v.cleanupRun = "", ""
 		if IsTransient(err) {
 			v.data.Message = fmt.Sprintf("gave up after %d deliveries: %v", meta.NumDelivered, err)
 			w.deadLetter(actx, v.tenant, msg, err)
 		}
 		v.term = true
 	}
+	if v.duplicate {
+		log.Warn("request id already held by another message; terminating this one without a result",
+			zap.String("requestId", v.data.RequestID), zap.String("tenant", v.tenant))
+		w.event(v.tenant, v.name, v1.Event{RequestID: v.data.RequestID, Key: v.data.Key, Phase: v1.PhaseFinished,
+			Message: "duplicate: request id " + v.data.RequestID + " belongs to an earlier message; its result is that request's"})
+		w.cfg.Metrics.duplicate()
+		w.settle(actx, log, msg, true, "duplicate request id")
+		return
+	}
 	if v.data.Timings.FinishedAt.IsZero() {
 		v.data.Timings.FinishedAt = w.cfg.Now().UTC()
 	}
-	// Progress first: a client waiting for the result sees the last step
-	// before the result ends its wait.
-	w.event(v.tenant, v.name, v1.Event{RequestID: v.data.RequestID, Key: v.data.Key, Phase: v1.PhaseFinished,
-		Message: finishedMessage(v.data), Job: v.data.Job})
-	if err := w.publishResult(actx, v.tenant, v.name, v.data); err != nil {
-		log.Error("publish result failed; retrying the request", zap.Error(err), zap.String("requestId", v.data.RequestID))
-		_ = msg.NakWithDelay(retryDelay(meta.NumDelivered))
-		return
+	if le != nil && !v.recorded {
+		// The decision is stored before it is published: a redelivery
+		// publishes this same result, never a second, different one.
+		rv, err := w.record(actx, le, v)
+		if err != nil && int(meta.NumDelivered) < w.cfg.MaxDeliver {
+			log.Warn("recording the decision failed; retrying the request", zap.Error(err))
+			_ = msg.NakWithDelay(retryDelay(meta.NumDelivered))
+			return
+		}
+		if err != nil {
+			log.Error("recording the decision failed on the last delivery; publishing it unrecorded", zap.Error(err))
+		}
+		v = rv
 	}
-	w.index(actx, RequestEntry{RequestID: v.data.RequestID, Tenant: v.tenant, Name: v.name, Key: v.data.Key,
-		State: string(v.data.Status), Origin: v.data.Origin, Digest: v.data.Digest, Reason: v.data.Reason})
-	if w.faults != nil && w.faults.loseAck != nil && w.faults.loseAck(v.data.RequestID) {
-		err = errors.New("ack lost (fault injection)")
-	} else if v.term {
-		err = msg.TermWithReason(v.data.Reason)
-	} else {
-		err = msg.DoubleAck(actx)
+	if !v.publishedBefore {
+		// Progress first: a client waiting for the result sees the last
+		// step before the result ends its wait.
+		w.event(v.tenant, v.name, v1.Event{RequestID: v.data.RequestID, Key: v.data.Key, Phase: v1.PhaseFinished,
+			Message: finishedMessage(v.data), Job: v.data.Job})
+		if err := w.publishResult(actx, v.tenant, v.name, v.data); err != nil {
+			if int(meta.NumDelivered) < w.cfg.MaxDeliver {
+				log.Error("publish result failed; retrying the request", zap.Error(err), zap.String("requestId", v.data.RequestID))
+				_ = msg.NakWithDelay(retryDelay(meta.NumDelivered))
+				return
+			}
+			log.Error("publish result failed on the last delivery; the request goes to the dead-letter stream",
+				zap.Error(err), zap.String("requestId", v.data.RequestID))
+			w.deadLetter(actx, v.tenant, msg, err)
+			w.settle(actx, log, msg, true, "result publish failed")
+			return
+		}
+		if le != nil {
+			w.published(actx, le)
+		}
+		w.cfg.Metrics.published(v.data)
 	}
-	if err != nil {
-		log.Warn("ack failed; the result is stored and a redelivery will find it", zap.Error(err))
-	}
-	w.cfg.Metrics.published(v.data)
+	w.settle(actx, log, msg, v.term, v.data.Reason)
 	log.Info("request done", zap.String("requestId", v.data.RequestID), zap.String("status", string(v.data.Status)),
 		zap.String("origin", string(v.data.Origin)), zap.String("reason", v.data.Reason), zap.String("digest", v.data.Digest))
 	if v.cleanupKey != "" && !w.cfg.KeepJobs {
@@ -351,6 +412,39 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 			log.Warn("cleanup failed; ttlSecondsAfterFinished will remove the job", zap.Error(err))
 		}
 	}
+}
+
+// settle acks (or terminates) a handled message.
+func (w *Worker) settle(ctx context.Context, log *zap.Logger, msg jetstream.Msg, term bool, reason string) {
+	var err error
+	switch {
+	case w.faults != nil && w.faults.loseAck != nil && w.faults.loseAck(string(msg.Headers().Get(v1.MsgIDHeader))):
+		err = errors.New("ack lost (fault injection)")
+	case term:
+		err = msg.TermWithReason(reason)
+	default:
+		err = msg.DoubleAck(ctx)
+	}
+	if err != nil {
+		log.Warn("ack failed; the decision is recorded and a redelivery publishes the same result", zap.Error(err))
+	}
+}
+
+// safeProcess is process with a panic turned into a terminal error: a
+// request that crashes the handler gets a failed result once instead of
+// crashing every worker that takes it, forever.
+func (w *Worker) safeProcess(ctx context.Context, msg jetstream.Msg, meta *jetstream.MsgMetadata) (v verdict, le *ledgerEntry, err error) {
+	var base verdict // what process knows of the request when it panics
+	defer func() {
+		if r := recover(); r != nil {
+			w.log.Error("panic while handling a request", zap.Any("panic", r), zap.Stack("stack"))
+			v, le, err = base, nil, fmt.Errorf("internal error while handling the request: %v", r)
+			if v.tenant == "" {
+				v = w.invalid(msg, nil, err, v1.Timings{}, meta)
+			}
+		}
+	}()
+	return w.process(ctx, msg, meta, &base)
 }
 
 func finishedMessage(d v1.ResultData) string {
@@ -365,6 +459,30 @@ func retryDelay(delivered uint64) time.Duration {
 	return min(d, time.Minute)
 }
 
+// heartbeatEvery is a third of the shorter of this worker's AckWait and
+// the consumer's as the server last reported it: workers started with
+// different --ack-wait values share one consumer, and the last to start
+// set its AckWait.
+func (w *Worker) heartbeatEvery() time.Duration {
+	d := w.cfg.AckWait
+	if s := time.Duration(w.ackWait.Load()); s > 0 && s < d {
+		d = s
+	}
+	return max(d/3, 100*time.Millisecond)
+}
+
+// ackWaitRefresh is how often a worker re-reads the consumer's AckWait.
+const ackWaitRefresh = 2 * time.Second
+
+// refreshAckWait re-reads the consumer's AckWait.
+func (w *Worker) refreshAckWait(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if info, err := w.cons.Info(ctx); err == nil {
+		w.ackWait.Store(int64(info.Config.AckWait))
+	}
+}
+
 // heartbeat tells JetStream the request is still being worked on, so a
 // build longer than AckWait is not redelivered.
 func (w *Worker) heartbeat(msg jetstream.Msg) func() {
@@ -373,7 +491,7 @@ func (w *Worker) heartbeat(msg jetstream.Msg) func() {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		t := time.NewTicker(w.cfg.AckWait / 3)
+		t := time.NewTicker(w.heartbeatEvery())
 		defer t.Stop()
 		for {
 			select {
@@ -391,73 +509,122 @@ func (w *Worker) heartbeat(msg jetstream.Msg) func() {
 
 // process decides a request's result. An error means no result yet: the
 // caller retries (transient), hands back (shutdown) or fails the request.
-func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream.MsgMetadata) (verdict, error) {
+// le is the request's ledger entry (nil for input too broken to have one).
+func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream.MsgMetadata, base *verdict) (verdict, *ledgerEntry, error) {
 	started := w.cfg.Now().UTC()
 	timings := v1.Timings{QueuedAt: meta.Timestamp.UTC(), StartedAt: started, QueueWaitMs: started.Sub(meta.Timestamp).Milliseconds()}
-	if len(bytes.TrimSpace(msg.Data())) == 0 {
-		return w.invalid(msg, nil, &v1.DecodeError{Err: errors.New("the request body is empty")}, timings, meta), nil
-	}
-	req, err := v1.DecodeRequest(msg.Data())
-	if err == nil && msg.Subject() != v1.RequestSubject(req.Tenant) {
-		// The subject is what NATS permissions guard: a request may not
-		// speak for another tenant than the one it was published as.
-		err = &v1.ValidationError{Fields: []v1.FieldError{{Field: "tenant", Detail: fmt.Sprintf(
-			"%q does not match the subject %s; a request of tenant %q goes on %s",
-			req.Tenant, msg.Subject(), req.Tenant, v1.RequestSubject(req.Tenant))}}}
-	}
+	req, err := w.decode(msg)
 	if err != nil {
-		return w.invalid(msg, req, err, timings, meta), nil
+		return w.invalidEntry(ctx, msg, req, err, timings, meta)
 	}
 	v := verdict{tenant: req.Tenant, name: req.Name, data: v1.ResultData{
 		RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, Attempts: int(meta.NumDelivered), Timings: timings,
 	}}
 	key := v1.BuildKey(req, w.backend.Identity())
 	v.data.Key = key
-	if message, ok := w.expired(meta, started); ok {
-		return expiredVerdict(v, message), nil
+	*base = v
+	le, fresh, err := w.openEntry(ctx, req.Tenant, req.Name, req.RequestID, key, meta.Sequence.Stream, meta.Timestamp)
+	switch {
+	case errors.Is(err, errDuplicateID):
+		v.duplicate = true
+		return v, nil, nil
+	case err != nil:
+		return v, nil, Transient(err)
+	case le.e.Result != nil:
+		return verdictOf(le.e), le, nil // decided before: publish that again
+	}
+	if message, ok := w.expired(meta, started); ok && fresh {
+		return expiredVerdict(v, message), le, nil
 	}
 	repo, err := w.cfg.Naming.Repository(req)
 	if err != nil {
 		v.data.Status, v.data.Reason, v.data.Message = v1.StatusFailed, v1.ReasonInvalidRequest, err.Error()
 		v.term = true
-		return v, nil
+		return v, le, nil
 	}
 	dests := naming.Destinations(repo, key, req.Tags)
-	w.index(ctx, RequestEntry{RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, Key: key, State: "building"})
 	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: key, Phase: v1.PhaseQueued,
 		Message: fmt.Sprintf("taken by %s after %s in the queue", w.cfg.ID, time.Duration(timings.QueueWaitMs)*time.Millisecond)})
 
 	rec, origin, owned, err := w.build(ctx, req, key, repo, dests, meta.Sequence.Stream)
 	if err != nil {
-		return v, err
+		return v, le, err
 	}
 	v.data.Origin = origin
 	v.data.Job = rec.Job
 	if owned {
-		v.cleanupKey, v.cleanupRun = key, rec.JobUID
+		v.cleanupKey, v.cleanupRun = key, rec.Run
 	}
 	if origin != v1.OriginCache {
-		v.data.Timings.BuildMs = rec.FinishedAt.Sub(rec.StartedAt).Milliseconds()
-		if v.data.Timings.BuildMs < 0 {
-			v.data.Timings.BuildMs = 0
-		}
+		v.data.Timings.BuildMs = max(rec.FinishedAt.Sub(rec.StartedAt).Milliseconds(), 0)
 	}
 	if rec.State == StateSucceeded {
 		if err := w.ensureTags(ctx, rec, dests); err != nil {
-			return v, err
+			return v, le, err
 		}
 		v.data.Status = v1.StatusSucceeded
 		v.data.Image = dests[0]
 		v.data.Digest = rec.Digest
 		v.data.ImageRef = repo + "@" + rec.Digest
-		return v, nil
+		return v, le, nil
 	}
 	v.data.Status = v1.StatusFailed
 	if rec.Reason == v1.ReasonCanceled {
 		v.data.Status = v1.StatusCanceled
 	}
 	v.data.Reason, v.data.Message, v.data.LogTail = rec.Reason, rec.Message, rec.LogTail
-	return v, nil
+	return v, le, nil
+}
+
+// decode reads and validates a request message. The body's tenant must be
+// the subject's, and its requestId the Nats-Msg-Id header's: the subject is
+// what NATS permissions guard, and the header is what JetStream dedupes
+// on, so a body may not speak for another tenant or another id.
+func (w *Worker) decode(msg jetstream.Msg) (*v1.Request, error) {
+	if len(bytes.TrimSpace(msg.Data())) == 0 {
+		return nil, &v1.DecodeError{Err: errors.New("the request body is empty")}
+	}
+	req, err := v1.DecodeRequest(msg.Data())
+	if err != nil {
+		return req, err
+	}
+	var fields []v1.FieldError
+	if msg.Subject() != v1.RequestSubject(req.Tenant) {
+		fields = append(fields, v1.FieldError{Field: "tenant", Detail: fmt.Sprintf(
+			"%q does not match the subject %s; a request of tenant %q goes on %s",
+			req.Tenant, msg.Subject(), req.Tenant, v1.RequestSubject(req.Tenant))})
+	}
+	if h := msg.Headers().Get(v1.MsgIDHeader); h != req.RequestID {
+		detail := fmt.Sprintf("the %s header is %q but the body's requestId is %q; they must be equal (JetStream dedupes on the header)", v1.MsgIDHeader, h, req.RequestID)
+		if h == "" {
+			detail = fmt.Sprintf("the %s header is missing; set it to the requestId (%q)", v1.MsgIDHeader, req.RequestID)
+		}
+		fields = append(fields, v1.FieldError{Field: "requestId", Detail: detail})
+	}
+	if len(fields) > 0 {
+		return req, &v1.ValidationError{Fields: fields}
+	}
+	return req, nil
+}
+
+// invalidEntry is the verdict of a request that cannot be decoded or
+// validated, with the ledger entry of its id when it has a usable one.
+func (w *Worker) invalidEntry(ctx context.Context, msg jetstream.Msg, req *v1.Request, err error, timings v1.Timings, meta *jetstream.MsgMetadata) (verdict, *ledgerEntry, error) {
+	v := w.invalid(msg, req, err, timings, meta)
+	if w.requests == nil || strings.HasPrefix(v.tenant, "_") || strings.HasPrefix(v.data.RequestID, "invalid-") {
+		return v, nil, nil
+	}
+	le, _, lerr := w.openEntry(ctx, v.tenant, v.name, v.data.RequestID, "", meta.Sequence.Stream, meta.Timestamp)
+	switch {
+	case errors.Is(lerr, errDuplicateID):
+		v.duplicate = true
+		return v, nil, nil
+	case lerr != nil:
+		return v, nil, Transient(lerr)
+	case le.e.Result != nil:
+		return verdictOf(le.e), le, nil
+	}
+	return v, le, nil
 }
 
 // ensureTags makes every destination of a request point at the built

@@ -13,8 +13,11 @@ const DefaultPlatform = "linux/amd64"
 // keyInput is the canonical encoding of everything that decides an image's
 // content. Field order is fixed by the struct, maps are encoded with sorted
 // keys by encoding/json, and platforms are sorted: two requests that would
-// build the same image get the same key. The destination (image, tags) and
-// bookkeeping (requestId, labels of the request, timeout) are not in it.
+// build the same image get the same key. Labels are in it: they are
+// written into the image's config, so they change its digest. The
+// destination (image, tags) and bookkeeping (requestId, timeout) are not.
+// Labels are omitted when empty, so requests without labels keep the keys
+// they had before labels counted.
 type keyInput struct {
 	Version    int               `json:"v"`
 	Context    string            `json:"context"`
@@ -25,6 +28,7 @@ type keyInput struct {
 	Target     string            `json:"target"`
 	Platforms  []string          `json:"platforms"`
 	Executor   string            `json:"executor"`
+	Labels     map[string]string `json:"labels,omitempty"`
 }
 
 // BuildKey returns the hex sha256 build key of a valid request for the
@@ -38,6 +42,7 @@ func BuildKey(r *Request, executor string) string {
 		Target:     r.Target,
 		Platforms:  r.PlatformsOrDefault(),
 		Executor:   executor,
+		Labels:     r.Labels,
 	}
 	if in.BuildArgs == nil {
 		in.BuildArgs = map[string]string{}

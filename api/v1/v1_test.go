@@ -208,7 +208,6 @@ func TestBuildKey(t *testing.T) {
 		func(r *Request) { r.RequestID = "other" },
 		func(r *Request) { r.Image = "other.example.com/x/y" },
 		func(r *Request) { r.Tags = nil },
-		func(r *Request) { r.Labels = nil },
 		func(r *Request) { r.Timeout = Duration{} },
 		func(r *Request) { r.Tenant, r.Name = "other", "other" },
 		func(r *Request) { r.Platforms = []string{"linux/amd64", "linux/arm64"} },
@@ -226,6 +225,9 @@ func TestBuildKey(t *testing.T) {
 		func(r *Request) { r.BuildArgs = map[string]string{"VERSION": "2"} },
 		func(r *Request) { r.Target = "" },
 		func(r *Request) { r.Platforms = nil },
+		// Labels go into the image config: another label is another image.
+		func(r *Request) { r.Labels = nil },
+		func(r *Request) { r.Labels = map[string]string{"org.opencontainers.image.source": "https://example.com/y"} },
 	}
 	for i, m := range differ {
 		r := validRequest()
@@ -236,6 +238,14 @@ func TestBuildKey(t *testing.T) {
 	}
 	if BuildKey(base, "kaniko@y") == k {
 		t.Error("another executor kept the key")
+	}
+	// A request without labels keeps the key it had before labels counted.
+	noLabels := validRequest()
+	noLabels.Labels = map[string]string{}
+	nilLabels := validRequest()
+	nilLabels.Labels = nil
+	if BuildKey(noLabels, "kaniko@x") != BuildKey(nilLabels, "kaniko@x") {
+		t.Error("empty and absent labels give different keys")
 	}
 	// Unset Dockerfile and platforms equal their defaults.
 	a, b := validRequest(), validRequest()

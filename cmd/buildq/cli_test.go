@@ -251,7 +251,16 @@ func TestDevSubmitBuildsAndDeduplicates(t *testing.T) {
 	}
 
 	// status by request id and by key.
-	code, stdout, _ = cli(t, "status", res.RequestID, "--nats-url", d.nats, "-o", "json")
+	code, stdout, _ = cli(t, "status", res.RequestID, "--tenant", "acme", "--nats-url", d.nats, "-o", "json")
+	if code != 0 || !strings.Contains(stdout, res.Digest) || !strings.Contains(stdout, res.Key) {
+		t.Errorf("status exit %d: %s", code, stdout)
+	}
+	// Request ids are per tenant: another tenant does not see this one.
+	code, _, _ = cli(t, "status", res.RequestID, "--tenant", "other", "--nats-url", d.nats, "-o", "json")
+	if code != 1 {
+		t.Errorf("status of another tenant's request: exit %d, want 1", code)
+	}
+	code, stdout, _ = cli(t, "status", res.RequestID, "--tenant", "acme", "--nats-url", d.nats, "-o", "json")
 	if code != 0 || !strings.Contains(stdout, res.Digest) || !strings.Contains(stdout, res.Key) {
 		t.Errorf("status exit %d: %s", code, stdout)
 	}

@@ -105,12 +105,14 @@ func newStatusCmd() *cobra.Command {
 	var (
 		nf     natsFlags
 		output string
+		tenant string
 	)
 	cmd := &cobra.Command{
 		Use:   "status KEY|REQUEST_ID",
 		Short: "Show the state of a build key or a request",
 		Long: `Show what buildq knows of a build key (64 hex digits: the claim or the
-indexed image) or of a request id (its state, build key and result).`,
+indexed image) or of a request id (its state, build key and result).
+Request ids are per tenant: --tenant names the request's tenant.`,
 		Args: exactArgs(1, "KEY|REQUEST_ID"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := bindEnv(cmd, natsEnv); err != nil {
@@ -120,7 +122,7 @@ indexed image) or of a request id (its state, build key and result).`,
 				return usageErr("-o must be text or json, got %q", output)
 			}
 			nf.name = "buildq-status"
-			nc, view, err := connectAndLookup(cmd.Context(), &nf, args[0])
+			nc, view, err := connectAndLookup(cmd.Context(), &nf, tenant, args[0])
 			if err != nil {
 				return err
 			}
@@ -165,12 +167,13 @@ indexed image) or of a request id (its state, build key and result).`,
 	}
 	nf.register(cmd.Flags())
 	cmd.Flags().StringVarP(&output, "output", "o", "text", "output: text or json")
+	cmd.Flags().StringVar(&tenant, "tenant", "default", "tenant of the request id")
 	return cmd
 }
 
 // connectAndLookup connects to NATS and resolves target; the caller closes
 // the connection.
-func connectAndLookup(ctx context.Context, nf *natsFlags, target string) (*nats.Conn, *statusView, error) {
+func connectAndLookup(ctx context.Context, nf *natsFlags, tenant, target string) (*nats.Conn, *statusView, error) {
 	nc, err := nf.connect()
 	if err != nil {
 		return nil, nil, err
@@ -180,7 +183,7 @@ func connectAndLookup(ctx context.Context, nf *natsFlags, target string) (*nats.
 		nc.Close()
 		return nil, nil, failed(err)
 	}
-	view, err := lookup(ctx, js, target)
+	view, err := lookup(ctx, js, tenant, target)
 	if err != nil {
 		nc.Close()
 		return nil, nil, err
@@ -188,8 +191,8 @@ func connectAndLookup(ctx context.Context, nf *natsFlags, target string) (*nats.
 	return nc, view, nil
 }
 
-// lookup resolves a key or request id through the KV buckets.
-func lookup(ctx context.Context, js jetstream.JetStream, target string) (*statusView, error) {
+// lookup resolves a key, or a tenant's request id, through the KV buckets.
+func lookup(ctx context.Context, js jetstream.JetStream, tenant, target string) (*statusView, error) {
 	builds, err := js.KeyValue(ctx, v1.BuildsBucket)
 	if errors.Is(err, jetstream.ErrBucketNotFound) {
 		return nil, failed(publisher.ErrNoWorkers)
@@ -207,9 +210,9 @@ func lookup(ctx context.Context, js jetstream.JetStream, target string) (*status
 		if err != nil {
 			return nil, failed(err)
 		}
-		e, err := reqs.Get(ctx, worker.RequestIndexKey(target))
+		e, err := reqs.Get(ctx, worker.RequestIndexKey(tenant, target))
 		if errors.Is(err, jetstream.ErrKeyNotFound) {
-			return nil, failed(fmt.Errorf("no request %s is known (still queued, or older than the results' max age)", target))
+			return nil, failed(fmt.Errorf("no request %s of tenant %s is known (still queued, of another tenant — see --tenant — or older than the results' max age)", target, tenant))
 		}
 		if err != nil {
 			return nil, failed(err)
@@ -244,25 +247,28 @@ func lookup(ctx context.Context, js jetstream.JetStream, target string) (*status
 }
 
 func newCancelCmd() *cobra.Command {
-	var nf natsFlags
+	var (
+		nf     natsFlags
+		tenant string
+	)
 	cmd := &cobra.Command{
 		Use:   "cancel KEY|REQUEST_ID",
 		Short: "Cancel a running build",
 		Long: `Cancel the build of a key, or the build a request is waiting on. The build
 is stopped (its Job deleted) and every request waiting on it gets the result
-"canceled".`,
+"canceled". Request ids are per tenant: --tenant names the request's tenant.`,
 		Args: exactArgs(1, "KEY|REQUEST_ID"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := bindEnv(cmd, natsEnv); err != nil {
 				return err
 			}
 			nf.name = "buildq-cancel"
-			nc, view, err := connectAndLookup(cmd.Context(), &nf, args[0])
+			nc, view, err := connectAndLookup(cmd.Context(), &nf, tenant, args[0])
 			if err != nil {
 				return err
 			}
 			defer nc.Close()
-			tenant, name := "_", "_"
+			tenant, name := tenant, "_"
 			if view.Request != nil {
 				tenant, name = view.Request.Tenant, view.Request.Name
 			} else if view.Build != nil && view.Build.Tenant != "" {
@@ -284,5 +290,6 @@ is stopped (its Job deleted) and every request waiting on it gets the result
 		},
 	}
 	nf.register(cmd.Flags())
+	cmd.Flags().StringVar(&tenant, "tenant", "default", "tenant of the request id")
 	return cmd
 }

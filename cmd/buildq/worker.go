@@ -41,6 +41,7 @@ type workerFlags struct {
 	ackWait    time.Duration
 	maxDeliver int
 	resultsAge time.Duration
+	indexTTL   time.Duration
 	lease      time.Duration
 	storage    string
 	replicas   int
@@ -65,7 +66,8 @@ func (f *workerFlags) register(cmd *cobra.Command) {
 	fs.IntVar(&f.inFlight, "max-in-flight", 4, "requests this worker holds at once")
 	fs.DurationVar(&f.ackWait, "ack-wait", 30*time.Second, "AckWait of the shared consumer; heartbeats go every third of it")
 	fs.IntVar(&f.maxDeliver, "max-deliver", 5, "deliveries after which a request that still fails transiently gets a failed result and a dead-letter copy (the consumer itself redelivers without limit, so a hand-back never strands a request)")
-	fs.DurationVar(&f.resultsAge, "results-max-age", 7*24*time.Hour, "how long result events are kept")
+	fs.DurationVar(&f.resultsAge, "results-max-age", 7*24*time.Hour, "how long result events (and the request ledger) are kept")
+	fs.DurationVar(&f.indexTTL, "index-ttl", 30*24*time.Hour, "how long a build record stays in buildq-builds after its last write; an expired key is built again when asked for")
 	fs.DurationVar(&f.lease, "lease", 30*time.Second, "build claim lease; a dead worker's builds are taken over after it")
 	fs.StringVar(&f.storage, "storage", "file", "JetStream storage of streams and the KV buckets: file or memory")
 	fs.IntVar(&f.replicas, "replicas", 1, "JetStream replicas of streams and the KV buckets")
@@ -85,7 +87,7 @@ func (f *workerFlags) register(cmd *cobra.Command) {
 func (f *workerFlags) config(log *zap.Logger) (worker.Config, error) {
 	cfg := worker.Config{
 		ID: f.id, MaxInFlight: f.inFlight, AckWait: f.ackWait, MaxDeliver: f.maxDeliver,
-		ResultsMaxAge: f.resultsAge, Lease: f.lease, Replicas: f.replicas, KeepJobs: f.keepJobs, QueueTTL: f.queueTTL,
+		ResultsMaxAge: f.resultsAge, IndexTTL: f.indexTTL, Lease: f.lease, Replicas: f.replicas, KeepJobs: f.keepJobs, QueueTTL: f.queueTTL,
 		Naming: f.namingPol, Logger: log,
 	}
 	switch f.storage {

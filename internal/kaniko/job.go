@@ -27,8 +27,11 @@ const (
 	LabelTenant    = "buildq.dev/tenant"
 	LabelName      = "buildq.dev/name"
 
-	AnnotationKey           = "buildq.dev/key"
-	AnnotationRequestID     = "buildq.dev/request-id"
+	AnnotationKey       = "buildq.dev/key"
+	AnnotationRequestID = "buildq.dev/request-id"
+	// AnnotationRun names the run of the build key this Job belongs to:
+	// a worker adopts a Job only when it is its own run's.
+	AnnotationRun           = "buildq.dev/run"
 	AnnotationImage         = "buildq.dev/image"
 	AnnotationContextDigest = "buildq.dev/context-digest"
 	AnnotationSource        = "buildq.dev/source"
@@ -152,6 +155,9 @@ type Spec struct {
 	// Destinations are full references (repo:tag); the first is the
 	// primary one.
 	Destinations []string
+	// Run names the attempt of the build key the Job is for (empty when
+	// only rendering).
+	Run string
 }
 
 // JobName is the deterministic Job name for a build key: every worker that
@@ -204,6 +210,9 @@ func Job(spec Spec, cfg Config) (*batchv1.Job, error) {
 	}
 	if r.ContextDigest != "" {
 		annotations[AnnotationContextDigest] = r.ContextDigest
+	}
+	if spec.Run != "" {
+		annotations[AnnotationRun] = spec.Run
 	}
 
 	args, err := Args(spec, cfg)
