@@ -227,7 +227,9 @@ func TestBuildKey(t *testing.T) {
 		func(r *Request) { r.Platforms = nil },
 		// Labels go into the image config: another label is another image.
 		func(r *Request) { r.Labels = nil },
-		func(r *Request) { r.Labels = map[string]string{"org.opencontainers.image.source": "https://example.com/y"} },
+		func(r *Request) {
+			r.Labels = map[string]string{"org.opencontainers.image.source": "https://example.com/y"}
+		},
 	}
 	for i, m := range differ {
 		r := validRequest()
