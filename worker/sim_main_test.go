@@ -5,11 +5,15 @@ package worker
 //	go test ./worker/ -run '^TestFaultSimulation$'                      # seeds 1..8
 //	BUILDQ_SIM_SEEDS=200 go test ./worker/ -run '^TestFaultSimulation$' # seeds 1..200
 //	BUILDQ_SIM_SEED=17 go test ./worker/ -run '^TestFaultSimulation$' -v # replay seed 17
+//	BUILDQ_SIM_SEED=17 BUILDQ_SIM_REPEAT=5 go test ./worker/ -run …      # … five times
 //
 // Variables (or the flags -sim.seeds, -sim.seed, -sim.first,
 // -sim.parallel): BUILDQ_SIM_SEEDS (how many seeds), BUILDQ_SIM_FIRST (the
 // first seed, default 1), BUILDQ_SIM_SEED (one seed), BUILDQ_SIM_PARALLEL
-// (schedules at once), BUILDQ_SIM_LOGS=1 (add the workers' logs to a
+// (schedules at once), BUILDQ_SIM_REPEAT (runs of each seed, default 1:
+// a replay repeats the schedule, while goroutines may interleave
+// differently, so a timing-dependent violation may need a few runs),
+// BUILDQ_SIM_LOGS=1 (add the workers' logs to a
 // failing seed's report).
 
 import (
@@ -52,7 +56,10 @@ func TestFaultSimulation(t *testing.T) {
 	if one := simSetting(*simSeedFlag, "BUILDQ_SIM_SEED", 0, t); one != 0 {
 		first, n = one, 1
 	}
-	parallel := simSetting(int64(*simParallelFlag), "BUILDQ_SIM_PARALLEL", min(n, 8), t)
+	// A replay repeats the schedule, not every thread switch: run a seed
+	// several times to see a timing-dependent violation again.
+	repeat := simSetting(0, "BUILDQ_SIM_REPEAT", 1, t)
+	parallel := simSetting(int64(*simParallelFlag), "BUILDQ_SIM_PARALLEL", min(n*repeat, 8), t)
 	if testing.Short() && n > 2 {
 		n = 2
 	}
@@ -64,20 +71,30 @@ func TestFaultSimulation(t *testing.T) {
 		wg       sync.WaitGroup
 		sem      = make(chan struct{}, parallel)
 	)
+	var runs []int64
 	for seed := first; seed < first+n; seed++ {
+		for range repeat {
+			runs = append(runs, seed)
+		}
+	}
+	for i, seed := range runs {
+		name := fmt.Sprintf("seed=%d", seed)
+		if repeat > 1 {
+			name += fmt.Sprintf("/run=%d", i%int(repeat)+1)
+		}
 		sem <- struct{}{}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			defer func() { <-sem }()
-			t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) {
+			t.Run(name, func(t *testing.T) {
 				out := runSimSchedule(t, seed)
 				mu.Lock()
 				outcomes = append(outcomes, out)
 				mu.Unlock()
 				if len(out.violations) > 0 {
 					t.Error(out.report)
-				} else if n == 1 {
+				} else if len(runs) == 1 {
 					t.Log(out.report)
 				}
 			})
@@ -140,6 +157,24 @@ func simSummary(outs []simOutcome, first, n int64, took time.Duration) string {
 			ss = append(ss, strconv.FormatInt(s, 10))
 		}
 		fmt.Fprintf(&b, "  %-24s %4d violations in %3d seeds: %s\n", c, counts[c], len(seeds), strings.Join(ss, " "))
+		// The fault kinds every one of those seeds had: a first hint.
+		common := map[string]int{}
+		for _, o := range outs {
+			if slices.Contains(seeds, o.seed) {
+				for _, k := range o.kinds {
+					common[k]++
+				}
+			}
+		}
+		var all []string
+		for _, k := range simKinds {
+			if common[k] == len(seeds) {
+				all = append(all, k)
+			}
+		}
+		if len(all) > 0 {
+			fmt.Fprintf(&b, "  %-24s (every one of those seeds had: %s)\n", "", strings.Join(all, " "))
+		}
 	}
 	if infra > 0 {
 		fmt.Fprintf(&b, "  InfrastructureError results under injected API errors (allowed): %d in %d seeds\n", infra, infraSeeds)

@@ -173,7 +173,14 @@ func runSimSchedule(t *testing.T, seed int64) simOutcome {
 		t.Fatalf("harness: the workers did not create the streams")
 	}
 
+	w.trace.mu.Lock()
+	for i, l := range w.trace.lines {
+		if _, rest, ok := strings.Cut(l, "s  "); ok {
+			w.trace.lines[i] = "  setup  " + rest
+		}
+	}
 	w.trace.t0 = time.Now()
+	w.trace.mu.Unlock()
 	w.faultsOn.Store(true)
 	w.drive()
 	w.heal()
@@ -211,6 +218,12 @@ func (w *simWorld) proc(slot int) *simProc {
 	return s.proc
 }
 
+func (w *simWorld) sub(id string) *simSub {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.subByID[id]
+}
+
 // latestAccepted is the accepted submission published last before now.
 func (w *simWorld) latestAccepted(prefer *simSub) *simSub {
 	w.mu.Lock()
@@ -237,7 +250,7 @@ func (w *simWorld) drive() {
 	}
 	var evs []ev
 	for i := range sc.reqs {
-		evs = append(evs, ev{at: sc.reqs[i].at, req: w.subByID[sc.reqs[i].id]})
+		evs = append(evs, ev{at: sc.reqs[i].at, req: w.sub(sc.reqs[i].id)})
 	}
 	for i := range sc.faults {
 		evs = append(evs, ev{at: sc.faults[i].at, f: &sc.faults[i]})
@@ -297,14 +310,14 @@ func (w *simWorld) drive() {
 			s.mu.Unlock()
 			w.trace.add("fault w%d's next %s will block %s", f.slot, hook, f.dur)
 		case "dup-publish":
-			target := w.latestAccepted(w.subByID[w.sc.reqs[f.req].id])
+			target := w.latestAccepted(w.sub(w.sc.reqs[f.req].id))
 			if target == nil {
 				continue
 			}
 			w.ops.Add(1)
 			go func() { defer w.ops.Done(); w.republish(target) }()
 		case "cancel":
-			target := w.latestAccepted(w.subByID[w.sc.reqs[f.req].id])
+			target := w.latestAccepted(w.sub(w.sc.reqs[f.req].id))
 			if target == nil {
 				w.trace.add("fault cancel: nothing published yet")
 				continue
@@ -757,7 +770,8 @@ func simSeconds(d time.Duration) string {
 func (w *simWorld) report(out *simOutcome) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "seed %d: %d violation(s)\n", w.seed, len(out.violations))
-	fmt.Fprintf(&b, "replay: BUILDQ_SIM_SEED=%d go test ./worker/ -run '^TestFaultSimulation$' -count=1 -v\n", w.seed)
+	fmt.Fprintf(&b, "replay: BUILDQ_SIM_SEED=%d BUILDQ_SIM_REPEAT=5 go test ./worker/ -run '^TestFaultSimulation$' -count=1 -v\n", w.seed)
+	b.WriteString("  (the schedule repeats exactly; thread timing does not, so a violation may show in some runs only)\n")
 	b.WriteString(w.sc.describe())
 	b.WriteString("violations:\n")
 	for _, v := range out.violations {

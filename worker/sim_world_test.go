@@ -64,11 +64,17 @@ type simTrace struct {
 
 const simTraceMax = 500
 
-func (tr *simTrace) rel() time.Duration { return time.Since(tr.t0) }
+func (tr *simTrace) rel() time.Duration {
+	tr.mu.Lock()
+	t0 := tr.t0
+	tr.mu.Unlock()
+	return time.Since(t0)
+}
 
 func (tr *simTrace) add(format string, args ...any) {
-	line := fmt.Sprintf("%7.3fs  %s", tr.rel().Seconds(), fmt.Sprintf(format, args...))
+	msg := fmt.Sprintf(format, args...)
 	tr.mu.Lock()
+	line := fmt.Sprintf("%7.3fs  %s", time.Since(tr.t0).Seconds(), msg)
 	defer tr.mu.Unlock()
 	if len(tr.lines) >= simTraceMax {
 		tr.dropped++
@@ -473,6 +479,7 @@ type simWorld struct {
 	slots    []*simSlot
 	procs    []*simProc
 
+	setupMu  sync.Mutex
 	faultsOn atomic.Bool
 	lostAcks atomic.Int32
 	ops      sync.WaitGroup
@@ -716,7 +723,17 @@ func (w *simWorld) start(s *simSlot) {
 					}
 				},
 			}
-			err = wk.Run(ctx)
+			// One Setup at a time in a world: nats-server 2.15 races
+			// (-race) between a stream update and a consumer create
+			// from two clients at once.
+			w.setupMu.Lock()
+			sctx, scancel := context.WithTimeout(ctx, 10*time.Second)
+			err = wk.Setup(sctx)
+			scancel()
+			w.setupMu.Unlock()
+			if err == nil {
+				err = wk.Run(ctx)
+			}
 			if ctx.Err() != nil {
 				break
 			}
@@ -823,7 +840,9 @@ func (w *simWorld) push(content string, dests []string) (string, error) {
 // submit publishes a submission; a failed publish is retried with the same
 // id (as a producer would) until a PubAck says it is stored.
 func (w *simWorld) submit(s *simSub) {
+	w.mu.Lock()
 	s.start = w.now()
+	w.mu.Unlock()
 	ctx := context.Background()
 	for attempt := 0; attempt < 40; attempt++ {
 		pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
