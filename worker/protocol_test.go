@@ -356,7 +356,11 @@ func TestLocalJoinerOfAnUnwindingRunBuildsItself(t *testing.T) {
 func TestSkewedClockNeverTakesALiveClaim(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
-	e.startWorker("slow-clock", func(c *Config) { c.Now = func() time.Time { return time.Now().Add(-time.Hour) } })
+	// One slot: busy with R1, so R2 goes to the other worker.
+	e.startWorker("slow-clock", func(c *Config) {
+		c.MaxInFlight = 1
+		c.Now = func() time.Time { return time.Now().Add(-time.Hour) }
+	})
 	results := e.collect()
 	r1 := request("skew")
 	if _, err := e.pub.Publish(context.Background(), r1); err != nil {
