@@ -176,6 +176,18 @@ func simSummary(outs []simOutcome, first, n int64, took time.Duration) string {
 			fmt.Fprintf(&b, "  %-24s (every one of those seeds had: %s)\n", "", strings.Join(all, " "))
 		}
 	}
+	results := map[string]int{}
+	for _, o := range outs {
+		for k, v := range o.results {
+			results[k] += v
+		}
+	}
+	var rs []string
+	for k, v := range results {
+		rs = append(rs, fmt.Sprintf("%s %d", k, v))
+	}
+	slices.Sort(rs)
+	fmt.Fprintf(&b, "  results stored: %s\n", strings.Join(rs, ", "))
 	if infra > 0 {
 		fmt.Fprintf(&b, "  InfrastructureError results under injected API errors (allowed): %d in %d seeds\n", infra, infraSeeds)
 	}

@@ -45,6 +45,7 @@ type simOutcome struct {
 	infra      int
 	kinds      []string
 	report     string
+	results    map[string]int // stored results by status/reason
 }
 
 var (
@@ -657,6 +658,14 @@ func (w *simWorld) judge(out *simOutcome) {
 			w.violate(out, "job-after-quiet", "job %s of %s created at %.3fs by %s, after every request was answered and acked (%.3fs)",
 				j.uid, w.keyName(j.key), j.created.Seconds(), j.creator, w.quiet.Seconds())
 		}
+	}
+	out.results = map[string]int{}
+	for _, r := range w.finalStored {
+		k := string(r.r.Data.Status)
+		if r.r.Data.Reason != "" && r.r.Data.Status != v1.StatusCanceled {
+			k += "/" + r.r.Data.Reason
+		}
+		out.results[k]++
 	}
 	out.report = w.report(out)
 }
