@@ -14,7 +14,7 @@ all: build
 build: ## Build the buildq binary into bin/
 	$(GO) build -o $(BIN)/buildq ./cmd/buildq
 
-test: test-unit test-integration ## Unit tests (with -race), then the integration suite
+test: test-unit sim test-integration ## Unit tests (with -race), the fault simulation (200 seeds), then the integration suite
 
 test-unit: ## Unit tests, race detector on
 	$(GO) test -race -count=1 -timeout 10m $(PKGS)
