@@ -54,7 +54,7 @@ func startNATSCluster(t *testing.T, n int) *natsCluster {
 			defer c.mu.Unlock()
 			for _, nd := range c.nodes {
 				if nd.logs != nil {
-					t.Logf("nats-server %s log:\n%s", nd.name, tail(nd.logs.String(), 2000))
+					t.Logf("nats-server %s log (routes left out):\n%s", nd.name, tail(withoutRoutes(nd.logs.String()), 3000))
 				}
 			}
 		}
@@ -79,6 +79,17 @@ func startNATSCluster(t *testing.T, n int) *natsCluster {
 		return err == nil
 	})
 	return c
+}
+
+// withoutRoutes drops the route connection chatter from a server log.
+func withoutRoutes(log string) string {
+	var keep []string
+	for _, l := range strings.Split(log, "\n") {
+		if !strings.Contains(l, "Route connection") && !strings.Contains(l, "Router connection") && !strings.Contains(l, "to connect to route") {
+			keep = append(keep, l)
+		}
+	}
+	return strings.Join(keep, "\n")
 }
 
 // url lists every node, comma-separated.
@@ -169,6 +180,18 @@ func (s *suite) waitCurrent() {
 	}
 }
 
+// logLeaders logs the leader of every stream of buildq.
+func (s *suite) logLeaders() {
+	s.t.Helper()
+	var ls []string
+	for _, name := range clusterStreams {
+		if ci := s.streamInfo(name).Cluster; ci != nil {
+			ls = append(ls, name+"="+ci.Leader)
+		}
+	}
+	s.t.Logf("stream leaders: %s", strings.Join(ls, " "))
+}
+
 func (s *suite) streamLeader(name string) string {
 	s.t.Helper()
 	ci := s.streamInfo(name).Cluster
@@ -180,16 +203,22 @@ func (s *suite) streamLeader(name string) string {
 
 // clusterSuite starts three nodes, two workers with --replicas 3, and
 // submits two requests for each name; it returns when every build's Job is
-// running (held) and the workers hold every request.
+// running (held) and the workers hold every request. The second worker
+// starts once the first has created the streams and buckets (starting
+// both at once is TestClusterWorkersStartTogether).
 func clusterSuite(t *testing.T, names []string) (*suite, *holds, func() int, *results, []*v1.Request) {
 	t.Helper()
 	h := newHolds(t, names...)
 	s := newSuite(t, options{clusterNodes: 3, faults: h.fault, workerArgs: []string{"--replicas", "3"}})
+	// A node's death loses acks, PubAcks and ledger writes in flight; the
+	// worker then publishes the same result again, which the stream drops
+	// as a duplicate. Different results for one request still fail.
+	s.republishOK = true
 	jobs := s.jobsCreated()
 	s.startWorker("w1")
-	s.startWorker("w2")
 	res := s.collect()
 	s.waitCurrent()
+	s.startWorker("w2")
 	for _, name := range clusterStreams {
 		if r := s.streamInfo(name).Config.Replicas; r != 3 {
 			t.Errorf("stream %s has %d replicas, want 3 (--replicas 3)", name, r)
@@ -197,7 +226,7 @@ func clusterSuite(t *testing.T, names []string) (*suite, *holds, func() int, *re
 	}
 	var reqs []*v1.Request
 	for _, n := range names {
-		reqs = append(reqs, s.submit(contextDir(t, file("cluster "+n)), n, 2)...)
+		reqs = append(reqs, s.submit(contextDir(t, file("cluster "+n+" "+s.ns)), n, 2)...)
 	}
 	eventually(t, time.Minute, fmt.Sprintf("%d jobs", len(names)), func() bool { return jobs() >= len(names) })
 	s.waitTaken(len(reqs))
@@ -225,11 +254,13 @@ func finishCluster(t *testing.T, s *suite, h *holds, jobs func() int, res *resul
 func TestClusterNodeKilledMidBuild(t *testing.T) {
 	names := []string{"cn-while-down", "cn-after-a", "cn-after-b"}
 	s, h, jobs, res, reqs := clusterSuite(t, names)
+	s.logLeaders()
 	leader := s.streamLeader(v1.RequestsStream)
 	victim := (s.cluster.index(leader) + 1) % len(s.cluster.nodes)
 	t.Logf("request stream leader %s; killing %s", leader, s.cluster.nodes[victim].name)
 	s.cluster.kill(victim)
 
+	s.logLeaders()
 	h.release(names[0])
 	s.answeredOnce(res, ids(reqs[:2]), 2*time.Minute)
 	s.cluster.start(victim)
@@ -244,6 +275,7 @@ func TestClusterNodeKilledMidBuild(t *testing.T) {
 func TestClusterStreamLeaderKilledMidBuild(t *testing.T) {
 	names := []string{"cl-while-down", "cl-after-a", "cl-after-b"}
 	s, h, jobs, res, reqs := clusterSuite(t, names)
+	s.logLeaders()
 	leader := s.streamLeader(v1.RequestsStream)
 	victim := s.cluster.index(leader)
 	t.Logf("killing %s, the leader of %s", leader, v1.RequestsStream)
@@ -253,9 +285,41 @@ func TestClusterStreamLeaderKilledMidBuild(t *testing.T) {
 		return ci != nil && ci.Leader != "" && ci.Leader != leader
 	})
 
+	s.logLeaders()
 	h.release(names[0])
 	s.answeredOnce(res, ids(reqs[:2]), 2*time.Minute)
 	s.cluster.start(victim)
 	s.waitCurrent()
 	finishCluster(t, s, h, jobs, res, names, reqs)
+}
+
+// TestClusterWorkersStartTogether starts two workers at the same moment
+// against a fresh three-node cluster, as a Deployment with two replicas
+// does: both must set up the streams and buckets (idempotently, "safe to
+// run from many workers at once") and serve.
+func TestClusterWorkersStartTogether(t *testing.T) {
+	s := newSuite(t, options{clusterNodes: 3, workerArgs: []string{"--replicas", "3"}})
+	ws := []*workerProc{s.startWorker("w1"), s.startWorker("w2")}
+	res := s.collect()
+	for i, w := range ws {
+		eventually(t, time.Minute, fmt.Sprintf("worker w%d to start", i+1), func() bool {
+			select {
+			case <-w.done:
+				t.Fatalf("worker w%d exited at start:\n%s", i+1, tail(w.out.String(), 2000))
+			default:
+			}
+			return strings.Contains(w.out.String(), "worker started")
+		})
+	}
+	reqs := s.submit(contextDir(t, file("cluster start together "+s.ns)), "cstart", 2)
+	got := s.answeredOnce(res, ids(reqs), 2*time.Minute)
+	checkSucceeded(t, reqs, got)
+	for i, w := range ws {
+		select {
+		case <-w.done:
+			t.Errorf("worker w%d exited:\n%s", i+1, tail(w.out.String(), 2000))
+		default:
+		}
+	}
+	s.settled(len(reqs))
 }

@@ -476,7 +476,13 @@ func (s *suite) answeredOnce(res *results, want []string, timeout time.Duration)
 			break
 		}
 		if time.Now().After(deadline) {
-			s.t.Fatalf("after %s, no result for %d of %d requests: %v", timeout, len(missing), len(want), missing)
+			// Tell a lost result from one the test's watcher missed.
+			stored := s.storedResultCounts()
+			var detail []string
+			for _, id := range missing {
+				detail = append(detail, fmt.Sprintf("%s (stored %d)", id, stored[id]))
+			}
+			s.t.Fatalf("after %s, the test saw no result for %d of %d requests: %v", timeout, len(missing), len(want), detail)
 		}
 		time.Sleep(50 * time.Millisecond)
 	}

@@ -73,7 +73,7 @@ func TestNATSKilledMidBuildLosesNothing(t *testing.T) {
 	res := s.collect()
 	var reqs []*v1.Request
 	for _, n := range names {
-		reqs = append(reqs, s.submit(contextDir(t, file("nats kill "+n)), n, 2)...)
+		reqs = append(reqs, s.submit(contextDir(t, file("nats kill "+n+" "+s.ns)), n, 2)...)
 	}
 	eventually(t, time.Minute, "three jobs", func() bool { return jobs() >= 3 })
 	s.waitTaken(len(reqs))
@@ -350,7 +350,7 @@ func TestAPIServerRestartedMidWatch(t *testing.T) {
 	res := s.collect()
 	var reqs []*v1.Request
 	for _, n := range names {
-		reqs = append(reqs, s.submit(contextDir(t, file("apiserver restart "+n)), n, 2)...)
+		reqs = append(reqs, s.submit(contextDir(t, file("apiserver restart "+n+" "+s.ns)), n, 2)...)
 	}
 	eventually(t, time.Minute, "two jobs", func() bool { return jobs() >= 2 })
 	s.waitTaken(len(reqs))
