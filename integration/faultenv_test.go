@@ -443,7 +443,12 @@ func (s *suite) storedResultCounts() map[string]int {
 			if err != nil {
 				return nil, err
 			}
-			counts[m.Header.Get(v1.MsgIDHeader)]++
+			// The header is "<tenant>/<requestId>" (v1.MsgID); count by id.
+			id := m.Header.Get(v1.MsgIDHeader)
+			if _, rest, ok := strings.Cut(id, "/"); ok {
+				id = rest
+			}
+			counts[id]++
 		}
 		return counts, nil
 	})

@@ -42,7 +42,7 @@ func NewRequestID() string { return nuid.Next() }
 var ErrNoWorkers = errors.New("no buildq stream on this NATS server: start a worker (buildq worker, or buildq dev) first")
 
 // Publish validates req and publishes it on buildq.requests.<tenant> with
-// Nats-Msg-Id = RequestID. APIVersion and RequestID are filled in when
+// Nats-Msg-Id = "<tenant>/<requestId>" (v1.MsgID). APIVersion and RequestID are filled in when
 // empty. Publishing the same request again within the duplicate window
 // stores it once (the returned PubAck has Duplicate set).
 func (c *Client) Publish(ctx context.Context, req *v1.Request) (*jetstream.PubAck, error) {
@@ -63,7 +63,7 @@ func (c *Client) Publish(ctx context.Context, req *v1.Request) (*jetstream.PubAc
 		return nil, fmt.Errorf("encode request: %w", err)
 	}
 	m := nats.NewMsg(v1.RequestSubject(req.Tenant))
-	m.Header.Set(v1.MsgIDHeader, req.RequestID)
+	m.Header.Set(v1.MsgIDHeader, v1.MsgID(req.Tenant, req.RequestID))
 	m.Header.Set("Content-Type", "application/json")
 	m.Data = b
 	ack, err := c.js.PublishMsg(ctx, m)

@@ -84,7 +84,7 @@ func TestPublishIsDeduplicatedByRequestID(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if msg.Subject != "buildq.requests.acme" || msg.Header.Get("Nats-Msg-Id") != req.RequestID {
+	if msg.Subject != "buildq.requests.acme" || msg.Header.Get("Nats-Msg-Id") != v1.MsgID("acme", req.RequestID) {
 		t.Fatalf("subject %q header %v", msg.Subject, msg.Header)
 	}
 	if got, err := v1.DecodeRequest(msg.Data); err != nil || got.RequestID != req.RequestID {

@@ -35,6 +35,16 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 		if err != nil {
 			return nil, "", false, Transient(err)
 		}
+		fresh := cur == nil || (cur.State == StateFailed && !mine(cur))
+		if fresh {
+			// Before claiming: the requester's own first tag may already
+			// hold an image (an index lost, a tag pushed by hand). It
+			// answers this request only — it is not buildq's verified
+			// build, so it never enters the shared index.
+			if found, err := w.preflight(ctx, req, key, repo, dests); err != nil || found != nil {
+				return found, v1.OriginCache, false, err
+			}
+		}
 		switch {
 		case cur == nil:
 			claim := w.newClaim(req, key, repo, dests, seq)
@@ -45,7 +55,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 			if !ok {
 				continue // another worker claimed it first: look again
 			}
-			return w.own(ctx, req, claim, rev, dests, seq, true)
+			return w.own(ctx, req, claim, rev, dests, seq)
 
 		case cur.State == StateSucceeded:
 			if mine(cur) {
@@ -59,6 +69,9 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 				switch {
 				case errors.Is(err, registry.ErrNotFound):
 					w.log.Info("indexed image is gone from the registry; rebuilding", zap.String("key", key), zap.String("image", cur.Repository+"@"+cur.Digest))
+					if found, err := w.preflight(ctx, req, key, repo, dests); err != nil || found != nil {
+						return found, v1.OriginCache, false, err
+					}
 					claim := w.newClaim(req, key, repo, dests, seq)
 					rev, ok, err := w.claims.update(ctx, claim, rev)
 					if err != nil {
@@ -67,7 +80,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 					if !ok {
 						continue
 					}
-					return w.own(ctx, req, claim, rev, dests, seq, true)
+					return w.own(ctx, req, claim, rev, dests, seq)
 				case err != nil:
 					return nil, "", false, Transient(fmt.Errorf("check %s in the registry: %w", cur.Repository, err))
 				}
@@ -88,7 +101,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 			if !ok {
 				continue
 			}
-			return w.own(ctx, req, claim, rev, dests, seq, true)
+			return w.own(ctx, req, claim, rev, dests, seq)
 
 		case cur.Owner == "":
 			// Released by an owner that stopped: take the run over now.
@@ -140,7 +153,7 @@ func (w *Worker) takeOver(ctx context.Context, req *v1.Request, cur *Record, rev
 		return nil, "", false, false, nil
 	}
 	w.log.Info("took over a build run", zap.String("key", claim.Key), zap.String("run", claim.Run), zap.String("previousOwner", cur.Owner))
-	out, origin, owned, err := w.own(ctx, req, &claim, nrev, dests, seq, false)
+	out, origin, owned, err := w.own(ctx, req, &claim, nrev, dests, seq)
 	return out, origin, owned, true, err
 }
 
@@ -214,12 +227,9 @@ func (w *Worker) join(ctx context.Context, key string) (final, lapsed *Record, r
 }
 
 // own runs the claimed run while renewing its lease, and ends the run with
-// its outcome. fresh is a new run (not a take-over).
-func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev uint64, dests []string, seq uint64, fresh bool) (*Record, v1.Origin, bool, error) {
+// its outcome.
+func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev uint64, dests []string, seq uint64) (*Record, v1.Origin, bool, error) {
 	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: claim.Key, Phase: v1.PhaseClaimed, Message: "claimed build by " + w.cfg.ID})
-	if rec, done, err := w.preflight(ctx, claim, rev); err != nil || done {
-		return rec, v1.OriginCache, false, err
-	}
 	origin := v1.OriginInflight
 	if claim.RequestID == req.RequestID && claim.Seq == seq {
 		origin = v1.OriginBuild
@@ -368,45 +378,34 @@ func (w *Worker) releaseClaim(ctx context.Context, claim *Record, rev uint64) {
 	}
 }
 
-// preflight runs between claiming a key and building it. A tag that
-// already exists in the registry is the build's answer (the index may have
-// been lost); done reports that. Harbor projects are created on demand.
-// On error the claim is released and the request retried.
-func (w *Worker) preflight(ctx context.Context, claim *Record, rev uint64) (*Record, bool, error) {
+// preflight runs before a request claims its key. It creates the
+// tenant's Harbor project when needed, and asks the registry for the
+// request's own first destination: an image already there answers this
+// request alone (found), and is never recorded as the key's build — a
+// tenant could have pushed anything under that tag. Registry trouble is
+// transient: the request is retried, no Job is created meanwhile.
+func (w *Worker) preflight(ctx context.Context, req *v1.Request, key, repo string, dests []string) (*Record, error) {
 	if w.registry == nil {
-		return nil, false, nil
-	}
-	fail := func(err error) (*Record, bool, error) {
-		w.releaseClaim(ctx, claim, rev)
-		return nil, false, Transient(err)
+		return nil, nil
 	}
 	// Harbor answers 401, not 404, for a repository of a missing project:
 	// create the project before asking for the tag.
-	if project, ok := w.cfg.Naming.HarborProject(claim.Repository); ok {
+	if project, ok := w.cfg.Naming.HarborProject(req.Tenant, repo); ok {
 		if err := w.registry.EnsureHarborProject(ctx, w.cfg.Naming.Registry, project); err != nil {
-			return fail(fmt.Errorf("harbor project %s: %w", project, err))
+			return nil, Transient(fmt.Errorf("harbor project %s: %w", project, err))
 		}
 	}
-	dest := claim.Destinations[0]
-	digest, err := w.registry.Head(ctx, dest)
+	digest, err := w.registry.Head(ctx, dests[0])
 	switch {
 	case err == nil:
-		final := *claim
-		final.Owner, final.LeaseUntil = "", time.Time{}
-		final.State, final.Digest, final.Image, final.Pushed = StateSucceeded, digest, dest, []string{dest}
-		final.FinishedAt = w.cfg.Now().UTC()
-		stored, err := w.claims.finish(ctx, &final, rev)
-		if errors.Is(err, errSuperseded) {
-			return nil, false, Transient(err)
-		}
-		if err != nil {
-			return fail(err)
-		}
-		return stored, true, nil
-	case !errors.Is(err, registry.ErrNotFound):
-		return fail(fmt.Errorf("check %s in the registry: %w", dest, err))
+		now := w.cfg.Now().UTC()
+		return &Record{Key: key, State: StateSucceeded, Repository: repo, Image: dests[0], Pushed: []string{dests[0]},
+			Digest: digest, Tenant: req.Tenant, Name: req.Name, StartedAt: now, FinishedAt: now}, nil
+	case errors.Is(err, registry.ErrNotFound):
+		return nil, nil
+	default:
+		return nil, Transient(fmt.Errorf("check %s in the registry: %w", dests[0], err))
 	}
-	return nil, false, nil
 }
 
 // orphanWatch remembers, per key, the revision of a claim whose run's Job

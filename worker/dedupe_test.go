@@ -56,7 +56,7 @@ func TestKnownKeyIsAnsweredFromTheIndex(t *testing.T) {
 	}
 	// Same content, another repository and an extra tag: copied, not rebuilt.
 	other := request("cached")
-	other.Image = tr.host + "/elsewhere/app"
+	other.Image = tr.host + "/acme/elsewhere/app"
 	other.Tags = []string{"stable"}
 	if _, err := e.pub.Publish(context.Background(), other); err != nil {
 		t.Fatal(err)

@@ -212,6 +212,9 @@ func (e *env) collect() *resultCollector {
 		_ = json.Unmarshal(m.Data, &ev)
 		c.mu.Lock()
 		id := m.Header.Get(v1.MsgIDHeader)
+		if want := v1.MsgID(ev.Data.Tenant, ev.ID); id != want {
+			t.Errorf("result %s published with %s %q, want %q", ev.ID, v1.MsgIDHeader, id, want)
+		}
 		c.published[id] = append(c.published[id], ev.Data)
 		c.mu.Unlock()
 	})
@@ -267,11 +270,12 @@ func decision(d v1.ResultData) string {
 	return fmt.Sprintf("status=%s reason=%s origin=%s key=%s digest=%s image=%s", d.Status, d.Reason, d.Origin, d.Key, d.Digest, d.Image)
 }
 
-// publishes returns how often request id's result was published.
+// publishes returns how often tenant acme's request id's result was
+// published.
 func (c *resultCollector) publishes(id string) int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return len(c.published[id])
+	return len(c.published[v1.MsgID("acme", id)])
 }
 
 func (c *resultCollector) snapshot() []v1.Result {

@@ -923,7 +923,7 @@ func (w *simWorld) watchResults() error {
 		if err := json.Unmarshal(m.Data, &r); err != nil {
 			return
 		}
-		id := m.Header.Get(v1.MsgIDHeader)
+		id := strings.TrimPrefix(m.Header.Get(v1.MsgIDHeader), r.Data.Tenant+"/")
 		w.mu.Lock()
 		w.published = append(w.published, simPublish{id: id, subject: m.Subject, at: w.now(), r: r})
 		w.mu.Unlock()
@@ -972,7 +972,7 @@ func (w *simWorld) storedResults(ctx context.Context) ([]simStored, error) {
 		if err := json.Unmarshal(m.Data, &r); err != nil {
 			return nil, fmt.Errorf("result seq %d: %w", seq, err)
 		}
-		out = append(out, simStored{id: m.Header.Get(v1.MsgIDHeader), subject: m.Subject, r: r})
+		out = append(out, simStored{id: strings.TrimPrefix(m.Header.Get(v1.MsgIDHeader), r.Data.Tenant+"/"), subject: m.Subject, r: r})
 	}
 	return out, nil
 }

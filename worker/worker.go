@@ -362,7 +362,7 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 		w.event(v.tenant, v.name, v1.Event{RequestID: v.data.RequestID, Key: v.data.Key, Phase: v1.PhaseFinished,
 			Message: "duplicate: request id " + v.data.RequestID + " belongs to an earlier message; its result is that request's"})
 		w.cfg.Metrics.duplicate()
-		w.settle(actx, log, msg, true, "duplicate request id")
+		w.settle(actx, log, msg, v.data.RequestID, true, "duplicate request id")
 		return
 	}
 	if v.data.Timings.FinishedAt.IsZero() {
@@ -396,7 +396,7 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 			log.Error("publish result failed on the last delivery; the request goes to the dead-letter stream",
 				zap.Error(err), zap.String("requestId", v.data.RequestID))
 			w.deadLetter(actx, v.tenant, msg, err)
-			w.settle(actx, log, msg, true, "result publish failed")
+			w.settle(actx, log, msg, v.data.RequestID, true, "result publish failed")
 			return
 		}
 		if le != nil {
@@ -404,7 +404,7 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 		}
 		w.cfg.Metrics.published(v.data)
 	}
-	w.settle(actx, log, msg, v.term, v.data.Reason)
+	w.settle(actx, log, msg, v.data.RequestID, v.term, v.data.Reason)
 	log.Info("request done", zap.String("requestId", v.data.RequestID), zap.String("status", string(v.data.Status)),
 		zap.String("origin", string(v.data.Origin)), zap.String("reason", v.data.Reason), zap.String("digest", v.data.Digest))
 	if v.cleanupKey != "" && !w.cfg.KeepJobs {
@@ -415,10 +415,10 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 }
 
 // settle acks (or terminates) a handled message.
-func (w *Worker) settle(ctx context.Context, log *zap.Logger, msg jetstream.Msg, term bool, reason string) {
+func (w *Worker) settle(ctx context.Context, log *zap.Logger, msg jetstream.Msg, id string, term bool, reason string) {
 	var err error
 	switch {
-	case w.faults != nil && w.faults.loseAck != nil && w.faults.loseAck(string(msg.Headers().Get(v1.MsgIDHeader))):
+	case w.faults != nil && w.faults.loseAck != nil && w.faults.loseAck(id):
 		err = errors.New("ack lost (fault injection)")
 	case term:
 		err = msg.TermWithReason(reason)
@@ -537,6 +537,12 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 		return expiredVerdict(v, message), le, nil
 	}
 	repo, err := w.cfg.Naming.Repository(req)
+	if err == nil {
+		// Every destination is in one repository: the tenant must be
+		// allowed to push there. Checked before anything is created
+		// (no claim, no Job, no copy, no Harbor project).
+		err = w.cfg.Naming.CheckDestination(req.Tenant, repo)
+	}
 	if err != nil {
 		v.data.Status, v.data.Reason, v.data.Message = v1.StatusFailed, v1.ReasonInvalidRequest, err.Error()
 		v.term = true
@@ -594,10 +600,11 @@ func (w *Worker) decode(msg jetstream.Msg) (*v1.Request, error) {
 			"%q does not match the subject %s; a request of tenant %q goes on %s",
 			req.Tenant, msg.Subject(), req.Tenant, v1.RequestSubject(req.Tenant))})
 	}
-	if h := msg.Headers().Get(v1.MsgIDHeader); h != req.RequestID {
-		detail := fmt.Sprintf("the %s header is %q but the body's requestId is %q; they must be equal (JetStream dedupes on the header)", v1.MsgIDHeader, h, req.RequestID)
+	if h := msg.Headers().Get(v1.MsgIDHeader); h != v1.MsgID(req.Tenant, req.RequestID) && h != req.RequestID {
+		detail := fmt.Sprintf("the %s header is %q but the body says tenant %q, requestId %q; the header must be %q (JetStream dedupes on it)",
+			v1.MsgIDHeader, h, req.Tenant, req.RequestID, v1.MsgID(req.Tenant, req.RequestID))
 		if h == "" {
-			detail = fmt.Sprintf("the %s header is missing; set it to the requestId (%q)", v1.MsgIDHeader, req.RequestID)
+			detail = fmt.Sprintf("the %s header is missing; set it to %q", v1.MsgIDHeader, v1.MsgID(req.Tenant, req.RequestID))
 		}
 		fields = append(fields, v1.FieldError{Field: "requestId", Detail: detail})
 	}
@@ -660,18 +667,18 @@ func (w *Worker) invalid(msg jetstream.Msg, req *v1.Request, err error, timings 
 			tenant, name, id = loose.Tenant, loose.Name, loose.RequestID
 		}
 	}
-	// The subject's tenant wins: it is the one NATS let the producer
-	// publish as, and so the one whose results it reads.
+	// The subject's tenant is the only one: it is the one NATS let the
+	// producer publish as, and so the one whose results it reads. A body
+	// never picks whose result subject a refusal lands on.
+	tenant = "_invalid"
 	if parts := strings.Split(msg.Subject(), "."); len(parts) >= 3 && v1.DNSLabelProblem(parts[2]) == "" {
 		tenant = parts[2]
-	} else if v1.DNSLabelProblem(tenant) != "" {
-		tenant = "_invalid"
 	}
 	if v1.DNSLabelProblem(name) != "" {
 		name = "_invalid"
 	}
 	if !usableID(id) {
-		id = msg.Headers().Get(v1.MsgIDHeader)
+		id = strings.TrimPrefix(msg.Headers().Get(v1.MsgIDHeader), tenant+"/")
 		if !usableID(id) {
 			id = fmt.Sprintf("invalid-%d", meta.Sequence.Stream)
 		}
@@ -696,7 +703,7 @@ func (w *Worker) publishResult(ctx context.Context, tenant, name string, data v1
 		return err
 	}
 	m := nats.NewMsg(v1.ResultSubject(tenant, name))
-	m.Header.Set(v1.MsgIDHeader, data.RequestID)
+	m.Header.Set(v1.MsgIDHeader, v1.MsgID(tenant, data.RequestID))
 	m.Header.Set("Content-Type", v1.CloudEventsContentType)
 	m.Data = b
 	if _, err := w.js.PublishMsg(ctx, m); err != nil {

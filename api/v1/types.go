@@ -32,9 +32,16 @@ const (
 	DeadLetterPrefix = "buildq.deadletter"
 
 	// MsgIDHeader is the JetStream de-duplication header; buildq sets it to
-	// the requestId on both requests and results.
+	// MsgID(tenant, requestId) on both requests and results.
 	MsgIDHeader = "Nats-Msg-Id"
 )
+
+// MsgID is the Nats-Msg-Id of a tenant's request and of its result:
+// "<tenant>/<requestId>". JetStream dedupes on it stream-wide, so the
+// tenant is part of it: two tenants' requests with the same id never
+// meet. A request whose header is the bare requestId (the first version of
+// the contract) is still accepted, without that protection.
+func MsgID(tenant, requestID string) string { return tenant + "/" + requestID }
 
 // RequestSubject is where a tenant's requests are published.
 func RequestSubject(tenant string) string { return RequestsPrefix + "." + tenant }

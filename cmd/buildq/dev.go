@@ -154,6 +154,11 @@ func runDev(ctx context.Context, stderr io.Writer, f *devFlags) error {
 	if np.Registry == "" {
 		np.Registry = stack.RegistryAddr
 	}
+	if len(np.Allowed) == 0 {
+		// One user on a laptop: any repository of the dev registry. A
+		// multi-tenant worker confines each tenant (buildq worker).
+		np.Allowed = []string{"{registry}/**"}
+	}
 	nc, err := nats.Connect(stack.NATSURL, nats.Name("buildq-dev-worker"), nats.MaxReconnects(-1))
 	if err != nil {
 		return failed(err)

@@ -140,9 +140,10 @@ func registerKaniko(fs *pflag.FlagSet, kc *kaniko.Config, np *naming.Policy) {
 
 	fs.StringVar(&np.Registry, "registry", "", "default registry host[:port] for requests that name no image")
 	fs.StringVar(&np.Mode, "naming-mode", naming.ModeProject, "naming policy: project ({registry}/{tenant}/{name}) or flat ({registry}/{prefix}{tenant}-{name})")
-	fs.StringVar(&np.Project, "naming-project", "", "project mode: a fixed project instead of the tenant")
+	fs.StringVar(&np.Project, "naming-project", "", "project mode: one fixed project for every tenant; images go to {registry}/{project}/{tenant}/{name}")
 	fs.StringVar(&np.Prefix, "naming-prefix", "", "flat mode: prefix before the tenant")
 	fs.BoolVar(&np.Harbor, "harbor", false, "the registry is Harbor: create each project (the tenant, or --naming-project) on demand")
+	fs.StringSliceVar(&np.Allowed, "allowed-destination", nil, "repositories a tenant may push to, as patterns with {registry}, {tenant} and {project}; * matches within a path segment, ** across (default: {registry}/{tenant}/** in project mode, {registry}/{project}/{tenant}/** with --naming-project, {registry}/{prefix}{tenant}-* in flat mode)")
 
 }
 

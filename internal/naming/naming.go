@@ -1,10 +1,11 @@
 // Package naming decides where a build's image is pushed when the request
-// names no repository (DESIGN §5).
+// names no repository (DESIGN §5), and where a tenant may push at all.
 package naming
 
 import (
 	"errors"
 	"fmt"
+	"regexp"
 	"strings"
 
 	"github.com/google/go-containerregistry/pkg/name"
@@ -14,8 +15,8 @@ import (
 
 // Modes of the naming policy.
 const (
-	// ModeProject: {registry}/{project}/{name}; the project is the tenant
-	// unless Project is set (Harbor, GHCR, GCR).
+	// ModeProject: {registry}/{tenant}/{name}, or with a fixed Project
+	// {registry}/{project}/{tenant}/{name} (Harbor, GHCR, GCR).
 	ModeProject = "project"
 	// ModeFlat: {registry}/{prefix}{tenant}-{name} (Docker Hub style, one
 	// namespace for everyone).
@@ -36,17 +37,89 @@ type Policy struct {
 	// Harbor: the registry is Harbor, whose projects must exist before a
 	// push; the worker creates them on demand (project mode only).
 	Harbor bool
+	// Allowed replaces the default destination patterns (see
+	// AllowedPatterns). A pattern is a repository with the placeholders
+	// {registry}, {tenant} and {project}; "*" matches within one path
+	// segment, "**" across segments.
+	Allowed []string
+}
+
+// AllowedPatterns are the patterns every destination repository of a
+// request must match, placeholders not yet expanded: Allowed, or by
+// default the tenant's own part of the registry — {registry}/{tenant}/**
+// in project mode ({registry}/{project}/{tenant}/** with a fixed project),
+// {registry}/{prefix}{tenant}-* in flat mode, and nothing at all without a
+// registry.
+func (p Policy) AllowedPatterns() []string {
+	switch {
+	case len(p.Allowed) > 0:
+		return p.Allowed
+	case p.Registry == "":
+		return nil
+	case p.Mode == ModeFlat:
+		return []string{"{registry}/" + p.Prefix + "{tenant}-*"}
+	case p.Project != "":
+		return []string{"{registry}/{project}/{tenant}/**"}
+	default:
+		return []string{"{registry}/{tenant}/**"}
+	}
+}
+
+// ErrDestinationNotAllowed matches the error of a destination outside what
+// the policy gives the tenant.
+var ErrDestinationNotAllowed = errors.New("destination not allowed")
+
+// CheckDestination reports whether tenant may push to repo.
+func (p Policy) CheckDestination(tenant, repo string) error {
+	pats := p.AllowedPatterns()
+	var shown []string
+	for _, pat := range pats {
+		exp := p.expand(pat, tenant)
+		if patternRegexp(exp).MatchString(repo) {
+			return nil
+		}
+		shown = append(shown, exp)
+	}
+	if len(shown) == 0 {
+		return fmt.Errorf("%w: this worker allows no destination (it has no --registry and no --allowed-destination)", ErrDestinationNotAllowed)
+	}
+	return fmt.Errorf("%w: tenant %q may push only to %s, not to %s", ErrDestinationNotAllowed, tenant, strings.Join(shown, " or "), repo)
+}
+
+func (p Policy) expand(pat, tenant string) string {
+	return strings.NewReplacer("{registry}", p.Registry, "{tenant}", tenant, "{project}", p.Project).Replace(pat)
+}
+
+// patternRegexp compiles an expanded pattern: "**" matches anything, "*"
+// anything but "/", everything else itself.
+func patternRegexp(pat string) *regexp.Regexp {
+	var b strings.Builder
+	b.WriteString("^")
+	for i := 0; i < len(pat); i++ {
+		switch {
+		case strings.HasPrefix(pat[i:], "**"):
+			b.WriteString(".+")
+			i++
+		case pat[i] == '*':
+			b.WriteString("[^/]+")
+		default:
+			b.WriteString(regexp.QuoteMeta(pat[i : i+1]))
+		}
+	}
+	b.WriteString("$")
+	return regexp.MustCompile(b.String())
 }
 
 // HarborProject returns the Harbor project a repository of this policy's
-// registry lives in, and whether one must be ensured.
-func (p Policy) HarborProject(repo string) (string, bool) {
+// registry lives in, and whether one must be ensured. Only the tenant's
+// own project, or the configured fixed one, is ever created.
+func (p Policy) HarborProject(tenant, repo string) (string, bool) {
 	if !p.Harbor || p.Mode == ModeFlat || p.Registry == "" || !strings.HasPrefix(repo, p.Registry+"/") {
 		return "", false
 	}
 	rest := strings.TrimPrefix(repo, p.Registry+"/")
 	project, _, ok := strings.Cut(rest, "/")
-	if !ok || project == "" {
+	if !ok || project == "" || (project != tenant && (p.Project == "" || project != p.Project)) {
 		return "", false
 	}
 	return project, true
@@ -68,6 +141,17 @@ func (p Policy) Validate() error {
 			return fmt.Errorf("naming registry %q: %w", p.Registry, err)
 		}
 	}
+	for _, pat := range p.Allowed {
+		if strings.Contains(pat, "{registry}") && p.Registry == "" {
+			return fmt.Errorf("allowed destination %q uses {registry} but no registry is configured", pat)
+		}
+		if strings.Contains(pat, "{project}") && p.Project == "" {
+			return fmt.Errorf("allowed destination %q uses {project} but no naming project is configured", pat)
+		}
+		if strings.Contains(pat, "***") || strings.ContainsAny(pat, " \t\n") || pat == "" {
+			return fmt.Errorf("allowed destination %q is not a valid pattern", pat)
+		}
+	}
 	return nil
 }
 
@@ -84,11 +168,12 @@ func (p Policy) Repository(r *v1.Request) (string, error) {
 	case ModeFlat:
 		repo = p.Registry + "/" + p.Prefix + r.Tenant + "-" + r.Name
 	default:
-		project := p.Project
-		if project == "" {
-			project = r.Tenant
+		repo = p.Registry + "/" + r.Tenant + "/" + r.Name
+		if p.Project != "" {
+			// A shared project still keeps tenants apart, one path
+			// segment each.
+			repo = p.Registry + "/" + p.Project + "/" + r.Tenant + "/" + r.Name
 		}
-		repo = p.Registry + "/" + project + "/" + r.Name
 	}
 	if msg := v1.RepositoryProblem(repo); msg != "" {
 		return "", fmt.Errorf("naming policy produced an invalid repository: %s", msg)

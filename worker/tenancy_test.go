@@ -1,0 +1,212 @@
+package worker
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/go-containerregistry/pkg/name"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
+	"github.com/nats-io/nats.go"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/kaniko"
+	"github.com/buildq/buildq/internal/registry"
+)
+
+// Attacks of one tenant on another (issue 10). Tenant "acme" is the victim,
+// "mallory" the attacker; both publish on their own request subjects.
+
+func mallorys(seed string) *v1.Request {
+	r := request(seed)
+	r.Tenant = "mallory"
+	return r
+}
+
+// Mallory names acme's repository as her destination: refused before
+// anything is created — no Job, no copy of a cached image, no tag moved.
+func TestTenantCannotPushIntoAnotherTenantsRepository(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	e.startWorker("w1", withRegistry(tr))
+	results := e.collect()
+
+	// acme builds key K into its own repository.
+	victim := e.buildThrough(t, tr, results, request("victim-web"), 1)
+	if victim.Data.Status != v1.StatusSucceeded {
+		t.Fatalf("victim %s", mustJSON(t, victim))
+	}
+	for _, seed := range []string{"mallory-new-key", "victim-web"} { // a new key, and K (cached)
+		r := mallorys(seed)
+		r.Image = tr.host + "/acme/web"
+		r.Tags = []string{"latest"}
+		if _, err := e.pub.Publish(context.Background(), r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got := results.waitFor(t, 3, 10*time.Second)[1:]
+	for _, r := range got {
+		if r.Data.Status != v1.StatusFailed || r.Data.Reason != v1.ReasonInvalidRequest ||
+			!strings.Contains(r.Data.Message, tr.host+"/mallory/**") {
+			t.Errorf("mallory's push into acme/web: %s", mustJSON(t, r))
+		}
+	}
+	if n := e.creates.total(); n != 1 {
+		t.Errorf("%d jobs created, want only acme's", n)
+	}
+	ref, _ := name.ParseReference(tr.host+"/acme/web:latest", name.Insecure)
+	if _, err := remote.Head(ref); err == nil {
+		t.Error("acme/web:latest exists: mallory's request moved a tag in acme's repository")
+	}
+}
+
+// Mallory pushes an image of her own under the tag acme's build key will
+// use, in her repository, and asks for that key: the tag answers her own
+// request only. acme's request for the key is built, not answered with
+// mallory's image.
+func TestPlantedTagAnswersOnlyItsPusher(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	e.startWorker("w1", withRegistry(tr))
+	results := e.collect()
+
+	victimReq := request("shared-content")
+	key := v1.BuildKey(victimReq, kanikoID)
+	evil := tr.push(t, tr.host+"/mallory/evil:"+v1.DefaultTag(key))
+	m := mallorys("shared-content") // the same content, so the same key
+	m.Image = tr.host + "/mallory/evil"
+	if _, err := e.pub.Publish(context.Background(), m); err != nil {
+		t.Fatal(err)
+	}
+	mr := results.waitFor(t, 1, 10*time.Second)[0]
+	if mr.Data.Status != v1.StatusSucceeded || mr.Data.Origin != v1.OriginCache || mr.Data.Digest != evil {
+		t.Fatalf("mallory %s", mustJSON(t, mr))
+	}
+	if rec := e.claim(key); rec != nil {
+		t.Fatalf("a tag found in the registry entered the shared index: %+v", rec)
+	}
+	vr := e.buildThrough(t, tr, results, victimReq, 2)
+	if vr.Data.Digest == evil || vr.Data.Origin != v1.OriginBuild {
+		t.Fatalf("acme got %s; mallory's planted image is %s", mustJSON(t, vr), evil)
+	}
+}
+
+// harborSpy is a Registry that records the Harbor projects it is asked to
+// create and finds no image.
+type harborSpy struct {
+	mu       sync.Mutex
+	projects []string
+}
+
+func (h *harborSpy) Head(context.Context, string) (string, error) { return "", registry.ErrNotFound }
+func (h *harborSpy) Copy(context.Context, string, string) (string, error) {
+	return "", errors.New("not used")
+}
+func (h *harborSpy) EnsureHarborProject(_ context.Context, _, project string) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.projects = append(h.projects, project)
+	return nil
+}
+
+// With Harbor, a request creates only its own tenant's project.
+func TestHarborProjectIsOnlyTheTenantsOwn(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	spy := &harborSpy{}
+	e.startWorker("w1", func(c *Config) {
+		c.Registry = spy
+		c.Naming.Harbor = true
+		c.Naming.Allowed = []string{"{registry}/**"} // an operator who lets anyone push anywhere
+	})
+	results := e.collect()
+	m := mallorys("harbor")
+	m.Image = "registry.test:5000/victim-project/web"
+	if _, err := e.pub.Publish(context.Background(), m); err != nil {
+		t.Fatal(err)
+	}
+	own := mallorys("harbor-own")
+	if _, err := e.pub.Publish(context.Background(), own); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "two jobs", func() bool { return e.creates.total() == 2 })
+	spy.mu.Lock()
+	defer spy.mu.Unlock()
+	if len(spy.projects) != 1 || spy.projects[0] != "mallory" {
+		t.Fatalf("harbor projects created: %v, want only [mallory]", spy.projects)
+	}
+	_ = results
+}
+
+// Two tenants that happen to use the same request id each get their own
+// request built and their own result: JetStream's dedupe and the ledger
+// are keyed by tenant and id.
+func TestSameRequestIDInTwoTenants(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.startWorker("w1", nil)
+	results := e.collect()
+	a, m := request("id-acme"), mallorys("id-mallory")
+	a.RequestID, m.RequestID = "build-42", "build-42"
+	for _, r := range []*v1.Request{m, a} {
+		ack, err := e.pub.Publish(context.Background(), r)
+		if err != nil || ack.Duplicate {
+			t.Fatalf("publish %s: %+v %v", r.Tenant, ack, err)
+		}
+	}
+	for _, r := range []*v1.Request{a, m} {
+		e.kubelet(e.waitJob(kaniko.JobName(v1.BuildKey(r, kanikoID))), 0, digestOf(r.Tenant))
+	}
+	got := results.waitFor(t, 2, 10*time.Second)
+	byTenant := map[string]v1.ResultData{}
+	for _, r := range got {
+		byTenant[r.Data.Tenant] = r.Data
+	}
+	for _, tenant := range []string{"acme", "mallory"} {
+		if d := byTenant[tenant]; d.Status != v1.StatusSucceeded || d.Digest != digestOf(tenant) {
+			t.Errorf("%s: %s", tenant, mustJSON(t, d))
+		}
+	}
+}
+
+// A request on a subject whose tenant token is not a valid tenant is
+// refused on the "_invalid" result subject, never on the tenant its body
+// names.
+func TestBodyNeverChoosesTheResultTenant(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.startWorker("w1", nil)
+	results := e.collect()
+	var victim []*nats.Msg
+	var mu sync.Mutex
+	sub, err := e.nc.Subscribe(v1.ResultsPrefix+".acme.>", func(m *nats.Msg) { mu.Lock(); victim = append(victim, m); mu.Unlock() })
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Unsubscribe()
+	r := request("forged")
+	r.APIVersion, r.RequestID = v1.APIVersion, "acme-real-id"
+	body, _ := json.Marshal(r)
+	msg := nats.NewMsg("buildq.requests.NOT_A_LABEL")
+	msg.Header.Set(v1.MsgIDHeader, r.RequestID)
+	msg.Data = body
+	if _, err := e.js.PublishMsg(context.Background(), msg); err != nil {
+		t.Fatal(err)
+	}
+	got := results.waitFor(t, 1, 10*time.Second)[0]
+	if got.Data.Tenant != "_invalid" || got.Data.Reason != v1.ReasonInvalidRequest {
+		t.Fatalf("result %s", mustJSON(t, got))
+	}
+	_ = e.nc.Flush()
+	mu.Lock()
+	defer mu.Unlock()
+	if len(victim) != 0 {
+		t.Fatalf("a forged result landed on acme's subject %s", victim[0].Subject)
+	}
+}
