@@ -647,7 +647,7 @@ func TestCancel(t *testing.T) {
 		key, job, reqs := e.runningWithWaiters(t, "cancel-by-key", events)
 
 		rep := cancelRequest(t, e.nc, v1.CancelSubject("acme", "web"), key)
-		if !rep.Canceled || rep.Key != key || rep.Message != "canceled" {
+		if !rep.Canceled || rep.Key != key || rep.Requests != 3 || !rep.Stopped {
 			t.Fatalf("reply %+v", rep)
 		}
 		eventually(t, 5*time.Second, "job deleted", e.jobGone(job))
@@ -661,21 +661,50 @@ func TestCancel(t *testing.T) {
 		}
 	})
 
-	t.Run("by request id of a waiting request", func(t *testing.T) {
-		t.Parallel()
-		e := setup(t)
-		e.startWorker("w1", shortLease)
-		events := e.events()
-		results := e.collect()
-		key, job, reqs := e.runningWithWaiters(t, "cancel-by-id", events)
+	// Canceling one request cancels that request only: the build goes on
+	// for the others — also when the canceled one owned it.
+	for _, tc := range []struct {
+		name   string
+		cancel int // index into reqs: 0 is the owner
+	}{{"by request id of a waiting request", 2}, {"by request id of the owner", 0}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			e := setup(t)
+			e.startWorker("w1", shortLease)
+			events := e.events()
+			results := e.collect()
+			key, job, reqs := e.runningWithWaiters(t, "cancel-one-"+strings.ReplaceAll(tc.name, " ", "-"), events)
 
-		rep := cancelRequest(t, e.nc, v1.CancelSubject("acme", "web"), reqs[2].RequestID)
-		if !rep.Canceled || rep.Key != key {
-			t.Fatalf("reply %+v", rep)
-		}
-		eventually(t, 5*time.Second, "job deleted", e.jobGone(job))
-		assertAllCanceled(t, e, results, reqs)
-	})
+			rep := cancelRequest(t, e.nc, v1.APICancelSubject("acme"), reqs[tc.cancel].RequestID)
+			if !rep.Canceled || rep.Key != key || rep.Requests != 1 || rep.Stopped {
+				t.Fatalf("reply %+v", rep)
+			}
+			first := results.waitFor(t, 1, 10*time.Second)[0]
+			if first.ID != reqs[tc.cancel].RequestID || first.Data.Status != v1.StatusCanceled {
+				t.Fatalf("first result %s", mustJSON(t, first))
+			}
+			if e.jobGone(job)() {
+				t.Fatal("the job was deleted although two requests still wait on it")
+			}
+			eventually(t, 10*time.Second, "the build's claim to be held", func() bool {
+				r := e.claim(key)
+				return r != nil && r.State == StateBuilding && r.Owner != ""
+			})
+			e.kubelet(e.waitJob(job), 0, digestOf("goes on"))
+			got := byID(results.waitFor(t, 3, 15*time.Second))
+			for i, r := range reqs {
+				if i == tc.cancel {
+					continue
+				}
+				if d := got[r.RequestID][0].Data; d.Status != v1.StatusSucceeded || d.Digest != digestOf("goes on") {
+					t.Errorf("request %d: %s", i, mustJSON(t, d))
+				}
+			}
+			if c := e.creates.total(); c != 1 {
+				t.Errorf("%d jobs created, want 1", c)
+			}
+		})
+	}
 
 	t.Run("right after the job is created", func(t *testing.T) {
 		t.Parallel()
@@ -710,7 +739,7 @@ func TestCancel(t *testing.T) {
 			t.Errorf("unknown key: %+v", rep)
 		}
 		rep = cancelRequest(t, e.nc, v1.CancelSubject("acme", "web"), "no-such-request")
-		if rep.Canceled || !strings.Contains(rep.Message, `no request "no-such-request" is known`) {
+		if rep.Canceled || !strings.Contains(rep.Message, `no request "no-such-request" of tenant acme is known`) {
 			t.Errorf("unknown request id: %+v", rep)
 		}
 		if c := e.creates.total(); c != 0 {
@@ -898,7 +927,7 @@ func TestCancelFromAnotherTenantIsRefused(t *testing.T) {
 	job := e.waitJob(kaniko.JobName(key))
 	// The key names the owning tenant; a request id is per tenant, so
 	// another tenant's id is simply unknown on the intruder's subject.
-	for target, want := range map[string]string{key: `tenant "acme"`, req.RequestID: "no request"} {
+	for target, want := range map[string]string{key: "no request of tenant intruder waits on key", req.RequestID: "no request"} {
 		rep := cancelRequest(t, e.nc, v1.CancelSubject("intruder", "web"), target)
 		if rep.Canceled || !strings.Contains(rep.Message, want) {
 			t.Fatalf("cancel of %s from another tenant: %+v", target, rep)

@@ -8,10 +8,8 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
-	"strings"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap"
 
@@ -48,6 +46,9 @@ type RequestEntry struct {
 	Term   bool           `json:"term,omitempty"`
 	// Published is set once the result's PubAck came back.
 	Published bool `json:"published,omitempty"`
+	// Canceled: the tenant canceled the request before it was decided;
+	// its decision is "canceled".
+	Canceled bool `json:"canceled,omitempty"`
 	// CleanupKey and CleanupRun name the run this request ended, whose Job
 	// it removes after publishing.
 	CleanupKey string `json:"cleanupKey,omitempty"`
@@ -137,6 +138,10 @@ func (w *Worker) record(ctx context.Context, le *ledgerEntry, v verdict) (verdic
 		if le.e.Result != nil {
 			return verdictOf(le.e), nil
 		}
+		if le.e.Canceled && v.data.Status != v1.StatusCanceled {
+			// The cancel's reply said so; the decision follows it.
+			v = canceledVerdict(v)
+		}
 		e := le.e
 		d := v.data
 		e.Key, e.State, e.Origin, e.Digest, e.Reason = d.Key, string(d.Status), d.Origin, d.Digest, d.Reason
@@ -178,88 +183,18 @@ func (w *Worker) published(ctx context.Context, le *ledgerEntry) {
 	}
 }
 
+// canceledVerdict turns v into the "canceled" result of a request its
+// tenant canceled.
+func canceledVerdict(v verdict) verdict {
+	v.data.Status, v.data.Reason, v.data.Message = v1.StatusCanceled, v1.ReasonCanceled, "canceled on request"
+	v.data.Digest, v.data.Image, v.data.ImageRef, v.data.LogTail = "", "", "", ""
+	v.term = false
+	return v
+}
+
 // verdictOf is the recorded decision of an entry.
 func verdictOf(e RequestEntry) verdict {
 	return verdict{tenant: e.Tenant, name: e.Name, data: *e.Result, term: e.Term,
 		cleanupKey: e.CleanupKey, cleanupRun: e.CleanupRun, recorded: true, publishedBefore: e.Published}
 }
 
-// CancelReply answers a cancel request.
-type CancelReply struct {
-	Key      string `json:"key,omitempty"`
-	Canceled bool   `json:"canceled"`
-	Message  string `json:"message"`
-}
-
-// serveCancel answers cancel requests on buildq.cancel.<tenant>.<name>
-// (one worker of the queue group answers each).
-func (w *Worker) serveCancel(ctx context.Context) (*nats.Subscription, error) {
-	return w.nc.QueueSubscribe(v1.CancelPrefix+".>", "buildq-cancel", func(m *nats.Msg) {
-		cctx, cancel := context.WithTimeout(ctx, 15*time.Second)
-		defer cancel()
-		tenant := ""
-		if parts := strings.Split(m.Subject, "."); len(parts) == 4 {
-			tenant = parts[2]
-		}
-		rep := w.cancel(cctx, tenant, string(m.Data))
-		b, _ := json.Marshal(rep)
-		_ = m.Respond(b)
-	})
-}
-
-// cancel ends the build of a key (or of a request's key): the claim becomes
-// a final Canceled record, which every waiting request turns into its
-// "canceled" result, and the build itself is stopped. Only the tenant
-// whose request claimed the build may cancel it: the cancel subject's
-// tenant must match, so NATS permissions on buildq.cancel.<tenant>.> are
-// what guards a tenant's builds.
-func (w *Worker) cancel(ctx context.Context, tenant, target string) CancelReply {
-	key := target
-	if !IsBuildKey(target) {
-		e, err := w.requests.Get(ctx, RequestIndexKey(tenant, target))
-		if err != nil {
-			return CancelReply{Message: fmt.Sprintf("no request %q is known", target)}
-		}
-		var re RequestEntry
-		if err := json.Unmarshal(e.Value(), &re); err != nil || re.Key == "" {
-			return CancelReply{Message: fmt.Sprintf("request %q has no build yet", target)}
-		}
-		if re.Tenant != tenant {
-			return CancelReply{Message: fmt.Sprintf("request %q belongs to tenant %q: send the cancel on %s", target, re.Tenant, v1.CancelSubject(re.Tenant, re.Name))}
-		}
-		key = re.Key
-	}
-	for {
-		cur, rev, err := w.claims.get(ctx, key)
-		if err != nil {
-			return CancelReply{Key: key, Message: err.Error()}
-		}
-		if cur == nil {
-			return CancelReply{Key: key, Message: "no build is known for key " + key}
-		}
-		if cur.Final() {
-			return CancelReply{Key: key, Message: "the build already finished: " + cur.State}
-		}
-		if cur.Tenant != "" && cur.Tenant != tenant {
-			return CancelReply{Key: key, Message: fmt.Sprintf("the build of key %s belongs to tenant %q: send the cancel on %s", key, cur.Tenant, v1.CancelSubject(cur.Tenant, cur.Name))}
-		}
-		final := *cur
-		final.State, final.Reason, final.Message = StateFailed, v1.ReasonCanceled, "canceled on request"
-		final.Owner, final.LeaseUntil, final.FinishedAt = "", time.Time{}, w.cfg.Now().UTC()
-		final.Digest, final.LogTail = "", ""
-		_, ok, err := w.claims.update(ctx, &final, rev)
-		if err != nil {
-			return CancelReply{Key: key, Message: err.Error()}
-		}
-		if !ok {
-			continue
-		}
-		// The owner notices the lost claim at its next renewal; stop the
-		// build now so nothing is pushed after the cancel.
-		if err := w.backend.Cleanup(ctx, key, cur.Run); err != nil && !errors.Is(err, context.Canceled) {
-			w.log.Warn("cancel: stopping the build failed", zap.String("key", key), zap.Error(err))
-		}
-		w.log.Info("build canceled", zap.String("key", key))
-		return CancelReply{Key: key, Canceled: true, Message: "canceled"}
-	}
-}

@@ -39,6 +39,7 @@ type Worker struct {
 	claims   claims
 	requests jetstream.KeyValue
 	orphans  orphanWatch
+	held     heldRequests
 	// ackWait is the consumer's AckWait as the server has it (nanoseconds):
 	// another worker may have set it lower than this one's.
 	ackWait atomic.Int64
@@ -74,6 +75,7 @@ func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 		sem:      make(chan struct{}, cfg.MaxInFlight),
 		source:   "/buildq/worker/" + cfg.ID,
 		orphans:  orphanWatch{seen: map[string]observed{}},
+		held:     heldRequests{m: map[string]context.CancelCauseFunc{}},
 	}, nil
 }
 
@@ -187,11 +189,11 @@ func (w *Worker) Run(ctx context.Context) error {
 	// handed back explicitly, not abandoned mid-publish.
 	workCtx, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelWork()
-	cancelSub, err := w.serveCancel(workCtx)
+	stopAPI, err := w.serveAPI(workCtx)
 	if err != nil {
-		return fmt.Errorf("subscribe to cancel requests: %w", err)
+		return fmt.Errorf("subscribe the status and cancel services: %w", err)
 	}
-	defer func() { _ = cancelSub.Unsubscribe() }()
+	defer stopAPI()
 	var wg sync.WaitGroup
 	if r, ok := w.backend.(Reconciler); ok {
 		wg.Add(1)
@@ -326,12 +328,17 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 	stop := w.heartbeat(msg)
 	defer stop()
 
-	v, le, err := w.safeProcess(ctx, msg, meta)
+	// The tenant's cancel ends hctx with errRequestCanceled.
+	hctx, hcancel := context.WithCancelCause(ctx)
+	defer hcancel(nil)
+	v, le, err := w.safeProcess(hctx, msg, meta, hcancel)
 	// Whatever comes now must not be cut short by shutdown: publishing a
 	// result and acking are quick and keep the request from being redone.
 	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
 	defer cancel()
 	switch {
+	case err != nil && ctx.Err() == nil && errors.Is(context.Cause(hctx), errRequestCanceled):
+		v, err = canceledVerdict(v), nil
 	case err != nil && ctx.Err() != nil:
 		log.Info("handing request back", zap.String("reason", "shutdown"))
 		_ = msg.Nak()
@@ -381,6 +388,9 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 			log.Error("recording the decision failed on the last delivery; publishing it unrecorded", zap.Error(err))
 		}
 		v = rv
+	}
+	if le != nil && le.e.Key != "" {
+		w.dropWaiter(actx, le.e.Key, le.e.Tenant, le.e.RequestID)
 	}
 	if !v.publishedBefore {
 		// Progress first: a client waiting for the result sees the last
@@ -433,7 +443,7 @@ func (w *Worker) settle(ctx context.Context, log *zap.Logger, msg jetstream.Msg,
 // safeProcess is process with a panic turned into a terminal error: a
 // request that crashes the handler gets a failed result once instead of
 // crashing every worker that takes it, forever.
-func (w *Worker) safeProcess(ctx context.Context, msg jetstream.Msg, meta *jetstream.MsgMetadata) (v verdict, le *ledgerEntry, err error) {
+func (w *Worker) safeProcess(ctx context.Context, msg jetstream.Msg, meta *jetstream.MsgMetadata, cancel context.CancelCauseFunc) (v verdict, le *ledgerEntry, err error) {
 	var base verdict // what process knows of the request when it panics
 	defer func() {
 		if r := recover(); r != nil {
@@ -444,7 +454,7 @@ func (w *Worker) safeProcess(ctx context.Context, msg jetstream.Msg, meta *jetst
 			}
 		}
 	}()
-	return w.process(ctx, msg, meta, &base)
+	return w.process(ctx, msg, meta, &base, cancel)
 }
 
 func finishedMessage(d v1.ResultData) string {
@@ -510,7 +520,7 @@ func (w *Worker) heartbeat(msg jetstream.Msg) func() {
 // process decides a request's result. An error means no result yet: the
 // caller retries (transient), hands back (shutdown) or fails the request.
 // le is the request's ledger entry (nil for input too broken to have one).
-func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream.MsgMetadata, base *verdict) (verdict, *ledgerEntry, error) {
+func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream.MsgMetadata, base *verdict, cancel context.CancelCauseFunc) (verdict, *ledgerEntry, error) {
 	started := w.cfg.Now().UTC()
 	timings := v1.Timings{QueuedAt: meta.Timestamp.UTC(), StartedAt: started, QueueWaitMs: started.Sub(meta.Timestamp).Milliseconds()}
 	req, err := w.decode(msg)
@@ -532,7 +542,10 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 		return v, nil, Transient(err)
 	case le.e.Result != nil:
 		return verdictOf(le.e), le, nil // decided before: publish that again
+	case le.e.Canceled:
+		return canceledVerdict(v), le, nil // canceled while it was not held
 	}
+	defer w.held.hold(RequestIndexKey(req.Tenant, req.RequestID), cancel)()
 	if message, ok := w.expired(meta, started); ok && fresh {
 		return expiredVerdict(v, message), le, nil
 	}
@@ -552,6 +565,7 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: key, Phase: v1.PhaseQueued,
 		Message: fmt.Sprintf("taken by %s after %s in the queue", w.cfg.ID, time.Duration(timings.QueueWaitMs)*time.Millisecond)})
 
+	w.addWaiter(ctx, key, req.Tenant, req.RequestID)
 	rec, origin, owned, err := w.build(ctx, req, key, repo, dests, meta.Sequence.Stream)
 	if err != nil {
 		return v, le, err

@@ -29,6 +29,11 @@ const (
 	ResultsPrefix    = "buildq.results"
 	EventsPrefix     = "buildq.events"
 	CancelPrefix     = "buildq.cancel"
+	// APIStatusPrefix and APICancelPrefix are the tenant API's request/reply
+	// subjects: buildq.api.status.<tenant> and buildq.api.cancel.<tenant>,
+	// payload a request id or a build key, reply JSON.
+	APIStatusPrefix = "buildq.api.status"
+	APICancelPrefix = "buildq.api.cancel"
 	DeadLetterPrefix = "buildq.deadletter"
 
 	// MsgIDHeader is the JetStream de-duplication header; buildq sets it to
@@ -42,6 +47,13 @@ const (
 // meet. A request whose header is the bare requestId (the first version of
 // the contract) is still accepted, without that protection.
 func MsgID(tenant, requestID string) string { return tenant + "/" + requestID }
+
+// APIStatusSubject and APICancelSubject are a tenant's status and cancel
+// services.
+func APIStatusSubject(tenant string) string { return APIStatusPrefix + "." + tenant }
+
+// APICancelSubject is where a tenant cancels its requests.
+func APICancelSubject(tenant string) string { return APICancelPrefix + "." + tenant }
 
 // RequestSubject is where a tenant's requests are published.
 func RequestSubject(tenant string) string { return RequestsPrefix + "." + tenant }

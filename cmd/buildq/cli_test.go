@@ -264,7 +264,7 @@ func TestDevSubmitBuildsAndDeduplicates(t *testing.T) {
 	if code != 0 || !strings.Contains(stdout, res.Digest) || !strings.Contains(stdout, res.Key) {
 		t.Errorf("status exit %d: %s", code, stdout)
 	}
-	code, stdout, _ = cli(t, "status", res.Key, "--nats-url", d.nats)
+	code, stdout, _ = cli(t, "status", res.Key, "--tenant", "acme", "--nats-url", d.nats)
 	if code != 0 || !strings.Contains(stdout, "succeeded") {
 		t.Errorf("status by key exit %d: %s", code, stdout)
 	}

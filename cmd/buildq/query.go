@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
 
 	v1 "github.com/buildq/buildq/api/v1"
@@ -94,13 +93,6 @@ of JSON (the full CloudEvent). Stops on Ctrl-C.`,
 	return cmd
 }
 
-// statusView is what `buildq status` prints.
-type statusView struct {
-	Key     string               `json:"key,omitempty"`
-	Request *worker.RequestEntry `json:"request,omitempty"`
-	Build   *worker.Record       `json:"build,omitempty"`
-}
-
 func newStatusCmd() *cobra.Command {
 	var (
 		nf     natsFlags
@@ -112,7 +104,8 @@ func newStatusCmd() *cobra.Command {
 		Short: "Show the state of a build key or a request",
 		Long: `Show what buildq knows of a build key (64 hex digits: the claim or the
 indexed image) or of a request id (its state, build key and result).
-Request ids are per tenant: --tenant names the request's tenant.`,
+Request ids are per tenant: --tenant names the tenant, and a worker answers
+on buildq.api.status.<tenant> with that tenant's requests and builds only.`,
 		Args: exactArgs(1, "KEY|REQUEST_ID"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := bindEnv(cmd, natsEnv); err != nil {
@@ -121,12 +114,22 @@ Request ids are per tenant: --tenant names the request's tenant.`,
 			if output != "text" && output != "json" {
 				return usageErr("-o must be text or json, got %q", output)
 			}
+			if p := v1.DNSLabelProblem(tenant); p != "" {
+				return usageErr("--tenant %s", p)
+			}
 			nf.name = "buildq-status"
-			nc, view, err := connectAndLookup(cmd.Context(), &nf, tenant, args[0])
+			nc, err := nf.connect()
 			if err != nil {
 				return err
 			}
 			defer nc.Close()
+			var view worker.StatusReply
+			if err := apiRequest(nc, v1.APIStatusSubject(tenant), args[0], &view); err != nil {
+				return err
+			}
+			if view.Error != "" {
+				return failed(errors.New(view.Error))
+			}
 			if output == "json" {
 				return writeJSON(cmd.OutOrStdout(), view)
 			}
@@ -138,6 +141,9 @@ Request ids are per tenant: --tenant names the request's tenant.`,
 				}
 				if r.Reason != "" {
 					fmt.Fprintf(out, " %s", r.Reason)
+				}
+				if r.Digest != "" {
+					fmt.Fprintf(out, "\ndigest   %s", r.Digest)
 				}
 				fmt.Fprintf(out, "\nupdated  %s by %s\n", r.UpdatedAt.Local().Format(time.RFC3339), r.Worker)
 			}
@@ -157,93 +163,34 @@ Request ids are per tenant: --tenant names the request's tenant.`,
 					fmt.Fprintf(out, "image    %s@%s\n", b.Repository, b.Digest)
 				}
 				if b.State == worker.StateBuilding && b.Owner != "" {
-					fmt.Fprintf(out, "owner    %s (lease until %s)\n", b.Owner, b.LeaseUntil.Local().Format(time.RFC3339))
+					fmt.Fprintf(out, "owner    %s\n", b.Owner)
 				}
-			} else if view.Key != "" {
-				fmt.Fprintln(out, "build    not started")
 			}
 			return nil
 		},
 	}
 	nf.register(cmd.Flags())
 	cmd.Flags().StringVarP(&output, "output", "o", "text", "output: text or json")
-	cmd.Flags().StringVar(&tenant, "tenant", "default", "tenant of the request id")
+	cmd.Flags().StringVar(&tenant, "tenant", "default", "tenant whose request or build to show")
 	return cmd
 }
 
-// connectAndLookup connects to NATS and resolves target; the caller closes
-// the connection.
-func connectAndLookup(ctx context.Context, nf *natsFlags, tenant, target string) (*nats.Conn, *statusView, error) {
-	nc, err := nf.connect()
-	if err != nil {
-		return nil, nil, err
+// apiRequest sends target to a tenant API subject and decodes the reply.
+func apiRequest(nc *nats.Conn, subject, target string, reply any) error {
+	if target == "" || len(target) > v1.MaxRequestIDLen {
+		return usageErr("%q is neither a build key (64 hex digits) nor a request id", target)
 	}
-	js, err := jetstream.New(nc)
-	if err != nil {
-		nc.Close()
-		return nil, nil, failed(err)
-	}
-	view, err := lookup(ctx, js, tenant, target)
-	if err != nil {
-		nc.Close()
-		return nil, nil, err
-	}
-	return nc, view, nil
-}
-
-// lookup resolves a key, or a tenant's request id, through the KV buckets.
-func lookup(ctx context.Context, js jetstream.JetStream, tenant, target string) (*statusView, error) {
-	builds, err := js.KeyValue(ctx, v1.BuildsBucket)
-	if errors.Is(err, jetstream.ErrBucketNotFound) {
-		return nil, failed(publisher.ErrNoWorkers)
+	msg, err := nc.Request(subject, []byte(target), 20*time.Second)
+	if errors.Is(err, nats.ErrNoResponders) {
+		return failed(fmt.Errorf("no worker answers %s: %w", subject, publisher.ErrNoWorkers))
 	}
 	if err != nil {
-		return nil, failed(err)
+		return failed(fmt.Errorf("%s: %w", subject, err))
 	}
-	view := &statusView{}
-	key := target
-	if !worker.IsBuildKey(target) {
-		if len(target) > v1.MaxRequestIDLen || target == "" {
-			return nil, usageErr("%q is neither a build key (64 hex digits) nor a request id", target)
-		}
-		reqs, err := js.KeyValue(ctx, worker.RequestsBucket)
-		if err != nil {
-			return nil, failed(err)
-		}
-		e, err := reqs.Get(ctx, worker.RequestIndexKey(tenant, target))
-		if errors.Is(err, jetstream.ErrKeyNotFound) {
-			return nil, failed(fmt.Errorf("no request %s of tenant %s is known (still queued, of another tenant — see --tenant — or older than the results' max age)", target, tenant))
-		}
-		if err != nil {
-			return nil, failed(err)
-		}
-		var re worker.RequestEntry
-		if err := json.Unmarshal(e.Value(), &re); err != nil {
-			return nil, failed(err)
-		}
-		view.Request = &re
-		key = re.Key
+	if err := json.Unmarshal(msg.Data, reply); err != nil {
+		return failed(fmt.Errorf("unreadable reply on %s: %w", subject, err))
 	}
-	view.Key = key
-	if key == "" {
-		return view, nil
-	}
-	e, err := builds.Get(ctx, key)
-	switch {
-	case errors.Is(err, jetstream.ErrKeyNotFound):
-		if view.Request == nil {
-			return nil, failed(fmt.Errorf("no build is known for key %s", key))
-		}
-	case err != nil:
-		return nil, failed(err)
-	default:
-		var rec worker.Record
-		if err := json.Unmarshal(e.Value(), &rec); err != nil {
-			return nil, failed(err)
-		}
-		view.Build = &rec
-	}
-	return view, nil
+	return nil
 }
 
 func newCancelCmd() *cobra.Command {
@@ -253,34 +200,29 @@ func newCancelCmd() *cobra.Command {
 	)
 	cmd := &cobra.Command{
 		Use:   "cancel KEY|REQUEST_ID",
-		Short: "Cancel a running build",
-		Long: `Cancel the build of a key, or the build a request is waiting on. The build
-is stopped (its Job deleted) and every request waiting on it gets the result
-"canceled". Request ids are per tenant: --tenant names the request's tenant.`,
+		Short: "Cancel a request, or the tenant's requests waiting on a build",
+		Long: `Cancel one of the tenant's requests (by request id), or all of the
+tenant's requests waiting on a build key. Each gets the result "canceled".
+The build itself is stopped (its Job deleted) only when no other request —
+of any tenant — still waits on it. --tenant names the tenant; a worker
+answers on buildq.api.cancel.<tenant>.`,
 		Args: exactArgs(1, "KEY|REQUEST_ID"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := bindEnv(cmd, natsEnv); err != nil {
 				return err
 			}
+			if p := v1.DNSLabelProblem(tenant); p != "" {
+				return usageErr("--tenant %s", p)
+			}
 			nf.name = "buildq-cancel"
-			nc, view, err := connectAndLookup(cmd.Context(), &nf, tenant, args[0])
+			nc, err := nf.connect()
 			if err != nil {
 				return err
 			}
 			defer nc.Close()
-			tenant, name := tenant, "_"
-			if view.Request != nil {
-				tenant, name = view.Request.Tenant, view.Request.Name
-			} else if view.Build != nil && view.Build.Tenant != "" {
-				tenant, name = view.Build.Tenant, view.Build.Name
-			}
-			msg, err := nc.Request(v1.CancelSubject(tenant, name), []byte(view.Key), 20*time.Second)
-			if err != nil {
-				return failed(fmt.Errorf("no worker answered the cancel request: %w", err))
-			}
 			var rep worker.CancelReply
-			if err := json.Unmarshal(msg.Data, &rep); err != nil {
-				return failed(fmt.Errorf("unreadable cancel reply: %w", err))
+			if err := apiRequest(nc, v1.APICancelSubject(tenant), args[0], &rep); err != nil {
+				return err
 			}
 			fmt.Fprintln(cmd.OutOrStdout(), rep.Message)
 			if !rep.Canceled {
@@ -290,6 +232,6 @@ is stopped (its Job deleted) and every request waiting on it gets the result
 		},
 	}
 	nf.register(cmd.Flags())
-	cmd.Flags().StringVar(&tenant, "tenant", "default", "tenant of the request id")
+	cmd.Flags().StringVar(&tenant, "tenant", "default", "tenant whose requests to cancel")
 	return cmd
 }

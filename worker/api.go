@@ -1,0 +1,394 @@
+package worker
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
+
+	v1 "github.com/buildq/buildq/api/v1"
+)
+
+// The tenant API: status and cancel as NATS request/reply services, so a
+// tenant needs no access to the KV buckets or the streams, and sees and
+// cancels only its own requests. The tenant is the subject's last token,
+// which NATS permissions guard.
+
+// CancelReply answers a cancel request.
+type CancelReply struct {
+	Key      string `json:"key,omitempty"`
+	Canceled bool   `json:"canceled"`
+	// Requests is how many of the tenant's requests were canceled.
+	Requests int `json:"requests"`
+	// Stopped: no other request waited, so the build itself was stopped.
+	Stopped bool   `json:"stopped"`
+	Message string `json:"message"`
+}
+
+// StatusReply answers a status request: the tenant's request (with its
+// result once decided) and the build of the key, when the tenant's own
+// request claimed it.
+type StatusReply struct {
+	Key     string        `json:"key,omitempty"`
+	Request *RequestEntry `json:"request,omitempty"`
+	Build   *Record       `json:"build,omitempty"`
+	Error   string        `json:"error,omitempty"`
+}
+
+// internalCancelSubject tells every worker that a held request was
+// canceled (payload: its ledger key). Tenants must not publish on
+// buildq.internal.>.
+const internalCancelSubject = "buildq.internal.cancel"
+
+// errRequestCanceled ends a held request's handling: its tenant canceled it.
+var errRequestCanceled = errors.New("canceled on request")
+
+// heldRequests maps the ledger key of each request this worker handles to
+// the cancel of its handling.
+type heldRequests struct {
+	mu sync.Mutex
+	m  map[string]context.CancelCauseFunc
+}
+
+func (h *heldRequests) hold(lk string, cancel context.CancelCauseFunc) func() {
+	h.mu.Lock()
+	h.m[lk] = cancel
+	h.mu.Unlock()
+	return func() {
+		h.mu.Lock()
+		delete(h.m, lk)
+		h.mu.Unlock()
+	}
+}
+
+func (h *heldRequests) cancel(lk string) {
+	h.mu.Lock()
+	c := h.m[lk]
+	h.mu.Unlock()
+	if c != nil {
+		c(errRequestCanceled)
+	}
+}
+
+// serveAPI subscribes the tenant API (queue group buildq-api: one worker
+// answers each request), the legacy cancel subject, and the internal
+// cancel notifications (every worker).
+func (w *Worker) serveAPI(ctx context.Context) (func(), error) {
+	var subs []*nats.Subscription
+	stop := func() {
+		for _, s := range subs {
+			_ = s.Unsubscribe()
+		}
+	}
+	handlers := []struct {
+		subject, queue string
+		fn             func(m *nats.Msg)
+	}{
+		{v1.APIStatusPrefix + ".*", "buildq-api", func(m *nats.Msg) {
+			w.respond(ctx, m, func(cctx context.Context, tenant string) any { return w.status(cctx, tenant, strings.TrimSpace(string(m.Data))) })
+		}},
+		{v1.APICancelPrefix + ".*", "buildq-api", func(m *nats.Msg) {
+			w.respond(ctx, m, func(cctx context.Context, tenant string) any { return w.cancel(cctx, tenant, strings.TrimSpace(string(m.Data))) })
+		}},
+		// buildq.cancel.<tenant>.<name>, the first version's subject.
+		{v1.CancelPrefix + ".*.*", "buildq-cancel", func(m *nats.Msg) {
+			w.respond(ctx, m, func(cctx context.Context, tenant string) any { return w.cancel(cctx, tenant, strings.TrimSpace(string(m.Data))) })
+		}},
+		{internalCancelSubject, "", func(m *nats.Msg) { w.held.cancel(string(m.Data)) }},
+	}
+	for _, h := range handlers {
+		var (
+			s   *nats.Subscription
+			err error
+		)
+		if h.queue != "" {
+			s, err = w.nc.QueueSubscribe(h.subject, h.queue, h.fn)
+		} else {
+			s, err = w.nc.Subscribe(h.subject, h.fn)
+		}
+		if err != nil {
+			stop()
+			return nil, err
+		}
+		subs = append(subs, s)
+	}
+	return stop, nil
+}
+
+// respond runs fn for the tenant of m's subject and sends its JSON reply.
+func (w *Worker) respond(ctx context.Context, m *nats.Msg, fn func(ctx context.Context, tenant string) any) {
+	if m.Reply == "" {
+		return
+	}
+	cctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+	defer cancel()
+	parts := strings.Split(m.Subject, ".")
+	tenant := parts[len(parts)-1]
+	if strings.HasPrefix(m.Subject, v1.CancelPrefix+".") {
+		tenant = parts[2] // buildq.cancel.<tenant>.<name>
+	}
+	var reply any
+	if p := v1.DNSLabelProblem(tenant); p != "" {
+		reply = map[string]string{"error": "tenant " + p}
+	} else {
+		reply = fn(cctx, tenant)
+	}
+	b, _ := json.Marshal(reply)
+	_ = m.Respond(b)
+}
+
+// status is what tenant may know of target: one of its request ids, or a
+// build key.
+func (w *Worker) status(ctx context.Context, tenant, target string) StatusReply {
+	if target == "" || len(target) > v1.MaxRequestIDLen {
+		return StatusReply{Error: "send a build key (64 hex digits) or a request id"}
+	}
+	rep := StatusReply{Key: target}
+	if !IsBuildKey(target) {
+		le, err := w.ledgerGet(ctx, tenant, target)
+		if err != nil {
+			return StatusReply{Error: err.Error()}
+		}
+		if le == nil {
+			return StatusReply{Error: fmt.Sprintf("no request %s of tenant %s is known (still queued, or older than the results' max age)", target, tenant)}
+		}
+		rep.Request, rep.Key = &le.e, le.e.Key
+	}
+	if rep.Key == "" {
+		return rep
+	}
+	rec, _, err := w.claims.get(ctx, rep.Key)
+	if err != nil {
+		return StatusReply{Error: err.Error()}
+	}
+	// A build is shown to the tenant whose request claimed it; another
+	// tenant that joined sees its own request's state only.
+	if rec != nil && rec.Tenant == tenant {
+		rep.Build = rec
+	}
+	if rep.Request == nil && rep.Build == nil {
+		return StatusReply{Key: rep.Key, Error: fmt.Sprintf("no build of tenant %s is known for key %s", tenant, rep.Key)}
+	}
+	return rep
+}
+
+// cancel cancels tenant's requests: the one named, or all of the tenant's
+// requests waiting on a build key. Each gets the result "canceled". The
+// build itself is stopped — its run ended as Canceled and its Job deleted
+// — only when no other request, of any tenant, still waits on it;
+// otherwise it goes on for them (a canceled owner hands its run over).
+func (w *Worker) cancel(ctx context.Context, tenant, target string) CancelReply {
+	if target == "" || len(target) > v1.MaxRequestIDLen {
+		return CancelReply{Message: "send a build key (64 hex digits) or a request id"}
+	}
+	var (
+		key  string
+		mine []*ledgerEntry
+	)
+	if IsBuildKey(target) {
+		key = target
+		ws, err := w.waiters(ctx, key)
+		if err != nil {
+			return CancelReply{Key: key, Message: err.Error()}
+		}
+		for _, le := range ws {
+			if le.e.Tenant == tenant {
+				mine = append(mine, le)
+			}
+		}
+	} else {
+		le, err := w.ledgerGet(ctx, tenant, target)
+		switch {
+		case err != nil:
+			return CancelReply{Message: err.Error()}
+		case le == nil:
+			return CancelReply{Message: fmt.Sprintf("no request %q of tenant %s is known", target, tenant)}
+		case le.e.Result != nil:
+			return CancelReply{Key: le.e.Key, Message: "the request already has its result: " + le.e.State}
+		}
+		key, mine = le.e.Key, []*ledgerEntry{le}
+	}
+	n := 0
+	for _, le := range mine {
+		ok, err := w.markCanceled(ctx, le)
+		if err != nil {
+			return CancelReply{Key: key, Requests: n, Canceled: n > 0, Message: err.Error()}
+		}
+		if ok {
+			n++
+			_ = w.nc.Publish(internalCancelSubject, []byte(RequestIndexKey(le.e.Tenant, le.e.RequestID)))
+		}
+	}
+	// Does anyone else still wait on the build?
+	ws, err := w.waiters(ctx, key)
+	if err != nil {
+		return CancelReply{Key: key, Requests: n, Canceled: n > 0, Message: err.Error()}
+	}
+	others := 0
+	for _, le := range ws {
+		if !le.e.Canceled {
+			others++
+		}
+	}
+	if others > 0 {
+		if n == 0 {
+			return CancelReply{Key: key, Message: fmt.Sprintf("no request of tenant %s waits on key %s", tenant, key)}
+		}
+		return CancelReply{Key: key, Canceled: true, Requests: n,
+			Message: fmt.Sprintf("canceled %d request(s); the build goes on for %d other request(s)", n, others)}
+	}
+	stopped, msg := w.stopBuild(ctx, tenant, key, n > 0)
+	if n == 0 && !stopped {
+		return CancelReply{Key: key, Message: msg}
+	}
+	if stopped {
+		msg = fmt.Sprintf("canceled %d request(s) and stopped the build", n)
+	} else {
+		msg = fmt.Sprintf("canceled %d request(s)", n)
+	}
+	return CancelReply{Key: key, Canceled: true, Requests: n, Stopped: stopped, Message: msg}
+}
+
+// stopBuild ends key's current run as Canceled and deletes its Job, when
+// the run is still building and tenant may stop it (it canceled requests
+// waiting on it, or its own request claimed it).
+func (w *Worker) stopBuild(ctx context.Context, tenant, key string, hadRequests bool) (bool, string) {
+	for {
+		cur, rev, err := w.claims.get(ctx, key)
+		switch {
+		case err != nil:
+			return false, err.Error()
+		case cur == nil:
+			return false, "no build is known for key " + key
+		case cur.Final():
+			return false, "the build already finished: " + cur.State
+		case !hadRequests && cur.Tenant != tenant:
+			return false, fmt.Sprintf("no request of tenant %s waits on key %s", tenant, key)
+		}
+		final := *cur
+		final.State, final.Reason, final.Message = StateFailed, v1.ReasonCanceled, "canceled on request"
+		final.Owner, final.LeaseUntil, final.FinishedAt = "", time.Time{}, w.cfg.Now().UTC()
+		final.Digest, final.LogTail = "", ""
+		_, ok, err := w.claims.update(ctx, &final, rev)
+		if err != nil {
+			return false, err.Error()
+		}
+		if !ok {
+			continue
+		}
+		// The owner notices at its next renewal; stop the build now so
+		// nothing is pushed after the cancel.
+		if err := w.backend.Cleanup(ctx, key, cur.Run); err != nil && !errors.Is(err, context.Canceled) {
+			w.log.Warn("cancel: stopping the build failed", zap.String("key", key), zap.Error(err))
+		}
+		w.log.Info("build canceled", zap.String("key", key), zap.String("run", cur.Run))
+		return true, "stopped"
+	}
+}
+
+// ledgerGet reads tenant's request id; nil when unknown.
+func (w *Worker) ledgerGet(ctx context.Context, tenant, id string) (*ledgerEntry, error) {
+	got, err := w.requests.Get(ctx, RequestIndexKey(tenant, id))
+	if errors.Is(err, jetstream.ErrKeyNotFound) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("request ledger: %w", err)
+	}
+	var e RequestEntry
+	if err := json.Unmarshal(got.Value(), &e); err != nil {
+		return nil, fmt.Errorf("request ledger: unreadable entry for %s: %w", id, err)
+	}
+	return &ledgerEntry{e: e, rev: got.Revision()}, nil
+}
+
+// markCanceled sets the Canceled mark of an undecided entry. ok is false
+// when it was decided (or canceled) meanwhile.
+func (w *Worker) markCanceled(ctx context.Context, le *ledgerEntry) (bool, error) {
+	k := RequestIndexKey(le.e.Tenant, le.e.RequestID)
+	for range 10 {
+		if le.e.Result != nil || le.e.Canceled {
+			return false, nil
+		}
+		e := le.e
+		e.Canceled, e.UpdatedAt = true, w.cfg.Now().UTC()
+		b, _ := json.Marshal(e)
+		rev, err := w.requests.Update(ctx, k, b, le.rev)
+		if err == nil {
+			le.e, le.rev = e, rev
+			return true, nil
+		}
+		if !isWrongRevision(err) {
+			return false, fmt.Errorf("request ledger: %w", err)
+		}
+		cur, err := w.ledgerGet(ctx, le.e.Tenant, le.e.RequestID)
+		if err != nil || cur == nil {
+			return false, err
+		}
+		*le = *cur
+	}
+	return false, errors.New("request ledger: entry keeps changing")
+}
+
+// waiterKey is the ledger bucket key that says a request waits on a build
+// key: "w.<build key>.<ledger key>", so a cancel lists a key's waiters
+// with one filtered listing.
+func waiterKey(key, tenant, id string) string {
+	return "w." + key + "." + RequestIndexKey(tenant, id)
+}
+
+// addWaiter records that a request waits on key (best effort: a cancel
+// that misses it only stops a build one request still waited on, which
+// then answers canceled through the build record).
+func (w *Worker) addWaiter(ctx context.Context, key, tenant, id string) {
+	if _, err := w.requests.Put(ctx, waiterKey(key, tenant, id), []byte(tenant+"/"+id)); err != nil {
+		w.log.Debug("waiter index: put failed", zap.String("key", key), zap.Error(err))
+	}
+}
+
+func (w *Worker) dropWaiter(ctx context.Context, key, tenant, id string) {
+	if err := w.requests.Delete(ctx, waiterKey(key, tenant, id)); err != nil {
+		w.log.Debug("waiter index: delete failed", zap.String("key", key), zap.Error(err))
+	}
+}
+
+// waiters returns the undecided ledger entries of the requests waiting on
+// key.
+func (w *Worker) waiters(ctx context.Context, key string) ([]*ledgerEntry, error) {
+	lister, err := w.requests.ListKeysFiltered(ctx, "w."+key+".*")
+	if err != nil {
+		return nil, fmt.Errorf("waiter index: %w", err)
+	}
+	defer func() { _ = lister.Stop() }()
+	var out []*ledgerEntry
+	seen := map[string]bool{}
+	for k := range lister.Keys() {
+		if seen[k] {
+			continue
+		}
+		seen[k] = true
+		got, err := w.requests.Get(ctx, k)
+		if err != nil {
+			continue // gone meanwhile
+		}
+		tenant, id, ok := strings.Cut(string(got.Value()), "/")
+		if !ok {
+			continue
+		}
+		le, err := w.ledgerGet(ctx, tenant, id)
+		if err != nil {
+			return nil, err
+		}
+		if le != nil && le.e.Result == nil {
+			out = append(out, le)
+		}
+	}
+	return out, nil
+}
