@@ -5,6 +5,7 @@ package integration
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -417,12 +418,12 @@ func (s *suite) waitTaken(n int) {
 	})
 }
 
-// storedResultCounts counts the results stored in BUILDQ_RESULTS by
-// request id (the Nats-Msg-Id header).
-func (s *suite) storedResultCounts() map[string]int {
+// streamResults reads BUILDQ_RESULTS, the authority on what subscribers
+// get: every stored result by request id (the Nats-Msg-Id header).
+func (s *suite) streamResults() map[string][]v1.Result {
 	s.t.Helper()
 	js := s.js()
-	return retry(s.t, "read the results stream", func(ctx context.Context) (map[string]int, error) {
+	return retry(s.t, "read the results stream", func(ctx context.Context) (map[string][]v1.Result, error) {
 		st, err := js.Stream(ctx, v1.ResultsStream)
 		if err != nil {
 			return nil, err
@@ -431,9 +432,9 @@ func (s *suite) storedResultCounts() map[string]int {
 		if err != nil {
 			return nil, err
 		}
-		counts := map[string]int{}
+		out := map[string][]v1.Result{}
 		if info.State.Msgs == 0 {
-			return counts, nil
+			return out, nil
 		}
 		for seq := info.State.FirstSeq; seq <= info.State.LastSeq; seq++ {
 			m, err := st.GetMsg(ctx, seq)
@@ -443,37 +444,40 @@ func (s *suite) storedResultCounts() map[string]int {
 			if err != nil {
 				return nil, err
 			}
-			// The header is "<tenant>/<requestId>" (v1.MsgID); count by id.
-			id := m.Header.Get(v1.MsgIDHeader)
-			if _, rest, ok := strings.Cut(id, "/"); ok {
-				id = rest
+			var r v1.Result
+			if err := json.Unmarshal(m.Data, &r); err != nil {
+				return nil, fmt.Errorf("result at %d: %w", seq, err)
 			}
-			counts[id]++
+			id := m.Header.Get(v1.MsgIDHeader)
+			out[id] = append(out[id], r)
 		}
-		return counts, nil
+		return out, nil
 	})
 }
 
-// answeredOnce waits until each request id has its result and checks that
-// the results stream stores exactly one per id. It returns the results by
-// id.
+// storedResultCounts counts the stored results by request id.
+func (s *suite) storedResultCounts() map[string]int {
+	s.t.Helper()
+	counts := map[string]int{}
+	for id, rs := range s.streamResults() {
+		counts[id] = len(rs)
+	}
+	return counts
+}
+
+// answeredOnce waits until the results stream holds a result for each
+// request id, checks that it holds exactly one per id, and returns them by
+// id. It also checks that the test's subscriber (publisher.Watch, what
+// `buildq submit --wait` and `buildq watch` use) got each of them.
 func (s *suite) answeredOnce(res *results, want []string, timeout time.Duration) map[string]v1.Result {
 	s.t.Helper()
-	byID := func() map[string]v1.Result {
-		res.mu.Lock()
-		defer res.mu.Unlock()
-		out := map[string]v1.Result{}
-		for _, r := range res.got {
-			out[r.ID] = r
-		}
-		return out
-	}
+	var stored map[string][]v1.Result
 	deadline := time.Now().Add(timeout)
 	for {
-		got := byID()
+		stored = s.streamResults()
 		var missing []string
 		for _, id := range want {
-			if _, ok := got[id]; !ok {
+			if len(stored[id]) == 0 {
 				missing = append(missing, id)
 			}
 		}
@@ -481,26 +485,39 @@ func (s *suite) answeredOnce(res *results, want []string, timeout time.Duration)
 			break
 		}
 		if time.Now().After(deadline) {
-			// Tell a lost result from one the test's watcher missed.
-			stored := s.storedResultCounts()
-			var detail []string
-			for _, id := range missing {
-				detail = append(detail, fmt.Sprintf("%s (stored %d)", id, stored[id]))
-			}
-			s.t.Fatalf("after %s, the test saw no result for %d of %d requests: %v", timeout, len(missing), len(want), detail)
+			s.t.Fatalf("after %s, no result stored for %d of %d requests: %v", timeout, len(missing), len(want), missing)
 		}
-		time.Sleep(50 * time.Millisecond)
+		time.Sleep(100 * time.Millisecond)
 	}
-	stored := s.storedResultCounts()
-	for _, id := range want {
-		if stored[id] != 1 {
-			s.t.Errorf("request %s: %d results stored, want exactly 1", id, stored[id])
-		}
-	}
-	got := byID()
 	out := map[string]v1.Result{}
 	for _, id := range want {
-		out[id] = got[id]
+		if n := len(stored[id]); n != 1 {
+			s.t.Errorf("request %s: %d results stored, want exactly 1", id, n)
+		}
+		out[id] = stored[id][0]
+	}
+	seen := func() []string {
+		res.mu.Lock()
+		defer res.mu.Unlock()
+		got := map[string]bool{}
+		for _, r := range res.got {
+			got[r.ID] = true
+		}
+		var missing []string
+		for _, id := range want {
+			if !got[id] {
+				missing = append(missing, id)
+			}
+		}
+		return missing
+	}
+	wdeadline := time.Now().Add(30 * time.Second)
+	for missing := seen(); len(missing) > 0; missing = seen() {
+		if time.Now().After(wdeadline) {
+			s.t.Errorf("publisher.Watch has not delivered %d stored result(s) 30s after they were stored: %v", len(missing), missing)
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 	return out
 }

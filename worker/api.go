@@ -92,14 +92,20 @@ func (w *Worker) serveAPI(ctx context.Context) (func(), error) {
 		fn             func(m *nats.Msg)
 	}{
 		{v1.APIStatusPrefix + ".*", "buildq-api", func(m *nats.Msg) {
-			w.respond(ctx, m, func(cctx context.Context, tenant string) any { return w.status(cctx, tenant, strings.TrimSpace(string(m.Data))) })
+			w.respond(ctx, m, func(cctx context.Context, tenant string) any {
+				return w.status(cctx, tenant, strings.TrimSpace(string(m.Data)))
+			})
 		}},
 		{v1.APICancelPrefix + ".*", "buildq-api", func(m *nats.Msg) {
-			w.respond(ctx, m, func(cctx context.Context, tenant string) any { return w.cancel(cctx, tenant, strings.TrimSpace(string(m.Data))) })
+			w.respond(ctx, m, func(cctx context.Context, tenant string) any {
+				return w.cancel(cctx, tenant, strings.TrimSpace(string(m.Data)))
+			})
 		}},
 		// buildq.cancel.<tenant>.<name>, the first version's subject.
 		{v1.CancelPrefix + ".*.*", "buildq-cancel", func(m *nats.Msg) {
-			w.respond(ctx, m, func(cctx context.Context, tenant string) any { return w.cancel(cctx, tenant, strings.TrimSpace(string(m.Data))) })
+			w.respond(ctx, m, func(cctx context.Context, tenant string) any {
+				return w.cancel(cctx, tenant, strings.TrimSpace(string(m.Data)))
+			})
 		}},
 		{internalCancelSubject, "", func(m *nats.Msg) { w.held.cancel(string(m.Data)) }},
 	}

@@ -197,4 +197,3 @@ func verdictOf(e RequestEntry) verdict {
 	return verdict{tenant: e.Tenant, name: e.Name, data: *e.Result, term: e.Term,
 		cleanupKey: e.CleanupKey, cleanupRun: e.CleanupRun, recorded: true, publishedBefore: e.Published}
 }
-

@@ -25,15 +25,15 @@ const (
 	WorkersConsumer = "buildq-workers"
 	BuildsBucket    = "buildq-builds"
 
-	RequestsPrefix   = "buildq.requests"
-	ResultsPrefix    = "buildq.results"
-	EventsPrefix     = "buildq.events"
-	CancelPrefix     = "buildq.cancel"
+	RequestsPrefix = "buildq.requests"
+	ResultsPrefix  = "buildq.results"
+	EventsPrefix   = "buildq.events"
+	CancelPrefix   = "buildq.cancel"
 	// APIStatusPrefix and APICancelPrefix are the tenant API's request/reply
 	// subjects: buildq.api.status.<tenant> and buildq.api.cancel.<tenant>,
 	// payload a request id or a build key, reply JSON.
-	APIStatusPrefix = "buildq.api.status"
-	APICancelPrefix = "buildq.api.cancel"
+	APIStatusPrefix  = "buildq.api.status"
+	APICancelPrefix  = "buildq.api.cancel"
 	DeadLetterPrefix = "buildq.deadletter"
 
 	// MsgIDHeader is the JetStream de-duplication header; buildq sets it to
