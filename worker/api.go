@@ -115,7 +115,10 @@ func (w *Worker) serveAPI(ctx context.Context) (func(), error) {
 			err error
 		)
 		if h.queue != "" {
-			s, err = w.nc.QueueSubscribe(h.subject, h.queue, h.fn)
+			// A slow API server must not queue every other tenant's
+			// status or cancel behind one: each is answered on its own.
+			fn := h.fn
+			s, err = w.nc.QueueSubscribe(h.subject, h.queue, func(m *nats.Msg) { go fn(m) })
 		} else {
 			s, err = w.nc.Subscribe(h.subject, h.fn)
 		}
@@ -157,15 +160,15 @@ func (w *Worker) status(ctx context.Context, tenant, target string) StatusReply 
 		return StatusReply{Error: "send a build key (64 hex digits) or a request id"}
 	}
 	rep := StatusReply{Key: target}
-	if !IsBuildKey(target) {
-		le, err := w.ledgerGet(ctx, tenant, target)
-		if err != nil {
-			return StatusReply{Error: err.Error()}
-		}
-		if le == nil {
-			return StatusReply{Error: fmt.Sprintf("no request %s of tenant %s is known (still queued, or older than the results' max age)", target, tenant)}
-		}
+	// A request id first: an id may look like a build key.
+	le, err := w.ledgerGet(ctx, tenant, target)
+	switch {
+	case err != nil:
+		return StatusReply{Error: err.Error()}
+	case le != nil:
 		rep.Request, rep.Key = &le.e, le.e.Key
+	case !IsBuildKey(target):
+		return StatusReply{Error: fmt.Sprintf("no request %s of tenant %s is known (still queued, or older than the results' max age)", target, tenant)}
 	}
 	if rep.Key == "" {
 		return rep
@@ -198,7 +201,12 @@ func (w *Worker) cancel(ctx context.Context, tenant, target string) CancelReply 
 		key  string
 		mine []*ledgerEntry
 	)
-	if IsBuildKey(target) {
+	// A request id first: an id may look like a build key.
+	byID, err := w.ledgerGet(ctx, tenant, target)
+	if err != nil {
+		return CancelReply{Message: err.Error()}
+	}
+	if byID == nil && IsBuildKey(target) {
 		key = target
 		ws, err := w.waiters(ctx, key)
 		if err != nil {
@@ -210,10 +218,8 @@ func (w *Worker) cancel(ctx context.Context, tenant, target string) CancelReply 
 			}
 		}
 	} else {
-		le, err := w.ledgerGet(ctx, tenant, target)
+		le := byID
 		switch {
-		case err != nil:
-			return CancelReply{Message: err.Error()}
 		case le == nil:
 			return CancelReply{Message: fmt.Sprintf("no request %q of tenant %s is known", target, tenant)}
 		case le.e.Result != nil:

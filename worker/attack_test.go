@@ -3,11 +3,8 @@ package worker
 // Adversarial tests of the claim protocol after the rewrite for issue 9
 // (commit 54e1b33 and later). Each test stages one interleaving — a pause,
 // a write that landed although its caller saw an error, a cancel racing a
-// take-over, hostile input — and names the invariant it breaks. They fail
-// on the code they were written against; each is guarded by
-// BUILDQ_ATTACK so `make test` stays green until the defect is fixed:
-//
-//	BUILDQ_ATTACK=1 go test -count=1 -run 'TestAttack' ./worker/
+// take-over, hostile input — and names the invariant it broke. Each failed
+// on the code it was written against (fa71058) and passes since the fix.
 
 import (
 	"context"
@@ -15,7 +12,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"os"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -39,13 +35,6 @@ import (
 	"github.com/buildq/buildq/internal/registry"
 	"github.com/buildq/buildq/internal/s3store"
 )
-
-func attack(t *testing.T, defect string) {
-	t.Helper()
-	if os.Getenv("BUILDQ_ATTACK") == "" {
-		t.Skip("known defect, see report: " + defect)
-	}
-}
 
 // ---- helpers ----
 
@@ -232,7 +221,6 @@ func resultFor(results *resultCollector, id string) []v1.Result {
 // replaced its Job. The local backend does the same (LocalBackend.Run
 // cancels the in-process build of any other run of the key).
 func TestAttackStaleOwnerDeletesTheCurrentRunsJob(t *testing.T) {
-	attack(t, "a run that ended while its Job create was in flight deletes the newer run's Job on AlreadyExists (removeStale)")
 	t.Parallel()
 	e := setup(t)
 	entered, release := make(chan struct{}), make(chan struct{})
@@ -326,7 +314,6 @@ func (*panicOnceBackend) Cleanup(context.Context, string, string) error { return
 // stream readers for 10 minutes; after that it is stored too; the ledger
 // and `buildq status` say succeeded while the stored result says failed).
 func TestAttackPanicResultIsNotRecordedSoARedeliveryDecidesAgain(t *testing.T) {
-	attack(t, "safeProcess drops the ledger entry on a panic, so the InfrastructureError result is published unrecorded")
 	t.Parallel()
 	e := setup(t)
 	cfg := testConfig("w1")
@@ -398,7 +385,6 @@ func (p *panickyContexts) Open(context.Context, string, string) (io.ReadCloser, 
 // Breaks invariant 1 for `buildq dev`: after one panic, no request for the
 // key is ever answered by that worker (its handler heartbeats forever).
 func TestAttackLocalBuildPanicWedgesTheKey(t *testing.T) {
-	attack(t, "LocalBackend.Run leaves l.running[key] with done open when the build panics; later runs of the key hang")
 	t.Parallel()
 	l := NewLocalBackend(&panickyContexts{}, noPusher{}, t.TempDir(), 0)
 	req := request("local-panic")
@@ -440,7 +426,6 @@ func TestAttackLocalBuildPanicWedgesTheKey(t *testing.T) {
 // Breaks the cancel contract (design §3: every request waiting on the run
 // gets `canceled`): R1 is not canceled and a build starts after the cancel.
 func TestAttackCancelIsUndoneByARequestThatTookTheRunOver(t *testing.T) {
-	attack(t, "after losing its claim, a take-over owner retries the canceled record as a new run instead of taking the cancel")
 	t.Parallel()
 	e := setup(t)
 	var deletes atomic.Int32
@@ -504,7 +489,6 @@ func TestAttackCancelIsUndoneByARequestThatTookTheRunOver(t *testing.T) {
 // request should say it already finished, and never end another
 // request's build.
 func TestAttackCancelOfAFinishedRequestCancelsTheNextRun(t *testing.T) {
-	attack(t, "cancel by request id cancels the key's current run even when that request is finished and the run is another's")
 	t.Parallel()
 	e := setup(t)
 	e.startWorker("w1", nil)
@@ -546,7 +530,6 @@ func TestAttackCancelOfAFinishedRequestCancelsTheNextRun(t *testing.T) {
 // Breaks invariant 1 for the genuine request and the point of the header
 // check. Same-tenant only (the ledger key has the tenant).
 func TestAttackMismatchedHeaderTakesTheBodysRequestID(t *testing.T) {
-	attack(t, "an invalid request with header/body id mismatch is answered and ledgered under the body's id, pre-empting that id")
 	t.Parallel()
 	e := setup(t)
 	e.startWorker("w1", nil)
@@ -605,7 +588,6 @@ func TestAttackMismatchedHeaderTakesTheBodysRequestID(t *testing.T) {
 // Breaks the lease contract (a live owner renews every lease/3): one lost
 // reply makes a live owner abandon its claim for > 1.5 leases.
 func TestAttackRenewalThatLandedMakesTheOwnerAbandonItsClaim(t *testing.T) {
-	attack(t, "a renewal whose reply is lost leaves the renewer with a stale revision; its next CAS fails and it cancels its own build")
 	t.Parallel()
 	e := setup(t)
 	var armed, fired atomic.Bool
@@ -705,7 +687,6 @@ func TestPreflightHitStaysACacheAnswerAfterARetry(t *testing.T) {
 // Breaks the cancel contract (payload: build key or requestId) for valid
 // ids. `buildq status` has the same ambiguity (cmd/buildq).
 func TestAttackRequestIDThatLooksLikeAKeyCannotBeCanceled(t *testing.T) {
-	attack(t, "cancel treats any 64-hex payload as a build key, so a valid request id of that shape is never found")
 	t.Parallel()
 	e := setup(t)
 	e.startWorker("w1", nil)

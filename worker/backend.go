@@ -28,9 +28,19 @@ type Build struct {
 	Destinations []string
 	// Run identifies the attempt (claim.go). A backend adopts only a build
 	// of the same run; anything of another run of the key is stale and is
-	// replaced.
+	// replaced — but only while Current says this run is still the key's
+	// current one (a run that ended meanwhile must not remove the Job of
+	// the run that replaced it).
 	Run string
+	// Current reports whether Run is still the key's current run (nil:
+	// always).
+	Current func(ctx context.Context) bool
 }
+
+// errNotCurrent: the run ended while its build was being started.
+var errNotCurrent = errors.New("the build run is no longer the key's current run")
+
+func (b Build) current(ctx context.Context) bool { return b.Current == nil || b.Current(ctx) }
 
 // Outcome is the end of a build as a backend reports it.
 type Outcome struct {
@@ -292,7 +302,7 @@ func (k *KubeBackend) create(ctx context.Context, job *batchv1.Job, b Build, sig
 			if attempt >= 5 {
 				return false, "", Transient(fmt.Errorf("create job %s: a job of another run keeps standing in its place", job.Name))
 			}
-			own, err := k.removeStale(ctx, job.Name, b.Run, signal)
+			own, err := k.removeStale(ctx, job.Name, b, signal)
 			if err != nil {
 				return false, "", err
 			}
@@ -339,13 +349,20 @@ func (k *KubeBackend) existing(ctx context.Context, name string, signal <-chan s
 // run's own, to adopt. Otherwise it deletes the Job (UID precondition) and
 // waits, on the informer cache, until it is gone, then reports false: the
 // caller creates its own.
-func (k *KubeBackend) removeStale(ctx context.Context, name, run string, signal <-chan struct{}) (bool, error) {
+func (k *KubeBackend) removeStale(ctx context.Context, name string, b Build, signal <-chan struct{}) (bool, error) {
 	old, err := k.existing(ctx, name, signal)
 	if err != nil || old == nil {
 		return false, err
 	}
-	if old.Annotations[kaniko.AnnotationRun] == run && old.DeletionTimestamp == nil {
+	if old.Annotations[kaniko.AnnotationRun] == b.Run && old.DeletionTimestamp == nil {
 		return true, nil
+	}
+	// The Job seen is of another run. It is stale only if this run is
+	// still the current one (checked after seeing the Job: a run id is
+	// never reused, so a Job seen before that check cannot be of a run
+	// that starts after it).
+	if !b.current(ctx) {
+		return false, errNotCurrent
 	}
 	uid := old.UID
 	if old.DeletionTimestamp == nil {

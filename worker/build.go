@@ -255,6 +255,15 @@ func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev ui
 				mu.Unlock()
 				c.LeaseUntil = w.cfg.Now().UTC().Add(w.cfg.Lease)
 				nrev, ok, err := w.claims.update(runCtx, &c, crev)
+				if !ok && err == nil {
+					// Someone wrote the record — or our own earlier write
+					// landed although its reply was lost. Only another run
+					// or another owner means the claim is lost.
+					cur, rrev, gerr := w.claims.get(runCtx, c.Key)
+					if gerr == nil && cur != nil && cur.Run == c.Run && cur.Owner == w.cfg.ID && !cur.Final() {
+						nrev, ok = rrev, true
+					}
+				}
 				switch {
 				case err != nil:
 					w.log.Warn("lease renewal failed", zap.String("key", c.Key), zap.Error(err))
@@ -277,7 +286,22 @@ func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev ui
 	stopRenew := func() { stopOnce.Do(func() { close(renewDone); <-renewStopped }) }
 	defer stopRenew() // also when the backend panics
 
-	out, err := w.backend.Run(runCtx, Build{Request: req, Key: claim.Key, Run: claim.Run, Destinations: claim.Destinations}, func(job string, created bool, creator string) {
+	current := func(ctx context.Context) bool {
+		cur, _, err := w.claims.get(ctx, claim.Key)
+		return err == nil && cur != nil && cur.Run == claim.Run && !cur.Final()
+	}
+	defer func() {
+		// A backend that panics leaves the run to the next worker at once
+		// instead of after a lapse; the panic goes on to the handler.
+		if p := recover(); p != nil {
+			mu.Lock()
+			held, heldRev := *claim, rev
+			mu.Unlock()
+			w.releaseClaim(ctx, &held, heldRev)
+			panic(p)
+		}
+	}()
+	out, err := w.backend.Run(runCtx, Build{Request: req, Key: claim.Key, Run: claim.Run, Destinations: claim.Destinations, Current: current}, func(job string, created bool, creator string) {
 		mu.Lock()
 		claim.Job = job
 		mu.Unlock()
@@ -305,7 +329,13 @@ func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev ui
 			// A cancel or a take-over ends a build from outside: the
 			// record then says what happened.
 			cur, _, gerr := w.claims.get(ctx, held.Key)
-			if errors.Is(context.Cause(runCtx), errLostClaim) || (gerr == nil && cur != nil && (cur.Final() || cur.Run != held.Run || cur.Owner != w.cfg.ID)) {
+			if gerr == nil && cur != nil && cur.Run == held.Run && cur.Final() {
+				// The run this request held was ended from outside (a
+				// cancel, the reconciler): that end is its answer — never
+				// a retry that would undo a cancel.
+				return cur, origin, true, nil
+			}
+			if errors.Is(err, errNotCurrent) || errors.Is(context.Cause(runCtx), errLostClaim) || (gerr == nil && cur != nil && (cur.Final() || cur.Run != held.Run || cur.Owner != w.cfg.ID)) {
 				w.log.Info("the build claim changed hands; following the record", zap.String("key", held.Key), zap.String("run", held.Run))
 				return w.build(ctx, req, held.Key, held.Repository, dests, seq)
 			}

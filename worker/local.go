@@ -78,6 +78,9 @@ func (l *LocalBackend) Run(ctx context.Context, b Build, started Started) (Outco
 		if r.run == b.Run {
 			started(name, false, r.creator)
 		} else {
+			if !b.current(ctx) {
+				return Outcome{}, errNotCurrent
+			}
 			r.cancel() // a run the record has left
 		}
 		select {
@@ -97,15 +100,31 @@ func (l *LocalBackend) Run(ctx context.Context, b Build, started Started) (Outco
 	r := &localRun{run: b.Run, cancel: cancel, creator: b.Request.RequestID, done: make(chan struct{})}
 	l.running[b.Key] = r
 	l.mu.Unlock()
+	defer func() {
+		// Also when the build panics: a run left in the map would hold
+		// every later request of the key forever.
+		if p := recover(); p != nil {
+			r.err = fmt.Errorf("local build panicked: %v", p)
+			l.finish(b.Key, r)
+			panic(p)
+		}
+		l.finish(b.Key, r)
+	}()
 	started(name, true, b.Request.RequestID)
 
 	r.out, r.err = l.build(bctx, b)
 	r.out.Job, r.out.JobUID, r.out.Run = name, b.Run, b.Run
+	return r.out, r.err
+}
+
+// finish removes a run from the map and wakes the calls sharing it.
+func (l *LocalBackend) finish(key string, r *localRun) {
 	l.mu.Lock()
-	delete(l.running, b.Key)
+	if l.running[key] == r {
+		delete(l.running, key)
+	}
 	l.mu.Unlock()
 	close(r.done)
-	return r.out, r.err
 }
 
 func isContextErr(err error) bool {

@@ -444,17 +444,22 @@ func (w *Worker) settle(ctx context.Context, log *zap.Logger, msg jetstream.Msg,
 // request that crashes the handler gets a failed result once instead of
 // crashing every worker that takes it, forever.
 func (w *Worker) safeProcess(ctx context.Context, msg jetstream.Msg, meta *jetstream.MsgMetadata, cancel context.CancelCauseFunc) (v verdict, le *ledgerEntry, err error) {
-	var base verdict // what process knows of the request when it panics
+	var (
+		base   verdict // what process knows of the request when it panics
+		baseLE *ledgerEntry
+	)
 	defer func() {
 		if r := recover(); r != nil {
 			w.log.Error("panic while handling a request", zap.Any("panic", r), zap.Stack("stack"))
-			v, le, err = base, nil, fmt.Errorf("internal error while handling the request: %v", r)
+			// The failure is recorded in the ledger like any decision, so
+			// a redelivery publishes it again instead of deciding anew.
+			v, le, err = base, baseLE, fmt.Errorf("internal error while handling the request: %v", r)
 			if v.tenant == "" {
 				v = w.invalid(msg, nil, err, v1.Timings{}, meta)
 			}
 		}
 	}()
-	return w.process(ctx, msg, meta, &base, cancel)
+	return w.process(ctx, msg, meta, &base, &baseLE, cancel)
 }
 
 func finishedMessage(d v1.ResultData) string {
@@ -520,7 +525,7 @@ func (w *Worker) heartbeat(msg jetstream.Msg) func() {
 // process decides a request's result. An error means no result yet: the
 // caller retries (transient), hands back (shutdown) or fails the request.
 // le is the request's ledger entry (nil for input too broken to have one).
-func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream.MsgMetadata, base *verdict, cancel context.CancelCauseFunc) (verdict, *ledgerEntry, error) {
+func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream.MsgMetadata, base *verdict, baseLE **ledgerEntry, cancel context.CancelCauseFunc) (verdict, *ledgerEntry, error) {
 	started := w.cfg.Now().UTC()
 	timings := v1.Timings{QueuedAt: meta.Timestamp.UTC(), StartedAt: started, QueueWaitMs: started.Sub(meta.Timestamp).Milliseconds()}
 	req, err := w.decode(msg)
@@ -545,6 +550,7 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 	case le.e.Canceled:
 		return canceledVerdict(v), le, nil // canceled while it was not held
 	}
+	*baseLE = le
 	defer w.held.hold(RequestIndexKey(req.Tenant, req.RequestID), cancel)()
 	if message, ok := w.expired(meta, started); ok && fresh {
 		return expiredVerdict(v, message), le, nil
@@ -615,6 +621,9 @@ func (w *Worker) decode(msg jetstream.Msg) (*v1.Request, error) {
 			req.Tenant, msg.Subject(), req.Tenant, v1.RequestSubject(req.Tenant))})
 	}
 	if h := msg.Headers().Get(v1.MsgIDHeader); h != v1.MsgID(req.Tenant, req.RequestID) && h != req.RequestID {
+		if len(h) > 2*v1.MaxRequestIDLen {
+			h = h[:2*v1.MaxRequestIDLen] + "…"
+		}
 		detail := fmt.Sprintf("the %s header is %q but the body says tenant %q, requestId %q; the header must be %q (JetStream dedupes on it)",
 			v1.MsgIDHeader, h, req.Tenant, req.RequestID, v1.MsgID(req.Tenant, req.RequestID))
 		if h == "" {
@@ -632,7 +641,10 @@ func (w *Worker) decode(msg jetstream.Msg) (*v1.Request, error) {
 // validated, with the ledger entry of its id when it has a usable one.
 func (w *Worker) invalidEntry(ctx context.Context, msg jetstream.Msg, req *v1.Request, err error, timings v1.Timings, meta *jetstream.MsgMetadata) (verdict, *ledgerEntry, error) {
 	v := w.invalid(msg, req, err, timings, meta)
-	if w.requests == nil || strings.HasPrefix(v.tenant, "_") || strings.HasPrefix(v.data.RequestID, "invalid-") {
+	if w.requests == nil || strings.HasPrefix(v.tenant, "_") || strings.HasPrefix(v.data.RequestID, "invalid-") ||
+		msg.Headers().Get(v1.MsgIDHeader) == "" {
+		// No ledger entry for an id the message does not hold by its
+		// header: it must not block a real request of that id.
 		return v, nil, nil
 	}
 	le, _, lerr := w.openEntry(ctx, v.tenant, v.name, v.data.RequestID, "", meta.Sequence.Stream, meta.Timestamp)
@@ -691,11 +703,13 @@ func (w *Worker) invalid(msg jetstream.Msg, req *v1.Request, err error, timings 
 	if v1.DNSLabelProblem(name) != "" {
 		name = "_invalid"
 	}
-	if !usableID(id) {
-		id = strings.TrimPrefix(msg.Headers().Get(v1.MsgIDHeader), tenant+"/")
-		if !usableID(id) {
-			id = fmt.Sprintf("invalid-%d", meta.Sequence.Stream)
-		}
+	// The id is the header's — what JetStream deduped the message on —
+	// not the body's: a broken or forged body must not take (and so
+	// block) an id another message of the tenant holds.
+	if h := strings.TrimPrefix(msg.Headers().Get(v1.MsgIDHeader), tenant+"/"); usableID(h) {
+		id = h
+	} else if !usableID(id) || msg.Headers().Get(v1.MsgIDHeader) != "" {
+		id = fmt.Sprintf("invalid-%d", meta.Sequence.Stream)
 	}
 	w.log.Info("invalid request", zap.String("requestId", id), zap.Error(err))
 	return verdict{tenant: tenant, name: name, term: true, data: v1.ResultData{
