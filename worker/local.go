@@ -156,9 +156,13 @@ func (l *LocalBackend) build(ctx context.Context, b Build) (Outcome, error) {
 		return Outcome{}, fmt.Errorf("context work dir: %w", err)
 	}
 	defer os.RemoveAll(dir)
-	if err := contexttar.Extract(ctx, rc, dir, l.maxContext); err != nil {
+	if err := contexttar.ExtractVerified(ctx, rc, dir, l.maxContext, req.ContextDigest); err != nil {
 		if ctx.Err() != nil {
 			return Outcome{}, ctx.Err()
+		}
+		if errors.Is(err, contexttar.ErrDigestMismatch) {
+			// Someone else's bytes under this name: never built.
+			return fail(v1.ReasonContextMismatch, "context refused: "+err.Error())
 		}
 		if errors.Is(err, contexttar.ErrUnsafePath) || errors.Is(err, contexttar.ErrTooLarge) {
 			return fail(v1.ReasonBuildFailed, "context refused: "+err.Error())

@@ -1,9 +1,13 @@
 package worker
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -14,8 +18,10 @@ import (
 	"github.com/nats-io/nats.go"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/contexttar"
 	"github.com/buildq/buildq/internal/kaniko"
 	"github.com/buildq/buildq/internal/registry"
+	"github.com/buildq/buildq/internal/s3store"
 )
 
 // Attacks of one tenant on another (issue 10). Tenant "acme" is the victim,
@@ -208,5 +214,59 @@ func TestBodyNeverChoosesTheResultTenant(t *testing.T) {
 	defer mu.Unlock()
 	if len(victim) != 0 {
 		t.Fatalf("a forged result landed on acme's subject %s", victim[0].Subject)
+	}
+}
+
+// mapContexts serves context objects from memory.
+type mapContexts map[string][]byte
+
+func (m mapContexts) Open(_ context.Context, _, key string) (io.ReadCloser, error) {
+	b, ok := m[key]
+	if !ok {
+		return nil, s3store.ErrNotFound
+	}
+	return io.NopCloser(bytes.NewReader(b)), nil
+}
+
+// packDir packs files with contexttar and returns the digest and tar.gz.
+func packDir(t *testing.T, files map[string]string) (string, []byte) {
+	t.Helper()
+	dir := t.TempDir()
+	for name, content := range files {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var buf bytes.Buffer
+	res, err := contexttar.Write(context.Background(), dir, &buf, contexttar.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return res.Digest, buf.Bytes()
+}
+
+// The local executor builds only the bytes the request's contextDigest
+// names: bytes someone planted under that object name are refused.
+func TestLocalExecutorRefusesAPlantedContext(t *testing.T) {
+	t.Parallel()
+	digest, _ := packDir(t, map[string]string{"Dockerfile": "FROM scratch\nCOPY app /app\n", "app": "the victim's"})
+	_, planted := packDir(t, map[string]string{"Dockerfile": "FROM scratch\nCOPY app /app\n", "app": "mallory's"})
+	key := s3store.TenantContextKey("acme", digest)
+	l := NewLocalBackend(mapContexts{key: planted}, noPusher{}, t.TempDir(), 0)
+	req := request("planted")
+	req.ContextDigest = digest
+	req.Source = v1.Source{S3: &v1.S3Source{Bucket: "buildq", Key: key}}
+	b := Build{Request: req, Key: v1.BuildKey(req, l.Identity()), Run: "r1", Destinations: []string{"registry.test/acme/web:x"}}
+	out, err := l.Run(context.Background(), b, func(string, bool, string) {})
+	if err != nil || out.Succeeded || out.Reason != v1.ReasonContextMismatch {
+		t.Fatalf("planted context: %+v, %v", out, err)
+	}
+	// The genuine bytes get past the check (to the push, which this test's
+	// pusher refuses).
+	_, genuine := packDir(t, map[string]string{"Dockerfile": "FROM scratch\nCOPY app /app\n", "app": "the victim's"})
+	l = NewLocalBackend(mapContexts{key: genuine}, noPusher{}, t.TempDir(), 0)
+	out, err = l.Run(context.Background(), b, func(string, bool, string) {})
+	if err != nil || out.Reason != v1.ReasonPushFailed {
+		t.Fatalf("genuine context: %+v, %v", out, err)
 	}
 }

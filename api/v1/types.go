@@ -170,11 +170,14 @@ const (
 
 // Reasons are machine words for why a request did not succeed.
 const (
-	ReasonInvalidRequest      = "InvalidRequest"
-	ReasonBuildFailed         = "BuildFailed"
-	ReasonDeadlineExceeded    = "DeadlineExceeded"
-	ReasonCanceled            = "Canceled"
-	ReasonContextMissing      = "ContextMissing"
+	ReasonInvalidRequest   = "InvalidRequest"
+	ReasonBuildFailed      = "BuildFailed"
+	ReasonDeadlineExceeded = "DeadlineExceeded"
+	ReasonCanceled         = "Canceled"
+	ReasonContextMissing   = "ContextMissing"
+	// ReasonContextMismatch: the context object's bytes are not the ones
+	// its contextDigest names; nothing was built from them.
+	ReasonContextMismatch     = "ContextMismatch"
 	ReasonPushFailed          = "PushFailed"
 	ReasonJobDeleted          = "JobDeleted"
 	ReasonExpired             = "Expired"

@@ -122,7 +122,7 @@ func runSubmit(ctx context.Context, cmd *cobra.Command, dir string, rf *requestF
 	}
 
 	bar := newProgress(stderr)
-	up, err := store.UploadContext(ctx, dir, contexttar.Options{Dockerfile: req.Dockerfile, MaxBytes: rf.maxContext}, bar.update)
+	up, err := store.ForTenant(req.Tenant).UploadContext(ctx, dir, contexttar.Options{Dockerfile: req.Dockerfile, MaxBytes: rf.maxContext}, bar.update)
 	bar.done()
 	switch {
 	case errors.Is(err, contexttar.ErrTooLarge) || errors.Is(err, contexttar.ErrUnsafePath):

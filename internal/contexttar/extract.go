@@ -4,6 +4,8 @@ import (
 	"archive/tar"
 	"compress/gzip"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -39,6 +41,19 @@ import (
 // On error, dir may hold a partial extraction, which the caller should
 // discard.
 func Extract(ctx context.Context, r io.Reader, dir string, maxBytes int64) error {
+	return ExtractVerified(ctx, r, dir, maxBytes, "")
+}
+
+// ErrDigestMismatch matches the error of ExtractVerified when the archive
+// is not the one its digest names.
+var ErrDigestMismatch = errors.New("contexttar: the context's bytes do not match its digest")
+
+// ExtractVerified is Extract that also hashes the uncompressed tar stream
+// as it goes and, unless want is empty, fails with ErrDigestMismatch when
+// it is not want ("sha256:<hex>", as Write reports it): the bytes built are
+// the bytes whose digest the request named, whatever the object's name.
+// On a mismatch dir holds an extraction to discard.
+func ExtractVerified(ctx context.Context, r io.Reader, dir string, maxBytes int64, want string) error {
 	maxBytes, err := limit(maxBytes)
 	if err != nil {
 		return err
@@ -61,7 +76,8 @@ func Extract(ctx context.Context, r io.Reader, dir string, maxBytes int64) error
 		maxBytes: maxBytes,
 		buf:      make([]byte, copyBufferSize),
 	}
-	tr := tar.NewReader(zr)
+	h := sha256.New()
+	tr := tar.NewReader(io.TeeReader(zr, h))
 	for {
 		if err := ctx.Err(); err != nil {
 			return err
@@ -75,6 +91,15 @@ func Extract(ctx context.Context, r io.Reader, dir string, maxBytes int64) error
 		}
 		if err := x.entry(hdr, tr); err != nil {
 			return err
+		}
+	}
+	if want != "" {
+		// The digest covers the whole stream, trailer included.
+		if _, err := io.Copy(h, zr); err != nil {
+			return fmt.Errorf("contexttar: read archive: %w", err)
+		}
+		if got := "sha256:" + hex.EncodeToString(h.Sum(nil)); got != want {
+			return fmt.Errorf("%w: it names %s, the object holds %s", ErrDigestMismatch, want, got)
 		}
 	}
 	return x.finish()

@@ -420,3 +420,22 @@ func FuzzExtract(f *testing.F) {
 		})
 	})
 }
+
+// ExtractVerified builds only the bytes the digest names: an object planted
+// under another context's name is refused, whatever it holds.
+func TestExtractVerifiedChecksTheDigest(t *testing.T) {
+	t.Parallel()
+	files := sample.with(nil)
+	delete(files, "links/absolute") // Extract refuses absolute symlinks
+	src := newTree(t, files, buildOpts{})
+	res, tgz := pack(t, src, Options{})
+	if err := ExtractVerified(context.Background(), bytes.NewReader(tgz), t.TempDir(), 0, res.Digest); err != nil {
+		t.Fatalf("the right digest: %v", err)
+	}
+	other := newTree(t, tree{"evil": node{content: "planted"}}, buildOpts{})
+	otherRes, planted := pack(t, other, Options{})
+	err := ExtractVerified(context.Background(), bytes.NewReader(planted), t.TempDir(), 0, res.Digest)
+	if !errors.Is(err, ErrDigestMismatch) || !strings.Contains(err.Error(), otherRes.Digest) {
+		t.Fatalf("planted bytes under another digest: %v", err)
+	}
+}

@@ -117,6 +117,19 @@ type Store struct {
 	// unsignedPayload: send UNSIGNED-PAYLOAD instead of streaming
 	// signatures (plain-HTTP endpoints).
 	unsignedPayload bool
+	// tenant, when set, puts uploads under the tenant's own prefix
+	// (ForTenant).
+	tenant string
+}
+
+// ForTenant returns a Store that uploads contexts under tenant's own prefix,
+// contexts/<tenant>/sha256/<hex>.tar.gz: an object another tenant planted
+// under a digest can never stand in for this tenant's upload, which is
+// skipped only when the tenant's own object exists.
+func (s *Store) ForTenant(tenant string) *Store {
+	c := *s
+	c.tenant = tenant
+	return &c
 }
 
 // New validates cfg and returns a Store. It does not contact the server:
@@ -247,6 +260,25 @@ func ContextKey(digest string) string {
 	return keyPrefix + hexDigest + ".tar.gz"
 }
 
+// TenantContextKey is ContextKey under a tenant's prefix:
+// "contexts/<tenant>/sha256/<hex>.tar.gz"; "" for a malformed digest or a
+// tenant that is not a DNS label.
+func TenantContextKey(tenant, digest string) string {
+	k := ContextKey(digest)
+	if k == "" || tenant == "" || len(tenant) > 63 || strings.Trim(tenant, "abcdefghijklmnopqrstuvwxyz0123456789-") != "" ||
+		strings.HasPrefix(tenant, "-") || strings.HasSuffix(tenant, "-") {
+		return ""
+	}
+	return "contexts/" + tenant + "/" + strings.TrimPrefix(k, "contexts/")
+}
+
+func (s *Store) contextKey(digest string) string {
+	if s.tenant != "" {
+		return TenantContextKey(s.tenant, digest)
+	}
+	return ContextKey(digest)
+}
+
 // Phases reported to a Progress callback.
 const (
 	PhaseHashing   = "hashing"
@@ -338,7 +370,7 @@ func (s *Store) UploadContext(ctx context.Context, dir string, opts contexttar.O
 	res := UploadResult{
 		Digest: first.Digest,
 		Bucket: s.bucket,
-		Key:    ContextKey(first.Digest),
+		Key:    s.contextKey(first.Digest),
 		Size:   first.Size,
 		Files:  first.Files,
 	}

@@ -622,3 +622,42 @@ func errCode(err error) string {
 	er, _ := asErrorResponse(err)
 	return er.Code
 }
+
+// A tenant's uploads live under its own prefix: an object planted under
+// the shared key, or under another tenant's, never makes the upload skip.
+func TestTenantUploadIgnoresOthersObjects(t *testing.T) {
+	t.Parallel()
+	f := newFakeS3(t)
+	s := f.store(t, f.config(), tuning{})
+	dir := t.TempDir()
+	writeTree(t, dir, sampleFiles, time.Unix(1e9, 0))
+	want := digestOf(t, dir)
+	// Mallory plants bytes under the shared key and under her own prefix.
+	other := t.TempDir()
+	writeTree(t, other, map[string]string{"evil": "planted"}, time.Unix(1e9, 0))
+	if _, err := s.UploadContext(context.Background(), other, contexttar.Options{}, nil); err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	for _, k := range []string{ContextKey(want), TenantContextKey("mallory", want)} {
+		if _, err := s.client.PutObject(ctx, testBucket, k, strings.NewReader("planted"), 7, minio.PutObjectOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	res, err := s.ForTenant("acme").UploadContext(ctx, dir, contexttar.Options{}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Skipped || res.Key != "contexts/acme/sha256/"+strings.TrimPrefix(want, "sha256:")+".tar.gz" {
+		t.Fatalf("result %+v", res)
+	}
+	again, err := s.ForTenant("acme").UploadContext(ctx, dir, contexttar.Options{}, nil)
+	if err != nil || !again.Skipped {
+		t.Fatalf("the tenant's own object does not make the second upload skip: %+v %v", again, err)
+	}
+	for _, bad := range []string{"", "UPPER", "a/b", "-x"} {
+		if TenantContextKey(bad, want) != "" {
+			t.Errorf("tenant %q gave a key", bad)
+		}
+	}
+}
