@@ -270,3 +270,88 @@ func TestLocalExecutorRefusesAPlantedContext(t *testing.T) {
 		t.Fatalf("genuine context: %+v, %v", out, err)
 	}
 }
+
+// Mallory's request claims a key acme's request then joins. Mallory
+// cancels the key: her request is canceled, acme's build goes on and
+// succeeds.
+func TestCancelOfASharedBuildSparesOtherTenants(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	e.startWorker("w1", func(c *Config) { withRegistry(tr)(c); c.Lease = time.Second })
+	events := e.events()
+	results := e.collect()
+	m := mallorys("shared-cancel")
+	if _, err := e.pub.Publish(context.Background(), m); err != nil {
+		t.Fatal(err)
+	}
+	key := v1.BuildKey(m, kanikoID)
+	job := e.waitJob(kaniko.JobName(key))
+	a := request("shared-cancel")
+	if _, err := e.pub.Publish(context.Background(), a); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 5*time.Second, "acme's request to join", func() bool { return events.has(a.RequestID, v1.PhaseWaiting) })
+
+	rep := cancelRequest(t, e.nc, v1.APICancelSubject("mallory"), key)
+	if !rep.Canceled || rep.Requests != 1 || rep.Stopped {
+		t.Fatalf("mallory's cancel: %+v", rep)
+	}
+	if mr := results.waitFor(t, 1, 10*time.Second)[0]; mr.ID != m.RequestID || mr.Data.Status != v1.StatusCanceled {
+		t.Fatalf("first result %s", mustJSON(t, mr))
+	}
+	if e.jobGone(job.Name)() {
+		t.Fatal("mallory's cancel deleted the job acme waits on")
+	}
+	// Acme's request takes the run over and adopts the Job.
+	eventually(t, 10*time.Second, "the run to be taken over", func() bool {
+		r := e.claim(key)
+		return r != nil && r.State == StateBuilding && r.Owner != ""
+	})
+	// The run pushes where its Job says (mallory's repository); acme's
+	// request gets the image copied into its own.
+	digest := tr.push(t, destination(job))
+	e.kubelet(job, 0, digest)
+	ar := byID(results.waitFor(t, 2, 15*time.Second))[a.RequestID]
+	if len(ar) != 1 || ar[0].Data.Status != v1.StatusSucceeded || ar[0].Data.Digest != digest ||
+		!strings.HasPrefix(ar[0].Data.Image, tr.host+"/acme/") {
+		t.Fatalf("acme got %s", mustJSON(t, ar))
+	}
+}
+
+// The status service shows a tenant its own requests and builds only.
+func TestStatusShowsOnlyTheTenantsOwn(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.startWorker("w1", nil)
+	results := e.collect()
+	a := request("status-own")
+	if _, err := e.pub.Publish(context.Background(), a); err != nil {
+		t.Fatal(err)
+	}
+	key := v1.BuildKey(a, kanikoID)
+	e.kubelet(e.waitJob(kaniko.JobName(key)), 0, digestOf("status"))
+	results.waitFor(t, 1, 10*time.Second)
+
+	ask := func(tenant, target string) StatusReply {
+		t.Helper()
+		m, err := e.nc.Request(v1.APIStatusSubject(tenant), []byte(target), 5*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var rep StatusReply
+		if err := json.Unmarshal(m.Data, &rep); err != nil {
+			t.Fatal(err)
+		}
+		return rep
+	}
+	own := ask("acme", a.RequestID)
+	if own.Request == nil || own.Request.Result == nil || own.Request.Result.Digest != digestOf("status") || own.Build == nil {
+		t.Fatalf("acme's own status: %+v", own)
+	}
+	for _, target := range []string{a.RequestID, key} {
+		if rep := ask("mallory", target); rep.Request != nil || rep.Build != nil || rep.Error == "" {
+			t.Errorf("mallory's status of acme's %s: %+v", target, rep)
+		}
+	}
+}
