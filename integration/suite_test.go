@@ -53,6 +53,12 @@ type suite struct {
 	workerArgs []string
 	// kubeconfig of the workers (default: the shared admin one).
 	kubeconfig string
+	// natsConfig, natsEnv and natsOptions: see options.
+	natsConfig  string
+	natsEnv     []string
+	natsOptions []nats.Option
+	// natsLog is the single nats-server's output.
+	natsLog *lockedBuffer
 	// republishOK lets a request's result be published more than once,
 	// as long as every publish carries the same decision (the stream
 	// stores one): a worker whose PubAck, ack or ledger write is lost in a
@@ -68,6 +74,13 @@ type options struct {
 	// clusterNodes, when set, runs a JetStream cluster of that many
 	// nats-server processes instead of the single server (cluster_test.go).
 	clusterNodes int
+	// natsConfig, when set, is a configuration file the single nats-server
+	// runs with (-c; the address and store flags still apply), natsEnv
+	// its extra environment, and natsOptions how the test's own
+	// connection authenticates (natsauth_test.go).
+	natsConfig  string
+	natsEnv     []string
+	natsOptions []nats.Option
 }
 
 var nsSeq struct {
@@ -85,7 +98,7 @@ func newSuite(t *testing.T, o options) *suite {
 	if len(ns) > 63 {
 		ns = strings.TrimRight(ns[:63], "-")
 	}
-	s := &suite{t: t, ns: ns, kubeconfig: shared.kubeconfig}
+	s := &suite{t: t, ns: ns, kubeconfig: shared.kubeconfig, natsConfig: o.natsConfig, natsEnv: o.natsEnv, natsOptions: o.natsOptions}
 	if _, err := shared.kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -131,7 +144,7 @@ func newSuite(t *testing.T, o options) *suite {
 		s.startNATS()
 		s.natsURL = "nats://" + s.natsAddr
 	}
-	s.nc, err = nats.Connect(s.natsURL, nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
+	s.nc, err = nats.Connect(s.natsURL, append([]nats.Option{nats.MaxReconnects(-1), nats.ReconnectWait(100 * time.Millisecond)}, s.natsOptions...)...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -150,9 +163,15 @@ func newSuite(t *testing.T, o options) *suite {
 func (s *suite) startNATS() {
 	s.t.Helper()
 	host, port, _ := strings.Cut(s.natsAddr, ":")
-	cmd := exec.Command(filepath.Join(shared.bin, "nats-server"), "-js", "-a", host, "-p", port, "-sd", s.natsDir)
-	var logs bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &logs, &logs
+	args := []string{"-js", "-a", host, "-p", port, "-sd", s.natsDir}
+	if s.natsConfig != "" {
+		args = append(args, "-c", s.natsConfig)
+	}
+	cmd := exec.Command(filepath.Join(shared.bin, "nats-server"), args...)
+	cmd.Env = append(os.Environ(), s.natsEnv...)
+	logs := &lockedBuffer{}
+	s.natsLog = logs
+	cmd.Stdout, cmd.Stderr = logs, logs
 	if err := cmd.Start(); err != nil {
 		s.t.Fatal(err)
 	}
@@ -161,7 +180,7 @@ func (s *suite) startNATS() {
 	s.natsMu.Unlock()
 	s.t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
 	eventually(s.t, 20*time.Second, "nats-server", func() bool {
-		nc, err := nats.Connect("nats://" + s.natsAddr)
+		nc, err := nats.Connect("nats://"+s.natsAddr, s.natsOptions...)
 		if err != nil {
 			return false
 		}

@@ -3,6 +3,22 @@
 //
 // It depends on NATS and the wire types only; importing it does not pull
 // Kubernetes or the worker into a program's build.
+//
+// # Tenant permissions
+//
+// Publish, Wait, Follow and Events work under a tenant's NATS permissions
+// (deploy/nats/buildq.conf): publish on buildq.requests.<tenant> and
+// buildq.api.status.<tenant>, subscribe to buildq.results.<tenant>.>,
+// buildq.events.<tenant>.> and the tenant's own inbox prefix. Replies (the
+// JetStream PubAck of a request, the status service's answer) come back on
+// the connection's inbox, so connect with that prefix:
+//
+//	nc, err := nats.Connect(url,
+//		nats.UserCredentials("acme.creds"), // or nats.Nkey…, user/password
+//		nats.CustomInboxPrefix(publisher.InboxPrefix("acme")))
+//
+// Watch replays the BUILDQ_RESULTS stream through the JetStream API; it is
+// for operators, whose users may read the stream.
 package publisher
 
 import (
@@ -10,6 +26,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -33,6 +50,12 @@ func New(nc *nats.Conn) (*Client, error) {
 	}
 	return &Client{nc: nc, js: js}, nil
 }
+
+// InboxPrefix is the inbox prefix of tenant's connections in the shipped
+// NATS configuration (deploy/nats): "_INBOX_<tenant>". Pass it to
+// nats.CustomInboxPrefix; a tenant's user may subscribe to its own inbox
+// only, so another tenant cannot read its replies.
+func InboxPrefix(tenant string) string { return "_INBOX_" + tenant }
 
 // NewRequestID returns a fresh, unique request id.
 func NewRequestID() string { return nuid.Next() }
@@ -170,23 +193,189 @@ func (c *Client) Watch(ctx context.Context, f Filter, fn func(v1.Result) error) 
 // ErrStop ends Watch without error.
 var ErrStop = errors.New("stop watching")
 
-// Wait returns the result of one request. since bounds how far back stored
-// results are searched; use the time the request was published (minus a
-// little clock skew), or zero to search everything stored.
+// Wait returns the result of one request. It needs no JetStream access:
+// it subscribes (core NATS) to the request's result subject,
+// buildq.results.<tenant>.<name>, and keeps the result whose id is
+// requestID; a result published before that subscription existed is
+// found by asking the status service (buildq.api.status.<tenant>) once,
+// which answers with the request's decided result. So a tenant's NATS user
+// needs only to subscribe to its results and its inbox, and to publish on
+// its status subject (see deploy/nats/).
+//
+// since is no longer used (the stream is not replayed); it is kept so that
+// existing callers compile. An empty name waits on every name of the
+// tenant.
 func (c *Client) Wait(ctx context.Context, tenant, name, requestID string, since time.Time) (*v1.Result, error) {
-	var out *v1.Result
-	f := Filter{Tenant: tenant, Name: name, RequestID: requestID, Since: since, DeliverAll: since.IsZero()}
-	err := c.Watch(ctx, f, func(r v1.Result) error {
-		out = &r
-		return ErrStop
-	})
+	_ = since
+	if tenant == "" {
+		return nil, errors.New("wait: the tenant is required")
+	}
+	if requestID == "" {
+		return nil, errors.New("wait: the request id is required")
+	}
+	subj, err := Filter{Tenant: tenant, Name: name}.subject()
 	if err != nil {
 		return nil, err
 	}
-	if out == nil {
+	found := make(chan *v1.Result, 1)
+	offer := func(r *v1.Result) {
+		select {
+		case found <- r:
+		default:
+		}
+	}
+	sub, err := c.nc.Subscribe(subj, func(m *nats.Msg) {
+		var r v1.Result
+		if json.Unmarshal(m.Data, &r) == nil && r.ID == requestID {
+			offer(&r)
+		}
+	})
+	if err != nil {
+		return nil, fmt.Errorf("subscribe to %s: %w", subj, err)
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	// The server has the subscription once the flush returns: every
+	// result published from now on reaches it.
+	if err := c.nc.FlushWithContext(ctx); err != nil {
+		return nil, fmt.Errorf("subscribe to %s: %w", subj, err)
+	}
+	if err := c.permissionError("Subscription to", subj); err != nil {
+		return nil, err
+	}
+
+	// A result decided before the subscription: ask the status service.
+	go func() {
+		backoff := time.Second
+		for ctx.Err() == nil {
+			r, answered := c.decided(ctx, tenant, requestID)
+			if r != nil {
+				offer(r)
+			}
+			if answered || c.permissionError("Publish to", v1.APIStatusSubject(tenant)) != nil {
+				return // asked once; the subscription does the rest
+			}
+			// No worker answered (none running yet, or all busy): the
+			// result cannot have been decided unseen by the ledger, but
+			// it may have been published before the subscription. Ask
+			// again later.
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(backoff):
+			}
+			backoff = min(2*backoff, 30*time.Second)
+		}
+	}()
+	select {
+	case r := <-found:
+		return r, nil
+	case <-ctx.Done():
 		return nil, ctx.Err()
 	}
-	return out, nil
+}
+
+// statusReply holds what Wait reads of the status service's answer
+// (worker.StatusReply; the ledger entry's result is the decided result
+// exactly as it is published).
+type statusReply struct {
+	Request *struct {
+		RequestID string         `json:"requestId"`
+		Worker    string         `json:"worker"`
+		UpdatedAt time.Time      `json:"updatedAt"`
+		Result    *v1.ResultData `json:"result"`
+	} `json:"request"`
+	Error string `json:"error"`
+}
+
+// decided asks tenant's status service for requestID. answered is false
+// when no worker answered; the result is nil while undecided (or unknown).
+func (c *Client) decided(ctx context.Context, tenant, requestID string) (*v1.Result, bool) {
+	rctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	msg, err := c.nc.RequestWithContext(rctx, v1.APIStatusSubject(tenant), []byte(requestID))
+	if err != nil {
+		return nil, false
+	}
+	var rep statusReply
+	if json.Unmarshal(msg.Data, &rep) != nil {
+		return nil, true
+	}
+	e := rep.Request
+	if e == nil || e.Result == nil || e.RequestID != requestID || e.Result.RequestID != requestID {
+		return nil, true
+	}
+	at := e.Result.Timings.FinishedAt
+	if at.IsZero() {
+		at = e.UpdatedAt
+	}
+	source := "/buildq/api/status"
+	if e.Worker != "" {
+		source = "/buildq/worker/" + e.Worker
+	}
+	r := v1.NewResult(source, *e.Result, at)
+	return &r, true
+}
+
+// permissionError returns the server's refusal of op ("Subscription to",
+// "Publish to") on subject, when it is the connection's last error.
+func (c *Client) permissionError(op, subject string) error {
+	err := c.nc.LastError()
+	if err != nil && errors.Is(err, nats.ErrPermissionViolation) && strings.Contains(err.Error(), op+" \""+subject+"\"") {
+		return fmt.Errorf("%w: this NATS user may not use %s (a tenant's user needs its own subjects, see deploy/nats)", err, subject)
+	}
+	return nil
+}
+
+// Follow calls fn for every result that matches f as it is published,
+// on a core NATS subscription (no JetStream access needed: a tenant's NATS
+// user may follow its own results), until ctx ends or fn returns an error
+// (which Follow returns; return ErrStop to end without error). Since and
+// DeliverAll are not supported: replaying stored results is Watch's. A
+// result published twice (a worker that lost its PubAck publishes the same
+// decision again) is seen twice here, once in the stream.
+func (c *Client) Follow(ctx context.Context, f Filter, fn func(v1.Result) error) error {
+	if f.DeliverAll || !f.Since.IsZero() {
+		return errors.New("follow: replaying stored results needs Watch")
+	}
+	subj, err := f.subject()
+	if err != nil {
+		return err
+	}
+	msgs := make(chan *nats.Msg, 256)
+	sub, err := c.nc.ChanSubscribe(subj, msgs)
+	if err != nil {
+		return fmt.Errorf("subscribe to %s: %w", subj, err)
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	if err := c.nc.FlushWithContext(ctx); err != nil {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		return fmt.Errorf("subscribe to %s: %w", subj, err)
+	}
+	if err := c.permissionError("Subscription to", subj); err != nil {
+		return err
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case m := <-msgs:
+			var r v1.Result
+			if json.Unmarshal(m.Data, &r) != nil {
+				continue
+			}
+			if f.RequestID != "" && r.ID != f.RequestID {
+				continue
+			}
+			if err := fn(r); err != nil {
+				if errors.Is(err, ErrStop) {
+					return nil
+				}
+				return err
+			}
+		}
+	}
 }
 
 // Events calls fn for each progress event of tenant/name (core NATS, not

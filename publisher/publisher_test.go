@@ -6,6 +6,7 @@ import (
 	"errors"
 	"os/exec"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -126,16 +127,36 @@ func TestWaitAndWatch(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// The status service, as a worker answers it: the ledger entry with
+	// its decided result.
+	decided := map[string]v1.ResultData{}
+	var asked atomic.Int32
+	nc := js.Conn()
+	if _, err := nc.Subscribe(v1.APIStatusSubject("acme"), func(m *nats.Msg) {
+		asked.Add(1)
+		id := string(m.Data)
+		rep := worker.StatusReply{Error: "no request " + id}
+		if d, ok := decided[id]; ok {
+			rep = worker.StatusReply{Key: d.Key, Request: &worker.RequestEntry{RequestID: id, Tenant: d.Tenant, Name: d.Name,
+				State: string(d.Status), Worker: "w1", Result: &d, Published: true}}
+		}
+		b, _ := json.Marshal(rep)
+		_ = m.Respond(b)
+	}); err != nil {
+		t.Fatal(err)
+	}
 	publishResult("acme", "web", "r1")
+	decided["r1"] = v1.ResultData{RequestID: "r1", Tenant: "acme", Name: "web", Key: "k1", Status: v1.StatusSucceeded, Digest: "sha256:1"}
 	publishResult("acme", "api", "r2")
 	publishResult("other", "web", "r3")
 
-	// Wait finds a result already stored.
+	// Wait finds a result decided before it subscribed, through the
+	// status service (not by replaying the stream).
 	r, err := c.Wait(ctx, "acme", "web", "r1", time.Time{})
-	if err != nil || r.ID != "r1" {
+	if err != nil || r.ID != "r1" || r.Data.Digest != "sha256:1" || r.Source != "/buildq/worker/w1" || r.Type != v1.ResultType(v1.StatusSucceeded) {
 		t.Fatalf("wait r1: %v %+v", err, r)
 	}
-	// Wait also gets one published later.
+	// Wait also gets one published later, on its subscription.
 	done := make(chan *v1.Result, 1)
 	go func() {
 		r, err := c.Wait(ctx, "acme", "web", "r4", time.Now().Add(-time.Minute))
@@ -144,10 +165,16 @@ func TestWaitAndWatch(t *testing.T) {
 		}
 		done <- r
 	}()
-	time.Sleep(100 * time.Millisecond)
+	eventually(t, func() bool { return asked.Load() == 2 })
 	publishResult("acme", "web", "r4")
 	if r := <-done; r == nil || r.ID != "r4" {
 		t.Fatalf("late result: %+v", r)
+	}
+	// A result nobody publishes: Wait ends with its context.
+	sctx, scancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer scancel()
+	if r, err := c.Wait(sctx, "acme", "web", "r9", time.Time{}); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("wait for a result never published: %v %+v", err, r)
 	}
 
 	// Watch filters by tenant.
@@ -188,3 +215,147 @@ func TestImportDoesNotPullKubernetes(t *testing.T) {
 }
 
 func jsonMarshal(v any) ([]byte, error) { return json.Marshal(v) }
+
+func eventually(t *testing.T, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatal("condition not met within 5s")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestTenantPermissions runs the SDK as a tenant whose NATS user may only
+// publish its requests and status queries and subscribe to its results
+// and its own inbox (as in deploy/nats): Publish, Wait and Follow work
+// with the tenant's inbox prefix; Watch (the JetStream API) is refused.
+func TestTenantPermissions(t *testing.T) {
+	t.Parallel()
+	tenantPerms := &server.Permissions{
+		Publish:   &server.SubjectPermission{Allow: []string{"buildq.requests.acme", "buildq.api.status.acme", "buildq.api.cancel.acme", "buildq.cancel.acme.>"}},
+		Subscribe: &server.SubjectPermission{Allow: []string{"buildq.results.acme.>", "buildq.events.acme.>", publisher.InboxPrefix("acme") + ".>"}},
+	}
+	srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: t.TempDir(), NoLog: true, NoSigs: true,
+		Users: []*server.User{{Username: "admin", Password: "admin-pw"}, {Username: "acme", Password: "acme-pw", Permissions: tenantPerms}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv.Start()
+	if !srv.ReadyForConnections(10 * time.Second) {
+		t.Fatal("nats-server did not start")
+	}
+	t.Cleanup(srv.Shutdown)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	admin, err := nats.Connect(srv.ClientURL(), nats.UserInfo("admin", "admin-pw"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(admin.Close)
+	ajs, _ := jetstream.New(admin)
+	if _, _, err := worker.EnsureStreams(ctx, ajs, worker.Config{}); err != nil {
+		t.Fatal(err)
+	}
+	// A fake worker: answers status queries and publishes each request's
+	// result.
+	var decided atomic.Pointer[v1.ResultData]
+	if _, err := admin.Subscribe(v1.APIStatusSubject("acme"), func(m *nats.Msg) {
+		rep := worker.StatusReply{Error: "unknown"}
+		if d := decided.Load(); d != nil && d.RequestID == string(m.Data) {
+			rep = worker.StatusReply{Request: &worker.RequestEntry{RequestID: d.RequestID, Tenant: "acme", Name: d.Name, State: string(d.Status), Result: d}}
+		}
+		b, _ := json.Marshal(rep)
+		_ = m.Respond(b)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	answer := func(req *v1.Request) {
+		d := v1.ResultData{RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, Status: v1.StatusSucceeded, Digest: "sha256:" + req.RequestID}
+		decided.Store(&d)
+		b, _ := json.Marshal(v1.NewResult("/test", d, time.Now()))
+		m := nats.NewMsg(v1.ResultSubject(req.Tenant, req.Name))
+		m.Header.Set(v1.MsgIDHeader, v1.MsgID(req.Tenant, req.RequestID))
+		m.Data = b
+		if _, err := ajs.PublishMsg(ctx, m); err != nil {
+			t.Error(err)
+		}
+	}
+	connect := func(opts ...nats.Option) *publisher.Client {
+		nc, err := nats.Connect(srv.ClientURL(), append([]nats.Option{nats.UserInfo("acme", "acme-pw"), nats.ErrorHandler(func(*nats.Conn, *nats.Subscription, error) {})}, opts...)...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(nc.Close)
+		c, err := publisher.New(nc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	c := connect(nats.CustomInboxPrefix(publisher.InboxPrefix("acme")))
+
+	// Publish: the PubAck comes back on the tenant's inbox.
+	req := request()
+	if _, err := c.Publish(ctx, req); err != nil {
+		t.Fatalf("publish as the tenant: %v", err)
+	}
+	// Wait, result decided before it is called: through the status service.
+	answer(req)
+	r, err := c.Wait(ctx, "acme", "web", req.RequestID, time.Time{})
+	if err != nil || r.ID != req.RequestID {
+		t.Fatalf("wait (decided before): %v %+v", err, r)
+	}
+	// Follow and Wait, result published later: on the subscription.
+	req2 := request()
+	if _, err := c.Publish(ctx, req2); err != nil {
+		t.Fatal(err)
+	}
+	followed := make(chan string, 1)
+	fctx, fcancel := context.WithCancel(ctx)
+	defer fcancel()
+	followErr := make(chan error, 1)
+	go func() {
+		followErr <- c.Follow(fctx, publisher.Filter{Tenant: "acme"}, func(r v1.Result) error {
+			followed <- r.ID
+			return publisher.ErrStop
+		})
+	}()
+	waited := make(chan *v1.Result, 1)
+	go func() {
+		r, err := c.Wait(ctx, "acme", "web", req2.RequestID, time.Time{})
+		if err != nil {
+			t.Error(err)
+		}
+		waited <- r
+	}()
+	time.Sleep(200 * time.Millisecond)
+	answer(req2)
+	if r := <-waited; r == nil || r.ID != req2.RequestID {
+		t.Fatalf("wait (published later): %+v", r)
+	}
+	if id := <-followed; id != req2.RequestID {
+		t.Fatalf("follow saw %s", id)
+	}
+	if err := <-followErr; err != nil {
+		t.Fatal(err)
+	}
+
+	// Refused: following every tenant's results, replaying the stream.
+	if err := c.Follow(ctx, publisher.Filter{}, func(v1.Result) error { return nil }); !errors.Is(err, nats.ErrPermissionViolation) {
+		t.Fatalf("follow all tenants: %v, want a permissions violation", err)
+	}
+	wctx, wcancel := context.WithTimeout(ctx, 2*time.Second)
+	defer wcancel()
+	if err := c.Watch(wctx, publisher.Filter{Tenant: "acme", DeliverAll: true}, func(v1.Result) error { return nil }); err == nil {
+		t.Fatal("Watch (the JetStream API) worked under tenant permissions")
+	}
+	// Without the tenant's inbox prefix the PubAck cannot come back.
+	bare := connect()
+	pctx, pcancel := context.WithTimeout(ctx, 2*time.Second)
+	defer pcancel()
+	if _, err := bare.Publish(pctx, request()); err == nil {
+		t.Fatal("publish without the tenant's inbox prefix got its PubAck")
+	}
+}

@@ -359,3 +359,35 @@ func TestAttackContextMismatchQuotesAnotherTenantsDigest(t *testing.T) {
 		t.Errorf("mallory built acme's object %s into %s", acmeObject, r2[0].Data.ImageRef)
 	}
 }
+
+// Attack: the status service hides another tenant's build (same error for
+// a key acme built as for a key nobody built), but the cancel service
+// answers a bare build key with the state of whatever build holds it:
+// "no build is known", "the build already finished: failed", or "no
+// request of tenant mallory waits" (building). Mallory learns, for any
+// predictable key, whether acme built it, is building it, and whether it
+// failed — which the status service refuses her. Breaks invariant 8
+// ("status and cancel are its tenant's alone").
+func TestAttackCancelRepliesRevealAnotherTenantsBuild(t *testing.T) {
+	attackGuard(t, "cancel of a bare build key tells another tenant whether the key was built and how it ended")
+	t.Parallel()
+	e := setup(t)
+	e.startWorker("w1", nil)
+	results := e.collect()
+	a := request("cancel-oracle")
+	if _, err := e.pub.Publish(context.Background(), a); err != nil {
+		t.Fatal(err)
+	}
+	key := v1.BuildKey(a, kanikoID)
+	e.kubelet(e.waitJob(kaniko.JobName(key)), 1, "error building image: secret step failed")
+	results.waitFor(t, 1, 10*time.Second)
+
+	unknown := cancelRequest(t, e.nc, v1.APICancelSubject("mallory"), hex64("nobody built this"))
+	acmes := cancelRequest(t, e.nc, v1.APICancelSubject("mallory"), key)
+	if acmes.Canceled || acmes.Stopped {
+		t.Fatalf("mallory canceled acme's build: %+v", acmes)
+	}
+	if strings.ReplaceAll(acmes.Message, key, "K") != strings.ReplaceAll(unknown.Message, hex64("nobody built this"), "K") {
+		t.Errorf("mallory's cancel tells acme's key from an unknown one:\n  acme's:  %q\n  unknown: %q", acmes.Message, unknown.Message)
+	}
+}

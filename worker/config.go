@@ -25,9 +25,9 @@ type Config struct {
 	// AckWait of the shared consumer (default 30s). Heartbeats are sent
 	// every AckWait/3 while a request is held.
 	AckWait time.Duration
-	// MaxDeliver is the delivery budget for transient failures (default
-	// 5): a request that
-	// still fails transiently on its last delivery gets a failed result.
+	// MaxDeliver is a request's budget of transient failures (default 5),
+	// counted in its ledger entry: a request that fails transiently that
+	// many times gets a failed result. Hand-backs and crashes do not count.
 	MaxDeliver int
 	// ResultsMaxAge is how long results are kept (default 7 days).
 	ResultsMaxAge time.Duration

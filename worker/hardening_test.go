@@ -823,7 +823,7 @@ func TestTransientJobCreateErrors(t *testing.T) {
 		if r.ID != req.RequestID || d.Status != v1.StatusFailed || d.Reason != v1.ReasonInfrastructureError || d.Attempts != 2 {
 			t.Fatalf("result %s", mustJSON(t, r))
 		}
-		if !strings.Contains(d.Message, "gave up after 2 deliveries") || !strings.Contains(d.Message, "create job") {
+		if !strings.Contains(d.Message, "gave up after 2 transient failures") || !strings.Contains(d.Message, "create job") {
 			t.Errorf("message %q", d.Message)
 		}
 		eventually(t, 5*time.Second, "request terminated", func() bool {

@@ -46,6 +46,9 @@ type RequestEntry struct {
 	Term   bool           `json:"term,omitempty"`
 	// Published is set once the result's PubAck came back.
 	Published bool `json:"published,omitempty"`
+	// TransientFailures counts the request's retries for transient
+	// trouble (bounded by --max-deliver).
+	TransientFailures int `json:"transientFailures,omitempty"`
 	// Canceled: the tenant canceled the request before it was decided;
 	// its decision is "canceled".
 	Canceled bool `json:"canceled,omitempty"`

@@ -14,6 +14,7 @@ import (
 	ggcrv1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	v1 "github.com/buildq/buildq/api/v1"
@@ -490,4 +491,28 @@ func (e *env) resultsStored() []v1.Result {
 		out = append(out, r)
 	}
 	return out
+}
+
+// --max-deliver bounds a request's transient failures, not its deliveries:
+// hand-backs at shutdown (rolling restarts) and crashes redeliver too, and
+// must not use the budget up.
+func TestRetryBudgetCountsTransientFailuresNotDeliveries(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	r := e.startWorker("w1", func(c *Config) { c.MaxDeliver = 3 })
+	w := r.w
+	le, _, err := w.openEntry(context.Background(), "acme", "web", "budget", "", 1, time.Unix(1e9, 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The tenth delivery, after nine hand-backs: still the first failure.
+	meta := &jetstream.MsgMetadata{NumDelivered: 10}
+	for i, want := range []bool{true, true, false} {
+		if got := w.retryBudgetLeft(context.Background(), le, meta); got != want {
+			t.Fatalf("transient failure %d: retry = %v, want %v", i+1, got, want)
+		}
+	}
+	if le.e.TransientFailures != 3 {
+		t.Fatalf("ledger counts %d failures", le.e.TransientFailures)
+	}
 }

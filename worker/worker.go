@@ -343,7 +343,7 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 		log.Info("handing request back", zap.String("reason", "shutdown"))
 		_ = msg.Nak()
 		return
-	case err != nil && IsTransient(err) && int(meta.NumDelivered) < w.cfg.MaxDeliver:
+	case err != nil && IsTransient(err) && w.retryBudgetLeft(actx, le, meta):
 		delay := retryDelay(meta.NumDelivered)
 		log.Warn("transient failure; retrying later", zap.Error(err), zap.Duration("delay", delay))
 		w.cfg.Metrics.retried()
@@ -358,7 +358,7 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 		v.data.Digest, v.data.Image, v.data.ImageRef, v.data.LogTail = "", "", "", ""
 		v.cleanupKey, v.cleanupRun = "", ""
 		if IsTransient(err) {
-			v.data.Message = fmt.Sprintf("gave up after %d deliveries: %v", meta.NumDelivered, err)
+			v.data.Message = fmt.Sprintf("gave up after %d transient failures: %v", w.cfg.MaxDeliver, err)
 			w.deadLetter(actx, v.tenant, msg, err)
 		}
 		v.term = true
@@ -422,6 +422,38 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 			log.Warn("cleanup failed; ttlSecondsAfterFinished will remove the job", zap.Error(err))
 		}
 	}
+}
+
+// retryBudgetLeft counts one transient failure of a request and reports
+// whether it may be retried: --max-deliver bounds transient failures, not
+// deliveries, so hand-backs at shutdown and crashes (which also redeliver)
+// never use up a request's budget. The count lives in the request's ledger
+// entry; without one, deliveries are counted.
+func (w *Worker) retryBudgetLeft(ctx context.Context, le *ledgerEntry, meta *jetstream.MsgMetadata) bool {
+	if le == nil {
+		return int(meta.NumDelivered) < w.cfg.MaxDeliver
+	}
+	k := RequestIndexKey(le.e.Tenant, le.e.RequestID)
+	for range 5 {
+		e := le.e
+		e.TransientFailures++
+		b, _ := json.Marshal(e)
+		rev, err := w.requests.Update(ctx, k, b, le.rev)
+		if err == nil {
+			le.e, le.rev = e, rev
+			return e.TransientFailures < w.cfg.MaxDeliver
+		}
+		if !isWrongRevision(err) {
+			break
+		}
+		cur, gerr := w.ledgerGet(ctx, le.e.Tenant, le.e.RequestID)
+		if gerr != nil || cur == nil {
+			break
+		}
+		*le = *cur
+	}
+	// The ledger is unreachable: fall back to counting deliveries.
+	return int(meta.NumDelivered) < w.cfg.MaxDeliver
 }
 
 // settle acks (or terminates) a handled message.

@@ -3,6 +3,7 @@ package main
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -20,7 +21,10 @@ type natsFlags struct {
 	tlsCA   string
 	tlsCert string
 	tlsKey  string
-	name    string
+	// inboxPrefix replaces _INBOX in reply subjects: a tenant's NATS user
+	// may subscribe only to its own inbox (deploy/nats: _INBOX_<tenant>).
+	inboxPrefix string
+	name        string
 }
 
 func (f *natsFlags) register(fs *pflag.FlagSet) {
@@ -30,6 +34,7 @@ func (f *natsFlags) register(fs *pflag.FlagSet) {
 	fs.StringVar(&f.tlsCA, "nats-tls-ca", "", "CA certificate to verify the NATS server")
 	fs.StringVar(&f.tlsCert, "nats-tls-cert", "", "client certificate for NATS mutual TLS")
 	fs.StringVar(&f.tlsKey, "nats-tls-key", "", "client key for NATS mutual TLS")
+	fs.StringVar(&f.inboxPrefix, "inbox-prefix", "", "prefix of this connection's reply subjects instead of _INBOX; a tenant's NATS user may only read its own (deploy/nats: _INBOX_<tenant>)")
 }
 
 // envExtra maps flags to the conventional variables they also read.
@@ -55,6 +60,13 @@ func (f *natsFlags) options(extra ...nats.Option) ([]nats.Option, error) {
 	}
 	if f.tlsCert != "" {
 		opts = append(opts, nats.ClientCert(f.tlsCert, f.tlsKey))
+	}
+	if f.inboxPrefix != "" {
+		if strings.ContainsAny(f.inboxPrefix, "*> \t\r\n") || strings.HasPrefix(f.inboxPrefix, ".") ||
+			strings.HasSuffix(f.inboxPrefix, ".") || strings.Contains(f.inboxPrefix, "..") {
+			return nil, usageErr("--inbox-prefix %q: want subject tokens without wildcards or whitespace, e.g. _INBOX_acme", f.inboxPrefix)
+		}
+		opts = append(opts, nats.CustomInboxPrefix(f.inboxPrefix))
 	}
 	return append(opts, extra...), nil
 }

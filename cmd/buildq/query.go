@@ -27,12 +27,18 @@ func newWatchCmd() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "watch",
 		Short: "Print result events as they arrive",
-		Long: `Print the result events of BUILDQ_RESULTS as they arrive, optionally
-filtered by tenant and name. With -o json each event is printed as one line
-of JSON (the full CloudEvent). Stops on Ctrl-C.`,
+		Long: `Print result events as they arrive, optionally filtered by tenant and
+name. With -o json each event is printed as one line of JSON (the full
+CloudEvent). Stops on Ctrl-C.
+
+Without --all or --since it subscribes to buildq.results.<tenant>.<name>
+(core NATS), which a tenant's NATS user may do for its own tenant (pass
+--tenant, and --inbox-prefix as configured for that user). --all and
+--since replay the BUILDQ_RESULTS stream through the JetStream API, which
+needs an operator's permissions.`,
 		Example: `  buildq watch
   buildq watch --tenant acme --name web -o json
-  buildq watch --all            # replay everything stored first`,
+  buildq watch --all            # replay everything stored first (operators)`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := bindEnv(cmd, natsEnv); err != nil {
@@ -59,7 +65,11 @@ of JSON (the full CloudEvent). Stops on Ctrl-C.`,
 				return failed(err)
 			}
 			out := cmd.OutOrStdout()
-			err = pub.Watch(cmd.Context(), f, func(r v1.Result) error {
+			watch := pub.Follow
+			if f.DeliverAll || !f.Since.IsZero() {
+				watch = pub.Watch
+			}
+			err = watch(cmd.Context(), f, func(r v1.Result) error {
 				if output == "json" {
 					b, err := json.Marshal(r)
 					if err != nil {

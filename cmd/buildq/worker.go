@@ -65,7 +65,7 @@ func (f *workerFlags) register(cmd *cobra.Command) {
 	fs.StringVar(&f.id, "id", "", "worker id in claims, events and logs (default: hostname-pid)")
 	fs.IntVar(&f.inFlight, "max-in-flight", 4, "requests this worker holds at once")
 	fs.DurationVar(&f.ackWait, "ack-wait", 30*time.Second, "AckWait of the shared consumer; heartbeats go every third of it")
-	fs.IntVar(&f.maxDeliver, "max-deliver", 5, "deliveries after which a request that still fails transiently gets a failed result and a dead-letter copy (the consumer itself redelivers without limit, so a hand-back never strands a request)")
+	fs.IntVar(&f.maxDeliver, "max-deliver", 5, "transient failures after which a request gets a failed result and a dead-letter copy (counted per request; hand-backs and crashes do not count, and the consumer itself redelivers without limit)")
 	fs.DurationVar(&f.resultsAge, "results-max-age", 7*24*time.Hour, "how long result events (and the request ledger) are kept")
 	fs.DurationVar(&f.indexTTL, "index-ttl", 30*24*time.Hour, "how long a build record stays in buildq-builds after its last write; an expired key is built again when asked for")
 	fs.DurationVar(&f.lease, "lease", 30*time.Second, "build claim lease; a dead worker's builds are taken over after it")
