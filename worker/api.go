@@ -356,6 +356,24 @@ func waiterKey(key, tenant, id string) string {
 	return "w." + key + "." + RequestIndexKey(tenant, id)
 }
 
+// waiterReg remembers whether a request was indexed as a waiter.
+type waiterReg struct {
+	once  sync.Once
+	added bool
+}
+
+// add indexes the request as a waiter of key, once. A nil reg does
+// nothing (the request is indexed already).
+func (r *waiterReg) add(ctx context.Context, w *Worker, key, tenant, id string) {
+	if r == nil {
+		return
+	}
+	r.once.Do(func() {
+		w.addWaiter(ctx, key, tenant, id)
+		r.added = true
+	})
+}
+
 // addWaiter records that a request waits on key (best effort: a cancel
 // that misses it only stops a build one request still waited on, which
 // then answers canceled through the build record).

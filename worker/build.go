@@ -25,8 +25,11 @@ var errLostClaim = errors.New("build claim taken over by another worker")
 // seq is the request message's stream sequence: with the request id it
 // tells a redelivery of the request that made a record (its own build)
 // from another request that reuses the id.
-func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, dests []string, seq uint64) (rec *Record, origin v1.Origin, owned bool, err error) {
+func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, dests []string, seq uint64, wr *waiterReg) (rec *Record, origin v1.Origin, owned bool, err error) {
 	mine := func(r *Record) bool { return r.RequestID == req.RequestID && r.Seq == seq }
+	// A request that is not answered from the index waits on a build:
+	// index it, so a cancel of the key finds it.
+	waits := func() { wr.add(ctx, w, key, req.Tenant, req.RequestID) }
 	for {
 		if err := ctx.Err(); err != nil {
 			return nil, "", false, err
@@ -55,6 +58,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 			if !ok {
 				continue // another worker claimed it first: look again
 			}
+			waits()
 			return w.own(ctx, req, claim, rev, dests, seq)
 
 		case cur.State == StateSucceeded:
@@ -80,6 +84,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 					if !ok {
 						continue
 					}
+					waits()
 					return w.own(ctx, req, claim, rev, dests, seq)
 				case err != nil:
 					return nil, "", false, Transient(fmt.Errorf("check %s in the registry: %w", cur.Repository, err))
@@ -101,15 +106,18 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 			if !ok {
 				continue
 			}
+			waits()
 			return w.own(ctx, req, claim, rev, dests, seq)
 
 		case cur.Owner == "":
 			// Released by an owner that stopped: take the run over now.
+			waits()
 			if out, origin, owned, ok, err := w.takeOver(ctx, req, cur, rev, dests, seq); ok || err != nil {
 				return out, origin, owned, err
 			}
 
 		default:
+			waits()
 			w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: key, Phase: v1.PhaseWaiting, Job: cur.Job,
 				Message: "joined the build of request " + cur.RequestID})
 			final, lapsed, lrev, err := w.join(ctx, key)
@@ -337,7 +345,7 @@ func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev ui
 			}
 			if errors.Is(err, errNotCurrent) || errors.Is(context.Cause(runCtx), errLostClaim) || (gerr == nil && cur != nil && (cur.Final() || cur.Run != held.Run || cur.Owner != w.cfg.ID)) {
 				w.log.Info("the build claim changed hands; following the record", zap.String("key", held.Key), zap.String("run", held.Run))
-				return w.build(ctx, req, held.Key, held.Repository, dests, seq)
+				return w.build(ctx, req, held.Key, held.Repository, dests, seq, nil)
 			}
 		}
 		// Shutdown or trouble: let the claim go so another worker takes
@@ -363,7 +371,7 @@ func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev ui
 		if !w.cfg.KeepJobs {
 			_ = w.backend.Cleanup(fctx, held.Key, held.Run)
 		}
-		return w.build(ctx, req, held.Key, held.Repository, dests, seq)
+		return w.build(ctx, req, held.Key, held.Repository, dests, seq, nil)
 	}
 	if err != nil {
 		return nil, "", false, Transient(err)

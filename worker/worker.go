@@ -314,6 +314,8 @@ type verdict struct {
 	// duplicate: another message holds this request id; this one gets no
 	// result of its own and is terminated.
 	duplicate bool
+	// waiter: the request was indexed as waiting on its build key.
+	waiter bool
 }
 
 func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
@@ -389,7 +391,7 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 		}
 		v = rv
 	}
-	if le != nil && le.e.Key != "" {
+	if v.waiter && le != nil {
 		w.dropWaiter(actx, le.e.Key, le.e.Tenant, le.e.RequestID)
 	}
 	if !v.publishedBefore {
@@ -603,8 +605,9 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: key, Phase: v1.PhaseQueued,
 		Message: fmt.Sprintf("taken by %s after %s in the queue", w.cfg.ID, time.Duration(timings.QueueWaitMs)*time.Millisecond)})
 
-	w.addWaiter(ctx, key, req.Tenant, req.RequestID)
-	rec, origin, owned, err := w.build(ctx, req, key, repo, dests, meta.Sequence.Stream)
+	wr := &waiterReg{}
+	rec, origin, owned, err := w.build(ctx, req, key, repo, dests, meta.Sequence.Stream, wr)
+	v.waiter = wr.added
 	if err != nil {
 		return v, le, err
 	}
