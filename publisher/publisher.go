@@ -236,7 +236,7 @@ func (c *Client) Wait(ctx context.Context, tenant, name, requestID string, since
 	defer func() { _ = sub.Unsubscribe() }()
 	// The server has the subscription once the flush returns: every
 	// result published from now on reaches it.
-	if err := c.nc.FlushWithContext(ctx); err != nil {
+	if err := c.flush(ctx); err != nil {
 		return nil, fmt.Errorf("subscribe to %s: %w", subj, err)
 	}
 	if err := c.permissionError("Subscription to", subj); err != nil {
@@ -316,6 +316,14 @@ func (c *Client) decided(ctx context.Context, tenant, requestID string) (*v1.Res
 	return &r, true
 }
 
+// flush waits until the server has processed everything sent so far
+// (a context without a deadline gets one: FlushWithContext needs it).
+func (c *Client) flush(ctx context.Context) error {
+	fctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	return c.nc.FlushWithContext(fctx)
+}
+
 // permissionError returns the server's refusal of op ("Subscription to",
 // "Publish to") on subject, when it is the connection's last error.
 func (c *Client) permissionError(op, subject string) error {
@@ -347,7 +355,7 @@ func (c *Client) Follow(ctx context.Context, f Filter, fn func(v1.Result) error)
 		return fmt.Errorf("subscribe to %s: %w", subj, err)
 	}
 	defer func() { _ = sub.Unsubscribe() }()
-	if err := c.nc.FlushWithContext(ctx); err != nil {
+	if err := c.flush(ctx); err != nil {
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}

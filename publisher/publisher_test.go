@@ -313,7 +313,8 @@ func TestTenantPermissions(t *testing.T) {
 		t.Fatal(err)
 	}
 	followed := make(chan string, 1)
-	fctx, fcancel := context.WithCancel(ctx)
+	// No deadline, as `buildq watch` runs it.
+	fctx, fcancel := context.WithCancel(context.Background())
 	defer fcancel()
 	followErr := make(chan error, 1)
 	go func() {

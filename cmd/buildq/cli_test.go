@@ -336,6 +336,7 @@ func TestUsageErrorsExit2(t *testing.T) {
 		"render unpinned":    {"render", dir, "--executor-image", "ghcr.io/x/kaniko:latest"},
 		"render no executor": {"render", dir},
 		"status no arg":      {"status"},
+		"bad inbox prefix":   {"status", "x", "--inbox-prefix", "_INBOX_acme.*"},
 		"unknown command":    {"frobnicate"},
 	}
 	for name, args := range cases {
