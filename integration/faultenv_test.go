@@ -325,7 +325,7 @@ func (s *suite) killNATS() {
 func (s *suite) submitWith(dir, name string, n int, mutate func(*v1.Request)) []*v1.Request {
 	s.t.Helper()
 	ctx := context.Background()
-	up, err := s.store.UploadContext(ctx, dir, contexttar.Options{}, nil)
+	up, err := s.store.ForTenant("acme").UploadContext(ctx, dir, contexttar.Options{}, nil)
 	if err != nil {
 		s.t.Fatal(err)
 	}
@@ -419,7 +419,7 @@ func (s *suite) waitTaken(n int) {
 }
 
 // streamResults reads BUILDQ_RESULTS, the authority on what subscribers
-// get: every stored result by request id (the Nats-Msg-Id header).
+// get: every stored result by request id.
 func (s *suite) streamResults() map[string][]v1.Result {
 	s.t.Helper()
 	js := s.js()
@@ -448,8 +448,9 @@ func (s *suite) streamResults() map[string][]v1.Result {
 			if err := json.Unmarshal(m.Data, &r); err != nil {
 				return nil, fmt.Errorf("result at %d: %w", seq, err)
 			}
-			id := m.Header.Get(v1.MsgIDHeader)
-			out[id] = append(out[id], r)
+			// By the CloudEvents id (= requestId); the Nats-Msg-Id header
+			// may be tenant-scoped.
+			out[r.ID] = append(out[r.ID], r)
 		}
 		return out, nil
 	})

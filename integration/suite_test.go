@@ -279,7 +279,7 @@ func contextDir(t *testing.T, files map[string]string) string {
 func (s *suite) submit(dir, name string, n int) []*v1.Request {
 	s.t.Helper()
 	ctx := context.Background()
-	up, err := s.store.UploadContext(ctx, dir, contexttar.Options{}, nil)
+	up, err := s.store.ForTenant("acme").UploadContext(ctx, dir, contexttar.Options{}, nil)
 	if err != nil {
 		s.t.Fatal(err)
 	}

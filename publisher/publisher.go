@@ -23,6 +23,10 @@ package publisher
 
 import (
 	"context"
+	"crypto/hmac"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -40,6 +44,9 @@ import (
 type Client struct {
 	nc *nats.Conn
 	js jetstream.JetStream
+	// secret makes each request's Nats-Msg-Id unpredictable to others but
+	// stable across this client's retries of one request.
+	secret [16]byte
 }
 
 // New returns a client on an established NATS connection.
@@ -48,7 +55,21 @@ func New(nc *nats.Conn) (*Client, error) {
 	if err != nil {
 		return nil, fmt.Errorf("jetstream: %w", err)
 	}
-	return &Client{nc: nc, js: js}, nil
+	c := &Client{nc: nc, js: js}
+	if _, err := rand.Read(c.secret[:]); err != nil {
+		return nil, fmt.Errorf("publisher: random: %w", err)
+	}
+	return c, nil
+}
+
+// msgID is the request's Nats-Msg-Id: v1.RequestMsgID with a nonce derived
+// from the client's secret. JetStream dedupes on the header stream-wide
+// and NATS permissions do not cover headers: a header another tenant could
+// predict, it could publish first, and JetStream would drop this request.
+func (c *Client) msgID(tenant, requestID string) string {
+	m := hmac.New(sha256.New, c.secret[:])
+	m.Write([]byte(tenant + "/" + requestID))
+	return v1.RequestMsgID(tenant, requestID, hex.EncodeToString(m.Sum(nil))[:20])
 }
 
 // InboxPrefix is the inbox prefix of tenant's connections in the shipped
@@ -65,7 +86,7 @@ func NewRequestID() string { return nuid.Next() }
 var ErrNoWorkers = errors.New("no buildq stream on this NATS server: start a worker (buildq worker, or buildq dev) first")
 
 // Publish validates req and publishes it on buildq.requests.<tenant> with
-// Nats-Msg-Id = "<tenant>/<requestId>" (v1.MsgID). APIVersion and RequestID are filled in when
+// Nats-Msg-Id = "<tenant>/<requestId>/<nonce>" (v1.RequestMsgID). APIVersion and RequestID are filled in when
 // empty. Publishing the same request again within the duplicate window
 // stores it once (the returned PubAck has Duplicate set).
 func (c *Client) Publish(ctx context.Context, req *v1.Request) (*jetstream.PubAck, error) {
@@ -86,7 +107,7 @@ func (c *Client) Publish(ctx context.Context, req *v1.Request) (*jetstream.PubAc
 		return nil, fmt.Errorf("encode request: %w", err)
 	}
 	m := nats.NewMsg(v1.RequestSubject(req.Tenant))
-	m.Header.Set(v1.MsgIDHeader, v1.MsgID(req.Tenant, req.RequestID))
+	m.Header.Set(v1.MsgIDHeader, c.msgID(req.Tenant, req.RequestID))
 	m.Header.Set("Content-Type", "application/json")
 	m.Data = b
 	ack, err := c.js.PublishMsg(ctx, m)

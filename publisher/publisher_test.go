@@ -85,7 +85,7 @@ func TestPublishIsDeduplicatedByRequestID(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if msg.Subject != "buildq.requests.acme" || msg.Header.Get("Nats-Msg-Id") != v1.MsgID("acme", req.RequestID) {
+	if h := msg.Header.Get("Nats-Msg-Id"); msg.Subject != "buildq.requests.acme" || !strings.HasPrefix(h, v1.MsgID("acme", req.RequestID)+"/") || !v1.MsgIDMatches(h, "acme", req.RequestID) {
 		t.Fatalf("subject %q header %v", msg.Subject, msg.Header)
 	}
 	if got, err := v1.DecodeRequest(msg.Data); err != nil || got.RequestID != req.RequestID {
@@ -358,5 +358,40 @@ func TestTenantPermissions(t *testing.T) {
 	defer pcancel()
 	if _, err := bare.Publish(pctx, request()); err == nil {
 		t.Fatal("publish without the tenant's inbox prefix got its PubAck")
+	}
+}
+
+// The request's Nats-Msg-Id carries a nonce: stable for one client's
+// retries (JetStream still dedupes them), unpredictable to anyone else, so
+// no other tenant can publish a request's header first.
+func TestRequestMsgIDIsUnpredictable(t *testing.T) {
+	t.Parallel()
+	_, js := setup(t, true)
+	nc := js.Conn()
+	a, err := publisher.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := publisher.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	req := func(id string) *v1.Request {
+		r := request()
+		r.RequestID = id
+		return r
+	}
+	first, err := a.Publish(ctx, req("same-id"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	again, err := a.Publish(ctx, req("same-id"))
+	if err != nil || !again.Duplicate || again.Sequence != first.Sequence {
+		t.Fatalf("a retry from the same client was not deduped: %+v %v", again, err)
+	}
+	other, err := b.Publish(ctx, req("same-id"))
+	if err != nil || other.Duplicate {
+		t.Fatalf("another client's header for the same id was predictable: %+v %v", other, err)
 	}
 }

@@ -42,6 +42,10 @@ type StatusReply struct {
 	Error   string        `json:"error,omitempty"`
 }
 
+// apiConcurrency bounds the status and cancel requests a worker answers at
+// once.
+const apiConcurrency = 32
+
 // internalCancelSubject tells every worker that a held request was
 // canceled (payload: its ledger key). Tenants must not publish on
 // buildq.internal.>.
@@ -116,9 +120,14 @@ func (w *Worker) serveAPI(ctx context.Context) (func(), error) {
 		)
 		if h.queue != "" {
 			// A slow API server must not queue every other tenant's
-			// status or cancel behind one: each is answered on its own.
+			// status or cancel behind one: each is answered on its own,
+			// up to apiConcurrency at once (then the subscription waits,
+			// and the queue group sends work to the other workers).
 			fn := h.fn
-			s, err = w.nc.QueueSubscribe(h.subject, h.queue, func(m *nats.Msg) { go fn(m) })
+			s, err = w.nc.QueueSubscribe(h.subject, h.queue, func(m *nats.Msg) {
+				w.apiSem <- struct{}{}
+				go func() { defer func() { <-w.apiSem }(); fn(m) }()
+			})
 		} else {
 			s, err = w.nc.Subscribe(h.subject, h.fn)
 		}
@@ -277,12 +286,14 @@ func (w *Worker) stopBuild(ctx context.Context, tenant, key string, hadRequests 
 		switch {
 		case err != nil:
 			return false, err.Error()
+		case !hadRequests && (cur == nil || cur.Tenant != tenant):
+			// One answer whether the key is unknown, built or building
+			// for others: a cancel tells nothing of other tenants' builds.
+			return false, fmt.Sprintf("no request of tenant %s waits on key %s", tenant, key)
 		case cur == nil:
 			return false, "no build is known for key " + key
 		case cur.Final():
 			return false, "the build already finished: " + cur.State
-		case !hadRequests && cur.Tenant != tenant:
-			return false, fmt.Sprintf("no request of tenant %s waits on key %s", tenant, key)
 		}
 		final := *cur
 		final.State, final.Reason, final.Message = StateFailed, v1.ReasonCanceled, "canceled on request"

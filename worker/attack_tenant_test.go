@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"io"
-	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -26,15 +25,8 @@ import (
 // Mallory publishes only on her own subjects (buildq.requests.mallory,
 // buildq.api.*.mallory) and reads only hers (buildq.results.mallory.>,
 // buildq.events.mallory.>); she controls every byte of her bodies and
-// headers and the timing of her requests. Each test is guarded until the
-// defect is fixed: BUILDQ_ATTACK=1 runs them.
-
-func attackGuard(t *testing.T, defect string) {
-	t.Helper()
-	if os.Getenv("BUILDQ_ATTACK") == "" {
-		t.Skip("known defect: " + defect)
-	}
-}
+// headers and the timing of her requests. Each failed on the code it was
+// written against (f94e5fe) and passes since the fix.
 
 // startLocalWorker runs a worker on backend (the local executor) with the
 // naming policy and registry of tr.
@@ -76,7 +68,6 @@ func (e *env) startLocalWorker(id string, backend Backend, mutate func(*Config))
 // each other's request"). Request ids are caller-chosen (deterministic ids
 // such as a commit or a deploy number are what idempotent producers use).
 func TestAttackForgedMsgIDHeaderDropsAnotherTenantsRequest(t *testing.T) {
-	attackGuard(t, "a tenant's Nats-Msg-Id header may name another tenant's id; JetStream then drops that tenant's request")
 	t.Parallel()
 	e := setup(t)
 	e.startWorker("w1", nil)
@@ -119,7 +110,6 @@ func TestAttackForgedMsgIDHeaderDropsAnotherTenantsRequest(t *testing.T) {
 // leaked id also feeds TestAttackForgedMsgIDHeaderDropsAnotherTenantsRequest
 // for acme's resubmissions.
 func TestAttackJoinEventLeaksTheClaimersRequestID(t *testing.T) {
-	attackGuard(t, "the joined-build event on the joiner's subject names the claiming request's id (another tenant's)")
 	t.Parallel()
 	e := setup(t)
 	e.startWorker("w1", nil)
@@ -157,7 +147,6 @@ func TestAttackJoinEventLeaksTheClaimersRequestID(t *testing.T) {
 // fail": repeatable for every resubmission, since mallory only has to be
 // first.
 func TestAttackClaimersShortTimeoutFailsTheJoiner(t *testing.T) {
-	attackGuard(t, "a shared build runs with the claimer's timeout; the joiner of another tenant gets its DeadlineExceeded")
 	t.Parallel()
 	e := setup(t)
 	e.startWorker("w1", nil)
@@ -267,7 +256,6 @@ func (g *gatedContexts) Open(ctx context.Context, bucket, key string) (io.ReadCl
 // can come only from a build of the same verified content": no build of
 // that content happened).
 func TestAttackClaimersMissingContextFailsTheJoiner(t *testing.T) {
-	attackGuard(t, "a shared local build opens the claimer's S3 object; a claimer naming a missing object fails every joiner")
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
@@ -323,7 +311,6 @@ func TestAttackClaimersMissingContextFailsTheJoiner(t *testing.T) {
 // index). Breaks invariant 8 (her answer must hold nothing of acme's) and
 // docs/design.md §2b (contexts per tenant).
 func TestAttackContextMismatchQuotesAnotherTenantsDigest(t *testing.T) {
-	attackGuard(t, "a request may name another tenant's S3 object; ContextMismatch then quotes that object's digest")
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
@@ -369,7 +356,6 @@ func TestAttackContextMismatchQuotesAnotherTenantsDigest(t *testing.T) {
 // failed — which the status service refuses her. Breaks invariant 8
 // ("status and cancel are its tenant's alone").
 func TestAttackCancelRepliesRevealAnotherTenantsBuild(t *testing.T) {
-	attackGuard(t, "cancel of a bare build key tells another tenant whether the key was built and how it ended")
 	t.Parallel()
 	e := setup(t)
 	e.startWorker("w1", nil)

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
+	"reflect"
 	"sync"
 	"time"
 
@@ -119,7 +121,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 		default:
 			waits()
 			w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: key, Phase: v1.PhaseWaiting, Job: cur.Job,
-				Message: "joined the build of request " + cur.RequestID})
+				Message: "joined a build in progress"})
 			final, lapsed, lrev, err := w.join(ctx, key)
 			if err != nil {
 				return nil, "", false, err
@@ -127,6 +129,13 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 			if final != nil {
 				if mine(final) {
 					return final, v1.OriginBuild, true, nil
+				}
+				if !sharedFailure(final, req) {
+					// The run failed for a reason of its claimer's request —
+					// its timeout, its context object, its destination —
+					// not of the content. It does not answer this request:
+					// build with this request's own inputs.
+					continue
 				}
 				return final, v1.OriginInflight, false, nil
 			}
@@ -167,12 +176,51 @@ func (w *Worker) takeOver(ctx context.Context, req *v1.Request, cur *Record, rev
 
 func (w *Worker) newClaim(req *v1.Request, key, repo string, dests []string, seq uint64) *Record {
 	now := w.cfg.Now().UTC()
+	src := req.Source
 	return &Record{
 		Key: key, State: StateBuilding, Run: newRunID(), Owner: w.cfg.ID,
 		LeaseMs: w.cfg.Lease.Milliseconds(), LeaseUntil: now.Add(w.cfg.Lease),
 		RequestID: req.RequestID, Seq: seq, Tenant: req.Tenant, Name: req.Name,
 		Repository: repo, Destinations: dests, StartedAt: now,
+		Source: &src, Timeout: req.Timeout,
 	}
+}
+
+// sharedFailure reports whether a failed run of another request answers
+// req too: a failure of the content does, one of the claimer's own
+// request-specific inputs does not unless req has the same.
+func sharedFailure(final *Record, req *v1.Request) bool {
+	if final.State != StateFailed {
+		return true
+	}
+	switch final.Reason {
+	case v1.ReasonDeadlineExceeded:
+		// Shared only with a request that allows no more time (zero is
+		// the worker's default, the longest a request without one gets).
+		eff := func(d time.Duration) time.Duration {
+			if d <= 0 {
+				return time.Duration(math.MaxInt64)
+			}
+			return d
+		}
+		return final.Source == nil || eff(req.Timeout.Duration) <= eff(final.Timeout.Duration)
+	case v1.ReasonContextMissing, v1.ReasonContextMismatch:
+		return final.Source == nil || reflect.DeepEqual(*final.Source, req.Source)
+	case v1.ReasonPushFailed:
+		return false // the claimer's destination; this request's may take it
+	}
+	return true
+}
+
+// runRequest is the request a run's build is made from: the taker's, but
+// with the run's own source and timeout, so a take-over builds exactly
+// what the run's claimer asked for, whoever takes it over.
+func runRequest(req *v1.Request, claim *Record) *v1.Request {
+	r := *req
+	if claim.Source != nil {
+		r.Source, r.Timeout = *claim.Source, claim.Timeout
+	}
+	return &r
 }
 
 // join waits for the run that holds key's claim to end. It returns the
@@ -309,14 +357,14 @@ func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev ui
 			panic(p)
 		}
 	}()
-	out, err := w.backend.Run(runCtx, Build{Request: req, Key: claim.Key, Run: claim.Run, Destinations: claim.Destinations, Current: current}, func(job string, created bool, creator string) {
+	out, err := w.backend.Run(runCtx, Build{Request: runRequest(req, claim), Key: claim.Key, Run: claim.Run, Destinations: claim.Destinations, Current: current}, func(job string, created bool, creator string) {
 		mu.Lock()
 		claim.Job = job
 		mu.Unlock()
 		msg := "created job " + job
 		phase := v1.PhaseJobCreated
 		if !created {
-			msg = "adopted job " + job + " of request " + creator
+			msg = "adopted job " + job + " of a build in progress"
 			phase = v1.PhaseRunning
 		}
 		w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: claim.Key, Phase: phase, Job: job, Message: msg})

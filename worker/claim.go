@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+
+	v1 "github.com/buildq/buildq/api/v1"
 )
 
 // The build record and its state machine.
@@ -83,7 +85,11 @@ type Record struct {
 	// Destinations are the references the run pushes to; a take-over
 	// keeps them, since the run's Job may already be pushing there.
 	Destinations []string `json:"destinations,omitempty"`
-	Image        string   `json:"image,omitempty"`
+	// Source and Timeout are the run's claimer's: a take-over builds
+	// from them, not from the taking request's.
+	Source  *v1.Source  `json:"source,omitempty"`
+	Timeout v1.Duration `json:"timeout,omitzero"`
+	Image   string      `json:"image,omitempty"`
 	// Pushed lists every repo:tag known to point at Digest.
 	Pushed     []string  `json:"pushed,omitempty"`
 	Digest     string    `json:"digest,omitempty"`

@@ -56,6 +56,11 @@ type Config struct {
 	// Redeliveries of a request already taken are not expired. 0 (the
 	// default) means no limit.
 	QueueTTL time.Duration
+	// ContextPrefix is where a request's S3 context must live, {tenant}
+	// standing for its tenant (the CLI and SDK upload under
+	// contexts/{tenant}/). Empty: anywhere (a worker whose producers keep
+	// their own layout).
+	ContextPrefix string
 	// KeepJobs leaves finished Jobs for their ttlSecondsAfterFinished
 	// instead of deleting them after the results are stored (default false).
 	KeepJobs bool

@@ -735,7 +735,7 @@ func TestCancel(t *testing.T) {
 		e.startWorker("w1", shortLease)
 		unknown := hex64("never built")
 		rep := cancelRequest(t, e.nc, v1.CancelSubject("acme", "web"), unknown)
-		if rep.Canceled || rep.Key != unknown || !strings.Contains(rep.Message, "no build is known for key "+unknown) {
+		if rep.Canceled || rep.Key != unknown || !strings.Contains(rep.Message, "no request of tenant acme waits on key "+unknown) {
 			t.Errorf("unknown key: %+v", rep)
 		}
 		rep = cancelRequest(t, e.nc, v1.CancelSubject("acme", "web"), "no-such-request")
@@ -844,7 +844,7 @@ func TestTransientJobCreateErrors(t *testing.T) {
 			t.Errorf("dead letter on %s: %s, want the original payload on %s", dl[0].Subject, dl[0].Data, v1.DeadLetterSubject("acme"))
 		}
 		h := dl[0].Header
-		if h.Get(v1.MsgIDHeader) != req.RequestID || h.Get("Buildq-Original-Subject") != v1.RequestSubject("acme") || !strings.Contains(h.Get("Buildq-Error"), "Internal error") {
+		if h.Get("Buildq-Original-Msg-Id") != req.RequestID || !strings.HasPrefix(h.Get(v1.MsgIDHeader), "deadletter/") || h.Get("Buildq-Original-Subject") != v1.RequestSubject("acme") || !strings.Contains(h.Get("Buildq-Error"), "Internal error") {
 			t.Errorf("dead letter headers %v", h)
 		}
 		if n := len(results.snapshot()); n != 1 {

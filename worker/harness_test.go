@@ -136,6 +136,7 @@ func testConfig(id string) Config {
 		Lease:           2 * time.Second,
 		ShutdownTimeout: 5 * time.Second,
 		Naming:          naming.Policy{Registry: "registry.test:5000"},
+		ContextPrefix:   "contexts/{tenant}/",
 	}
 }
 
@@ -184,7 +185,7 @@ func request(seed string) *v1.Request {
 	d := hex64(seed)
 	return &v1.Request{
 		Tenant: "acme", Name: "web",
-		Source:        v1.Source{S3: &v1.S3Source{Bucket: "buildq", Key: "contexts/sha256/" + d + ".tar.gz"}},
+		Source:        v1.Source{S3: &v1.S3Source{Bucket: "buildq", Key: "contexts/acme/sha256/" + d + ".tar.gz"}},
 		ContextDigest: "sha256:" + d,
 		BuildArgs:     map[string]string{"VERSION": "1.2.3"},
 		Labels:        map[string]string{"team": "platform"},

@@ -162,7 +162,9 @@ func (l *LocalBackend) build(ctx context.Context, b Build) (Outcome, error) {
 		}
 		if errors.Is(err, contexttar.ErrDigestMismatch) {
 			// Someone else's bytes under this name: never built.
-			return fail(v1.ReasonContextMismatch, "context refused: "+err.Error())
+			// The message names no digest of the object's bytes: it
+			// would tell a prober what someone else's object holds.
+			return fail(v1.ReasonContextMismatch, fmt.Sprintf("context refused: s3://%s/%s does not hold the bytes of %s", req.Source.S3.Bucket, req.Source.S3.Key, req.ContextDigest))
 		}
 		if errors.Is(err, contexttar.ErrUnsafePath) || errors.Is(err, contexttar.ErrTooLarge) {
 			return fail(v1.ReasonBuildFailed, "context refused: "+err.Error())

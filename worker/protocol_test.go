@@ -282,7 +282,7 @@ func TestUnpublishableResultIsDeadLetteredAfterMaxDeliver(t *testing.T) {
 		return msgs == 0 && pending == 0
 	})
 	dl := e.streamMsgs(DeadLetterStream)
-	if len(dl) != 1 || dl[0].Header.Get(v1.MsgIDHeader) != "unpublishable" {
+	if len(dl) != 1 || dl[0].Header.Get("Buildq-Original-Msg-Id") != "unpublishable" {
 		t.Fatalf("dead letters: %d", len(dl))
 	}
 }

@@ -30,7 +30,28 @@ import (
 func mallorys(seed string) *v1.Request {
 	r := request(seed)
 	r.Tenant = "mallory"
+	r.Source.S3.Key = strings.Replace(r.Source.S3.Key, "contexts/acme/", "contexts/mallory/", 1)
 	return r
+}
+
+// A request may name only its own tenant's context objects.
+func TestRequestCannotNameAnotherTenantsContext(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.startWorker("w1", nil)
+	results := e.collect()
+	m := mallorys("other-context")
+	m.Source.S3.Key = "contexts/acme/sha256/" + hex64("acme's") + ".tar.gz"
+	if _, err := e.pub.Publish(context.Background(), m); err != nil {
+		t.Fatal(err)
+	}
+	r := results.waitFor(t, 1, 10*time.Second)[0]
+	if r.Data.Status != v1.StatusFailed || r.Data.Reason != v1.ReasonInvalidRequest || !strings.Contains(r.Data.Message, "contexts/mallory/") {
+		t.Fatalf("result %s", mustJSON(t, r))
+	}
+	if n := e.creates.total(); n != 0 {
+		t.Fatalf("%d jobs created", n)
+	}
 }
 
 // Mallory names acme's repository as her destination: refused before

@@ -37,7 +37,7 @@ func validBase(id string) *v1.Request {
 	d := hex64("validation")
 	return &v1.Request{
 		APIVersion: v1.APIVersion, RequestID: id, Tenant: "acme", Name: "web",
-		Source:        v1.Source{S3: &v1.S3Source{Bucket: "buildq", Key: "contexts/sha256/" + d + ".tar.gz"}},
+		Source:        v1.Source{S3: &v1.S3Source{Bucket: "buildq", Key: "contexts/acme/sha256/" + d + ".tar.gz"}},
 		ContextDigest: "sha256:" + d,
 	}
 }

@@ -40,6 +40,7 @@ type Worker struct {
 	requests jetstream.KeyValue
 	orphans  orphanWatch
 	held     heldRequests
+	apiSem   chan struct{}
 	// ackWait is the consumer's AckWait as the server has it (nanoseconds):
 	// another worker may have set it lower than this one's.
 	ackWait atomic.Int64
@@ -76,6 +77,7 @@ func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 		source:   "/buildq/worker/" + cfg.ID,
 		orphans:  orphanWatch{seen: map[string]observed{}},
 		held:     heldRequests{m: map[string]context.CancelCauseFunc{}},
+		apiSem:   make(chan struct{}, apiConcurrency),
 	}, nil
 }
 
@@ -655,7 +657,7 @@ func (w *Worker) decode(msg jetstream.Msg) (*v1.Request, error) {
 			"%q does not match the subject %s; a request of tenant %q goes on %s",
 			req.Tenant, msg.Subject(), req.Tenant, v1.RequestSubject(req.Tenant))})
 	}
-	if h := msg.Headers().Get(v1.MsgIDHeader); h != v1.MsgID(req.Tenant, req.RequestID) && h != req.RequestID {
+	if h := msg.Headers().Get(v1.MsgIDHeader); !v1.MsgIDMatches(h, req.Tenant, req.RequestID) {
 		if len(h) > 2*v1.MaxRequestIDLen {
 			h = h[:2*v1.MaxRequestIDLen] + "…"
 		}
@@ -665,6 +667,14 @@ func (w *Worker) decode(msg jetstream.Msg) (*v1.Request, error) {
 			detail = fmt.Sprintf("the %s header is missing; set it to %q", v1.MsgIDHeader, v1.MsgID(req.Tenant, req.RequestID))
 		}
 		fields = append(fields, v1.FieldError{Field: "requestId", Detail: detail})
+	}
+	if s3 := req.Source.S3; s3 != nil && w.cfg.ContextPrefix != "" {
+		// A request names only its own tenant's contexts: another
+		// tenant's object is neither built nor probed.
+		if prefix := strings.ReplaceAll(w.cfg.ContextPrefix, "{tenant}", req.Tenant); !strings.HasPrefix(s3.Key, prefix) || strings.Contains(s3.Key, "..") {
+			fields = append(fields, v1.FieldError{Field: "source.s3.key", Detail: fmt.Sprintf(
+				"a context of tenant %q must be under %s (the CLI and SDK upload there)", req.Tenant, prefix)})
+		}
 	}
 	if len(fields) > 0 {
 		return req, &v1.ValidationError{Fields: fields}
@@ -779,6 +789,14 @@ func (w *Worker) deadLetter(ctx context.Context, tenant string, msg jetstream.Ms
 	m := nats.NewMsg(v1.DeadLetterSubject(tenant))
 	for k, vs := range msg.Headers() {
 		m.Header[k] = vs
+	}
+	// The copy is stored under its own id: a producer's header must not
+	// shadow another message in the dead-letter stream's dedupe window.
+	m.Header.Set("Buildq-Original-Msg-Id", msg.Headers().Get(v1.MsgIDHeader))
+	if meta, err := msg.Metadata(); err == nil {
+		m.Header.Set(v1.MsgIDHeader, fmt.Sprintf("deadletter/%d", meta.Sequence.Stream))
+	} else {
+		m.Header.Del(v1.MsgIDHeader)
 	}
 	m.Header.Set("Buildq-Error", cause.Error())
 	m.Header.Set("Buildq-Original-Subject", msg.Subject())

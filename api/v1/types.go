@@ -12,6 +12,7 @@ package v1
 import (
 	"encoding/json"
 	"fmt"
+	"strings"
 	"time"
 )
 
@@ -47,6 +48,25 @@ const (
 // meet. A request whose header is the bare requestId (the first version of
 // the contract) is still accepted, without that protection.
 func MsgID(tenant, requestID string) string { return tenant + "/" + requestID }
+
+// RequestMsgID is the Nats-Msg-Id a producer sets on a request:
+// MsgID(tenant, requestID) + "/" + nonce. JetStream dedupes on the header
+// stream-wide and NATS permissions guard subjects, not headers, so a
+// header another tenant can predict could be published first and make
+// JetStream drop the real request. The nonce — random per producer and
+// stable across its retries of one request — makes the header
+// unpredictable; the publisher SDK sets it.
+func RequestMsgID(tenant, requestID, nonce string) string {
+	return MsgID(tenant, requestID) + "/" + nonce
+}
+
+// MsgIDMatches reports whether a request's Nats-Msg-Id header belongs to
+// its body's tenant and request id: RequestMsgID's form, MsgID's, or the
+// bare request id of the first version of the contract.
+func MsgIDMatches(header, tenant, requestID string) bool {
+	scoped := MsgID(tenant, requestID)
+	return header == requestID || header == scoped || strings.HasPrefix(header, scoped+"/")
+}
 
 // APIStatusSubject and APICancelSubject are a tenant's status and cancel
 // services.

@@ -166,7 +166,8 @@ func runDev(ctx context.Context, stderr io.Writer, f *devFlags) error {
 	defer nc.Close()
 	cfg := worker.Config{
 		ID: "dev", MaxInFlight: f.inFlight, Storage: jetstream.FileStorage, Naming: np, Registry: reg,
-		Logger: log.Named("worker"), ShutdownTimeout: 5 * time.Second,
+		ContextPrefix: "contexts/{tenant}/",
+		Logger:        log.Named("worker"), ShutdownTimeout: 5 * time.Second,
 	}
 	w, err := worker.New(nc, backend, cfg)
 	if err != nil {

@@ -42,11 +42,13 @@ type workerFlags struct {
 	maxDeliver int
 	resultsAge time.Duration
 	indexTTL   time.Duration
-	lease      time.Duration
-	storage    string
-	replicas   int
-	keepJobs   bool
-	queueTTL   time.Duration
+	// contextPrefix is where a tenant's S3 contexts must live.
+	contextPrefix string
+	lease         time.Duration
+	storage       string
+	replicas      int
+	keepJobs      bool
+	queueTTL      time.Duration
 
 	kubeconfig     string
 	registryConfig string
@@ -67,6 +69,7 @@ func (f *workerFlags) register(cmd *cobra.Command) {
 	fs.DurationVar(&f.ackWait, "ack-wait", 30*time.Second, "AckWait of the shared consumer; heartbeats go every third of it")
 	fs.IntVar(&f.maxDeliver, "max-deliver", 5, "transient failures after which a request gets a failed result and a dead-letter copy (counted per request; hand-backs and crashes do not count, and the consumer itself redelivers without limit)")
 	fs.DurationVar(&f.resultsAge, "results-max-age", 7*24*time.Hour, "how long result events (and the request ledger) are kept")
+	fs.StringVar(&f.contextPrefix, "context-prefix", "contexts/{tenant}/", "S3 key prefix a tenant's contexts must have, {tenant} standing for the tenant (the CLI and SDK upload there); empty: any key")
 	fs.DurationVar(&f.indexTTL, "index-ttl", 30*24*time.Hour, "how long a build record stays in buildq-builds after its last write; an expired key is built again when asked for")
 	fs.DurationVar(&f.lease, "lease", 30*time.Second, "build claim lease; a dead worker's builds are taken over after it")
 	fs.StringVar(&f.storage, "storage", "file", "JetStream storage of streams and the KV buckets: file or memory")
@@ -87,7 +90,7 @@ func (f *workerFlags) register(cmd *cobra.Command) {
 func (f *workerFlags) config(log *zap.Logger) (worker.Config, error) {
 	cfg := worker.Config{
 		ID: f.id, MaxInFlight: f.inFlight, AckWait: f.ackWait, MaxDeliver: f.maxDeliver,
-		ResultsMaxAge: f.resultsAge, IndexTTL: f.indexTTL, Lease: f.lease, Replicas: f.replicas, KeepJobs: f.keepJobs, QueueTTL: f.queueTTL,
+		ResultsMaxAge: f.resultsAge, IndexTTL: f.indexTTL, ContextPrefix: f.contextPrefix, Lease: f.lease, Replicas: f.replicas, KeepJobs: f.keepJobs, QueueTTL: f.queueTTL,
 		Naming: f.namingPol, Logger: log,
 	}
 	switch f.storage {
@@ -139,11 +142,11 @@ func registerKaniko(fs *pflag.FlagSet, kc *kaniko.Config, np *naming.Policy) {
 	fs.StringVar(&kc.ServiceAccountName, "service-account", "", "service account of the build pods")
 
 	fs.StringVar(&np.Registry, "registry", "", "default registry host[:port] for requests that name no image")
-	fs.StringVar(&np.Mode, "naming-mode", naming.ModeProject, "naming policy: project ({registry}/{tenant}/{name}) or flat ({registry}/{prefix}{tenant}-{name})")
+	fs.StringVar(&np.Mode, "naming-mode", naming.ModeProject, "naming policy: project ({registry}/{tenant}/{name}) or flat ({registry}/{prefix}{tenant}_{name})")
 	fs.StringVar(&np.Project, "naming-project", "", "project mode: one fixed project for every tenant; images go to {registry}/{project}/{tenant}/{name}")
 	fs.StringVar(&np.Prefix, "naming-prefix", "", "flat mode: prefix before the tenant")
 	fs.BoolVar(&np.Harbor, "harbor", false, "the registry is Harbor: create each project (the tenant, or --naming-project) on demand")
-	fs.StringSliceVar(&np.Allowed, "allowed-destination", nil, "repositories a tenant may push to, as patterns with {registry}, {tenant} and {project}; * matches within a path segment, ** across (default: {registry}/{tenant}/** in project mode, {registry}/{project}/{tenant}/** with --naming-project, {registry}/{prefix}{tenant}-* in flat mode)")
+	fs.StringSliceVar(&np.Allowed, "allowed-destination", nil, "repositories a tenant may push to, as patterns with {registry}, {tenant} and {project}; * matches within a path segment, ** across (default: {registry}/{tenant}/** in project mode, {registry}/{project}/{tenant}/** with --naming-project, {registry}/{prefix}{tenant}_* in flat mode)")
 
 }
 

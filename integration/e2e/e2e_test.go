@@ -159,7 +159,7 @@ func (s *stack) scenarioCache(t *testing.T) {
 // waits for its result.
 func (s *stack) build(ctx context.Context, t *testing.T, dir, buildName string) *v1.ResultData {
 	t.Helper()
-	up, err := s.store.UploadContext(ctx, dir, contexttar.Options{}, nil)
+	up, err := s.store.ForTenant(tenant).UploadContext(ctx, dir, contexttar.Options{}, nil)
 	if err != nil {
 		t.Fatalf("upload %s: %v", dir, err)
 	}

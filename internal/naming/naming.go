@@ -18,8 +18,11 @@ const (
 	// ModeProject: {registry}/{tenant}/{name}, or with a fixed Project
 	// {registry}/{project}/{tenant}/{name} (Harbor, GHCR, GCR).
 	ModeProject = "project"
-	// ModeFlat: {registry}/{prefix}{tenant}-{name} (Docker Hub style, one
-	// namespace for everyone).
+	// ModeFlat: {registry}/{prefix}{tenant}_{name} (Docker Hub style, one
+	// namespace for everyone). The separator is "_", which no tenant or
+	// name (DNS labels) holds, so one tenant's repositories never match
+	// another's pattern (with "-", tenant "acme-web" would own acme's
+	// "web-api").
 	ModeFlat = "flat"
 )
 
@@ -48,7 +51,7 @@ type Policy struct {
 // request must match, placeholders not yet expanded: Allowed, or by
 // default the tenant's own part of the registry — {registry}/{tenant}/**
 // in project mode ({registry}/{project}/{tenant}/** with a fixed project),
-// {registry}/{prefix}{tenant}-* in flat mode, and nothing at all without a
+// {registry}/{prefix}{tenant}_* in flat mode, and nothing at all without a
 // registry.
 func (p Policy) AllowedPatterns() []string {
 	switch {
@@ -57,7 +60,7 @@ func (p Policy) AllowedPatterns() []string {
 	case p.Registry == "":
 		return nil
 	case p.Mode == ModeFlat:
-		return []string{"{registry}/" + p.Prefix + "{tenant}-*"}
+		return []string{"{registry}/" + p.Prefix + "{tenant}_*"}
 	case p.Project != "":
 		return []string{"{registry}/{project}/{tenant}/**"}
 	default:
@@ -166,7 +169,7 @@ func (p Policy) Repository(r *v1.Request) (string, error) {
 	var repo string
 	switch p.Mode {
 	case ModeFlat:
-		repo = p.Registry + "/" + p.Prefix + r.Tenant + "-" + r.Name
+		repo = p.Registry + "/" + p.Prefix + r.Tenant + "_" + r.Name
 	default:
 		repo = p.Registry + "/" + r.Tenant + "/" + r.Name
 		if p.Project != "" {

@@ -20,8 +20,8 @@ func TestRepository(t *testing.T) {
 		{"explicit repository wins", Policy{Registry: "r.example.com"}, req("other.example.com/x/y"), "other.example.com/x/y"},
 		{"project mode uses the tenant", Policy{Registry: "harbor.example.com"}, req(""), "harbor.example.com/acme/web"},
 		{"project mode with a fixed project", Policy{Registry: "ghcr.io", Project: "platform"}, req(""), "ghcr.io/platform/acme/web"},
-		{"flat mode", Policy{Registry: "docker.io", Mode: ModeFlat, Prefix: "buildq/"}, req(""), "docker.io/buildq/acme-web"},
-		{"flat mode without prefix", Policy{Registry: "127.0.0.1:5000", Mode: ModeFlat}, req(""), "127.0.0.1:5000/acme-web"},
+		{"flat mode", Policy{Registry: "docker.io", Mode: ModeFlat, Prefix: "buildq/"}, req(""), "docker.io/buildq/acme_web"},
+		{"flat mode without prefix", Policy{Registry: "127.0.0.1:5000", Mode: ModeFlat}, req(""), "127.0.0.1:5000/acme_web"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -62,7 +62,7 @@ func TestHarborProject(t *testing.T) {
 	if _, ok := (Policy{Registry: "harbor.example.com"}).HarborProject("acme", "harbor.example.com/acme/web"); ok {
 		t.Error("not Harbor, yet a project was ensured")
 	}
-	if _, ok := (Policy{Registry: "h.example.com", Harbor: true, Mode: ModeFlat}).HarborProject("acme", "h.example.com/acme-web"); ok {
+	if _, ok := (Policy{Registry: "h.example.com", Harbor: true, Mode: ModeFlat}).HarborProject("acme", "h.example.com/acme_web"); ok {
 		t.Error("flat mode has no projects")
 	}
 	if err := (Policy{Mode: "weird"}).Validate(); err == nil {
@@ -96,9 +96,9 @@ func TestCheckDestination(t *testing.T) {
 		{"the project itself, no repository", Policy{Registry: "r.example.com"}, "acme", "r.example.com/acme", false},
 		{"fixed project", Policy{Registry: "ghcr.io", Project: "p"}, "acme", "ghcr.io/p/acme/web", true},
 		{"fixed project, other tenant", Policy{Registry: "ghcr.io", Project: "p"}, "mallory", "ghcr.io/p/acme/web", false},
-		{"flat", Policy{Registry: "docker.io", Mode: ModeFlat, Prefix: "org/"}, "acme", "docker.io/org/acme-web", true},
-		{"flat, other tenant", Policy{Registry: "docker.io", Mode: ModeFlat, Prefix: "org/"}, "mallory", "docker.io/org/acme-web", false},
-		{"flat, no nesting", Policy{Registry: "docker.io", Mode: ModeFlat, Prefix: "org/"}, "acme", "docker.io/org/acme-web/x", false},
+		{"flat", Policy{Registry: "docker.io", Mode: ModeFlat, Prefix: "org/"}, "acme", "docker.io/org/acme_web", true},
+		{"flat, other tenant", Policy{Registry: "docker.io", Mode: ModeFlat, Prefix: "org/"}, "mallory", "docker.io/org/acme_web", false},
+		{"flat, no nesting", Policy{Registry: "docker.io", Mode: ModeFlat, Prefix: "org/"}, "acme", "docker.io/org/acme_web/x", false},
 		{"no registry allows nothing", Policy{}, "acme", "r.example.com/acme/web", false},
 		{"explicit patterns", Policy{Registry: "r.example.com", Allowed: []string{"{registry}/shared/{tenant}-*", "cache.example.com/**"}}, "acme", "cache.example.com/x/y", true},
 		{"explicit patterns replace the default", Policy{Registry: "r.example.com", Allowed: []string{"{registry}/shared/{tenant}-*"}}, "acme", "r.example.com/acme/web", false},
