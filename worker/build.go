@@ -130,7 +130,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 				if mine(final) {
 					return final, v1.OriginBuild, true, nil
 				}
-				if !sharedFailure(final, req) {
+				if !sharedFailure(final, req, repo) {
 					// The run failed for a reason of its claimer's request —
 					// its timeout, its context object, its destination —
 					// not of the content. It does not answer this request:
@@ -189,7 +189,7 @@ func (w *Worker) newClaim(req *v1.Request, key, repo string, dests []string, seq
 // sharedFailure reports whether a failed run of another request answers
 // req too: a failure of the content does, one of the claimer's own
 // request-specific inputs does not unless req has the same.
-func sharedFailure(final *Record, req *v1.Request) bool {
+func sharedFailure(final *Record, req *v1.Request, repo string) bool {
 	if final.State != StateFailed {
 		return true
 	}
@@ -207,7 +207,8 @@ func sharedFailure(final *Record, req *v1.Request) bool {
 	case v1.ReasonContextMissing, v1.ReasonContextMismatch:
 		return final.Source == nil || reflect.DeepEqual(*final.Source, req.Source)
 	case v1.ReasonPushFailed:
-		return false // the claimer's destination; this request's may take it
+		// The claimer's repository refused it; another may take it.
+		return repo == final.Repository
 	}
 	return true
 }
