@@ -31,7 +31,6 @@ import (
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
-	"github.com/buildq/buildq/internal/kube"
 	"github.com/buildq/buildq/internal/registry"
 	"github.com/buildq/buildq/internal/s3store"
 )
@@ -43,55 +42,8 @@ import (
 // and before applied to the worker after Setup and before Run: the place to
 // wrap its buckets or set fault hooks without racing its goroutines.
 func (e *env) startWorkerHooked(id string, mutate func(*Config), client kubernetes.Interface, before func(*Worker)) *runningWorker {
-	t := e.t
-	t.Helper()
-	cfg := testConfig(id)
-	cfg.Logger = zaptest.NewLogger(t).Named(id)
-	if mutate != nil {
-		mutate(&cfg)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	factory := kube.NewInformerFactory(e.kube, testKaniko.Namespace)
-	watcher, err := kube.NewWatcher(factory, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	factory.Start(ctx.Done())
-	if !watcher.WaitForSync(ctx) {
-		t.Fatal("informers did not sync")
-	}
-	if client == nil {
-		client = e.kube
-	}
-	backend, err := NewKubeBackend(client, watcher, testKaniko)
-	if err != nil {
-		t.Fatal(err)
-	}
-	nc, err := nats.Connect(e.srv.ClientURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	w, err := New(nc, backend, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := w.Setup(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if before != nil {
-		before(w)
-	}
-	r := &runningWorker{w: w, cancel: cancel, done: make(chan struct{})}
-	go func() {
-		defer close(r.done)
-		r.err = w.Run(ctx)
-		factory.Shutdown()
-		nc.Close()
-	}()
-	t.Cleanup(func() {
-		cancel()
-		<-r.done
-	})
+	e.t.Helper()
+	r, _ := e.startWorkerFull(id, testKaniko, mutate, client, before)
 	return r
 }
 

@@ -24,6 +24,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/kubernetes"
 	k8stesting "k8s.io/client-go/testing"
 	"sigs.k8s.io/yaml"
 
@@ -38,6 +39,15 @@ import (
 // returns the worker's watcher, so a test can wait until the worker has
 // seen a Job.
 func (e *env) startWorkerWith(id string, kc kaniko.Config, mutate func(*Config)) (*runningWorker, *kube.Watcher) {
+	e.t.Helper()
+	return e.startWorkerFull(id, kc, mutate, nil, nil)
+}
+
+// startWorkerFull starts a worker with its own informers: client (nil: the
+// fake cluster's) is the backend's API client, and before runs on the
+// worker after Setup and before Run — the place to wrap its buckets or set
+// fault hooks without racing its goroutines.
+func (e *env) startWorkerFull(id string, kc kaniko.Config, mutate func(*Config), client kubernetes.Interface, before func(*Worker)) (*runningWorker, *kube.Watcher) {
 	t := e.t
 	t.Helper()
 	cfg := testConfig(id)
@@ -55,7 +65,10 @@ func (e *env) startWorkerWith(id string, kc kaniko.Config, mutate func(*Config))
 	if !watcher.WaitForSync(ctx) {
 		t.Fatal("informers did not sync")
 	}
-	backend, err := NewKubeBackend(e.kube, watcher, kc)
+	if client == nil {
+		client = e.kube
+	}
+	backend, err := NewKubeBackend(client, watcher, kc)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -69,6 +82,9 @@ func (e *env) startWorkerWith(id string, kc kaniko.Config, mutate func(*Config))
 	}
 	if err := w.Setup(ctx); err != nil {
 		t.Fatal(err)
+	}
+	if before != nil {
+		before(w)
 	}
 	r := &runningWorker{w: w, cancel: cancel, done: make(chan struct{})}
 	go func() {

@@ -69,8 +69,9 @@ func TestLostAckNeverGivesASecondResult(t *testing.T) {
 	e := setup(t)
 	var lost atomic.Bool
 	r1 := request("lost-ack")
-	r := e.startWorker("w1", nil)
-	r.w.faults = &faultHooks{loseAck: func(id string) bool { return id == r1.RequestID && lost.CompareAndSwap(false, true) }}
+	e.startWorkerHooked("w1", nil, nil, func(w *Worker) {
+		w.faults = &faultHooks{loseAck: func(id string) bool { return id == r1.RequestID && lost.CompareAndSwap(false, true) }}
+	})
 	results := e.collect()
 
 	if _, err := e.pub.Publish(context.Background(), r1); err != nil {
@@ -115,12 +116,13 @@ func TestFinishingRunNeverOverwritesANewerClaim(t *testing.T) {
 	e := setup(t)
 	release := make(chan struct{})
 	var paused atomic.Bool
-	r := e.startWorker("w1", func(c *Config) { c.KeepJobs = true })
-	r.w.faults = &faultHooks{beforeFinalize: func(string) {
-		if paused.CompareAndSwap(false, true) {
-			<-release
-		}
-	}}
+	e.startWorkerHooked("w1", func(c *Config) { c.KeepJobs = true }, nil, func(w *Worker) {
+		w.faults = &faultHooks{beforeFinalize: func(string) {
+			if paused.CompareAndSwap(false, true) {
+				<-release
+			}
+		}}
+	})
 	results := e.collect()
 
 	r1 := request("overwrite")
