@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"strings"
 	"sync"
@@ -516,5 +517,28 @@ func TestRetryBudgetCountsTransientFailuresNotDeliveries(t *testing.T) {
 	}
 	if le.e.TransientFailures != 3 {
 		t.Fatalf("ledger counts %d failures", le.e.TransientFailures)
+	}
+}
+
+// Setup waits for a JetStream that is not ready yet (a cluster electing its
+// leader, workers racing to create the streams) and gives up at once on
+// anything else.
+func TestSetupRetriesOnlyWhatIsNotReadyYet(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		err   error
+		retry bool
+	}{
+		{fmt.Errorf("create stream: %w", context.DeadlineExceeded), true},
+		{nats.ErrNoResponders, true},
+		{&jetstream.APIError{Code: 503, ErrorCode: 10008, Description: "JetStream system temporarily unavailable"}, true},
+		{&jetstream.APIError{Code: 500, ErrorCode: 10005, Description: "no suitable peers for placement"}, true},
+		{&jetstream.APIError{Code: 400, ErrorCode: 10058, Description: "stream name already in use with a different configuration"}, false},
+		{jetstream.ErrJetStreamNotEnabled, false},
+		{errors.New("permissions violation"), false},
+	} {
+		if got := setupRetryable(c.err); got != c.retry {
+			t.Errorf("%v: retry %v, want %v", c.err, got, c.retry)
+		}
 	}
 }

@@ -48,8 +48,8 @@ type Worker struct {
 	sem     chan struct{}
 	source  string
 
-	setupOnce sync.Once
-	setupErr  error
+	setupMu   sync.Mutex
+	setupDone bool
 
 	// faults is nil outside the package's fault simulation.
 	faults *faultHooks
@@ -83,9 +83,52 @@ func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 
 // Setup creates or updates the streams, the shared consumer and the KV
 // bucket. It is idempotent and safe to run from many workers at once.
+//
+// A JetStream that is not ready yet — a cluster still electing its meta
+// leader, a node restarting, workers racing to create the same streams —
+// is waited for, retrying with backoff until ctx ends; other errors are
+// returned at once.
 func (w *Worker) Setup(ctx context.Context) error {
-	w.setupOnce.Do(func() { w.setupErr = w.setup(ctx) })
-	return w.setupErr
+	w.setupMu.Lock()
+	defer w.setupMu.Unlock()
+	if w.setupDone {
+		return nil
+	}
+	backoff := 200 * time.Millisecond
+	for {
+		err := w.setup(ctx)
+		if err == nil {
+			w.setupDone = true
+			return nil
+		}
+		if ctx.Err() != nil || !setupRetryable(err) {
+			return err
+		}
+		w.log.Warn("JetStream not ready; retrying the setup", zap.Error(err), zap.Duration("backoff", backoff))
+		select {
+		case <-time.After(backoff):
+		case <-ctx.Done():
+			return err
+		}
+		backoff = min(2*backoff, 5*time.Second)
+	}
+}
+
+// setupRetryable reports whether a setup error means "not ready yet".
+func setupRetryable(err error) bool {
+	var apiErr *jetstream.APIError
+	if errors.As(err, &apiErr) {
+		switch apiErr.ErrorCode {
+		case 10008, // JetStream system temporarily unavailable
+			10005, // no suitable peers for placement (nodes still joining)
+			10023: // insufficient resources
+			return true
+		}
+		return false
+	}
+	return errors.Is(err, context.DeadlineExceeded) || errors.Is(err, nats.ErrTimeout) ||
+		errors.Is(err, nats.ErrNoResponders) || errors.Is(err, jetstream.ErrNoStreamResponse) ||
+		errors.Is(err, nats.ErrConnectionReconnecting) || errors.Is(err, nats.ErrDisconnected)
 }
 
 func (w *Worker) setup(ctx context.Context) error {
