@@ -214,6 +214,7 @@ func clusterSuite(t *testing.T, names []string) (*suite, *holds, func() int, *re
 	// worker then publishes the same result again, which the stream drops
 	// as a duplicate. Different results for one request still fail.
 	s.republishOK = true
+	s.watchMayLag = true
 	jobs := s.jobsCreated()
 	s.startWorker("w1")
 	res := s.collect()

@@ -161,6 +161,7 @@ func (c *Client) Watch(ctx context.Context, f Filter, fn func(v1.Result) error) 
 	if err != nil {
 		return err
 	}
+	began := time.Now()
 	cfg := jetstream.OrderedConsumerConfig{FilterSubjects: []string{subj}, DeliverPolicy: jetstream.DeliverNewPolicy}
 	switch {
 	case f.DeliverAll:
@@ -170,30 +171,73 @@ func (c *Client) Watch(ctx context.Context, f Filter, fn func(v1.Result) error) 
 		cfg.DeliverPolicy = jetstream.DeliverByStartTimePolicy
 		cfg.OptStartTime = &since
 	}
+	for {
+		last, err := c.watchOnce(ctx, cfg, f, fn)
+		if err != nil || ctx.Err() != nil {
+			if errors.Is(err, ErrStop) {
+				return nil
+			}
+			if err == nil {
+				err = ctx.Err()
+			}
+			return err
+		}
+		// Quiet for a while: the ordered consumer (one replica on one
+		// server) may sit on a server that went away. Recreate it from
+		// where this watch is, level-triggered, rather than trust it.
+		switch {
+		case last > 0:
+			cfg.DeliverPolicy, cfg.OptStartSeq, cfg.OptStartTime = jetstream.DeliverByStartSequencePolicy, last+1, nil
+		case cfg.DeliverPolicy == jetstream.DeliverNewPolicy:
+			t := began
+			cfg.DeliverPolicy, cfg.OptStartTime = jetstream.DeliverByStartTimePolicy, &t
+		}
+	}
+}
+
+// watchIdle is how long Watch waits for a result before it recreates its
+// consumer.
+const watchIdle = 15 * time.Second
+
+// watchOnce delivers results through one ordered consumer until it has
+// been quiet for watchIdle (then err is nil) or fn or ctx ends the watch.
+// last is the stream sequence of the last result delivered (0: none).
+func (c *Client) watchOnce(ctx context.Context, cfg jetstream.OrderedConsumerConfig, f Filter, fn func(v1.Result) error) (last uint64, err error) {
+	last = cfg.OptStartSeq
+	if last > 0 {
+		last--
+	}
 	cons, err := c.js.OrderedConsumer(ctx, v1.ResultsStream, cfg)
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
-		return ErrNoWorkers
+		return last, ErrNoWorkers
 	}
 	if err != nil {
-		return fmt.Errorf("watch results: %w", err)
+		return last, fmt.Errorf("watch results: %w", err)
 	}
-	it, err := cons.Messages()
+	// Short pulls with frequent heartbeats, so a consumer whose server is
+	// gone is noticed in seconds.
+	it, err := cons.Messages(jetstream.PullExpiry(5*time.Second), jetstream.PullHeartbeat(time.Second))
 	if err != nil {
-		return fmt.Errorf("watch results: %w", err)
+		return last, fmt.Errorf("watch results: %w", err)
 	}
 	stop := context.AfterFunc(ctx, it.Stop)
 	defer stop()
 	defer it.Stop()
 	for {
-		msg, err := it.Next()
+		msg, err := it.Next(jetstream.NextMaxWait(watchIdle))
 		if err != nil {
-			if ctx.Err() != nil {
-				return ctx.Err()
+			switch {
+			case ctx.Err() != nil:
+				return last, ctx.Err()
+			case errors.Is(err, nats.ErrTimeout):
+				return last, nil
+			case errors.Is(err, jetstream.ErrMsgIteratorClosed):
+				return last, ctx.Err()
 			}
-			if errors.Is(err, jetstream.ErrMsgIteratorClosed) {
-				return ctx.Err()
-			}
-			return fmt.Errorf("watch results: %w", err)
+			return last, fmt.Errorf("watch results: %w", err)
+		}
+		if meta, err := msg.Metadata(); err == nil {
+			last = meta.Sequence.Stream
 		}
 		var r v1.Result
 		if err := json.Unmarshal(msg.Data(), &r); err != nil {
@@ -203,10 +247,7 @@ func (c *Client) Watch(ctx context.Context, f Filter, fn func(v1.Result) error) 
 			continue
 		}
 		if err := fn(r); err != nil {
-			if errors.Is(err, ErrStop) {
-				return nil
-			}
-			return err
+			return last, err
 		}
 	}
 }
