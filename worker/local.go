@@ -112,9 +112,34 @@ func (l *LocalBackend) Run(ctx context.Context, b Build, started Started) (Outco
 	}()
 	started(name, true, b.Request.RequestID)
 
-	r.out, r.err = l.build(bctx, b)
+	r.out, r.err = l.buildWithin(bctx, b)
 	r.out.Job, r.out.JobUID, r.out.Run = name, b.Run, b.Run
 	return r.out, r.err
+}
+
+// LocalDefaultTimeout is the build timeout of requests without one, as the
+// kaniko backend's --default-timeout.
+const LocalDefaultTimeout = 30 * time.Minute
+
+// errBuildTimeout ends a local build that ran past its request's timeout.
+var errBuildTimeout = errors.New("build timeout")
+
+// buildWithin runs build under the request's timeout: past it the build
+// fails with DeadlineExceeded, as a kaniko Job's activeDeadlineSeconds.
+func (l *LocalBackend) buildWithin(ctx context.Context, b Build) (Outcome, error) {
+	timeout := b.Request.Timeout.Duration
+	if timeout <= 0 {
+		timeout = LocalDefaultTimeout
+	}
+	start := time.Now().UTC()
+	tctx, cancel := context.WithTimeoutCause(ctx, timeout, errBuildTimeout)
+	defer cancel()
+	out, err := l.build(tctx, b)
+	if err != nil && ctx.Err() == nil && errors.Is(context.Cause(tctx), errBuildTimeout) {
+		msg := fmt.Sprintf("the build ran longer than its timeout of %s", timeout)
+		return Outcome{Reason: v1.ReasonDeadlineExceeded, Message: msg, LogTail: msg, StartedAt: start, FinishedAt: time.Now().UTC()}, nil
+	}
+	return out, err
 }
 
 // finish removes a run from the map and wakes the calls sharing it.

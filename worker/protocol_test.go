@@ -542,3 +542,17 @@ func TestSetupRetriesOnlyWhatIsNotReadyYet(t *testing.T) {
 		}
 	}
 }
+
+// The local executor honours the request's timeout: a build that runs
+// past it fails with DeadlineExceeded instead of holding its slot.
+func TestLocalBuildHonoursTheTimeout(t *testing.T) {
+	t.Parallel()
+	l := NewLocalBackend(&blockingContexts{}, noPusher{}, t.TempDir(), 0) // the context never arrives
+	req := request("local-timeout")
+	req.Timeout = v1.Duration{Duration: 200 * time.Millisecond}
+	b := Build{Request: req, Key: v1.BuildKey(req, l.Identity()), Run: "r1", Destinations: []string{"registry.test/acme/web:x"}}
+	out, err := l.Run(context.Background(), b, func(string, bool, string) {})
+	if err != nil || out.Succeeded || out.Reason != v1.ReasonDeadlineExceeded {
+		t.Fatalf("got %+v, %v; want DeadlineExceeded", out, err)
+	}
+}

@@ -62,6 +62,16 @@ import (
 // forgotten node_modules) fails fast instead of filling S3 or a worker disk.
 const DefaultMaxBytes int64 = 1 << 30
 
+// MaxEntries and MaxDepth bound what Extract creates: entries in all, and
+// path components in one name. A small archive can hold a huge number of
+// tiny or deeply nested entries (a 480 KB gzip unpacks to 100,000 files;
+// a 3,000-deep directory chain takes minutes to create and remove), so
+// both are refused up front, with ErrTooLarge, before the disk fills.
+const (
+	MaxEntries = 50_000
+	MaxDepth   = 64
+)
+
 // gzipLevel is the fixed compression level of the archives Write produces.
 // It is fixed because the level changes the compressed bytes, and
 // reproducible output is the point of this package. BestSpeed because on

@@ -111,6 +111,7 @@ type extractor struct {
 	root     *os.Root
 	maxBytes int64
 	total    int64
+	entries  int
 	buf      []byte
 
 	// dirs holds the slash paths known to be real directories (not
@@ -136,6 +137,12 @@ func (x *extractor) entry(hdr *tar.Header, r io.Reader) error {
 	rel, err := entryPath(hdr.Name)
 	if err != nil {
 		return err
+	}
+	if x.entries++; x.entries > MaxEntries {
+		return fmt.Errorf("%w: more than %d entries", ErrTooLarge, MaxEntries)
+	}
+	if d := strings.Count(rel, "/") + 1; d > MaxDepth {
+		return fmt.Errorf("%w: %q is %d directories deep, more than %d", ErrTooLarge, truncateName(rel), d, MaxDepth)
 	}
 	if rel == "" {
 		if hdr.Typeflag == tar.TypeDir {
@@ -392,4 +399,12 @@ func (x *extractor) finish() error {
 		}
 	}
 	return nil
+}
+
+// truncateName bounds a name quoted in an error.
+func truncateName(s string) string {
+	if len(s) > 120 {
+		return s[:120] + "…"
+	}
+	return s
 }

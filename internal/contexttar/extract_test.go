@@ -439,3 +439,32 @@ func TestExtractVerifiedChecksTheDigest(t *testing.T) {
 		t.Fatalf("planted bytes under another digest: %v", err)
 	}
 }
+
+// A small archive of very many or very deeply nested entries is refused
+// before it fills the disk: a gzip bomb of empty files, a deep directory
+// chain.
+func TestExtractRefusesBombsAndDeepTrees(t *testing.T) {
+	t.Parallel()
+	var many []tarEntry
+	for i := range MaxEntries + 1 {
+		many = append(many, tarEntry{name: fmt.Sprintf("f%06d", i)})
+	}
+	deep := strings.Repeat("d/", MaxDepth) + "file"
+	for name, tgz := range map[string][]byte{
+		"more entries than the cap": gz(t, makeTar(t, many...)),
+		"a path deeper than the cap": gz(t, makeTar(t, tarEntry{name: deep, body: "x"})),
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			err := Extract(context.Background(), bytes.NewReader(tgz), t.TempDir(), 0)
+			if !errors.Is(err, ErrTooLarge) {
+				t.Fatalf("Extract = %v, want ErrTooLarge", err)
+			}
+		})
+	}
+	// At the caps exactly, both are fine.
+	ok := strings.Repeat("d/", MaxDepth-1) + "file"
+	if err := Extract(context.Background(), bytes.NewReader(gz(t, makeTar(t, tarEntry{name: ok, body: "x"}))), t.TempDir(), 0); err != nil {
+		t.Fatalf("a path %d deep: %v", MaxDepth, err)
+	}
+}
