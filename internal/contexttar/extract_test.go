@@ -451,7 +451,7 @@ func TestExtractRefusesBombsAndDeepTrees(t *testing.T) {
 	}
 	deep := strings.Repeat("d/", MaxDepth) + "file"
 	for name, tgz := range map[string][]byte{
-		"more entries than the cap": gz(t, makeTar(t, many...)),
+		"more entries than the cap":  gz(t, makeTar(t, many...)),
 		"a path deeper than the cap": gz(t, makeTar(t, tarEntry{name: deep, body: "x"})),
 	} {
 		t.Run(name, func(t *testing.T) {
