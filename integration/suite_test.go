@@ -22,7 +22,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	v1 "github.com/buildq/buildq/api/v1"
-	"github.com/buildq/buildq/internal/contexttar"
 	"github.com/buildq/buildq/internal/registry"
 	"github.com/buildq/buildq/internal/s3store"
 	"github.com/buildq/buildq/publisher"
@@ -283,24 +282,7 @@ func contextDir(t *testing.T, files map[string]string) string {
 // submit uploads dir and publishes n requests for it (distinct ids).
 func (s *suite) submit(dir, name string, n int) []*v1.Request {
 	s.t.Helper()
-	ctx := context.Background()
-	up, err := s.store.ForTenant("acme").UploadContext(ctx, dir, contexttar.Options{}, nil)
-	if err != nil {
-		s.t.Fatal(err)
-	}
-	var reqs []*v1.Request
-	for range n {
-		req := &v1.Request{
-			Tenant: "acme", Name: name,
-			Source:        v1.Source{S3: &v1.S3Source{Bucket: up.Bucket, Key: up.Key}},
-			ContextDigest: up.Digest,
-		}
-		if _, err := s.pub.Publish(ctx, req); err != nil {
-			s.t.Fatal(err)
-		}
-		reqs = append(reqs, req)
-	}
-	return reqs
+	return s.submitWith(dir, name, n, nil)
 }
 
 // results collects every stored result until ctx ends.
