@@ -14,6 +14,7 @@ import (
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/contexttar"
+	"github.com/buildq/buildq/internal/s3store"
 )
 
 // requestFlags are the flags that describe one build request; submit and
@@ -133,14 +134,17 @@ func (f *requestFlags) digest(ctx context.Context, dir string, req *v1.Request) 
 	return res, nil
 }
 
-// ContextKey is the object key of a context digest (DESIGN §1).
-func contextKey(digest string) string {
-	return "contexts/sha256/" + strings.TrimPrefix(digest, "sha256:") + ".tar.gz"
-}
-
+// setSource names the context object of digest under the request's
+// tenant's prefix, where the CLI uploads it (s3store.Store.ForTenant) and
+// where a worker accepts it (--context-prefix).
 func setSource(req *v1.Request, bucket, digest string) {
 	req.ContextDigest = digest
-	req.Source = v1.Source{S3: &v1.S3Source{Bucket: bucket, Key: contextKey(digest)}}
+	key := s3store.TenantContextKey(req.Tenant, digest)
+	if key == "" {
+		// An invalid tenant: validation reports it; keep a key to show.
+		key = "contexts/" + req.Tenant + "/sha256/" + strings.TrimPrefix(digest, "sha256:") + ".tar.gz"
+	}
+	req.Source = v1.Source{S3: &v1.S3Source{Bucket: bucket, Key: key}}
 }
 
 // validate runs the wire validation with a placeholder request id (the real
