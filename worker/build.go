@@ -16,6 +16,10 @@ import (
 	"github.com/buildq/buildq/internal/registry"
 )
 
+// errAnswered: the request was answered by another handler of its message
+// (a redelivery) while this one was still at work.
+var errAnswered = errors.New("the request was answered by another handler")
+
 // errLostClaim cancels a build whose claim another party changed.
 var errLostClaim = errors.New("build claim taken over by another worker")
 
@@ -32,6 +36,17 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 	// A request that is not answered from the index waits on a build:
 	// index it, so a cancel of the key finds it.
 	waits := func() { wr.add(ctx, w, key, req.Tenant, req.RequestID) }
+	// Before claiming, taking over or joining — work that outlives a
+	// handler — make sure the request is still unanswered: a handler that
+	// stalled (a NATS outage, a pause) while its redelivered copy was
+	// answered elsewhere must not start a build nobody waits for.
+	answered := func() error {
+		le, err := w.ledgerGet(ctx, req.Tenant, req.RequestID)
+		if err == nil && le != nil && le.e.Result != nil && le.e.Seq == seq {
+			return errAnswered
+		}
+		return nil
+	}
 	for {
 		if err := ctx.Err(); err != nil {
 			return nil, "", false, err
@@ -48,6 +63,11 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 			// build, so it never enters the shared index.
 			if found, err := w.preflight(ctx, req, key, repo, dests); err != nil || found != nil {
 				return found, v1.OriginCache, false, err
+			}
+		}
+		if cur == nil || cur.State == StateBuilding || (cur.State == StateFailed && !mine(cur)) {
+			if err := answered(); err != nil {
+				return nil, "", false, err
 			}
 		}
 		switch {

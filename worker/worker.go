@@ -653,6 +653,12 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 	wr := &waiterReg{}
 	rec, origin, owned, err := w.build(ctx, req, key, repo, dests, meta.Sequence.Stream, wr)
 	v.waiter = wr.added
+	if errors.Is(err, errAnswered) {
+		if cur, gerr := w.ledgerGet(ctx, req.Tenant, req.RequestID); gerr == nil && cur != nil && cur.e.Result != nil {
+			return verdictOf(cur.e), cur, nil // publish that answer again, and ack
+		}
+		err = Transient(err) // the ledger could not be read back: try again
+	}
 	if err != nil {
 		return v, le, err
 	}
