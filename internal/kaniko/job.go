@@ -14,6 +14,7 @@ import (
 
 	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	v1 "github.com/buildq/buildq/api/v1"
@@ -90,7 +91,8 @@ type Config struct {
 	// CacheTTL bounds the age of cached layers (kaniko's default: 2 weeks).
 	CacheRepo string
 	CacheTTL  time.Duration
-	// Resources of the kaniko container.
+	// Resources of the kaniko container (default DefaultResources; the
+	// job template replaces them).
 	Resources corev1.ResourceRequirements
 	// Template fields copied into the pod spec.
 	NodeSelector       map[string]string
@@ -129,7 +131,28 @@ func (c Config) Defaults() Config {
 	if c.PushRetry == 0 {
 		c.PushRetry = 2
 	}
+	if len(c.Resources.Requests) == 0 && len(c.Resources.Limits) == 0 {
+		c.Resources = DefaultResources()
+	}
 	return c
+}
+
+// DefaultResources are the kaniko container's resources when the job
+// template sets none: an untrusted build gets a bounded share of the node
+// — memory and scratch disk capped, CPU requested but not limited (a CPU
+// limit only throttles, it protects no one).
+func DefaultResources() corev1.ResourceRequirements {
+	return corev1.ResourceRequirements{
+		Requests: corev1.ResourceList{
+			corev1.ResourceCPU:              resource.MustParse("500m"),
+			corev1.ResourceMemory:           resource.MustParse("1Gi"),
+			corev1.ResourceEphemeralStorage: resource.MustParse("2Gi"),
+		},
+		Limits: corev1.ResourceList{
+			corev1.ResourceMemory:           resource.MustParse("4Gi"),
+			corev1.ResourceEphemeralStorage: resource.MustParse("20Gi"),
+		},
+	}
 }
 
 // Validate reports configuration that would produce unusable Jobs.
