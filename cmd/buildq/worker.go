@@ -78,7 +78,7 @@ func (f *workerFlags) register(cmd *cobra.Command) {
 	fs.BoolVar(&f.keepJobs, "keep-jobs", false, "leave finished Jobs to ttlSecondsAfterFinished instead of deleting them")
 
 	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "kubeconfig file (default: in-cluster, then $KUBECONFIG and ~/.kube/config)")
-	fs.StringVar(&f.jobTemplate, "job-template", "", "YAML file with the build pods' resources, nodeSelector, tolerations, priorityClassName, serviceAccountName and imagePullSecrets")
+	fs.StringVar(&f.jobTemplate, "job-template", "", "YAML file with the build pods' resources (default: requests 500m CPU, 1Gi memory, 2Gi ephemeral storage; limits 4Gi memory, 20Gi ephemeral storage), nodeSelector, tolerations, priorityClassName, serviceAccountName and imagePullSecrets")
 	fs.StringVar(&f.registryConfig, "registry-config", "", "docker config.json the worker checks and tags images with: the same credentials as --registry-secret (mount that Secret); empty: anonymous")
 	registerKaniko(fs, &f.kaniko, &f.namingPol)
 
