@@ -7,7 +7,7 @@ PKGS := ./...
 # outside the clone, see integration/README.md).
 INTEGRATION_TIMEOUT ?= 40m
 
-.PHONY: all build test test-unit test-integration lint fmt vet bench dev e2e tools clean sim soak
+.PHONY: all build test test-unit test-integration lint fmt vet bench dev e2e tools node-packages clean sim soak
 
 all: build
 
@@ -36,7 +36,10 @@ sim soak: ## Fault simulation of the worker: `make sim` (SEEDS=200, < 3 min), `m
 tools: ## Build the integration suite's real components (cached outside the clone)
 	bash integration/tools/build.sh
 
-test-integration: tools ## Integration suite against real NATS, MinIO, registry and Kubernetes
+node-packages: ## Install the real node's Debian packages (containerd, runc, CNI plugins, busybox-static) when missing
+	bash integration/tools/node-packages.sh
+
+test-integration: tools node-packages ## Integration suite against real NATS, MinIO, registry, Kubernetes and a real node (kubelet, containerd, runc, kaniko)
 	$(GO) test -tags integration -count=1 -timeout $(INTEGRATION_TIMEOUT) -v ./integration/... 2>&1 | tee /tmp/buildq-integration.log | grep -E '^(=== RUN|--- |PASS|FAIL|ok|panic)|_test.go' ; exit $${PIPESTATUS[0]}
 
 lint: vet ## go vet, gofmt, and golangci-lint when installed

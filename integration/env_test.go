@@ -88,6 +88,9 @@ func runSuite(m *testing.M) (int, error) {
 		ControlPlaneStartTimeout: 2 * time.Minute,
 		ControlPlaneStopTimeout:  time.Minute,
 	}
+	// The real node (node_test.go) is known by its InternalIP only: its
+	// host name resolves nowhere, and pods/log goes through the kubelet.
+	shared.env.ControlPlane.GetAPIServer().Configure().Set("kubelet-preferred-address-types", "InternalIP")
 	shared.restConfig, err = shared.env.Start()
 	if err != nil {
 		return 1, fmt.Errorf("start envtest: %w", err)

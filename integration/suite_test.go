@@ -56,6 +56,13 @@ type suite struct {
 	natsConfig  string
 	natsEnv     []string
 	natsOptions []nats.Option
+	// registryHost, minioEndpoint and executorImage are what the workers
+	// and the Jobs use: the shared ones, or the real node's view of them.
+	registryHost  string
+	minioEndpoint string
+	executorImage string
+	// node, when set, runs the Jobs (no kubelet emulator).
+	node *realNode
 	// natsLog is the single nats-server's output.
 	natsLog *lockedBuffer
 	// republishOK lets a request's result be published more than once,
@@ -85,6 +92,11 @@ type options struct {
 	natsConfig  string
 	natsEnv     []string
 	natsOptions []nats.Option
+	// node runs the test's Jobs on the real node (node_test.go) instead
+	// of the kubelet emulator: the workers get the node's registry and
+	// MinIO addresses, the real kaniko image and a job template that
+	// tolerates the node's taint.
+	node *realNode
 }
 
 var nsSeq struct {
@@ -102,7 +114,11 @@ func newSuite(t *testing.T, o options) *suite {
 	if len(ns) > 63 {
 		ns = strings.TrimRight(ns[:63], "-")
 	}
-	s := &suite{t: t, ns: ns, kubeconfig: shared.kubeconfig, natsConfig: o.natsConfig, natsEnv: o.natsEnv, natsOptions: o.natsOptions}
+	s := &suite{t: t, ns: ns, kubeconfig: shared.kubeconfig, natsConfig: o.natsConfig, natsEnv: o.natsEnv, natsOptions: o.natsOptions,
+		registryHost: shared.registryHost, minioEndpoint: shared.minioEndpoint, executorImage: executorImage, node: o.node}
+	if o.node != nil {
+		s.registryHost, s.minioEndpoint, s.executorImage = o.node.registryHost, o.node.minioEndpoint, o.node.images.kaniko
+	}
 	if _, err := shared.kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -111,7 +127,7 @@ func newSuite(t *testing.T, o options) *suite {
 	if o.registryPassword != "" {
 		pass = o.registryPassword
 	}
-	jobDockerCfg, err := registry.DockerConfigJSON(shared.registryHost, shared.registryUser, pass)
+	jobDockerCfg, err := registry.DockerConfigJSON(s.registryHost, shared.registryUser, pass)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -128,14 +144,18 @@ func newSuite(t *testing.T, o options) *suite {
 	// The worker's own registry credentials: the right ones, as mounted
 	// from the same Secret in a healthy deployment.
 	s.dockerCfg = filepath.Join(t.TempDir(), "config.json")
-	if err := os.WriteFile(s.dockerCfg, shared.dockerConfig, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	s.regClient, err = registry.New(registry.Options{DockerConfig: s.dockerCfg, Insecure: []string{shared.registryHost}})
+	workerDockerCfg, err := registry.DockerConfigJSON(s.registryHost, shared.registryUser, shared.registryPass)
 	if err != nil {
 		t.Fatal(err)
 	}
-	s.store, err = s3store.New(s3store.Config{Endpoint: shared.minioEndpoint, AccessKey: shared.minioUser, SecretKey: shared.minioPassword, Bucket: shared.bucket})
+	if err := os.WriteFile(s.dockerCfg, workerDockerCfg, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	s.regClient, err = registry.New(registry.Options{DockerConfig: s.dockerCfg, Insecure: []string{s.registryHost}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.store, err = s3store.New(s3store.Config{Endpoint: s.minioEndpoint, AccessKey: shared.minioUser, SecretKey: shared.minioPassword, Bucket: shared.bucket})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -157,8 +177,21 @@ func newSuite(t *testing.T, o options) *suite {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s.kubelet = startKubelet(t, ns, o.faults)
 	s.workerArgs = o.workerArgs
+	if o.node == nil {
+		s.kubelet = startKubelet(t, ns, o.faults)
+	} else {
+		tmpl := filepath.Join(t.TempDir(), "job-template.yaml")
+		if err := os.WriteFile(tmpl, []byte(nodeJobTemplate), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		s.workerArgs = append([]string{"--job-template", tmpl}, s.workerArgs...)
+		t.Cleanup(func() {
+			if t.Failed() {
+				dumpNamespace(t, ns)
+			}
+		})
+	}
 	return s
 }
 
@@ -209,13 +242,13 @@ func (s *suite) startWorker(id string) *workerProc {
 		"--nats-url", s.natsURL,
 		"--kubeconfig", s.kubeconfig,
 		"--namespace", s.ns,
-		"--executor-image", executorImage,
-		"--s3-endpoint", shared.minioEndpoint,
+		"--executor-image", s.executorImage,
+		"--s3-endpoint", s.minioEndpoint,
 		"--s3-secret", "buildq-s3",
 		"--registry-secret", "buildq-registry",
 		"--registry-config", s.dockerCfg,
-		"--registry", shared.registryHost,
-		"--insecure-registry", shared.registryHost,
+		"--registry", s.registryHost,
+		"--insecure-registry", s.registryHost,
 		"--ack-wait", "5s",
 		"--lease", "3s",
 		"--max-in-flight", "16",

@@ -1,39 +1,49 @@
 #!/usr/bin/env bash
-# Builds the real components the integration suite runs — kube-apiserver,
-# kube-controller-manager, etcd, MinIO and the distribution registry — from
-# the Go module proxy, into a cache outside the clone keyed by this
-# module's go.mod and go.sum. Only missing binaries are built, so a warm
-# cache costs nothing. Prints the cache directory on stdout.
+# Builds the real components the integration suite runs from the Go module
+# proxy, into a cache outside the clone. Three modules pin them:
+#   .        kube-apiserver, kube-controller-manager, etcd, MinIO, registry
+#   node/    kubelet and kube-scheduler (the same Kubernetes version)
+#   kaniko/  the kaniko executor (github.com/chainguard-dev/kaniko)
+# Each module's binaries live in a directory keyed by that module's go.mod
+# and go.sum, so changing one module rebuilds only its binaries, and only
+# missing binaries are built: a warm cache costs nothing. Prints on stdout
+# one directory that holds (links to) all of them.
 #
-# Cold, on 2 cores: about 25 minutes. Override the cache root with
+# Cold, on 2 cores: about 35 minutes. Override the cache root with
 # BUILDQ_TOOLS_CACHE.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-hash="$(cat "$here/go.mod" "$here/go.sum" | sha256sum | cut -c1-16)"
 root="${BUILDQ_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/buildq/tools}"
-dir="$root/$hash"
-mkdir -p "$dir"
 
-# name|package
+modhash() { cat "$here/$1/go.mod" "$here/$1/go.sum" | sha256sum | cut -c1-16; }
+
+# name|module|package
 tools=(
-  "etcd|go.etcd.io/etcd/server/v3"
-  "kube-apiserver|k8s.io/kubernetes/cmd/kube-apiserver"
-  "kube-controller-manager|k8s.io/kubernetes/cmd/kube-controller-manager"
-  "registry|github.com/distribution/distribution/v3/cmd/registry"
-  "minio|github.com/minio/minio"
+  "etcd|.|go.etcd.io/etcd/server/v3"
+  "kube-apiserver|.|k8s.io/kubernetes/cmd/kube-apiserver"
+  "kube-controller-manager|.|k8s.io/kubernetes/cmd/kube-controller-manager"
+  "registry|.|github.com/distribution/distribution/v3/cmd/registry"
+  "minio|.|github.com/minio/minio"
+  "kubelet|node|k8s.io/kubernetes/cmd/kubelet"
+  "kube-scheduler|node|k8s.io/kubernetes/cmd/kube-scheduler"
+  "kaniko-executor|kaniko|github.com/chainguard-dev/kaniko/cmd/executor"
 )
-cd "$here"
+set_hash="$(for m in . node kaniko; do modhash "$m"; done | sha256sum | cut -c1-16)"
+out="$root/set-$set_hash"
+mkdir -p "$out"
 for t in "${tools[@]}"; do
-  name="${t%%|*}"; pkg="${t#*|}"
-  if [ -x "$dir/$name" ]; then
-    continue
+  IFS='|' read -r name mod pkg <<<"$t"
+  dir="$root/$(modhash "$mod")"
+  mkdir -p "$dir"
+  if [ ! -x "$dir/$name" ]; then
+    echo "building $name ($pkg) into $dir — first time only, this takes minutes" >&2
+    start=$(date +%s)
+    # Build to a temporary name and rename: an interrupted build never
+    # leaves a half-written binary that later runs would trust.
+    (cd "$here/$mod" && CGO_ENABLED=0 go build -trimpath -o "$dir/.$name.tmp" "$pkg")
+    mv "$dir/.$name.tmp" "$dir/$name"
+    echo "built $name in $(( $(date +%s) - start ))s" >&2
   fi
-  echo "building $name ($pkg) into $dir — first time only, this takes minutes" >&2
-  start=$(date +%s)
-  # Build to a temporary name and rename: an interrupted build never
-  # leaves a half-written binary that later runs would trust.
-  CGO_ENABLED=0 go build -trimpath -o "$dir/.$name.tmp" "$pkg"
-  mv "$dir/.$name.tmp" "$dir/$name"
-  echo "built $name in $(( $(date +%s) - start ))s" >&2
+  ln -sfn "$dir/$name" "$out/$name"
 done
-echo "$dir"
+echo "$out"

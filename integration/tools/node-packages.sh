@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs what the integration suite's real node needs from Debian:
+# containerd (with ctr), runc, the CNI plugins, iproute2, and busybox-static
+# (the node tests' base and pause images are made from it). Installs only
+# what is missing, so on a ready machine it costs nothing. Without these
+# the node tests fail; they do not skip.
+set -euo pipefail
+missing=()
+command -v containerd >/dev/null 2>&1 && command -v ctr >/dev/null 2>&1 || missing+=(containerd)
+command -v runc >/dev/null 2>&1 || missing+=(runc)
+[ -x /usr/lib/cni/bridge ] && [ -x /usr/lib/cni/host-local ] || missing+=(containernetworking-plugins)
+command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+dpkg -s busybox-static >/dev/null 2>&1 || missing+=(busybox-static)
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+  echo "the integration suite's real node needs these Debian packages; install them as root with apt-get install ${missing[*]}" >&2
+  exit 1
+fi
+echo "installing ${missing[*]} with apt-get (first time only)" >&2
+export DEBIAN_FRONTEND=noninteractive
+if ! apt-get install -y --no-install-recommends "${missing[@]}" >&2; then
+  apt-get update >&2
+  apt-get install -y --no-install-recommends "${missing[@]}" >&2
+fi
