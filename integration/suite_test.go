@@ -109,11 +109,17 @@ func newSuite(t *testing.T, o options) *suite {
 	ctx := context.Background()
 	nsSeq.Lock()
 	nsSeq.n++
-	ns := fmt.Sprintf("it-%d-%s", nsSeq.n, strings.ToLower(strings.ReplaceAll(t.Name(), "/", "-")))
+	ns := fmt.Sprintf("it-%d-%s", nsSeq.n, strings.Map(func(r rune) rune {
+		if r >= 'a' && r <= 'z' || r >= '0' && r <= '9' {
+			return r
+		}
+		return '-'
+	}, strings.ToLower(t.Name())))
 	nsSeq.Unlock()
 	if len(ns) > 63 {
-		ns = strings.TrimRight(ns[:63], "-")
+		ns = ns[:63]
 	}
+	ns = strings.TrimRight(ns, "-")
 	s := &suite{t: t, ns: ns, kubeconfig: shared.kubeconfig, natsConfig: o.natsConfig, natsEnv: o.natsEnv, natsOptions: o.natsOptions,
 		registryHost: shared.registryHost, minioEndpoint: shared.minioEndpoint, executorImage: executorImage, node: o.node}
 	if o.node != nil {

@@ -304,22 +304,28 @@ func Job(spec Spec, cfg Config) (*batchv1.Job, error) {
 			ActiveDeadlineSeconds:   &deadline,
 			TTLSecondsAfterFinished: &ttl,
 			PodFailurePolicy: &batchv1.PodFailurePolicy{Rules: []batchv1.PodFailurePolicyRule{
-				// kaniko exits 1 on a Dockerfile, build or push error:
-				// retrying cannot help, so fail the Job at once.
-				{
-					Action: batchv1.PodFailurePolicyActionFailJob,
-					OnExitCodes: &batchv1.PodFailurePolicyOnExitCodesRequirement{
-						ContainerName: ptr(ContainerName),
-						Operator:      batchv1.PodFailurePolicyOnExitCodesOpIn,
-						Values:        []int32{1},
-					},
-				},
 				// A node drain or preemption is not the build's fault:
 				// retry without counting it against the backoff limit.
+				// First, so that a disrupted Pod is never judged by its
+				// exit code.
 				{
 					Action: batchv1.PodFailurePolicyActionIgnore,
 					OnPodConditions: []batchv1.PodFailurePolicyOnPodConditionsPattern{
 						{Type: corev1.DisruptionTarget, Status: corev1.ConditionTrue},
+					},
+				},
+				// kaniko exits 1 on a Dockerfile, build or push error and
+				// with a RUN command's own exit code when that fails (an
+				// OOM kill is 137): the same build would fail again, so
+				// fail the Job at once. 128 is the runtime's "container
+				// could not start", which a retry can cure; the backoff
+				// limit counts it.
+				{
+					Action: batchv1.PodFailurePolicyActionFailJob,
+					OnExitCodes: &batchv1.PodFailurePolicyOnExitCodesRequirement{
+						ContainerName: ptr(ContainerName),
+						Operator:      batchv1.PodFailurePolicyOnExitCodesOpNotIn,
+						Values:        []int32{0, 128},
 					},
 				},
 			}},
