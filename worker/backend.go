@@ -273,9 +273,11 @@ func (k *KubeBackend) outcome(ctx context.Context, name string, uid types.UID, d
 
 // logTail reads the end of the kaniko container's log (pods/log), for
 // failures whose termination message is empty.
+// Enough lines to reach past kaniko's usage text (about 110 lines) to the
+// error printed before it.
 func (k *KubeBackend) logTail(ctx context.Context, pod string) (string, error) {
-	lines := int64(50)
-	limit := int64(kube.MaxLogTail)
+	lines := int64(200)
+	limit := int64(64 << 10)
 	rc, err := k.client.CoreV1().Pods(k.cfg.Namespace).GetLogs(pod, &corev1.PodLogOptions{
 		Container: kaniko.ContainerName, TailLines: &lines, LimitBytes: &limit,
 	}).Stream(ctx)
@@ -284,7 +286,7 @@ func (k *KubeBackend) logTail(ctx context.Context, pod string) (string, error) {
 	}
 	defer rc.Close()
 	b, err := io.ReadAll(io.LimitReader(rc, limit))
-	return kube.Tail(string(b), kube.MaxLogTail), err
+	return kube.Tail(kube.StripUsage(string(b)), kube.MaxLogTail), err
 }
 
 // create creates the run's Job. AlreadyExists means a Job of the key is

@@ -4,14 +4,20 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
 	"go.uber.org/zap"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
 
 	"github.com/buildq/buildq/internal/contexttar"
 	"github.com/buildq/buildq/internal/devstack"
@@ -30,6 +36,8 @@ type devFlags struct {
 	registryAddr string
 	inFlight     int
 	kubeconfig   string
+	jobTemplate  string
+	unsafeListen bool
 	kaniko       kaniko.Config
 	namingPol    naming.Policy
 	logLevel     string
@@ -51,8 +59,15 @@ func newDevCmd() *cobra.Command {
     CMD and multi-stage builds, but not RUN.
 
 With --kubeconfig the worker launches kaniko Jobs on that cluster instead
-(RUN works there); the cluster must reach the S3 store and the registry
-(pass --s3-endpoint and --registry as the cluster sees them).
+(RUN works there). The build Pods must reach the S3 store and the registry,
+and a cluster's Pods cannot reach this machine's 127.0.0.1 (kind and k3d
+included): give --s3-addr and --registry-addr an address of this machine
+that the Pods reach (for kind, the gateway of its "kind" docker network),
+together with --unsafe-listen. That exposes both with NO authentication:
+anyone who reaches those addresses can read and replace every context and
+image. NATS always stays on loopback. Without --s3-secret, dev writes the
+dev store's fixed keys into a Secret "buildq-dev-s3" of --namespace for the
+Jobs to read.
 
 Everything is kept under --data (a temporary directory when not given, removed
 at exit): a second start on the same --data keeps the images and the dedupe
@@ -75,10 +90,53 @@ In another terminal:
 	fs.StringVar(&f.registryAddr, "registry-addr", "127.0.0.1:5000", "registry listen address")
 	fs.IntVar(&f.inFlight, "max-in-flight", 4, "builds run at once")
 	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "launch kaniko Jobs on this cluster instead of building in-process")
+	fs.StringVar(&f.jobTemplate, "job-template", "", "with --kubeconfig: "+jobTemplateHelp)
+	fs.BoolVar(&f.unsafeListen, "unsafe-listen", false, "let --s3-addr and --registry-addr be non-loopback addresses a cluster's Pods can reach; both have no authentication")
 	registerKaniko(fs, &f.kaniko, &f.namingPol)
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	fs.StringVar(&f.logFormat, "log-format", "console", "log format: console or json")
 	return cmd
+}
+
+// devS3Secret holds the dev S3 store's fixed keys for the build Jobs.
+const devS3Secret = "buildq-dev-s3"
+
+// ensureDevS3Secret creates or updates devS3Secret in the Jobs' namespace.
+func ensureDevS3Secret(ctx context.Context, kubeconfig, namespace string) error {
+	rc, err := restConfig(kubeconfig)
+	if err != nil {
+		return failed(fmt.Errorf("kubernetes config: %w", err))
+	}
+	client, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return failed(fmt.Errorf("kubernetes client: %w", err))
+	}
+	sec := &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: devS3Secret, Namespace: namespace, Labels: map[string]string{kaniko.LabelManagedBy: kaniko.ManagedByValue}},
+		Type:       corev1.SecretTypeOpaque,
+		Data:       map[string][]byte{"AWS_ACCESS_KEY_ID": []byte(devstack.DevAccessKey), "AWS_SECRET_ACCESS_KEY": []byte(devstack.DevSecretKey)},
+	}
+	secrets := client.CoreV1().Secrets(namespace)
+	_, err = secrets.Create(ctx, sec, metav1.CreateOptions{})
+	if apierrors.IsAlreadyExists(err) {
+		_, err = secrets.Update(ctx, sec, metav1.UpdateOptions{})
+	}
+	if err != nil {
+		return failed(fmt.Errorf("secret %s/%s with the dev S3 keys (or pass --s3-secret): %w", namespace, devS3Secret, err))
+	}
+	return nil
+}
+
+// nonLoopback lists the addresses that are not on a loopback interface.
+func nonLoopback(addrs ...string) []string {
+	var out []string
+	for _, a := range addrs {
+		host, _, err := net.SplitHostPort(a)
+		if ip := net.ParseIP(host); err != nil || ip == nil || !ip.IsLoopback() {
+			out = append(out, a)
+		}
+	}
+	return out
 }
 
 func runDev(ctx context.Context, stderr io.Writer, f *devFlags) error {
@@ -87,6 +145,9 @@ func runDev(ctx context.Context, stderr io.Writer, f *devFlags) error {
 		return err
 	}
 	defer func() { _ = log.Sync() }()
+	if f.jobTemplate != "" && f.kubeconfig == "" {
+		return usageErr("--job-template shapes kaniko Jobs: it needs --kubeconfig")
+	}
 
 	dataDir, temporary := f.data, false
 	if dataDir == "" {
@@ -102,6 +163,7 @@ func runDev(ctx context.Context, stderr io.Writer, f *devFlags) error {
 	}
 	stack, err := devstack.Start(ctx, devstack.Options{
 		DataDir: dataDir, NATSAddr: f.natsAddr, S3Addr: f.s3Addr, RegistryAddr: f.registryAddr, Logger: log.Named("stack"),
+		UnsafeListen: f.unsafeListen,
 	})
 	if err != nil {
 		return failed(err)
@@ -111,6 +173,10 @@ func runDev(ctx context.Context, stderr io.Writer, f *devFlags) error {
 			log.Warn("stopping the stack", zap.Error(err))
 		}
 	}()
+	if exposed := nonLoopback(strings.TrimPrefix(stack.S3Endpoint, "http://"), stack.RegistryAddr); len(exposed) > 0 {
+		fmt.Fprintf(stderr, "WARNING: --unsafe-listen: %s listen with NO authentication; anyone who reaches them can read and replace every context and image of this stack\n",
+			strings.Join(exposed, " and "))
+	}
 
 	reg, err := registry.New(registry.Options{Insecure: []string{stack.RegistryAddr}})
 	if err != nil {
@@ -128,8 +194,19 @@ func runDev(ctx context.Context, stderr io.Writer, f *devFlags) error {
 		if err := checkExecutorImage(kc.ExecutorImage); err != nil {
 			return err
 		}
+		if kc, err = applyJobTemplate(kc, f.jobTemplate); err != nil {
+			return err
+		}
 		if kc.S3Endpoint == "" {
 			kc.S3Endpoint = stack.S3Endpoint
+		}
+		if kc.S3Secret == "" {
+			// kaniko's S3 client needs keys; the dev store's are fixed and
+			// public, so dev puts them in a Secret of its own.
+			if err := ensureDevS3Secret(ctx, f.kubeconfig, kc.Namespace); err != nil {
+				return err
+			}
+			kc.S3Secret = devS3Secret
 		}
 		if len(kc.InsecureRegistries) == 0 && f.namingPol.Registry == "" {
 			// The dev registry speaks plain HTTP.

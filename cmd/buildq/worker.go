@@ -78,7 +78,7 @@ func (f *workerFlags) register(cmd *cobra.Command) {
 	fs.BoolVar(&f.keepJobs, "keep-jobs", false, "leave finished Jobs to ttlSecondsAfterFinished instead of deleting them")
 
 	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "kubeconfig file (default: in-cluster, then $KUBECONFIG and ~/.kube/config)")
-	fs.StringVar(&f.jobTemplate, "job-template", "", "YAML file with the build pods' resources (default: requests 500m CPU, 1Gi memory, 2Gi ephemeral storage; limits 4Gi memory, 20Gi ephemeral storage), nodeSelector, tolerations, priorityClassName, serviceAccountName and imagePullSecrets")
+	fs.StringVar(&f.jobTemplate, "job-template", "", jobTemplateHelp)
 	fs.StringVar(&f.registryConfig, "registry-config", "", "docker config.json the worker checks and tags images with: the same credentials as --registry-secret (mount that Secret); empty: anonymous")
 	registerKaniko(fs, &f.kaniko, &f.namingPol)
 
@@ -118,6 +118,25 @@ func checkExecutorImage(img string) error {
 		return usageErr("--executor-image %q is not pinned by digest: use repo@sha256:<64 hex> (%v)", img, err)
 	}
 	return nil
+}
+
+// jobTemplateHelp is the --job-template flag's help (worker and dev).
+const jobTemplateHelp = "YAML file with the build pods' resources (default: requests 500m CPU, 1Gi memory, 2Gi ephemeral storage; limits 4Gi memory, 20Gi ephemeral storage), nodeSelector, tolerations, priorityClassName, serviceAccountName and imagePullSecrets"
+
+// applyJobTemplate applies the --job-template file, when one is given.
+func applyJobTemplate(kc kaniko.Config, path string) (kaniko.Config, error) {
+	if path == "" {
+		return kc, nil
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return kc, usageErr("--job-template: %v", err)
+	}
+	tpl, err := kaniko.ParseTemplate(b)
+	if err != nil {
+		return kc, usageErr("--job-template %s: %v", path, err)
+	}
+	return kc.Apply(tpl), nil
 }
 
 // registerKaniko registers the flags that shape Jobs and image names; the
@@ -218,16 +237,8 @@ func runWorker(ctx context.Context, f *workerFlags) error {
 	if err := checkExecutorImage(f.kaniko.ExecutorImage); err != nil {
 		return err
 	}
-	if f.jobTemplate != "" {
-		b, err := os.ReadFile(f.jobTemplate)
-		if err != nil {
-			return usageErr("--job-template: %v", err)
-		}
-		tpl, err := kaniko.ParseTemplate(b)
-		if err != nil {
-			return usageErr("--job-template %s: %v", f.jobTemplate, err)
-		}
-		f.kaniko = f.kaniko.Apply(tpl)
+	if f.kaniko, err = applyJobTemplate(f.kaniko, f.jobTemplate); err != nil {
+		return err
 	}
 	reg, err := registry.New(registry.Options{DockerConfig: f.registryConfig, Insecure: f.kaniko.InsecureRegistries})
 	if err != nil {

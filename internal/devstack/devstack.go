@@ -80,6 +80,11 @@ type Options struct {
 	// RegistryAddr is the registry HTTP address. Default "127.0.0.1:5000";
 	// port 0 picks a free port.
 	RegistryAddr string
+	// UnsafeListen lets S3Addr and RegistryAddr be addresses other than
+	// loopback, so that a cluster's Pods (kind, k3d, a VM) can reach them.
+	// Neither has any authentication: whoever reaches them can read and
+	// replace every context and image. NATS stays on loopback.
+	UnsafeListen bool
 	// Bucket is created at start if missing. Default "buildq".
 	Bucket string
 	// Logger receives the services' own logs at debug level. Default no-op.
@@ -157,15 +162,15 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 		log = zap.NewNop()
 	}
 
-	natsAddr, err := loopbackAddr("nats", opts.NATSAddr, DefaultNATSAddr, natsFlag)
+	natsAddr, err := loopbackAddr("nats", opts.NATSAddr, DefaultNATSAddr, natsFlag, false)
 	if err != nil {
 		return nil, err
 	}
-	s3Addr, err := loopbackAddr("s3", opts.S3Addr, DefaultS3Addr, s3Flag)
+	s3Addr, err := loopbackAddr("s3", opts.S3Addr, DefaultS3Addr, s3Flag, opts.UnsafeListen)
 	if err != nil {
 		return nil, err
 	}
-	regAddr, err := loopbackAddr("registry", opts.RegistryAddr, DefaultRegistryAddr, registryFlag)
+	regAddr, err := loopbackAddr("registry", opts.RegistryAddr, DefaultRegistryAddr, registryFlag, opts.UnsafeListen)
 	if err != nil {
 		return nil, err
 	}
@@ -290,10 +295,11 @@ func (s *Stack) Close() error {
 }
 
 // loopbackAddr applies the default and refuses anything but a loopback
-// address: the dev stack has no authentication at all (fixed S3 keys that are
-// not even checked, an open registry and NATS), so exposing it on a network
-// interface would hand the machine's builds to anyone on that network.
-func loopbackAddr(service, addr, def, flag string) (string, error) {
+// address unless unsafe is set: the dev stack has no authentication at all
+// (fixed S3 keys that are not even checked, an open registry and NATS), so
+// exposing it on a network interface would hand the machine's builds to
+// anyone on that network.
+func loopbackAddr(service, addr, def, flag string, unsafe bool) (string, error) {
 	if addr == "" {
 		addr = def
 	}
@@ -309,9 +315,17 @@ func loopbackAddr(service, addr, def, flag string) (string, error) {
 		host = "127.0.0.1"
 	default:
 		ip := net.ParseIP(host)
-		if ip == nil || !ip.IsLoopback() {
-			return "", fmt.Errorf("%s: address %q is not a loopback address; buildq dev has no authentication and only listens on 127.0.0.1 (use %s 127.0.0.1:PORT)",
-				service, addr, flag)
+		switch {
+		case ip == nil:
+			return "", fmt.Errorf("%s: address %q: the host must be an IP address (use %s IP:PORT)", service, addr, flag)
+		case ip.IsLoopback():
+		case !unsafe:
+			hint := ""
+			if service != "nats" {
+				hint = ", or add --unsafe-listen to let a cluster's Pods reach it, knowing that anyone who reaches it can read and replace every context and image"
+			}
+			return "", fmt.Errorf("%s: address %q is not a loopback address; buildq dev has no authentication and only listens on 127.0.0.1 (use %s 127.0.0.1:PORT%s)",
+				service, addr, flag, hint)
 		}
 	}
 	return net.JoinHostPort(host, port), nil

@@ -349,7 +349,11 @@ func TestOptionsValidation(t *testing.T) {
 	}{
 		{Options{}, "DataDir is required"},
 		{Options{DataDir: t.TempDir(), NATSAddr: "0.0.0.0:4222"}, "nats: address \"0.0.0.0:4222\" is not a loopback address"},
-		{Options{DataDir: t.TempDir(), S3Addr: "192.0.2.1:9000"}, "use --s3-addr"},
+		{Options{DataDir: t.TempDir(), S3Addr: "192.0.2.1:9000"}, "use --s3-addr 127.0.0.1:PORT, or add --unsafe-listen"},
+		{Options{DataDir: t.TempDir(), RegistryAddr: "192.0.2.1:5000"}, "use --registry-addr 127.0.0.1:PORT, or add --unsafe-listen"},
+		// --unsafe-listen never exposes NATS, and wants IP addresses.
+		{Options{DataDir: t.TempDir(), UnsafeListen: true, NATSAddr: "192.0.2.1:4222"}, "nats: address \"192.0.2.1:4222\" is not a loopback address; buildq dev has no authentication and only listens on 127.0.0.1 (use --nats-addr 127.0.0.1:PORT)"},
+		{Options{DataDir: t.TempDir(), UnsafeListen: true, S3Addr: "minio.example:9000"}, "the host must be an IP address"},
 		{Options{DataDir: t.TempDir(), RegistryAddr: "5000"}, "registry: bad address"},
 		{Options{DataDir: t.TempDir(), NATSAddr: "127.0.0.1:0", S3Addr: "127.0.0.1:0", RegistryAddr: "127.0.0.1:0", Bucket: "Bad_Bucket"}, "s3: bucket \"Bad_Bucket\""},
 	} {
@@ -375,10 +379,15 @@ func TestLoopbackAddrDefaults(t *testing.T) {
 		"127.0.0.1:0":     "127.0.0.1:0",
 		"localhost:65535": "127.0.0.1:65535",
 	} {
-		got, err := loopbackAddr("registry", in, DefaultRegistryAddr, registryFlag)
+		got, err := loopbackAddr("registry", in, DefaultRegistryAddr, registryFlag, false)
 		if err != nil || got != want {
 			t.Errorf("loopbackAddr(%q) = %q, %v; want %q", in, got, err, want)
 		}
+	}
+	// --unsafe-listen: the address as given (what a kind or k3d bridge's
+	// Pods reach).
+	if got, err := loopbackAddr("registry", "172.18.0.1:5000", DefaultRegistryAddr, registryFlag, true); err != nil || got != "172.18.0.1:5000" {
+		t.Errorf("unsafe loopbackAddr = %q, %v", got, err)
 	}
 }
 

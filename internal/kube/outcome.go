@@ -100,13 +100,15 @@ func JobOutcome(job *batchv1.Job, pods []*corev1.Pod) Outcome {
 			continue
 		}
 		out.LogPod = p.Name
-		out.LogTail = Tail(t.Message, MaxLogTail)
+		out.LogTail = Tail(StripUsage(t.Message), MaxLogTail)
 		if t.Reason == "OOMKilled" {
 			out.Message = "the build ran out of memory (OOMKilled); raise the executor's memory limit"
 		}
 		break
 	}
 	if out.LogTail == "" {
+		// No termination message, or one that held only kaniko's usage
+		// text: the log itself says what failed.
 		out.NeedLogs = out.LogPod != "" || len(sorted) > 0
 		if out.LogPod == "" && len(sorted) > 0 {
 			out.LogPod = sorted[0].Name
@@ -116,6 +118,22 @@ func JobOutcome(job *batchv1.Job, pods []*corev1.Pod) Outcome {
 		out.Reason = ClassifyLog(out.LogTail)
 	}
 	return out
+}
+
+// StripUsage cuts the flag reference kaniko prints after an error in its
+// arguments or setup ("Error: …" then "Usage:" and a hundred lines of
+// flags) down to what came before it. In a 2 KiB termination message the
+// usage text is all there is; the caller then reads the log itself.
+func StripUsage(log string) string {
+	i := strings.Index(log, "Usage:\n  executor")
+	if i < 0 {
+		// Cut off at the front: the message starts inside the flag list.
+		if !strings.Contains(log, "Use \"executor [command] --help\"") {
+			return log
+		}
+		i = 0
+	}
+	return strings.TrimRight(log[:i], "\n")
 }
 
 // ClassifyLog picks a reason from the executor's log tail. kaniko reports

@@ -57,6 +57,12 @@ func TestJobOutcome(t *testing.T) {
 			pods: []*corev1.Pod{pod(1, "Error", "error: failed to get context: NoSuchKey", 0)}, done: true, reason: v1.ReasonContextMissing},
 		{name: "OOMKilled without a message reads pods/log", job: job(cond(batchv1.JobFailed, batchv1.JobReasonBackoffLimitExceeded)),
 			pods: []*corev1.Pod{pod(137, "OOMKilled", "", 0)}, done: true, reason: v1.ReasonBuildFailed, needLogs: true, message: "out of memory"},
+		{name: "kaniko's usage text is cut off its error", job: job(cond(batchv1.JobFailed, batchv1.JobReasonPodFailurePolicy)),
+			pods: []*corev1.Pod{pod(1, "Error", "Error: error resolving dockerfile path: please provide a valid path to a Dockerfile within the build context\nUsage:\n  executor [flags]\n  executor [command]\n\nFlags:\n      --build-arg multi-arg type\n\nUse \"executor [command] --help\" for more information about a command.\n", 0)},
+			done: true, reason: v1.ReasonBuildFailed, tail: "valid path to a Dockerfile within the build context"},
+		{name: "a message of usage text only reads pods/log", job: job(cond(batchv1.JobFailed, batchv1.JobReasonPodFailurePolicy)),
+			pods: []*corev1.Pod{pod(1, "Error", "      --verbosity string   Log level\n\nUse \"executor [command] --help\" for more information about a command.\n", 0)},
+			done: true, reason: v1.ReasonBuildFailed, needLogs: true},
 		{name: "the newest pod decides", job: job(cond(batchv1.JobFailed, batchv1.JobReasonBackoffLimitExceeded)),
 			pods: []*corev1.Pod{pod(1, "Old", "error pushing image: old attempt", time.Hour), pod(1, "New", "error building image: new attempt", 0)},
 			done: true, reason: v1.ReasonBuildFailed, tail: "new attempt"},
@@ -65,6 +71,9 @@ func TestJobOutcome(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
 			o := JobOutcome(c.job, c.pods)
+			if strings.Contains(o.LogTail, "Usage:") || strings.Contains(o.LogTail, "--help") {
+				t.Errorf("log tail keeps kaniko's usage text: %q", o.LogTail)
+			}
 			if o.Done != c.done || o.Succeeded != c.ok || o.Pending != c.pending || o.NeedLogs != c.needLogs ||
 				o.Reason != c.reason || o.Digest != c.digest || !strings.Contains(o.LogTail, c.tail) || !strings.Contains(o.Message, c.message) {
 				t.Fatalf("outcome %+v", o)
