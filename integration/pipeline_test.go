@@ -264,9 +264,9 @@ func firstPodFault(f fault) func(*corev1.Pod) fault {
 
 func TestRetryableExitIsRetriedByTheJob(t *testing.T) {
 	// Exit code 128 is the runtime failing to start the container, not a
-	// build error (the pod failure policy fails the Job at once on every
-	// other non-zero code): it counts against the backoff limit and the
-	// Job controller starts another pod.
+	// build error (the pod failure policy fails the Job at once on the
+	// codes of build errors, kaniko.RetriedExitCodes): it counts against
+	// the backoff limit and the Job controller starts another pod.
 	s := newSuite(t, options{faults: firstPodFault(fault{exitCode: 128, message: "failed to create containerd task"})})
 	s.startWorker("w1")
 	res := s.collect()

@@ -192,6 +192,29 @@ COPY hello.txt /srv/hello.txt
 		eventually(t, time.Minute, "the RUN step's process to end", func() bool { return len(hostProcs("sleep", "3032")) == 0 })
 	})
 
+	t.Run("a Pod deleted during a RUN is replaced", func(t *testing.T) {
+		s := newSuite(t, options{node: node})
+		pods := s.podsCreated()
+		s.startWorker("w1")
+		res := s.collect()
+		dir := contextDir(t, map[string]string{"Dockerfile": "ARG BASE\nFROM $BASE\nRUN sleep 3 && echo done > /done # 3033\n"})
+		s.submitWith(dir, "replaced", 1, func(r *v1.Request) { r.BuildArgs = base })
+		eventually(t, 3*time.Minute, "the RUN step to start", func() bool { return len(hostProcs("sleep", "3033")) > 0 })
+		// The executor is killed (exit 143), not the build's fault: the Job
+		// starts another Pod, which builds.
+		list, err := shared.kube.CoreV1().Pods(s.ns).List(context.Background(), metav1.ListOptions{})
+		if err != nil || len(list.Items) != 1 {
+			t.Fatalf("pods: %v, %v", list, err)
+		}
+		if err := shared.kube.CoreV1().Pods(s.ns).Delete(context.Background(), list.Items[0].Name, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		r := res.wait(t, 1, 5*time.Minute)[0]
+		if r.Data.Status != v1.StatusSucceeded || pods() != 2 {
+			t.Fatalf("result %s after %d pods, want succeeded after 2", mustJSON(r), pods())
+		}
+	})
+
 	t.Run("5 identical requests over 2 workers build once", func(t *testing.T) {
 		s := newSuite(t, options{node: node})
 		jobs, pods := s.jobsCreated(), s.podsCreated()

@@ -315,17 +315,19 @@ func Job(spec Spec, cfg Config) (*batchv1.Job, error) {
 					},
 				},
 				// kaniko exits 1 on a Dockerfile, build or push error and
-				// with a RUN command's own exit code when that fails (an
-				// OOM kill is 137): the same build would fail again, so
-				// fail the Job at once. 128 is the runtime's "container
-				// could not start", which a retry can cure; the backoff
-				// limit counts it.
+				// with a RUN command's own exit code when that fails: the
+				// same build would fail again, so fail the Job at once.
+				// The exceptions are retried within the backoff limit:
+				// 128, the runtime could not start the container, and 137
+				// and 143, the executor itself was killed (its Pod deleted,
+				// the node shutting down, an OOM kill) — a RUN command
+				// killed by a signal makes kaniko exit 255, not 128+n.
 				{
 					Action: batchv1.PodFailurePolicyActionFailJob,
 					OnExitCodes: &batchv1.PodFailurePolicyOnExitCodesRequirement{
 						ContainerName: ptr(ContainerName),
 						Operator:      batchv1.PodFailurePolicyOnExitCodesOpNotIn,
-						Values:        []int32{0, 128},
+						Values:        RetriedExitCodes(),
 					},
 				},
 			}},
@@ -341,6 +343,13 @@ func Job(spec Spec, cfg Config) (*batchv1.Job, error) {
 					Tolerations:                   slices.Clone(cfg.Tolerations),
 					ImagePullSecrets:              pullSecrets,
 					TerminationGracePeriodSeconds: ptr(int64(10)),
+					// The sandbox's pause process is PID 1, not kaniko. As
+					// PID 1, kaniko (a Go program without a SIGTERM
+					// handler) cannot die of the SIGTERM that deleting its
+					// Pod sends, and the Go runtime exits 2 instead: a code
+					// a failing RUN also has. Not PID 1, it dies of the
+					// signal, exit 143, which the Job retries.
+					ShareProcessNamespace: ptr(true),
 					SecurityContext: &corev1.PodSecurityContext{
 						SeccompProfile: &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeRuntimeDefault},
 					},
@@ -371,6 +380,12 @@ func Job(spec Spec, cfg Config) (*batchv1.Job, error) {
 	}
 	return job, nil
 }
+
+// RetriedExitCodes are the kaniko container's exit codes the Job retries
+// (within its backoff limit) instead of failing at once: 0 (not a failure),
+// 128 (the container could not start), 137 and 143 (the executor was
+// killed from outside).
+func RetriedExitCodes() []int32 { return []int32{0, 128, 137, 143} }
 
 // Args are the kaniko executor arguments for spec, in a stable order.
 func Args(spec Spec, cfg Config) ([]string, error) {
