@@ -83,6 +83,19 @@ func startRealNode(t *testing.T) *realNode {
 	if err != nil {
 		t.Fatalf("the real node's packages: %v\n%s", err, out)
 	}
+	// One real node per machine at a time: the bridge, its subnet and
+	// kubelet's fixed paths are the machine's. The lock is the kernel's,
+	// so a run that died holding it does not block the next.
+	lock, err := os.OpenFile(filepath.Join(os.TempDir(), "buildq-node.lock"), os.O_CREATE|os.O_RDWR, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { lock.Close() })
+	sweepLeftovers(t)
+
 	dir, err := os.MkdirTemp("", "buildq-node-")
 	if err != nil {
 		t.Fatal(err)
@@ -376,8 +389,14 @@ authorization:
 }
 
 func (n *realNode) startScheduler() {
+	// Its own copy of the kubeconfig, so that its command line names the
+	// node's directory (sweepLeftovers finds it by that).
+	kc, err := os.ReadFile(shared.kubeconfig)
+	if err != nil {
+		n.t.Fatal(err)
+	}
 	n.start("kube-scheduler", filepath.Join(shared.tools, "kube-scheduler"),
-		"--kubeconfig", shared.kubeconfig,
+		"--kubeconfig", n.write("kube-scheduler/kubeconfig", string(kc)),
 		"--leader-elect=false",
 		"--secure-port=0",
 	)
@@ -505,8 +524,9 @@ func (n *realNode) killContainers() {
 	}
 }
 
-// killShims ends containerd-shim processes of this node's containerd
-// (they outlive containerd by design).
+// killShims ends every process whose command line names the node's
+// directory: containerd's shims (they outlive containerd by design), and
+// after a crash containerd, kubelet and kube-scheduler themselves.
 func (n *realNode) killShims() {
 	entries, _ := os.ReadDir("/proc")
 	for _, e := range entries {
@@ -573,14 +593,39 @@ func unescapeMount(s string) string {
 
 // removeLogLinks removes kubelet's /var/log/containers links into this
 // node's pod logs (a path kubelet does not let one configure).
-func (n *realNode) removeLogLinks() {
+func (n *realNode) removeLogLinks() { removeLogLinksTo(n.dir) }
+
+func removeLogLinksTo(dir string) {
 	entries, _ := os.ReadDir("/var/log/containers")
 	for _, e := range entries {
 		p := filepath.Join("/var/log/containers", e.Name())
-		if target, err := os.Readlink(p); err == nil && strings.HasPrefix(target, n.dir) {
+		if target, err := os.Readlink(p); err == nil && strings.HasPrefix(target, dir) {
 			_ = os.Remove(p)
 		}
 	}
+}
+
+// sweepLeftovers removes what a run killed before its cleanup (a test
+// binary's timeout, a SIGKILL) left behind: its node's processes, mounts,
+// directory and bridge. Called with the node lock held, so no live node is
+// touched.
+func sweepLeftovers(t *testing.T) {
+	old, _ := filepath.Glob(filepath.Join(os.TempDir(), "buildq-node-*"))
+	if len(old) == 0 {
+		return
+	}
+	t.Logf("real node: removing what an interrupted run left: %v", old)
+	for _, dir := range old {
+		n := &realNode{t: t, dir: dir}
+		n.killShims() // and every other process started from that directory
+		n.unmountAll()
+		removeLogLinksTo(dir)
+		if err := os.RemoveAll(dir); err != nil {
+			t.Logf("real node: remove %s: %v", dir, err)
+		}
+	}
+	removeCNICache()
+	_ = exec.Command("ip", "link", "del", nodeBridge).Run()
 }
 
 // netnsNames lists the named network namespaces (containerd's CRI keeps a
