@@ -43,6 +43,8 @@ func TestJobsPassServerSideValidation(t *testing.T) {
 	full.Tolerations = []corev1.Toleration{{Key: "builds", Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoSchedule}}
 	full.ServiceAccountName = "default"
 	full.ImagePullSecrets = []string{"ghcr-pull"}
+	fetch := full
+	fetch.FetchImage = fetchImage
 
 	cases := map[string]struct {
 		req func() *v1.Request
@@ -58,6 +60,13 @@ func TestJobsPassServerSideValidation(t *testing.T) {
 			r.Timeout = v1.Duration{Duration: 90 * time.Minute}
 			return r
 		}, full},
+		"fetch-context": {s3, fetch},
+		"git with fetch-image": {func() *v1.Request {
+			r := s3()
+			r.Source = v1.Source{Git: &v1.GitSource{URL: "https://github.com/acme/web.git", Commit: strings.Repeat("c", 40)}}
+			r.ContextDigest = ""
+			return r
+		}, fetch},
 		"git": {func() *v1.Request {
 			r := s3()
 			r.Source = v1.Source{Git: &v1.GitSource{URL: "https://github.com/acme/web.git", Commit: strings.Repeat("c", 40), SubPath: "svc"}}
@@ -73,7 +82,8 @@ func TestJobsPassServerSideValidation(t *testing.T) {
 			for _, tag := range r.Tags {
 				dests = append(dests, "registry.example.com/acme/web:"+tag)
 			}
-			job, err := kaniko.Job(kaniko.Spec{Request: r, Key: key, Destinations: dests}, c.cfg.Defaults())
+			job, err := kaniko.Job(kaniko.Spec{Request: r, Key: key, Destinations: dests,
+				ContextURL: "http://minio:9000/buildq/contexts/x?X-Amz-Signature=s"}, c.cfg.Defaults())
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -132,6 +132,30 @@ func (k *kubelet) run(ctx context.Context, pod *corev1.Pod) {
 		}
 	}
 	code, msg := f.exitCode, f.message
+	// The fetch-context init container's contract, run first.
+	fetched := ""
+	if len(pod.Spec.InitContainers) > 0 && code == 0 && !f.deletePod {
+		var icode int32
+		var imsg string
+		fetched, icode, imsg = k.fetchContext(ctx, pod.Spec.InitContainers[0])
+		if fetched != "" {
+			defer os.RemoveAll(fetched)
+		}
+		if ctx.Err() != nil {
+			return
+		}
+		if icode != 0 {
+			end := metav1.Now()
+			k.setStatus(ctx, pod.Name, func(s *corev1.PodStatus) {
+				s.Phase = corev1.PodFailed
+				s.InitContainerStatuses = []corev1.ContainerStatus{{Name: pod.Spec.InitContainers[0].Name, Image: pod.Spec.InitContainers[0].Image,
+					State: corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{ExitCode: icode, Reason: "Error", Message: imsg, StartedAt: now, FinishedAt: end}}}}
+				s.ContainerStatuses = []corev1.ContainerStatus{{Name: kaniko.ContainerName, Image: pod.Spec.Containers[0].Image,
+					State: corev1.ContainerState{Waiting: &corev1.ContainerStateWaiting{Reason: "PodInitializing"}}}}
+			})
+			return
+		}
+	}
 	if f.deletePod {
 		// Someone deletes the pod while it runs: the kubelet kills the
 		// container (SIGTERM, exit 143) and reports the pod Failed, then
@@ -140,7 +164,7 @@ func (k *kubelet) run(ctx context.Context, pod *corev1.Pod) {
 		code, msg = 143, "terminated: pod deleted"
 	}
 	if code == 0 && msg == "" {
-		code, msg = k.execute(ctx, pod)
+		code, msg = k.execute(ctx, pod, fetched)
 	}
 	if ctx.Err() != nil {
 		return
@@ -180,9 +204,37 @@ func (k *kubelet) setStatus(ctx context.Context, name string, mutate func(*corev
 	}
 }
 
+// fetchContext runs the fetch-context init container's contract (buildq
+// fetch-context, with its exit codes) into a new directory.
+func (k *kubelet) fetchContext(ctx context.Context, c corev1.Container) (string, int32, string) {
+	if len(c.Args) == 0 || c.Args[0] != "fetch-context" || len(c.Env) > 0 {
+		return "", 1, fmt.Sprintf("error: init container %s: not the fetch-context contract: %v", c.Name, c.Args)
+	}
+	args := map[string]string{}
+	for i := 1; i+1 < len(c.Args); i += 2 {
+		args[strings.TrimPrefix(c.Args[i], "--")] = c.Args[i+1]
+	}
+	dir, err := os.MkdirTemp("", "kubelet-context-")
+	if err != nil {
+		return "", 1, err.Error()
+	}
+	err = contexttar.Fetch(ctx, nil, args["url"], args["digest"], dir, 0)
+	switch {
+	case err == nil:
+		return dir, 0, ""
+	case errors.Is(err, contexttar.ErrDigestMismatch):
+		return dir, kaniko.FetchExitMismatch, "context mismatch: " + err.Error()
+	case errors.Is(err, contexttar.ErrFetchRefused):
+		return dir, kaniko.FetchExitRefused, "context missing: " + err.Error()
+	default:
+		return dir, 1, err.Error()
+	}
+}
+
 // execute runs the kaniko contract and returns the exit code and the
-// termination message (the digest, or the end of the log).
-func (k *kubelet) execute(ctx context.Context, pod *corev1.Pod) (int32, string) {
+// termination message (the digest, or the end of the log). fetched is the
+// directory the init container unpacked the context into, if any.
+func (k *kubelet) execute(ctx context.Context, pod *corev1.Pod, fetched string) (int32, string) {
 	c := pod.Spec.Containers[0]
 	args := map[string][]string{}
 	for _, a := range c.Args {
@@ -243,6 +295,18 @@ func (k *kubelet) execute(ctx context.Context, pod *corev1.Pod) (int32, string) 
 		}
 	}
 
+	if one("context") == "dir://"+kaniko.ContextDir {
+		if fetched == "" {
+			return 1, "error: a dir:// context without the fetch-context init container"
+		}
+		for n := range env {
+			if strings.HasPrefix(n, "AWS_") || strings.HasPrefix(n, "S3_") {
+				return 1, "error: the build container holds " + n
+			}
+		}
+		return k.build(ctx, args, fetched, dockerConfig)
+	}
+
 	// The context, with the pod's own S3 credentials.
 	bucket, key, ok := strings.Cut(strings.TrimPrefix(one("context"), "s3://"), "/")
 	if !ok || !strings.HasPrefix(one("context"), "s3://") {
@@ -271,7 +335,17 @@ func (k *kubelet) execute(ctx context.Context, pod *corev1.Pod) (int32, string) 
 	if err != nil {
 		return 1, "error retrieving context: " + err.Error()
 	}
+	return k.build(ctx, args, dir, dockerConfig)
+}
 
+// build is the build and push half of the kaniko contract.
+func (k *kubelet) build(ctx context.Context, args map[string][]string, dir, dockerConfig string) (int32, string) {
+	one := func(n string) string {
+		if v := args[n]; len(v) > 0 {
+			return v[0]
+		}
+		return ""
+	}
 	buildArgs := map[string]string{}
 	for _, a := range args["build-arg"] {
 		k, v, _ := strings.Cut(a, "=")

@@ -29,6 +29,7 @@ type nodeImages struct {
 	kaniko string // the kaniko executor in upstream's image layout
 	pause  string // the Pod sandbox: busybox sleeping
 	base   string // FROM image of the node tests: Debian's busybox-static
+	buildq string // buildq itself, static, for the fetch-context init container
 }
 
 // tarEntry is one file of a layer built in memory.
@@ -137,6 +138,26 @@ func kanikoLayer() (gcr.Layer, error) {
 	})
 }
 
+// buildqLayer is buildq from this tree, built static (the image has no
+// libc), as the worker image is.
+func buildqLayer(ctx context.Context) (gcr.Layer, error) {
+	dir, err := os.MkdirTemp("", "buildq-static-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(dir)
+	cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-o", filepath.Join(dir, "buildq"), "github.com/buildq/buildq/cmd/buildq")
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return nil, fmt.Errorf("build static buildq: %v\n%s", err, out)
+	}
+	bin, err := os.ReadFile(filepath.Join(dir, "buildq"))
+	if err != nil {
+		return nil, err
+	}
+	return layer([]tarEntry{{name: "buildq", mode: 0o755, body: bin}})
+}
+
 // pushNodeImages builds the node's images and pushes them through push
 // (the registry's loopback address); the references it returns name them
 // by digest at podHost, the same registry as the Pods reach it.
@@ -147,6 +168,10 @@ func pushNodeImages(ctx context.Context, push, podHost string) (nodeImages, erro
 		return imgs, err
 	}
 	kl, err := kanikoLayer()
+	if err != nil {
+		return imgs, err
+	}
+	ql, err := buildqLayer(ctx)
 	if err != nil {
 		return imgs, err
 	}
@@ -169,6 +194,7 @@ func pushNodeImages(ctx context.Context, push, podHost string) (nodeImages, erro
 			WorkingDir: "/workspace",
 			Entrypoint: []string{"/kaniko/executor"},
 		}, &imgs.kaniko},
+		{"node/buildq", []gcr.Layer{ql}, gcr.Config{Entrypoint: []string{"/buildq"}, User: "65532:65532"}, &imgs.buildq},
 	} {
 		img, err := image(im.layers, im.cfg)
 		if err != nil {

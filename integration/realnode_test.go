@@ -57,6 +57,11 @@ WORKDIR /home/app
 RUN chown 1000:1000 /home/app
 USER app
 RUN id -u > uid && echo written-by-app > made && grep -E '^(CapEff|NoNewPrivs):' /proc/self/status > status-app
+USER root
+# What a hostile RUN step would look for: S3 keys in any process's
+# environment (the worker gives them to no build Pod).
+RUN (cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n' | grep -c -E '^(AWS_|S3_)' || true) > /aws-vars
+USER app
 COPY hello.txt /srv/hello.txt
 `,
 			"hello.txt": "hello from the context\n",
@@ -95,6 +100,7 @@ COPY hello.txt /srv/hello.txt
 			"home/app/uid":     {1000, "1000\n"},
 			"home/app/made":    {1000, "written-by-app\n"},
 			"srv/hello.txt":    {0, "hello from the context\n"},
+			"aws-vars":         {0, "0\n"},
 		}
 		for p, w := range want {
 			f, ok := files[p]
@@ -152,6 +158,22 @@ COPY hello.txt /srv/hello.txt
 		// retry, one Pod.
 		if n := pods(); n != 1 {
 			t.Errorf("%d pods ran, want 1 (no retry past the pod failure policy)", n)
+		}
+	})
+
+	t.Run("fetch-context refuses replaced bytes", func(t *testing.T) {
+		s := newSuite(t, options{node: node})
+		pods := s.podsCreated()
+		s.startWorker("w1")
+		res := s.collect()
+		dir := contextDir(t, map[string]string{"Dockerfile": "FROM scratch\nCOPY f /f\n", "f": "the requested bytes"})
+		s.submitWith(dir, "poisoned", 1, func(r *v1.Request) { replaceContext(t, s, r) })
+		r := res.wait(t, 1, 5*time.Minute)[0]
+		if r.Data.Status != v1.StatusFailed || r.Data.Reason != v1.ReasonContextMismatch {
+			t.Fatalf("result %s, want failed/%s", mustJSON(r), v1.ReasonContextMismatch)
+		}
+		if n := pods(); n != 1 {
+			t.Errorf("%d pods ran, want 1 (a mismatch is not retried)", n)
 		}
 	})
 

@@ -191,7 +191,10 @@ func newSuite(t *testing.T, o options) *suite {
 		if err := os.WriteFile(tmpl, []byte(nodeJobTemplate), 0o600); err != nil {
 			t.Fatal(err)
 		}
-		s.workerArgs = append([]string{"--job-template", tmpl}, s.workerArgs...)
+		// The production shape: contexts reach kaniko through the
+		// fetch-context init container; only the worker holds S3 keys.
+		s.workerArgs = append([]string{"--job-template", tmpl, "--fetch-image", o.node.images.buildq,
+			"--s3-access-key", shared.minioUser, "--s3-secret-key", shared.minioPassword}, s.workerArgs...)
 		t.Cleanup(func() {
 			if t.Failed() {
 				dumpNamespace(t, ns)

@@ -105,9 +105,21 @@ type KubeBackend struct {
 	identity    string
 	digestGrace time.Duration
 	resolve     func(ctx context.Context, ref string) (string, error)
+	presign     Presigner
 	// finished receives the names of finished Jobs from the informers
 	// (their initial list, every event, every relist): reconciliation.
 	finished chan string
+}
+
+// Presigner makes a credential-free GET URL for one S3 object, valid for
+// ttl, addressed as the build Pods reach the store (s3store.Store.PresignGet).
+type Presigner func(ctx context.Context, bucket, key string, ttl time.Duration) (string, error)
+
+// WithPresigner sets how the fetch-context init container's URL is made
+// (kaniko.Config.FetchImage).
+func (k *KubeBackend) WithPresigner(p Presigner) *KubeBackend {
+	k.presign = p
+	return k
 }
 
 // DigestResolver looks up the digest of a pushed reference in the registry.
@@ -147,7 +159,20 @@ func (k *KubeBackend) Identity() string { return k.identity }
 
 // Run implements Backend.
 func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcome, error) {
-	job, err := kaniko.Job(kaniko.Spec{Request: b.Request, Key: b.Key, Destinations: b.Destinations, Run: b.Run}, k.cfg)
+	spec := kaniko.Spec{Request: b.Request, Key: b.Key, Destinations: b.Destinations, Run: b.Run}
+	if s3 := b.Request.Source.S3; s3 != nil && k.cfg.FetchImage != "" {
+		if k.presign == nil {
+			return Outcome{}, errors.New("kube backend: --fetch-image is set but no presigner (S3 keys) is configured")
+		}
+		// Valid for the whole build: a Pod the Job retries late in the
+		// deadline still fetches.
+		u, err := k.presign(ctx, s3.Bucket, s3.Key, kaniko.Timeout(b.Request, k.cfg)+15*time.Minute)
+		if err != nil {
+			return Outcome{}, err
+		}
+		spec.ContextURL = u
+	}
+	job, err := kaniko.Job(spec, k.cfg)
 	if err != nil {
 		return Outcome{}, err
 	}

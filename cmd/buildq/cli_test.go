@@ -335,9 +335,13 @@ func TestUsageErrorsExit2(t *testing.T) {
 		"render bad name":    {"render", dir, "--name", "Bad_Name", "--executor-image", "ghcr.io/x/kaniko@sha256:" + strings.Repeat("0", 64)},
 		"render unpinned":    {"render", dir, "--executor-image", "ghcr.io/x/kaniko:latest"},
 		"render no executor": {"render", dir},
-		"status no arg":      {"status"},
-		"bad inbox prefix":   {"status", "x", "--inbox-prefix", "_INBOX_acme.*"},
-		"unknown command":    {"frobnicate"},
+		"worker fetch-image unpinned": {"worker", "--executor-image", "ghcr.io/x/kaniko@sha256:" + strings.Repeat("0", 64),
+			"--fetch-image", "ghcr.io/buildq/buildq:latest"},
+		"worker fetch-image without keys": {"worker", "--executor-image", "ghcr.io/x/kaniko@sha256:" + strings.Repeat("0", 64),
+			"--fetch-image", "ghcr.io/buildq/buildq@sha256:" + strings.Repeat("1", 64), "--s3-endpoint", "http://minio:9000"},
+		"status no arg":    {"status"},
+		"bad inbox prefix": {"status", "x", "--inbox-prefix", "_INBOX_acme.*"},
+		"unknown command":  {"frobnicate"},
 	}
 	for name, args := range cases {
 		t.Run(name, func(t *testing.T) {

@@ -67,7 +67,12 @@ and read the same BUILDQ_* variables.`,
 				return usageErr("%v", err)
 			}
 			key := v1.BuildKey(req, "kaniko@"+kc.ExecutorImage)
-			job, err := kaniko.Job(kaniko.Spec{Request: req, Key: key, Destinations: naming.Destinations(repo, key, req.Tags)}, kc)
+			spec := kaniko.Spec{Request: req, Key: key, Destinations: naming.Destinations(repo, key, req.Tags)}
+			if kc.FetchImage != "" && req.Source.S3 != nil {
+				// The worker signs a fresh URL when it creates the Job.
+				spec.ContextURL = "<presigned GET URL of s3://" + req.Source.S3.Bucket + "/" + req.Source.S3.Key + ", made by the worker>"
+			}
+			job, err := kaniko.Job(spec, kc)
 			if err != nil {
 				return failed(err)
 			}

@@ -30,6 +30,7 @@ import (
 	"github.com/buildq/buildq/internal/kube"
 	"github.com/buildq/buildq/internal/naming"
 	"github.com/buildq/buildq/internal/registry"
+	"github.com/buildq/buildq/internal/s3store"
 	"github.com/buildq/buildq/worker"
 )
 
@@ -53,8 +54,11 @@ type workerFlags struct {
 	kubeconfig     string
 	registryConfig string
 	jobTemplate    string
-	kaniko         kaniko.Config
-	namingPol      naming.Policy
+	// s3AccessKey and s3SecretKey sign the fetch-context URLs.
+	s3AccessKey string
+	s3SecretKey string
+	kaniko      kaniko.Config
+	namingPol   naming.Policy
 
 	logLevel    string
 	logFormat   string
@@ -79,6 +83,8 @@ func (f *workerFlags) register(cmd *cobra.Command) {
 
 	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "kubeconfig file (default: in-cluster, then $KUBECONFIG and ~/.kube/config)")
 	fs.StringVar(&f.jobTemplate, "job-template", "", jobTemplateHelp)
+	fs.StringVar(&f.s3AccessKey, "s3-access-key", "", "with --fetch-image: S3 access key that signs the context URLs (also AWS_ACCESS_KEY_ID); only the worker holds it")
+	fs.StringVar(&f.s3SecretKey, "s3-secret-key", "", "with --fetch-image: S3 secret key (also AWS_SECRET_ACCESS_KEY)")
 	fs.StringVar(&f.registryConfig, "registry-config", "", "docker config.json the worker checks and tags images with: the same credentials as --registry-secret (mount that Secret); empty: anonymous")
 	registerKaniko(fs, &f.kaniko, &f.namingPol)
 
@@ -114,8 +120,12 @@ func checkExecutorImage(img string) error {
 	if img == "" {
 		return usageErr("--executor-image (or BUILDQ_EXECUTOR_IMAGE) is required: a kaniko executor image pinned by digest (repo@sha256:…)")
 	}
+	return checkImageDigest("--executor-image", img)
+}
+
+func checkImageDigest(flag, img string) error {
 	if _, err := name.NewDigest(img, name.StrictValidation); err != nil {
-		return usageErr("--executor-image %q is not pinned by digest: use repo@sha256:<64 hex> (%v)", img, err)
+		return usageErr("%s %q is not pinned by digest: use repo@sha256:<64 hex> (%v)", flag, img, err)
 	}
 	return nil
 }
@@ -146,7 +156,8 @@ func registerKaniko(fs *pflag.FlagSet, kc *kaniko.Config, np *naming.Policy) {
 	fs.StringVar(&kc.ExecutorImage, "executor-image", "", "kaniko executor image, pinned by digest (repo@sha256:…)")
 	fs.StringVar(&kc.S3Endpoint, "s3-endpoint", "", "S3 endpoint for kaniko, with scheme (http://minio.minio:9000)")
 	fs.StringVar(&kc.S3Region, "s3-region", "us-east-1", "S3 region (AWS_REGION in the Job)")
-	fs.StringVar(&kc.S3Secret, "s3-secret", "", "Secret with the S3 keys, read by the Job through secretKeyRef")
+	fs.StringVar(&kc.S3Secret, "s3-secret", "", "Secret with the S3 keys, read by the Job through secretKeyRef (only without --fetch-image)")
+	fs.StringVar(&kc.FetchImage, "fetch-image", "", "buildq image, pinned by digest, whose fetch-context init container downloads each S3 context through a presigned URL and checks its digest: the build container holds no S3 key")
 	fs.StringVar(&kc.S3AccessKeyField, "s3-access-key-field", "AWS_ACCESS_KEY_ID", "key of the access key in --s3-secret")
 	fs.StringVar(&kc.S3SecretKeyField, "s3-secret-key-field", "AWS_SECRET_ACCESS_KEY", "key of the secret key in --s3-secret")
 	fs.StringVar(&kc.RegistrySecret, "registry-secret", "", "kubernetes.io/dockerconfigjson Secret mounted as kaniko's docker config")
@@ -214,7 +225,7 @@ Every flag can also be set as BUILDQ_<FLAG> (e.g. BUILDQ_EXECUTOR_IMAGE);
 --nats-url also reads NATS_URL.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := bindEnv(cmd, natsEnv); err != nil {
+			if err := bindEnv(cmd, mergeEnv(natsEnv, map[string]string{"s3-access-key": "AWS_ACCESS_KEY_ID", "s3-secret-key": "AWS_SECRET_ACCESS_KEY"})); err != nil {
 				return err
 			}
 			return runWorker(cmd.Context(), &f)
@@ -245,12 +256,28 @@ func runWorker(ctx context.Context, f *workerFlags) error {
 		return usageErr("%v", err)
 	}
 	cfg.Registry = reg
+	var presign worker.Presigner
+	if f.kaniko.FetchImage != "" {
+		if err := checkImageDigest("--fetch-image", f.kaniko.FetchImage); err != nil {
+			return err
+		}
+		if f.kaniko.S3Endpoint == "" || f.s3AccessKey == "" || f.s3SecretKey == "" {
+			return usageErr("--fetch-image needs --s3-endpoint (as the build Pods reach it) and --s3-access-key/--s3-secret-key (or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY): the worker signs each context's URL")
+		}
+		store, err := s3store.New(s3store.Config{Endpoint: f.kaniko.S3Endpoint, Region: f.kaniko.S3Region, AccessKey: f.s3AccessKey, SecretKey: f.s3SecretKey})
+		if err != nil {
+			return usageErr("--s3-endpoint: %v", err)
+		}
+		presign = store.PresignGet
+	} else {
+		log.Warn("no --fetch-image: build Pods read S3 contexts with the keys of --s3-secret, which a RUN step can read; set --fetch-image to keep S3 keys out of build Pods")
+	}
 	backend, stopKube, err := kubeBackend(ctx, f.kubeconfig, f.kaniko, log)
 	if err != nil {
 		return err
 	}
 	defer stopKube()
-	backend.WithDigestResolver(reg.Head)
+	backend.WithDigestResolver(reg.Head).WithPresigner(presign)
 
 	if f.metricsAddr != "" {
 		reg := prometheus.NewRegistry()

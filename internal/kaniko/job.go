@@ -41,6 +41,12 @@ const (
 	ContainerName = "kaniko"
 	// DockerConfigDir is where kaniko reads registry credentials.
 	DockerConfigDir = "/kaniko/.docker"
+	// FetchContainerName is the init container that downloads an S3
+	// context (`buildq fetch-context`) when Config.FetchImage is set;
+	// ContextDir is the emptyDir it unpacks into and kaniko reads with
+	// dir://.
+	FetchContainerName = "fetch-context"
+	ContextDir         = "/kaniko/buildcontext"
 	// TerminationLog is where kaniko writes the pushed digest.
 	TerminationLog = "/dev/termination-log"
 
@@ -51,6 +57,14 @@ const (
 )
 
 // ManagedBySelector selects every object buildq manages.
+// Exit codes of `buildq fetch-context` that fail the Job at once (the pod
+// failure policy): the context's bytes do not match its digest, or the
+// object is gone (or its URL expired). Any other failure is retried.
+const (
+	FetchExitMismatch = 3
+	FetchExitRefused  = 4
+)
+
 const ManagedBySelector = LabelManagedBy + "=" + ManagedByValue
 
 // Config is the part of the worker's configuration that shapes Jobs.
@@ -94,6 +108,12 @@ type Config struct {
 	// Resources of the kaniko container (default DefaultResources; the
 	// job template replaces them).
 	Resources corev1.ResourceRequirements
+	// FetchImage is the buildq image (pinned by digest) whose
+	// `fetch-context` init container downloads an S3 context through a
+	// presigned URL (Spec.ContextURL), checks its digest and unpacks it
+	// for kaniko: the build container then holds no S3 key. Empty: kaniko
+	// reads s3:// itself with the keys of S3Secret (legacy).
+	FetchImage string
 	// Template fields copied into the pod spec.
 	NodeSelector       map[string]string
 	Tolerations        []corev1.Toleration
@@ -181,6 +201,9 @@ type Spec struct {
 	// Run names the attempt of the build key the Job is for (empty when
 	// only rendering).
 	Run string
+	// ContextURL is the presigned GET URL of the S3 context, for the
+	// fetch-context init container (Config.FetchImage).
+	ContextURL string
 }
 
 // JobName is the deterministic Job name for a build key: every worker that
@@ -242,8 +265,12 @@ func Job(spec Spec, cfg Config) (*batchv1.Job, error) {
 	if err != nil {
 		return nil, err
 	}
+	fetch := r.Source.S3 != nil && cfg.FetchImage != ""
+	if fetch && (spec.ContextURL == "" || r.ContextDigest == "") {
+		return nil, errors.New("kaniko job: fetching the context needs its presigned URL and the request's contextDigest")
+	}
 	env := []corev1.EnvVar{}
-	if r.Source.S3 != nil {
+	if r.Source.S3 != nil && !fetch {
 		env = append(env,
 			corev1.EnvVar{Name: "S3_ENDPOINT", Value: cfg.S3Endpoint},
 			corev1.EnvVar{Name: "S3_FORCE_PATH_STYLE", Value: "true"},
@@ -260,6 +287,38 @@ func Job(spec Spec, cfg Config) (*batchv1.Job, error) {
 
 	var volumes []corev1.Volume
 	var mounts []corev1.VolumeMount
+	var initContainers []corev1.Container
+	if fetch {
+		// The context arrives as a directory: the build container gets
+		// neither S3 keys nor a URL, and sees only bytes whose digest
+		// fetch-context checked against the request.
+		volumes = append(volumes, corev1.Volume{Name: "context", VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{}}})
+		mounts = append(mounts, corev1.VolumeMount{Name: "context", MountPath: ContextDir})
+		initContainers = append(initContainers, corev1.Container{
+			Name:  FetchContainerName,
+			Image: cfg.FetchImage,
+			Args: []string{"fetch-context", "--url", spec.ContextURL, "--digest", r.ContextDigest, "--dest", ContextDir,
+				"--timeout", Timeout(r, cfg).String()},
+			VolumeMounts: []corev1.VolumeMount{{Name: "context", MountPath: ContextDir}},
+			Resources: corev1.ResourceRequirements{
+				Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("50m"), corev1.ResourceMemory: resource.MustParse("64Mi")},
+				Limits:   corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("256Mi")},
+			},
+			TerminationMessagePolicy: corev1.TerminationMessageFallbackToLogsOnError,
+			ImagePullPolicy:          corev1.PullIfNotPresent,
+			// uid 0 with no capability at all: the files it unpacks must
+			// belong to root, because kaniko's COPY keeps the context
+			// file's owner (Docker's is always 0:0); as any other user a
+			// COPY without --chown would put that uid into the image.
+			SecurityContext: &corev1.SecurityContext{
+				RunAsUser:                ptr(int64(0)),
+				RunAsGroup:               ptr(int64(0)),
+				AllowPrivilegeEscalation: ptr(false),
+				ReadOnlyRootFilesystem:   ptr(true),
+				Capabilities:             &corev1.Capabilities{Drop: []corev1.Capability{"ALL"}},
+			},
+		})
+	}
 	if cfg.RegistrySecret != "" {
 		volumes = append(volumes, corev1.Volume{
 			Name: "docker-config",
@@ -291,6 +350,19 @@ func Job(spec Spec, cfg Config) (*batchv1.Job, error) {
 		nodeSelector[corev1.LabelArchStable] = parts[1]
 	}
 
+	rules := []batchv1.PodFailurePolicyRule{}
+	if fetch {
+		// A context that does not match its digest, or is gone, stays
+		// so: fail at once.
+		rules = append(rules, batchv1.PodFailurePolicyRule{
+			Action: batchv1.PodFailurePolicyActionFailJob,
+			OnExitCodes: &batchv1.PodFailurePolicyOnExitCodesRequirement{
+				ContainerName: ptr(FetchContainerName),
+				Operator:      batchv1.PodFailurePolicyOnExitCodesOpIn,
+				Values:        []int32{FetchExitMismatch, FetchExitRefused},
+			},
+		})
+	}
 	job := &batchv1.Job{
 		TypeMeta: metav1.TypeMeta{APIVersion: "batch/v1", Kind: "Job"},
 		ObjectMeta: metav1.ObjectMeta{
@@ -303,7 +375,7 @@ func Job(spec Spec, cfg Config) (*batchv1.Job, error) {
 			BackoffLimit:            &backoff,
 			ActiveDeadlineSeconds:   &deadline,
 			TTLSecondsAfterFinished: &ttl,
-			PodFailurePolicy: &batchv1.PodFailurePolicy{Rules: []batchv1.PodFailurePolicyRule{
+			PodFailurePolicy: &batchv1.PodFailurePolicy{Rules: append(rules, []batchv1.PodFailurePolicyRule{
 				// A node drain or preemption is not the build's fault:
 				// retry without counting it against the backoff limit.
 				// First, so that a disrupted Pod is never judged by its
@@ -330,7 +402,7 @@ func Job(spec Spec, cfg Config) (*batchv1.Job, error) {
 						Values:        RetriedExitCodes(),
 					},
 				},
-			}},
+			}...)},
 			Template: corev1.PodTemplateSpec{
 				ObjectMeta: metav1.ObjectMeta{Labels: maps.Clone(labels), Annotations: map[string]string{AnnotationKey: spec.Key}},
 				Spec: corev1.PodSpec{
@@ -353,6 +425,7 @@ func Job(spec Spec, cfg Config) (*batchv1.Job, error) {
 					SecurityContext: &corev1.PodSecurityContext{
 						SeccompProfile: &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeRuntimeDefault},
 					},
+					InitContainers: initContainers,
 					Containers: []corev1.Container{{
 						Name:                     ContainerName,
 						Image:                    cfg.ExecutorImage,
@@ -392,6 +465,8 @@ func Args(spec Spec, cfg Config) ([]string, error) {
 	r := spec.Request
 	var args []string
 	switch {
+	case r.Source.S3 != nil && cfg.FetchImage != "":
+		args = append(args, "--context=dir://"+ContextDir)
 	case r.Source.S3 != nil:
 		args = append(args, "--context=s3://"+r.Source.S3.Bucket+"/"+r.Source.S3.Key)
 	case r.Source.Git != nil:

@@ -44,6 +44,7 @@ func TestJobGolden(t *testing.T) {
 		req  func() *v1.Request
 		cfg  func(c Config) Config
 		dest []string
+		url  string
 	}{
 		{
 			name: "s3-minimal",
@@ -79,6 +80,18 @@ func TestJobGolden(t *testing.T) {
 			dest: []string{"registry.example.com/acme/web:0123456789ab", "registry.example.com/acme/web:v1"},
 		},
 		{
+			// The context through fetch-context: no S3 key and no URL in
+			// the kaniko container.
+			name: "s3-fetch-context",
+			req:  s3Request,
+			cfg: func(c Config) Config {
+				c.FetchImage = "ghcr.io/buildq/buildq@sha256:" + strings.Repeat("f", 64)
+				return c
+			},
+			url:  "http://minio.minio:9000/buildq/contexts/acme/sha256/abc.tar.gz?X-Amz-Signature=sig",
+			dest: []string{"registry.example.com/acme/web:0123456789ab"},
+		},
+		{
 			name: "git",
 			req: func() *v1.Request {
 				r := s3Request()
@@ -96,7 +109,7 @@ func TestJobGolden(t *testing.T) {
 			if c.cfg != nil {
 				cfg = c.cfg(cfg)
 			}
-			job, err := Job(Spec{Request: c.req(), Key: key, Destinations: c.dest}, cfg.Defaults())
+			job, err := Job(Spec{Request: c.req(), Key: key, Destinations: c.dest, ContextURL: c.url}, cfg.Defaults())
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -206,5 +219,46 @@ imagePullSecrets: [ghcr-pull]
 	}
 	if _, err := ParseTemplate([]byte("nodeSelectr: {a: b}\n")); err == nil {
 		t.Error("a misspelt field was accepted")
+	}
+}
+
+func TestFetchContextKeepsKeysOutOfThePod(t *testing.T) {
+	t.Parallel()
+	cfg := baseConfig
+	cfg.S3Secret = "buildq-s3" // configured, and still not used
+	cfg.FetchImage = "ghcr.io/buildq/buildq@sha256:" + strings.Repeat("f", 64)
+	cfg = cfg.Defaults()
+	spec := Spec{Request: s3Request(), Key: strings.Repeat("k", 64), Destinations: []string{"r.example/acme/web:1"}}
+	if _, err := Job(spec, cfg); err == nil || !strings.Contains(err.Error(), "presigned URL") {
+		t.Fatalf("Job without a context URL: %v", err)
+	}
+	spec.ContextURL = "https://s3.example/b/k?X-Amz-Signature=s"
+	job, err := Job(spec, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pod := job.Spec.Template.Spec
+	for _, c := range append(pod.InitContainers, pod.Containers...) {
+		for _, e := range c.Env {
+			if strings.HasPrefix(e.Name, "AWS_") || strings.HasPrefix(e.Name, "S3_") || e.ValueFrom != nil {
+				t.Errorf("container %s has env %s", c.Name, e.Name)
+			}
+		}
+		if len(c.EnvFrom) > 0 {
+			t.Errorf("container %s has envFrom", c.Name)
+		}
+	}
+	for _, a := range pod.Containers[0].Args {
+		if strings.Contains(a, "X-Amz") || strings.HasPrefix(a, "--context=s3://") {
+			t.Errorf("kaniko arg %q", a)
+		}
+	}
+	if len(pod.InitContainers) != 1 {
+		t.Fatalf("init containers %+v", pod.InitContainers)
+	}
+	sc := pod.InitContainers[0].SecurityContext
+	if sc == nil || sc.Capabilities == nil || len(sc.Capabilities.Add) > 0 || len(sc.Capabilities.Drop) != 1 || sc.Capabilities.Drop[0] != "ALL" ||
+		sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation || sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem {
+		t.Errorf("fetch-context security context %+v: want every capability dropped, no escalation, a read-only root", sc)
 	}
 }

@@ -95,6 +95,21 @@ func JobOutcome(job *batchv1.Job, pods []*corev1.Pod) Outcome {
 		}
 	}
 	for _, p := range sorted {
+		// The context never reached kaniko: fetch-context says why.
+		if t := fetchTerminated(p); t != nil && t.ExitCode != 0 {
+			out.LogPod = p.Name
+			out.LogTail = Tail(t.Message, MaxLogTail)
+			switch t.ExitCode {
+			case kaniko.FetchExitMismatch:
+				out.Reason = v1.ReasonContextMismatch
+			case kaniko.FetchExitRefused:
+				out.Reason = v1.ReasonContextMissing
+			}
+			if out.Reason != v1.ReasonBuildFailed {
+				return out
+			}
+			break
+		}
 		t := kanikoTerminated(p)
 		if t == nil || t.ExitCode == 0 {
 			continue
@@ -151,6 +166,15 @@ func ClassifyLog(tail string) string {
 		return v1.ReasonContextMissing
 	}
 	return v1.ReasonBuildFailed
+}
+
+func fetchTerminated(p *corev1.Pod) *corev1.ContainerStateTerminated {
+	for _, cs := range p.Status.InitContainerStatuses {
+		if cs.Name == kaniko.FetchContainerName && cs.State.Terminated != nil {
+			return cs.State.Terminated
+		}
+	}
+	return nil
 }
 
 func kanikoTerminated(p *corev1.Pod) *corev1.ContainerStateTerminated {

@@ -31,6 +31,15 @@ func pod(exit int32, reason, msg string, age time.Duration) *corev1.Pod {
 	return p
 }
 
+func fetchFailed(exit int32, msg string) *corev1.Pod {
+	p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "pfetch", CreationTimestamp: metav1.Now()}}
+	p.Status.InitContainerStatuses = []corev1.ContainerStatus{{Name: kaniko.FetchContainerName,
+		State: corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{ExitCode: exit, Reason: "Error", Message: msg}}}}
+	p.Status.ContainerStatuses = []corev1.ContainerStatus{{Name: kaniko.ContainerName,
+		State: corev1.ContainerState{Waiting: &corev1.ContainerStateWaiting{Reason: "PodInitializing"}}}}
+	return p
+}
+
 func TestJobOutcome(t *testing.T) {
 	t.Parallel()
 	digest := "sha256:" + strings.Repeat("d", 64)
@@ -63,6 +72,12 @@ func TestJobOutcome(t *testing.T) {
 		{name: "a message of usage text only reads pods/log", job: job(cond(batchv1.JobFailed, batchv1.JobReasonPodFailurePolicy)),
 			pods: []*corev1.Pod{pod(1, "Error", "      --verbosity string   Log level\n\nUse \"executor [command] --help\" for more information about a command.\n", 0)},
 			done: true, reason: v1.ReasonBuildFailed, needLogs: true},
+		{name: "fetch-context found other bytes", job: job(cond(batchv1.JobFailed, batchv1.JobReasonPodFailurePolicy)),
+			pods: []*corev1.Pod{fetchFailed(kaniko.FetchExitMismatch, "context mismatch: contexttar: the context's bytes do not match its digest")},
+			done: true, reason: v1.ReasonContextMismatch, tail: "do not match its digest"},
+		{name: "fetch-context found no object", job: job(cond(batchv1.JobFailed, batchv1.JobReasonPodFailurePolicy)),
+			pods: []*corev1.Pod{fetchFailed(kaniko.FetchExitRefused, "context missing: GET http://s3/b/k answered 404 Not Found")},
+			done: true, reason: v1.ReasonContextMissing, tail: "404"},
 		{name: "the newest pod decides", job: job(cond(batchv1.JobFailed, batchv1.JobReasonBackoffLimitExceeded)),
 			pods: []*corev1.Pod{pod(1, "Old", "error pushing image: old attempt", time.Hour), pod(1, "New", "error building image: new attempt", 0)},
 			done: true, reason: v1.ReasonBuildFailed, tail: "new attempt"},

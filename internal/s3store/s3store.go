@@ -20,6 +20,7 @@ import (
 	"net/http"
 	"net/url"
 	"strings"
+	"time"
 
 	"github.com/minio/minio-go/v7"
 	"github.com/minio/minio-go/v7/pkg/credentials"
@@ -500,4 +501,20 @@ func isNotFound(err error) bool {
 		return false
 	}
 	return er.Code == minio.NoSuchKey || er.Code == minio.NoSuchBucket || er.StatusCode == http.StatusNotFound
+}
+
+// PresignGet returns a URL that reads exactly bucket/key, without
+// credentials, for ttl: what a build Pod's init container downloads its
+// context with, so that no S3 key enters the Pod. Signing is local; the
+// server is not contacted. The URL names the Store's endpoint: build a
+// Store with the endpoint the Pods reach.
+func (s *Store) PresignGet(ctx context.Context, bucket, key string, ttl time.Duration) (string, error) {
+	if ttl < time.Second || ttl > 7*24*time.Hour {
+		return "", fmt.Errorf("s3store: presigned URL lifetime %s outside [1s, 7d]", ttl)
+	}
+	u, err := s.client.PresignedGetObject(ctx, bucket, key, ttl, nil)
+	if err != nil {
+		return "", fmt.Errorf("s3store: presign %s/%s: %w", bucket, key, err)
+	}
+	return u.String(), nil
 }

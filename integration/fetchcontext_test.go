@@ -1,0 +1,108 @@
+//go:build integration
+
+package integration
+
+import (
+	"bytes"
+	"context"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/minio/minio-go/v7"
+	"github.com/minio/minio-go/v7/pkg/credentials"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/contexttar"
+	"github.com/buildq/buildq/internal/kaniko"
+)
+
+// fetchImage is what the fetch-context init containers name; the emulated
+// kubelet runs their contract without pulling it.
+const fetchImage = "ghcr.io/buildq/buildq-emulated@sha256:0000000000000000000000000000000000000000000000000000000000000002"
+
+func fetchArgs() []string {
+	return []string{"--fetch-image", fetchImage, "--s3-access-key", shared.minioUser, "--s3-secret-key", shared.minioPassword}
+}
+
+// TestFetchContextKeepsS3KeysOutOfBuildPods: with --fetch-image the Job's
+// build container has no S3 key, no S3 setting and no URL; the init
+// container has a presigned URL for exactly the request's object.
+func TestFetchContextKeepsS3KeysOutOfBuildPods(t *testing.T) {
+	s := newSuite(t, options{workerArgs: append(fetchArgs(), "--keep-jobs", "--s3-secret", "buildq-s3")})
+	s.startWorker("w1")
+	res := s.collect()
+	req := s.submit(contextDir(t, siteFiles), "fetched", 1)[0]
+	r := res.wait(t, 1, 2*time.Minute)[0]
+	if r.Data.Status != v1.StatusSucceeded {
+		t.Fatalf("result %s", mustJSON(r))
+	}
+	job, err := shared.kube.BatchV1().Jobs(s.ns).Get(context.Background(), r.Data.Job, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pod := job.Spec.Template.Spec
+	for _, c := range pod.Containers {
+		for _, e := range c.Env {
+			if strings.HasPrefix(e.Name, "AWS_") || strings.HasPrefix(e.Name, "S3_") || e.ValueFrom != nil {
+				t.Errorf("build container %s has %s", c.Name, e.Name)
+			}
+		}
+		for _, a := range c.Args {
+			if strings.Contains(a, "s3://") || strings.Contains(a, "X-Amz") {
+				t.Errorf("build container %s has arg %s", c.Name, a)
+			}
+		}
+	}
+	if len(pod.InitContainers) != 1 || pod.InitContainers[0].Name != kaniko.FetchContainerName {
+		t.Fatalf("init containers %+v", pod.InitContainers)
+	}
+	var u string
+	for i, a := range pod.InitContainers[0].Args {
+		if a == "--url" && i+1 < len(pod.InitContainers[0].Args) {
+			u = pod.InitContainers[0].Args[i+1]
+		}
+	}
+	parsed, err := url.Parse(u)
+	if err != nil || parsed.Path != "/"+req.Source.S3.Bucket+"/"+req.Source.S3.Key || parsed.Query().Get("X-Amz-Signature") == "" {
+		t.Fatalf("init container URL %q: not a presigned URL of %s/%s", u, req.Source.S3.Bucket, req.Source.S3.Key)
+	}
+}
+
+// TestFetchContextRefusesReplacedBytes: an object replaced after the
+// request named it (a tenant that can write the bucket poisoning another's
+// context) is never built: ContextMismatch, one Pod.
+func TestFetchContextRefusesReplacedBytes(t *testing.T) {
+	s := newSuite(t, options{workerArgs: fetchArgs()})
+	s.startWorker("w1")
+	res := s.collect()
+	req := s.submitWith(contextDir(t, siteFiles), "poisoned", 1, func(r *v1.Request) { replaceContext(t, s, r) })[0]
+	r := res.wait(t, 1, 2*time.Minute)[0]
+	if r.ID != req.RequestID || r.Data.Status != v1.StatusFailed || r.Data.Reason != v1.ReasonContextMismatch {
+		t.Fatalf("result %s, want failed/%s", mustJSON(r), v1.ReasonContextMismatch)
+	}
+	if n := s.kubelet.podsRun(); n != 1 {
+		t.Errorf("%d pods ran, want 1 (a mismatch is not retried)", n)
+	}
+}
+
+// replaceContext overwrites the object r names with another context's
+// bytes, as a party that can write the bucket would, before r is published.
+func replaceContext(t *testing.T, s *suite, r *v1.Request) {
+	t.Helper()
+	ctx := context.Background()
+	var buf bytes.Buffer
+	if _, err := contexttar.Write(ctx, contextDir(t, map[string]string{"Dockerfile": "FROM scratch\nCOPY evil /evil\n", "evil": "x"}), &buf, contexttar.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	u, _ := url.Parse(s.minioEndpoint)
+	mc, err := minio.New(u.Host, &minio.Options{Creds: credentials.NewStaticV4(shared.minioUser, shared.minioPassword, "")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := mc.PutObject(ctx, r.Source.S3.Bucket, r.Source.S3.Key, &buf, int64(buf.Len()), minio.PutObjectOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
