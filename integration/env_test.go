@@ -46,6 +46,10 @@ var shared struct {
 	registryHost string // 127.0.0.1:port, plain HTTP, htpasswd auth
 	registryUser string
 	registryPass string
+	// acmeUser and acmePass are tenant acme's own registry account
+	// (--tenant-registry-secret).
+	acmeUser     string
+	acmePass     string
 	dockerConfig []byte // a docker config.json with the right credentials
 }
 
@@ -208,7 +212,12 @@ func startRegistry(dir string) (func(), error) {
 		return nil, err
 	}
 	htpasswd := filepath.Join(dir, "htpasswd")
-	if err := os.WriteFile(htpasswd, []byte(shared.registryUser+":"+string(hash)+"\n"), 0o600); err != nil {
+	shared.acmeUser, shared.acmePass = "acme-pusher", "acme-password-value"
+	acmeHash, err := bcrypt.GenerateFromPassword([]byte(shared.acmePass), bcrypt.MinCost)
+	if err != nil {
+		return nil, err
+	}
+	if err := os.WriteFile(htpasswd, []byte(shared.registryUser+":"+string(hash)+"\n"+shared.acmeUser+":"+string(acmeHash)+"\n"), 0o600); err != nil {
 		return nil, err
 	}
 	addr := freeAddr()

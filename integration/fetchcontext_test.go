@@ -106,3 +106,52 @@ func replaceContext(t *testing.T, s *suite, r *v1.Request) {
 		t.Fatal(err)
 	}
 }
+
+// TestTenantRegistryCredentials: with --tenant-registry-secret a build Pod
+// mounts its tenant's own Secret (the shared one holds a wrong password
+// here, so using it would fail the push), and a tenant without credentials
+// is refused before anything is created.
+func TestTenantRegistryCredentials(t *testing.T) {
+	s := newSuite(t, options{tenantCreds: true, workerArgs: []string{"--keep-jobs"}})
+	jobs := s.jobsCreated()
+	s.startWorker("w1")
+	res := s.collect()
+	s.submit(contextDir(t, siteFiles), "own-creds", 1)
+	r := res.wait(t, 1, 2*time.Minute)[0]
+	if r.Data.Status != v1.StatusSucceeded {
+		t.Fatalf("result %s", mustJSON(r))
+	}
+	job, err := shared.kube.BatchV1().Jobs(s.ns).Get(context.Background(), r.Data.Job, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mounted []string
+	for _, v := range job.Spec.Template.Spec.Volumes {
+		if v.Secret != nil {
+			mounted = append(mounted, v.Secret.SecretName)
+		}
+	}
+	if len(mounted) != 1 || mounted[0] != "buildq-registry-acme" {
+		t.Fatalf("the build Pod mounts %v, want only buildq-registry-acme", mounted)
+	}
+
+	// Tenant beta has no Secret and no credentials file.
+	ctx := context.Background()
+	up, err := s.store.ForTenant("beta").UploadContext(ctx, contextDir(t, siteFiles), contexttar.Options{}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.pub.Publish(ctx, &v1.Request{Tenant: "beta", Name: "nocreds",
+		Source: v1.Source{S3: &v1.S3Source{Bucket: up.Bucket, Key: up.Key}}, ContextDigest: up.Digest}); err != nil {
+		t.Fatal(err)
+	}
+	got := res.wait(t, 2, time.Minute)
+	r = got[1]
+	if r.Data.Tenant != "beta" || r.Data.Status != v1.StatusFailed || r.Data.Reason != v1.ReasonInvalidRequest ||
+		!strings.Contains(r.Data.Message, `tenant "beta" has no registry credentials`) || !strings.Contains(r.Data.Message, "buildq-registry-beta") {
+		t.Fatalf("result %s", mustJSON(r))
+	}
+	if n := jobs(); n != 1 {
+		t.Errorf("%d jobs, want 1 (none for the tenant without credentials)", n)
+	}
+}

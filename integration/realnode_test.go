@@ -6,6 +6,7 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -50,7 +51,8 @@ func TestRealNode(t *testing.T) {
 FROM $BASE AS builder
 ARG GREETING=unset
 RUN mkdir -p /out && echo "$GREETING" > /out/greeting && chown 1000:1000 /out/greeting && \
-    grep -E '^(CapEff|CapPrm|CapBnd|NoNewPrivs|Seccomp):' /proc/self/status > /out/status-root
+    grep -E '^(CapEff|CapPrm|CapBnd|NoNewPrivs|Seccomp):' /proc/self/status > /out/status-root && \
+    cat /kaniko/.docker/config.json > /out/docker-config
 FROM $BASE
 COPY --from=builder /out/ /opt/out/
 WORKDIR /home/app
@@ -120,6 +122,20 @@ COPY hello.txt /srv/hello.txt
 		for k, v := range map[string]string{"CapEff": "00000000000000cb", "CapPrm": "00000000000000cb", "CapBnd": "00000000000000cb", "NoNewPrivs": "1", "Seccomp": "2"} {
 			if root[k] != v {
 				t.Errorf("RUN as root: %s = %q, want %q (all: %v)", k, root[k], v, root)
+			}
+		}
+		// What a RUN step finds in its docker config: tenant acme's own
+		// account, not the shared one.
+		var dcfg struct {
+			Auths map[string]struct{ Username, Auth string } `json:"auths"`
+		}
+		if err := json.Unmarshal(files["opt/out/docker-config"].body, &dcfg); err != nil || len(dcfg.Auths) == 0 {
+			t.Errorf("docker config in the build: %v\n%s", err, files["opt/out/docker-config"].body)
+		}
+		for host, a := range dcfg.Auths {
+			user, _ := base64.StdEncoding.DecodeString(a.Auth)
+			if a.Username != shared.acmeUser || !strings.HasPrefix(string(user), shared.acmeUser+":") {
+				t.Errorf("the docker config a RUN step reads has %s for %s, want only tenant acme's own account %s", a.Username, host, shared.acmeUser)
 			}
 		}
 		app := procStatus(files["home/app/status-app"].body)

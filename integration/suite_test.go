@@ -80,8 +80,13 @@ type suite struct {
 type options struct {
 	// registryPassword for the Secret the Jobs mount (default: the right one).
 	registryPassword string
-	faults           func(*corev1.Pod) fault
-	workerArgs       []string
+	// tenantCreds gives tenant acme its own registry account: the Jobs
+	// mount Secret buildq-registry-acme (--tenant-registry-secret), the
+	// worker's checks and copies for acme use it, and the shared Secret
+	// buildq-registry holds a wrong password, so any use of it fails.
+	tenantCreds bool
+	faults      func(*corev1.Pod) fault
+	workerArgs  []string
 	// clusterNodes, when set, runs a JetStream cluster of that many
 	// nats-server processes instead of the single server (cluster_test.go).
 	clusterNodes int
@@ -124,6 +129,7 @@ func newSuite(t *testing.T, o options) *suite {
 		registryHost: shared.registryHost, minioEndpoint: shared.minioEndpoint, executorImage: executorImage, node: o.node}
 	if o.node != nil {
 		s.registryHost, s.minioEndpoint, s.executorImage = o.node.registryHost, o.node.minioEndpoint, o.node.images.kaniko
+		o.tenantCreds = true // the production shape
 	}
 	if _, err := shared.kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
@@ -137,12 +143,38 @@ func newSuite(t *testing.T, o options) *suite {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, sec := range []*corev1.Secret{
+	secrets := []*corev1.Secret{
 		{ObjectMeta: metav1.ObjectMeta{Name: "buildq-s3", Namespace: ns}, Type: corev1.SecretTypeOpaque,
 			Data: map[string][]byte{"AWS_ACCESS_KEY_ID": []byte(shared.minioUser), "AWS_SECRET_ACCESS_KEY": []byte(shared.minioPassword)}},
-		{ObjectMeta: metav1.ObjectMeta{Name: "buildq-registry", Namespace: ns}, Type: corev1.SecretTypeDockerConfigJson,
-			Data: map[string][]byte{corev1.DockerConfigJsonKey: jobDockerCfg}},
-	} {
+	}
+	if o.tenantCreds {
+		acmeJob, err := registry.DockerConfigJSON(s.registryHost, shared.acmeUser, map[bool]string{true: o.registryPassword, false: shared.acmePass}[o.registryPassword != ""])
+		if err != nil {
+			t.Fatal(err)
+		}
+		acmeWorker, err := registry.DockerConfigJSON(s.registryHost, shared.acmeUser, shared.acmePass)
+		if err != nil {
+			t.Fatal(err)
+		}
+		wrong, err := registry.DockerConfigJSON(s.registryHost, shared.registryUser, "the-shared-secret-must-not-be-used")
+		if err != nil {
+			t.Fatal(err)
+		}
+		jobDockerCfg = wrong
+		secrets = append(secrets, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "buildq-registry-acme", Namespace: ns}, Type: corev1.SecretTypeDockerConfigJson,
+			Data: map[string][]byte{corev1.DockerConfigJsonKey: acmeJob}})
+		dir := t.TempDir()
+		if err := os.MkdirAll(filepath.Join(dir, "acme"), 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, "acme", "config.json"), acmeWorker, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		o.workerArgs = append([]string{"--tenant-registry-secret", "buildq-registry-{tenant}", "--tenant-registry-configs", dir}, o.workerArgs...)
+	}
+	secrets = append(secrets, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "buildq-registry", Namespace: ns}, Type: corev1.SecretTypeDockerConfigJson,
+		Data: map[string][]byte{corev1.DockerConfigJsonKey: jobDockerCfg}})
+	for _, sec := range secrets {
 		if _, err := shared.kube.CoreV1().Secrets(ns).Create(ctx, sec, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}

@@ -492,17 +492,19 @@ func (w *Worker) releaseClaim(ctx context.Context, claim *Record, rev uint64) {
 // tenant could have pushed anything under that tag. Registry trouble is
 // transient: the request is retried, no Job is created meanwhile.
 func (w *Worker) preflight(ctx context.Context, req *v1.Request, key, repo string, dests []string) (*Record, error) {
-	if w.registry == nil {
-		return nil, nil
+	reg, err := w.tenantRegistry(req.Tenant)
+	if err != nil || reg == nil {
+		return nil, err
 	}
 	// Harbor answers 401, not 404, for a repository of a missing project:
-	// create the project before asking for the tag.
-	if project, ok := w.cfg.Naming.HarborProject(req.Tenant, repo); ok {
+	// create the project before asking for the tag (with the worker's
+	// credentials: a tenant's own cannot create projects).
+	if project, ok := w.cfg.Naming.HarborProject(req.Tenant, repo); ok && w.registry != nil {
 		if err := w.registry.EnsureHarborProject(ctx, w.cfg.Naming.Registry, project); err != nil {
 			return nil, Transient(fmt.Errorf("harbor project %s: %w", project, err))
 		}
 	}
-	digest, err := w.registry.Head(ctx, dests[0])
+	digest, err := reg.Head(ctx, dests[0])
 	switch {
 	case err == nil:
 		now := w.cfg.Now().UTC()

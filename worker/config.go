@@ -50,6 +50,12 @@ type Config struct {
 	// Registry checks and tags images (nil: the index is trusted as is and
 	// requests for other repositories than the build's fail).
 	Registry Registry
+	// RegistryFor, when set, gives the registry client of a tenant's own
+	// credentials: the preflight and the copies into the tenant's
+	// repositories use it (reading another tenant's image for a copy still
+	// goes through Registry). An error refuses the tenant's requests as
+	// InvalidRequest before anything is created.
+	RegistryFor func(tenant string) (Registry, error)
 	// QueueTTL bounds how long a request may wait in the queue: a request
 	// first taken more than QueueTTL after the server stored it gets a
 	// failed result with reason Expired and is terminated without a build.

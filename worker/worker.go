@@ -641,6 +641,9 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 		// (no claim, no Job, no copy, no Harbor project).
 		err = w.cfg.Naming.CheckDestination(req.Tenant, repo)
 	}
+	if err == nil && w.cfg.RegistryFor != nil {
+		_, err = w.cfg.RegistryFor(req.Tenant)
+	}
 	if err != nil {
 		v.data.Status, v.data.Reason, v.data.Message = v1.StatusFailed, v1.ReasonInvalidRequest, err.Error()
 		v.term = true
@@ -671,7 +674,7 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 		v.data.Timings.BuildMs = max(rec.FinishedAt.Sub(rec.StartedAt).Milliseconds(), 0)
 	}
 	if rec.State == StateSucceeded {
-		if err := w.ensureTags(ctx, rec, dests); err != nil {
+		if err := w.ensureTags(ctx, req.Tenant, rec, dests); err != nil {
 			return v, le, err
 		}
 		v.data.Status = v1.StatusSucceeded
@@ -757,16 +760,20 @@ func (w *Worker) invalidEntry(ctx context.Context, msg jetstream.Msg, req *v1.Re
 // ensureTags makes every destination of a request point at the built
 // image: a request for a known key but another repository or tag gets the
 // image copied or tagged there, not rebuilt.
-func (w *Worker) ensureTags(ctx context.Context, rec *Record, dests []string) error {
+func (w *Worker) ensureTags(ctx context.Context, tenant string, rec *Record, dests []string) error {
+	reg, err := w.tenantRegistry(tenant)
+	if err != nil {
+		return err
+	}
 	for _, d := range dests {
 		if slices.Contains(rec.Pushed, d) || d == rec.Image {
 			continue
 		}
-		if w.registry == nil {
+		if reg == nil {
 			return fmt.Errorf("cannot tag %s: the worker has no registry client", d)
 		}
 		src := rec.Repository + "@" + rec.Digest
-		if _, err := w.registry.Copy(ctx, src, d); err != nil {
+		if _, err := reg.Copy(ctx, src, d); err != nil {
 			return Transient(fmt.Errorf("copy %s to %s: %w", src, d, err))
 		}
 	}
@@ -866,4 +873,19 @@ func (w *Worker) event(tenant, name string, e v1.Event) {
 		return
 	}
 	_ = w.nc.Publish(v1.EventSubject(tenant, name), b)
+}
+
+// tenantRegistry is the registry client for a tenant's own repositories:
+// its own credentials (Config.RegistryFor) or the worker's.
+func (w *Worker) tenantRegistry(tenant string) (Registry, error) {
+	if w.cfg.RegistryFor == nil {
+		return w.registry, nil
+	}
+	reg, err := w.cfg.RegistryFor(tenant)
+	if err != nil {
+		// Checked before the request claimed anything; gone since (a
+		// Secret removed): try again later.
+		return nil, Transient(err)
+	}
+	return reg, nil
 }

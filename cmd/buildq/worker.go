@@ -7,6 +7,8 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
@@ -54,6 +56,9 @@ type workerFlags struct {
 	kubeconfig     string
 	registryConfig string
 	jobTemplate    string
+	// tenantRegistryConfigs holds <tenant>/config.json, each tenant's own
+	// registry credentials (--tenant-registry-secret's Secrets, mounted).
+	tenantRegistryConfigs string
 	// s3AccessKey and s3SecretKey sign the fetch-context URLs.
 	s3AccessKey string
 	s3SecretKey string
@@ -83,6 +88,7 @@ func (f *workerFlags) register(cmd *cobra.Command) {
 
 	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "kubeconfig file (default: in-cluster, then $KUBECONFIG and ~/.kube/config)")
 	fs.StringVar(&f.jobTemplate, "job-template", "", jobTemplateHelp)
+	fs.StringVar(&f.tenantRegistryConfigs, "tenant-registry-configs", "", "with --tenant-registry-secret: directory holding <tenant>/config.json, each tenant's Secret mounted; the worker's checks and copies for a tenant's request use those credentials")
 	fs.StringVar(&f.s3AccessKey, "s3-access-key", "", "with --fetch-image: S3 access key that signs the context URLs (also AWS_ACCESS_KEY_ID); only the worker holds it")
 	fs.StringVar(&f.s3SecretKey, "s3-secret-key", "", "with --fetch-image: S3 secret key (also AWS_SECRET_ACCESS_KEY)")
 	fs.StringVar(&f.registryConfig, "registry-config", "", "docker config.json the worker checks and tags images with: the same credentials as --registry-secret (mount that Secret); empty: anonymous")
@@ -160,7 +166,8 @@ func registerKaniko(fs *pflag.FlagSet, kc *kaniko.Config, np *naming.Policy) {
 	fs.StringVar(&kc.FetchImage, "fetch-image", "", "buildq image, pinned by digest, whose fetch-context init container downloads each S3 context through a presigned URL and checks its digest: the build container holds no S3 key")
 	fs.StringVar(&kc.S3AccessKeyField, "s3-access-key-field", "AWS_ACCESS_KEY_ID", "key of the access key in --s3-secret")
 	fs.StringVar(&kc.S3SecretKeyField, "s3-secret-key-field", "AWS_SECRET_ACCESS_KEY", "key of the secret key in --s3-secret")
-	fs.StringVar(&kc.RegistrySecret, "registry-secret", "", "kubernetes.io/dockerconfigjson Secret mounted as kaniko's docker config")
+	fs.StringVar(&kc.RegistrySecret, "registry-secret", "", "kubernetes.io/dockerconfigjson Secret mounted as kaniko's docker config, shared by every tenant (see --tenant-registry-secret)")
+	fs.StringVar(&kc.TenantRegistrySecret, "tenant-registry-secret", "", "each tenant's own kubernetes.io/dockerconfigjson Secret, {tenant} standing for the tenant (buildq-registry-{tenant}): a build Pod holds only its tenant's push rights; replaces --registry-secret")
 	fs.StringSliceVar(&kc.InsecureRegistries, "insecure-registry", nil, "registries kaniko pushes to over plain HTTP (development only)")
 	fs.DurationVar(&kc.DefaultTimeout, "default-timeout", 30*time.Minute, "build timeout of requests without one")
 	fs.DurationVar(&kc.MaxTimeout, "max-timeout", 2*time.Hour, "cap on any request's build timeout")
@@ -256,6 +263,15 @@ func runWorker(ctx context.Context, f *workerFlags) error {
 		return usageErr("%v", err)
 	}
 	cfg.Registry = reg
+	if (f.kaniko.TenantRegistrySecret == "") != (f.tenantRegistryConfigs == "") {
+		return usageErr("--tenant-registry-secret and --tenant-registry-configs go together: the build Pods and the worker's own registry calls use the same per-tenant credentials")
+	}
+	if f.kaniko.TenantRegistrySecret != "" {
+		if !strings.Contains(f.kaniko.TenantRegistrySecret, "{tenant}") {
+			return usageErr("--tenant-registry-secret %q must contain {tenant}", f.kaniko.TenantRegistrySecret)
+		}
+		cfg.RegistryFor = tenantRegistries(reg, f.tenantRegistryConfigs, f.kaniko)
+	}
 	var presign worker.Presigner
 	if f.kaniko.FetchImage != "" {
 		if err := checkImageDigest("--fetch-image", f.kaniko.FetchImage); err != nil {
@@ -377,4 +393,37 @@ func restConfig(kubeconfig string) (*rest.Config, error) {
 		return nil, errors.New("no cluster configured: pass --kubeconfig, set KUBECONFIG, or run the worker in a cluster")
 	}
 	return rc, err
+}
+
+// tenantRegistries gives a tenant's registry client: its own credentials
+// from dir/<tenant>/config.json for everything written into its
+// repositories, the worker's (shared) for reading the source of a copy.
+func tenantRegistries(shared *registry.Client, dir string, kc kaniko.Config) func(string) (worker.Registry, error) {
+	return func(tenant string) (worker.Registry, error) {
+		p := filepath.Join(dir, tenant, "config.json")
+		if _, err := os.Stat(p); err != nil {
+			return nil, fmt.Errorf("tenant %q has no registry credentials: %s is missing (create the Secret %s in the build namespace and mount it there)", tenant, p, kc.RegistrySecretFor(tenant))
+		}
+		own, err := registry.New(registry.Options{DockerConfig: p, Insecure: kc.InsecureRegistries})
+		if err != nil {
+			return nil, fmt.Errorf("tenant %q registry credentials: %w", tenant, err)
+		}
+		return tenantRegistry{shared: shared, own: own}, nil
+	}
+}
+
+// tenantRegistry is worker.Registry for one tenant's requests.
+type tenantRegistry struct{ shared, own *registry.Client }
+
+func (t tenantRegistry) Head(ctx context.Context, ref string) (string, error) {
+	return t.own.Head(ctx, ref)
+}
+
+func (t tenantRegistry) Copy(ctx context.Context, src, dst string) (string, error) {
+	return t.shared.CopyTo(ctx, src, dst, t.own)
+}
+
+// EnsureHarborProject needs an administrator: the worker's credentials.
+func (t tenantRegistry) EnsureHarborProject(ctx context.Context, reg, project string) error {
+	return t.shared.EnsureHarborProject(ctx, reg, project)
 }

@@ -86,6 +86,11 @@ type Config struct {
 	// RegistrySecret names a kubernetes.io/dockerconfigjson Secret mounted
 	// as kaniko's docker config. Empty: anonymous push.
 	RegistrySecret string
+	// TenantRegistrySecret, when set, names each tenant's own push Secret
+	// instead, "{tenant}" standing for the request's tenant (for example
+	// "buildq-registry-{tenant}"): a build Pod holds only its tenant's
+	// registry rights.
+	TenantRegistrySecret string
 	// InsecureRegistries are pushed to over plain HTTP (kaniko
 	// --insecure-registry); for development registries only.
 	InsecureRegistries []string
@@ -319,11 +324,11 @@ func Job(spec Spec, cfg Config) (*batchv1.Job, error) {
 			},
 		})
 	}
-	if cfg.RegistrySecret != "" {
+	if secret := cfg.RegistrySecretFor(r.Tenant); secret != "" {
 		volumes = append(volumes, corev1.Volume{
 			Name: "docker-config",
 			VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{
-				SecretName: cfg.RegistrySecret,
+				SecretName: secret,
 				Items:      []corev1.KeyToPath{{Key: corev1.DockerConfigJsonKey, Path: "config.json"}},
 			}},
 		})
@@ -452,6 +457,15 @@ func Job(spec Spec, cfg Config) (*batchv1.Job, error) {
 		},
 	}
 	return job, nil
+}
+
+// RegistrySecretFor is the registry Secret a build Pod of tenant mounts:
+// the tenant's own (TenantRegistrySecret) or the shared RegistrySecret.
+func (c Config) RegistrySecretFor(tenant string) string {
+	if c.TenantRegistrySecret != "" {
+		return strings.ReplaceAll(c.TenantRegistrySecret, "{tenant}", tenant)
+	}
+	return c.RegistrySecret
 }
 
 // RetriedExitCodes are the kaniko container's exit codes the Job retries

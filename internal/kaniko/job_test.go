@@ -262,3 +262,26 @@ func TestFetchContextKeepsKeysOutOfThePod(t *testing.T) {
 		t.Errorf("fetch-context security context %+v: want every capability dropped, no escalation, a read-only root", sc)
 	}
 }
+
+func TestTenantRegistrySecret(t *testing.T) {
+	t.Parallel()
+	cfg := baseConfig
+	cfg.RegistrySecret = "buildq-registry"
+	cfg.TenantRegistrySecret = "buildq-registry-{tenant}"
+	job, err := Job(Spec{Request: s3Request(), Key: strings.Repeat("k", 64), Destinations: []string{"r.example/acme/web:1"}}, cfg.Defaults())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var secrets []string
+	for _, v := range job.Spec.Template.Spec.Volumes {
+		if v.Secret != nil {
+			secrets = append(secrets, v.Secret.SecretName)
+		}
+	}
+	if want := "buildq-registry-" + s3Request().Tenant; len(secrets) != 1 || secrets[0] != want {
+		t.Fatalf("the build Pod mounts %v, want only %s", secrets, want)
+	}
+	if got := (Config{RegistrySecret: "shared"}).RegistrySecretFor("acme"); got != "shared" {
+		t.Errorf("without a tenant pattern: %q", got)
+	}
+}

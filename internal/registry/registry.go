@@ -183,19 +183,28 @@ func (c *Client) Head(ctx context.Context, ref string) (string, error) {
 // mounted when the registry is the same). The manifest bytes are copied
 // as they are, so the digest is preserved exactly.
 func (c *Client) Copy(ctx context.Context, src, dst string) (string, error) {
+	return c.CopyTo(ctx, src, dst, c)
+}
+
+// CopyTo is Copy reading src with c's credentials and writing dst with
+// writer's: the worker reads any tenant's image with its own and writes
+// into a tenant's repository with that tenant's. Blobs are read through
+// c as they are written (a cross-repository mount needs writer to read
+// src, and falls back to an upload when it cannot).
+func (c *Client) CopyTo(ctx context.Context, src, dst string, writer *Client) (string, error) {
 	s, err := c.ParseReference(src)
 	if err != nil {
 		return "", err
 	}
-	d, err := c.parseTag(dst)
+	d, err := writer.parseTag(dst)
 	if err != nil {
 		return "", err
 	}
-	opts := c.RemoteOptions(ctx)
-	desc, err := remote.Get(s, opts...)
+	desc, err := remote.Get(s, c.RemoteOptions(ctx)...)
 	if err != nil {
 		return "", wrapErr("copy: get", src, err)
 	}
+	opts := writer.RemoteOptions(ctx)
 	switch {
 	case s.Context().Name() == d.Context().Name():
 		err = remote.Tag(d, desc, opts...)

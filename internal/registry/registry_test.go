@@ -649,3 +649,52 @@ func TestOptions(t *testing.T) {
 		}
 	})
 }
+
+// TestCopyToWritesWithTheTenantsCredentials: a registry where "worker"
+// reads everything and "acme" may touch only acme/. CopyTo reads another
+// tenant's image as the worker and writes it into acme/ as acme; acme's
+// credentials alone cannot read the source, and cannot write elsewhere.
+func TestCopyToWritesWithTheTenantsCredentials(t *testing.T) {
+	t.Parallel()
+	mem := memRegistry()
+	host := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		user, pass, ok := r.BasicAuth()
+		switch {
+		case r.URL.Path == "/v2/":
+		case !ok:
+			w.Header().Set("WWW-Authenticate", `Basic realm="test"`)
+			w.WriteHeader(http.StatusUnauthorized)
+			return
+		case user == "worker" && pass == "w" && (r.Method == http.MethodGet || r.Method == http.MethodHead):
+		case user == "acme" && pass == "a" && strings.HasPrefix(r.URL.Path, "/v2/acme/"):
+		case user == "seed" && pass == "s":
+		default:
+			w.WriteHeader(http.StatusForbidden)
+			return
+		}
+		mem.ServeHTTP(w, r)
+	}))
+	ctx := context.Background()
+	img := randomImage(t)
+	seeder := newClient(t, Options{Insecure: []string{host}, DockerConfig: writeDockerConfig(t, host, "seed", "s")})
+	if _, err := seeder.Push(ctx, img, []string{host + "/other/app:v1"}); err != nil {
+		t.Fatal(err)
+	}
+	want := digestOf(t, img)
+	worker := newClient(t, Options{Insecure: []string{host}, DockerConfig: writeDockerConfig(t, host, "worker", "w")})
+	acme := newClient(t, Options{Insecure: []string{host}, DockerConfig: writeDockerConfig(t, host, "acme", "a")})
+
+	got, err := worker.CopyTo(ctx, host+"/other/app@"+want, host+"/acme/app:v1", acme)
+	if err != nil || got != want {
+		t.Fatalf("CopyTo = %s, %v; want %s", got, err, want)
+	}
+	if d := mustHead(t, seeder, host+"/acme/app:v1"); d != want {
+		t.Fatalf("acme/app:v1 is %s, want %s", d, want)
+	}
+	if _, err := acme.Copy(ctx, host+"/other/app@"+want, host+"/acme/app:v2"); err == nil {
+		t.Fatal("acme's own credentials read another tenant's image")
+	}
+	if _, err := worker.CopyTo(ctx, host+"/other/app@"+want, host+"/other/app:v2", acme); err == nil {
+		t.Fatal("acme's credentials wrote into another tenant's repository")
+	}
+}
