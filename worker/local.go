@@ -39,6 +39,9 @@ type LocalBackend struct {
 	pusher     ImagePusher
 	workDir    string
 	maxContext int64
+	// registries, when not empty, are the only ones base images may come
+	// from (WithAllowedRegistries).
+	registries []string
 
 	mu      sync.Mutex
 	running map[string]*localRun
@@ -208,6 +211,8 @@ func (l *LocalBackend) build(ctx context.Context, b Build) (Outcome, error) {
 		Platform:   platform,
 		Labels:     req.Labels,
 		Remote:     l.pusher.RemoteOptions(ctx),
+
+		AllowedRegistries: l.registries,
 	})
 	if err != nil {
 		if ctx.Err() != nil {
@@ -239,4 +244,11 @@ func (l *LocalBackend) Cleanup(_ context.Context, key, run string) error {
 		r.cancel()
 	}
 	return nil
+}
+
+// WithAllowedRegistries confines base-image pulls (FROM, COPY --from) to
+// these registries (host[:port]); empty: any.
+func (l *LocalBackend) WithAllowedRegistries(hosts []string) *LocalBackend {
+	l.registries = hosts
+	return l
 }

@@ -224,7 +224,7 @@ func runDev(ctx context.Context, stderr io.Writer, f *devFlags) error {
 		if err := os.MkdirAll(work, 0o755); err != nil {
 			return failed(err)
 		}
-		backend = worker.NewLocalBackend(store, reg, work, contexttar.DefaultMaxBytes)
+		backend = worker.NewLocalBackend(store, reg, work, contexttar.DefaultMaxBytes).WithAllowedRegistries(f.namingPol.Registries)
 	}
 
 	np := f.namingPol

@@ -183,6 +183,7 @@ func registerKaniko(fs *pflag.FlagSet, kc *kaniko.Config, np *naming.Policy) {
 	fs.StringVar(&np.Project, "naming-project", "", "project mode: one fixed project for every tenant; images go to {registry}/{project}/{tenant}/{name}")
 	fs.StringVar(&np.Prefix, "naming-prefix", "", "flat mode: prefix before the tenant")
 	fs.BoolVar(&np.Harbor, "harbor", false, "the registry is Harbor: create each project (the tenant, or --naming-project) on demand")
+	fs.StringSliceVar(&np.Registries, "allowed-registry", nil, "the only registries (host[:port]) a request may make the worker contact: destinations, and base images of the local executor (buildq dev); others are InvalidRequest (default: any a destination pattern allows)")
 	fs.StringSliceVar(&np.Allowed, "allowed-destination", nil, "repositories a tenant may push to, as patterns with {registry}, {tenant} and {project}; * matches within a path segment, ** across (default: {registry}/{tenant}/** in project mode, {registry}/{project}/{tenant}/** with --naming-project, {registry}/{prefix}{tenant}_* in flat mode)")
 
 }

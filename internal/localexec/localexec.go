@@ -46,6 +46,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -98,6 +99,10 @@ type Options struct {
 	// (auth, transport, context). The build's own context and platform are
 	// appended after these options, so they take precedence.
 	Remote []remote.Option
+	// AllowedRegistries, when not empty, are the only registries
+	// (host[:port]) base images may come from; a FROM or COPY --from of
+	// any other is a build error, and nothing is sent to it.
+	AllowedRegistries []string
 }
 
 // ErrRunNotSupported is returned (wrapped in *BuildError) when the Dockerfile
@@ -352,6 +357,15 @@ func (b *builder) pull(ref string, plat v1.Platform, line int) (v1.Image, error)
 	r, err := name.ParseReference(ref)
 	if err != nil {
 		return nil, userErrorf(line, "invalid image reference %q: %v", ref, err)
+	}
+	if host := r.Context().RegistryStr(); len(b.opts.AllowedRegistries) > 0 && !slices.ContainsFunc(b.opts.AllowedRegistries, func(a string) bool {
+		// "docker.io" and "index.docker.io" are one registry.
+		if reg, err := name.NewRegistry(a); err == nil {
+			a = reg.RegistryStr()
+		}
+		return strings.EqualFold(a, host)
+	}) {
+		return nil, userErrorf(line, "base image %s: registry %s is not one this builder may pull from (allowed: %s)", ref, host, strings.Join(b.opts.AllowedRegistries, ", "))
 	}
 	opts := make([]remote.Option, 0, len(b.opts.Remote)+2)
 	opts = append(opts, b.opts.Remote...)

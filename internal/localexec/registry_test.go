@@ -443,3 +443,43 @@ func TestRegistryPlatformAndErrors(t *testing.T) {
 		})
 	}
 }
+
+// TestAllowedRegistries: a FROM or COPY --from of a registry that is not
+// allowed is a build error naming it, and nothing is sent anywhere.
+func TestAllowedRegistries(t *testing.T) {
+	t.Parallel()
+	reg := startRegistry(t)
+	for name, c := range map[string]struct{ dockerfile, refused string }{
+		"FROM":        {"FROM 169.254.169.254/latest/meta-data:v1\n", "169.254.169.254"},
+		"COPY --from": {"FROM scratch\nCOPY --from=10.0.0.5:5000/x/y:1 /a /a\n", "10.0.0.5:5000"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			transport := &countingTransport{}
+			_, err := tryBuild(t, Options{ContextDir: writeContext(t, c.dockerfile, nil), AllowedRegistries: []string{"registry.example.com", reg.host},
+				Remote: []remote.Option{remote.WithTransport(transport)}})
+			var be *BuildError
+			if !errors.As(err, &be) || !strings.Contains(err.Error(), "registry "+c.refused+" is not one this builder may pull from (allowed: registry.example.com, "+reg.host+")") {
+				t.Fatalf("Build: %v, want a build error naming the refused registry", err)
+			}
+			if n := transport.n.Load(); n != 0 {
+				t.Errorf("%d requests went out", n)
+			}
+		})
+	}
+	// docker.io names Docker Hub as FROM alpine does (index.docker.io): the
+	// refusal is of the other registry, not of a spelling.
+	_, err := tryBuild(t, Options{ContextDir: writeContext(t, "FROM alpine:3\n", nil), AllowedRegistries: []string{"docker.io"},
+		Remote: []remote.Option{remote.WithTransport(roundTripFunc(func(*http.Request) (*http.Response, error) {
+			return nil, errors.New("offline")
+		}))}})
+	if err == nil || strings.Contains(err.Error(), "is not one this builder may pull from") {
+		t.Fatalf("FROM alpine with docker.io allowed: %v, want a pull attempt", err)
+	}
+	// The allowed one is used as before.
+	build(t, Options{ContextDir: writeContext(t, "FROM "+reg.host+"/tools:1\n", nil), AllowedRegistries: []string{reg.host}})
+}
+
+type roundTripFunc func(*http.Request) (*http.Response, error)
+
+func (f roundTripFunc) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }

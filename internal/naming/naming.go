@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
+	"slices"
 	"strings"
 
 	"github.com/google/go-containerregistry/pkg/name"
@@ -45,6 +46,11 @@ type Policy struct {
 	// {registry}, {tenant} and {project}; "*" matches within one path
 	// segment, "**" across segments.
 	Allowed []string
+	// Registries, when not empty, are the only registries (host[:port])
+	// the worker contacts for a request: a destination elsewhere is
+	// refused whatever the patterns say, and so is a base image elsewhere
+	// in the local executor.
+	Registries []string
 }
 
 // AllowedPatterns are the patterns every destination repository of a
@@ -74,6 +80,12 @@ var ErrDestinationNotAllowed = errors.New("destination not allowed")
 
 // CheckDestination reports whether tenant may push to repo.
 func (p Policy) CheckDestination(tenant, repo string) error {
+	if len(p.Registries) > 0 {
+		host, _, _ := strings.Cut(repo, "/")
+		if !slices.ContainsFunc(p.Registries, func(r string) bool { return strings.EqualFold(r, host) }) {
+			return fmt.Errorf("%w: registry %s is not one this worker contacts (--allowed-registry: %s)", ErrDestinationNotAllowed, host, strings.Join(p.Registries, ", "))
+		}
+	}
 	pats := p.AllowedPatterns()
 	var shown []string
 	for _, pat := range pats {

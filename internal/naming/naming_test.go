@@ -103,6 +103,8 @@ func TestCheckDestination(t *testing.T) {
 		{"explicit patterns", Policy{Registry: "r.example.com", Allowed: []string{"{registry}/shared/{tenant}-*", "cache.example.com/**"}}, "acme", "cache.example.com/x/y", true},
 		{"explicit patterns replace the default", Policy{Registry: "r.example.com", Allowed: []string{"{registry}/shared/{tenant}-*"}}, "acme", "r.example.com/acme/web", false},
 		{"a dot in a pattern is literal", Policy{Allowed: []string{"r.example.com/{tenant}/*"}}, "acme", "rxexample.com/acme/web", false},
+		{"a pattern's registry outside the allowed registries", Policy{Registry: "r.example.com", Registries: []string{"r.example.com"}, Allowed: []string{"{registry}/{tenant}/**", "10.0.0.5:5000/**"}}, "acme", "10.0.0.5:5000/acme/web", false},
+		{"an allowed registry", Policy{Registry: "r.example.com", Registries: []string{"R.example.com"}}, "acme", "r.example.com/acme/web", true},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

@@ -155,3 +155,21 @@ func TestTenantRegistryCredentials(t *testing.T) {
 		t.Errorf("%d jobs, want 1 (none for the tenant without credentials)", n)
 	}
 }
+
+// TestAllowedRegistryRefusesOthers: a worker told which registries it may
+// contact refuses a request for any other before contacting it.
+func TestAllowedRegistryRefusesOthers(t *testing.T) {
+	s := newSuite(t, options{workerArgs: []string{"--allowed-registry", "registry.example.com"}})
+	jobs := s.jobsCreated()
+	s.startWorker("w1")
+	res := s.collect()
+	s.submit(contextDir(t, siteFiles), "elsewhere", 1)
+	r := res.wait(t, 1, time.Minute)[0]
+	if r.Data.Status != v1.StatusFailed || r.Data.Reason != v1.ReasonInvalidRequest ||
+		!strings.Contains(r.Data.Message, "registry "+s.registryHost+" is not one this worker contacts (--allowed-registry: registry.example.com)") {
+		t.Fatalf("result %s", mustJSON(r))
+	}
+	if n := jobs(); n != 0 {
+		t.Errorf("%d jobs", n)
+	}
+}
