@@ -203,8 +203,15 @@ func (l *LocalBackend) build(ctx context.Context, b Build) (Outcome, error) {
 	if len(req.Platforms) == 1 {
 		platform = req.Platforms[0]
 	}
+	// The new layers go to disk, not memory, until pushed.
+	layers, err := os.MkdirTemp(l.workDir, "buildq-layers-")
+	if err != nil {
+		return Outcome{}, fmt.Errorf("layer work dir: %w", err)
+	}
+	defer os.RemoveAll(layers)
 	img, err := localexec.Build(ctx, localexec.Options{
 		ContextDir: dir,
+		LayerDir:   layers,
 		Dockerfile: req.DockerfileOrDefault(),
 		BuildArgs:  req.BuildArgs,
 		Target:     req.Target,

@@ -127,6 +127,9 @@ func (op *copyOp) untar(src string, n *node, kind int, dstDir string) error {
 			continue // the root itself, and overlay whiteouts that mean nothing here
 		}
 		target := joinPath(dstDir, name)
+		if err := op.b.addEntry(target); err != nil {
+			return err
+		}
 		if err := op.archiveParents(src, dstDir, name); err != nil {
 			return err
 		}

@@ -156,7 +156,7 @@ func (b *builder) dispatchCopy(s *stageState, c copyParams) error {
 		}
 	}
 
-	l, err := op.layer.build(b.ctx, s.layerType)
+	l, err := op.layer.build(b, s.layerType)
 	if err != nil {
 		return err
 	}

@@ -474,6 +474,9 @@ func (b *builder) snapshot(img v1.Image, withContent bool) (*imageFS, error) {
 		if p == "" {
 			continue
 		}
+		if err := b.addEntry(p); err != nil {
+			return nil, err
+		}
 		n := nodeFromHeader(hdr)
 		switch hdr.Typeflag {
 		case tar.TypeReg, tar.TypeRegA: //nolint:staticcheck // old archives still use TypeRegA
@@ -555,12 +558,16 @@ func nodeFromHeader(hdr *tar.Header) *node {
 // is assembled.
 type spool struct {
 	dir string
+	b   *builder // its limits and counters
 	f   *os.File
 	off int64
 }
 
 // write stores exactly size bytes from r and returns an opener for them.
 func (s *spool) write(r io.Reader, size int64) (func() (io.ReadCloser, error), error) {
+	if err := s.b.addSpooled(size); err != nil {
+		return nil, err
+	}
 	if s.f == nil {
 		f, err := os.CreateTemp(s.dir, "spool-")
 		if err != nil {
@@ -584,4 +591,32 @@ func (s *spool) close() {
 	if s.f != nil {
 		s.f.Close()
 	}
+}
+
+// addSpooled counts n more bytes held on disk against the spool limit.
+func (b *builder) addSpooled(n int64) error {
+	b.spooled += n
+	if b.spooled > b.limits.SpoolBytes {
+		return limitErrorf("more than %d bytes of file content held on disk", b.limits.SpoolBytes)
+	}
+	return nil
+}
+
+// addEntry counts one more filesystem entry and checks its depth.
+func (b *builder) addEntry(p string) error {
+	b.entries++
+	if b.entries > b.limits.Entries {
+		return limitErrorf("more than %d filesystem entries in base images and archives", b.limits.Entries)
+	}
+	if d := strings.Count(p, "/") + 1; d > b.limits.Depth {
+		return limitErrorf("path /%s is %d directories deep, more than %d", truncatePath(p), d, b.limits.Depth)
+	}
+	return nil
+}
+
+func truncatePath(p string) string {
+	if len(p) > 120 {
+		return p[:60] + "…" + p[len(p)-60:]
+	}
+	return p
 }

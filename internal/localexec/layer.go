@@ -4,10 +4,10 @@ import (
 	"archive/tar"
 	"bytes"
 	"compress/gzip"
-	"context"
 	"fmt"
 	"io"
 	"maps"
+	"os"
 	"sort"
 	"strings"
 
@@ -39,20 +39,36 @@ func (l *layerBuilder) put(p string, n *node) {
 	l.entries[p] = n
 }
 
-// build writes the layer as a gzip-compressed tar, held in memory so the
-// returned image stays valid after Build's temp files are gone. Everything
-// that could vary between runs is pinned: entries are sorted (a parent
-// always precedes its children), times are the epoch, owners are numeric
-// with no user or group names, and gzip writes no name or time.
-func (l *layerBuilder) build(ctx context.Context, mt types.MediaType) (v1.Layer, error) {
+// build writes the layer as a gzip-compressed tar: to a file in
+// Options.LayerDir, or else to memory, so the returned image stays valid
+// after Build's temp files are gone. Its bytes count against the spool
+// limit. Everything that could vary between runs is pinned: entries are
+// sorted (a parent always precedes its children), times are the epoch,
+// owners are numeric with no user or group names, and gzip writes no name
+// or time.
+func (l *layerBuilder) build(b *builder, mt types.MediaType) (v1.Layer, error) {
+	ctx := b.ctx
 	keys := make([]string, 0, len(l.entries))
 	for k := range l.entries {
 		keys = append(keys, k)
 	}
 	sort.Strings(keys)
 
+	var out io.Writer
 	var buf bytes.Buffer
-	gz, err := gzip.NewWriterLevel(&buf, gzip.DefaultCompression)
+	var file *os.File
+	if b.opts.LayerDir != "" {
+		f, err := os.CreateTemp(b.opts.LayerDir, "layer-*.tar.gz")
+		if err != nil {
+			return nil, fmt.Errorf("localexec: %w", err)
+		}
+		defer f.Close()
+		file, out = f, f
+	} else {
+		out = &buf
+	}
+	counted := &budgetWriter{w: out, b: b}
+	gz, err := gzip.NewWriterLevel(counted, gzip.DefaultCompression)
 	if err != nil {
 		return nil, err
 	}
@@ -106,8 +122,25 @@ func (l *layerBuilder) build(ctx context.Context, mt types.MediaType) (v1.Layer,
 	if err := gz.Close(); err != nil {
 		return nil, err
 	}
+	if file != nil {
+		name := file.Name()
+		return tarball.LayerFromOpener(func() (io.ReadCloser, error) { return os.Open(name) }, tarball.WithMediaType(mt))
+	}
 	data := buf.Bytes()
 	return tarball.LayerFromOpener(func() (io.ReadCloser, error) {
 		return io.NopCloser(bytes.NewReader(data)), nil
 	}, tarball.WithMediaType(mt))
+}
+
+// budgetWriter counts the bytes of a new layer against the spool limit.
+type budgetWriter struct {
+	w io.Writer
+	b *builder
+}
+
+func (w *budgetWriter) Write(p []byte) (int, error) {
+	if err := w.b.addSpooled(int64(len(p))); err != nil {
+		return 0, err
+	}
+	return w.w.Write(p)
 }

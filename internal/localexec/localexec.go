@@ -99,10 +99,59 @@ type Options struct {
 	// (auth, transport, context). The build's own context and platform are
 	// appended after these options, so they take precedence.
 	Remote []remote.Option
+	// LayerDir, when set, is where the new layers are written (gzip tar
+	// files) instead of memory; the returned image reads them from there,
+	// so the caller removes LayerDir only after pushing it.
+	LayerDir string
+	// Limits bound what one build may take; zero fields take the defaults
+	// (DefaultLimits).
+	Limits Limits
 	// AllowedRegistries, when not empty, are the only registries
 	// (host[:port]) base images may come from; a FROM or COPY --from of
 	// any other is a build error, and nothing is sent to it.
 	AllowedRegistries []string
+}
+
+// Limits bound one build of the local executor, which runs inside the
+// worker: a hostile Dockerfile or base image must not exhaust its disk or
+// memory. Exceeding one is a BuildError that names the limit.
+type Limits struct {
+	// SpoolBytes caps the file content held on disk while building (files
+	// of base images copied from, archives ADDed, and the new layers).
+	SpoolBytes int64
+	// BaseImageBytes caps the compressed size of all base images pulled.
+	BaseImageBytes int64
+	// Entries caps the filesystem entries read from base images and
+	// archives.
+	Entries int
+	// Depth caps the directories in any path read or written.
+	Depth int
+}
+
+// DefaultLimits are the limits when Options.Limits leaves a field zero.
+var DefaultLimits = Limits{SpoolBytes: 8 << 30, BaseImageBytes: 8 << 30, Entries: 1_000_000, Depth: 128}
+
+func (l Limits) withDefaults() Limits {
+	if l.SpoolBytes <= 0 {
+		l.SpoolBytes = DefaultLimits.SpoolBytes
+	}
+	if l.BaseImageBytes <= 0 {
+		l.BaseImageBytes = DefaultLimits.BaseImageBytes
+	}
+	if l.Entries <= 0 {
+		l.Entries = DefaultLimits.Entries
+	}
+	if l.Depth <= 0 {
+		l.Depth = DefaultLimits.Depth
+	}
+	return l
+}
+
+// ErrLimit matches the error of a build that exceeded one of its Limits.
+var ErrLimit = errors.New("local executor limit")
+
+func limitErrorf(format string, args ...any) error {
+	return &BuildError{Err: fmt.Errorf("%w: "+format, append([]any{ErrLimit}, args...)...)}
 }
 
 // ErrRunNotSupported is returned (wrapped in *BuildError) when the Dockerfile
@@ -145,7 +194,8 @@ func userErrorf(line int, format string, args ...any) error {
 
 // Build parses and executes the Dockerfile and returns the final image (not pushed).
 //
-// The returned image keeps its new layers in memory (compressed) and refers
+// The returned image keeps its new layers (compressed) in opts.LayerDir, or
+// in memory when that is empty, and refers
 // to base-image layers in their registry, fetched again with opts.Remote
 // when the image is written somewhere. Only the stages the target needs are
 // built, as BuildKit does, so a RUN in an unrelated stage is not an error.
@@ -205,7 +255,8 @@ func Build(ctx context.Context, opts Options) (v1.Image, error) {
 		return nil, fmt.Errorf("localexec: %w", err)
 	}
 	// Everything under tmp (spooled file contents) is only needed while
-	// layers are assembled; the returned image holds its layers in memory.
+	// layers are assembled; the returned image holds its layers in
+	// opts.LayerDir or in memory.
 	defer os.RemoveAll(tmp)
 
 	b := &builder{
@@ -218,8 +269,9 @@ func Build(ctx context.Context, opts Options) (v1.Image, error) {
 		context:  newContextFS(opts.ContextDir, ignore),
 		pulled:   map[string]v1.Image{},
 		imageFS:  map[string]*imageFS{},
-		spool:    &spool{dir: tmp},
+		limits:   opts.Limits.withDefaults(),
 	}
+	b.spool = &spool{dir: tmp, b: b}
 	defer b.spool.close()
 	defer func() {
 		for _, p := range b.remotes {
@@ -319,6 +371,11 @@ type builder struct {
 	imageFS  map[string]*imageFS // content snapshots of --from images by reference and platform
 	remotes  []*pulledImage      // detached from ctx when Build returns
 	spool    *spool
+	limits   Limits
+	// spooled, entries and baseBytes count against limits.
+	spooled   int64
+	entries   int
+	baseBytes int64
 }
 
 // stageIndex finds a stage by name (case-insensitively, as BuildKit does) or
@@ -373,6 +430,14 @@ func (b *builder) pull(ref string, plat v1.Platform, line int) (v1.Image, error)
 	desc, err := remote.Image(r, opts...)
 	if err != nil {
 		return nil, fmt.Errorf("pull base image %s: %w", ref, err)
+	}
+	if m, err := desc.Manifest(); err == nil {
+		for _, l := range m.Layers {
+			b.baseBytes += l.Size
+		}
+		if b.baseBytes > b.limits.BaseImageBytes {
+			return nil, limitErrorf("base images of more than %d bytes (compressed) in all; %s brings the total to %d", b.limits.BaseImageBytes, ref, b.baseBytes)
+		}
 	}
 	// Fetching manifest and config now makes a broken or unreachable image
 	// fail here, labelled as a pull problem, rather than deep in a COPY.

@@ -4,11 +4,13 @@ import (
 	"archive/tar"
 	"bytes"
 	"errors"
+	"fmt"
 	"io"
 	"log"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"os"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -483,3 +485,69 @@ func TestAllowedRegistries(t *testing.T) {
 type roundTripFunc func(*http.Request) (*http.Response, error)
 
 func (f roundTripFunc) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }
+
+// TestLimits: each limit of the local executor trips with a build error
+// that names it, long before the input is worked through.
+func TestLimits(t *testing.T) {
+	t.Parallel()
+	reg := startRegistry(t)
+	var many []tar.Header
+	for i := range 200 {
+		many = append(many, tar.Header{Name: fmt.Sprintf("f%03d", i), Typeflag: tar.TypeReg, Mode: 0o644})
+	}
+	deep := strings.Repeat("d/", 20) + "file"
+	cases := []struct {
+		name       string
+		dockerfile string
+		files      map[string]file
+		limits     Limits
+		want       string
+	}{
+		{"spooled bytes", "FROM scratch\nADD big.tar /x/\n",
+			map[string]file{"big.tar": {content: string(makeTar(t, false, []tar.Header{{Name: "big", Typeflag: tar.TypeReg, Mode: 0o644, Size: 4096}}, map[string]string{"big": strings.Repeat("x", 4096)}))}},
+			Limits{SpoolBytes: 1024}, "more than 1024 bytes of file content held on disk"},
+		{"entries", "FROM scratch\nADD many.tar /x/\n",
+			map[string]file{"many.tar": {content: string(makeTar(t, true, many, nil))}},
+			Limits{Entries: 100}, "more than 100 filesystem entries"},
+		{"depth", "FROM scratch\nADD deep.tar /x/\n",
+			map[string]file{"deep.tar": {content: string(makeTar(t, false, []tar.Header{{Name: deep, Typeflag: tar.TypeReg, Mode: 0o644}}, nil))}},
+			Limits{Depth: 10}, "directories deep, more than 10"},
+		{"base image size", "FROM " + reg.host + "/tools:1\n", nil,
+			Limits{BaseImageBytes: 10}, "base images of more than 10 bytes"},
+		{"new layers count too", "FROM scratch\nCOPY f /f\n",
+			map[string]file{"f": {content: strings.Repeat("incompressible? no, but over 64 bytes anyway ", 10)}},
+			Limits{SpoolBytes: 64}, "more than 64 bytes of file content held on disk"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			_, err := tryBuild(t, Options{ContextDir: writeContext(t, c.dockerfile, c.files), Limits: c.limits})
+			var be *BuildError
+			if !errors.As(err, &be) || !strings.Contains(err.Error(), "local executor limit") || !strings.Contains(err.Error(), c.want) {
+				t.Fatalf("Build: %v, want a build error with %q", err, c.want)
+			}
+		})
+	}
+}
+
+// TestLayerDir: with LayerDir the new layers are files there, and the image
+// is the same as the one built in memory.
+func TestLayerDir(t *testing.T) {
+	t.Parallel()
+	ctxDir := writeContext(t, "FROM scratch\nCOPY a /a\nCOPY b /b\n", map[string]file{"a": {content: "a"}, "b": {content: "b"}})
+	dir := t.TempDir()
+	onDisk := build(t, Options{ContextDir: ctxDir, LayerDir: dir})
+	inMemory := build(t, Options{ContextDir: ctxDir})
+	d1, err := onDisk.Digest()
+	if err != nil {
+		t.Fatal(err)
+	}
+	d2, _ := inMemory.Digest()
+	if d1 != d2 {
+		t.Fatalf("digest on disk %s, in memory %s", d1, d2)
+	}
+	files, _ := os.ReadDir(dir)
+	if len(files) != 2 {
+		t.Fatalf("%d files in LayerDir, want 2 layers", len(files))
+	}
+}

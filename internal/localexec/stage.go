@@ -743,7 +743,7 @@ func (b *builder) dispatchWorkdir(s *stageState, p string, line int) error {
 	if _, err := op.mkdirAll(relPath(wd)); err != nil {
 		return err
 	}
-	l, err := lb.build(b.ctx, s.layerType)
+	l, err := lb.build(b, s.layerType)
 	if err != nil {
 		return err
 	}
