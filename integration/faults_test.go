@@ -69,6 +69,12 @@ func TestNATSKilledMidBuildLosesNothing(t *testing.T) {
 	names := []string{"nk-while-down", "nk-after-a", "nk-after-b"}
 	h := newHolds(t, names...)
 	s := newSuite(t, options{faults: h.fault})
+	// A server killed with SIGKILL can come back with a consumer state
+	// older than its last deliveries: a message is delivered again, as
+	// delivery 1, to a second handler, which publishes the decision the
+	// ledger holds once more (the stream stores one; answeredOnce checks
+	// that). A second, different decision would still fail the test.
+	s.republishOK = true
 	jobs := s.jobsCreated()
 	s.startWorker("w1")
 	s.startWorker("w2")
