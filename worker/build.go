@@ -241,6 +241,11 @@ func runRequest(req *v1.Request, claim *Record) *v1.Request {
 	if claim.Source != nil {
 		r.Source, r.Timeout = *claim.Source, claim.Timeout
 	}
+	// The run pushes to the claimer's repository: its Job is the
+	// claimer's tenant's (labels, and the registry Secret it mounts).
+	if claim.Tenant != "" {
+		r.Tenant, r.Name = claim.Tenant, claim.Name
+	}
 	return &r
 }
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -67,6 +68,9 @@ type Config struct {
 	// contexts/{tenant}/). Empty: anywhere (a worker whose producers keep
 	// their own layout).
 	ContextPrefix string
+	// ContextBucket, when set, is the only bucket a request's S3 context
+	// may be in.
+	ContextBucket string
 	// KeepJobs leaves finished Jobs for their ttlSecondsAfterFinished
 	// instead of deleting them after the results are stored (default false).
 	KeepJobs bool
@@ -158,6 +162,10 @@ func (c Config) Validate() error {
 	}
 	if c.QueueTTL < 0 {
 		errs = append(errs, fmt.Errorf("queue TTL must not be negative (0 means no limit), got %s", c.QueueTTL))
+	}
+	if c.ContextPrefix != "" && !strings.Contains(c.ContextPrefix, "{tenant}/") {
+		// "contexts/{tenant}" would let tenant acme name contexts/acme-corp/….
+		errs = append(errs, fmt.Errorf("context prefix %q must contain {tenant}/ ({tenant} as a whole path segment), e.g. contexts/{tenant}/", c.ContextPrefix))
 	}
 	if err := c.Naming.Validate(); err != nil {
 		errs = append(errs, err)

@@ -376,3 +376,20 @@ func TestStatusShowsOnlyTheTenantsOwn(t *testing.T) {
 		}
 	}
 }
+
+// TestTakeOverBuildsAsTheClaimer: a run taken over by another tenant's
+// request still builds as the run's claimer — its tenant and name label
+// the Job and pick the registry Secret it mounts, as its repository is
+// where the run pushes.
+func TestTakeOverBuildsAsTheClaimer(t *testing.T) {
+	t.Parallel()
+	acme := request("takeover")
+	w := &Worker{cfg: Config{Now: time.Now}}
+	claim := w.newClaim(acme, "k", "registry.test/acme/takeover", []string{"registry.test/acme/takeover:abc"}, 1)
+	taker := request("takeover")
+	taker.Tenant, taker.Name = "mallory", "other-name"
+	r := runRequest(taker, claim)
+	if r.Tenant != acme.Tenant || r.Name != acme.Name || taker.Tenant != "mallory" {
+		t.Fatalf("the run builds as %s/%s, want the claimer %s/%s", r.Tenant, r.Name, acme.Tenant, acme.Name)
+	}
+}

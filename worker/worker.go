@@ -728,6 +728,10 @@ func (w *Worker) decode(msg jetstream.Msg) (*v1.Request, error) {
 				"a context of tenant %q must be under %s (the CLI and SDK upload there)", req.Tenant, prefix)})
 		}
 	}
+	if s3 := req.Source.S3; s3 != nil && w.cfg.ContextBucket != "" && s3.Bucket != w.cfg.ContextBucket {
+		fields = append(fields, v1.FieldError{Field: "source.s3.bucket", Detail: fmt.Sprintf(
+			"contexts must be in bucket %q, not %q", w.cfg.ContextBucket, s3.Bucket)})
+	}
 	if len(fields) > 0 {
 		return req, &v1.ValidationError{Fields: fields}
 	}

@@ -47,11 +47,14 @@ type workerFlags struct {
 	indexTTL   time.Duration
 	// contextPrefix is where a tenant's S3 contexts must live.
 	contextPrefix string
-	lease         time.Duration
-	storage       string
-	replicas      int
-	keepJobs      bool
-	queueTTL      time.Duration
+	contextBucket string
+	// allowUnverified runs without --fetch-image (see its help).
+	allowUnverified bool
+	lease           time.Duration
+	storage         string
+	replicas        int
+	keepJobs        bool
+	queueTTL        time.Duration
 
 	kubeconfig     string
 	registryConfig string
@@ -78,7 +81,9 @@ func (f *workerFlags) register(cmd *cobra.Command) {
 	fs.DurationVar(&f.ackWait, "ack-wait", 30*time.Second, "AckWait of the shared consumer; heartbeats go every third of it")
 	fs.IntVar(&f.maxDeliver, "max-deliver", 5, "transient failures after which a request gets a failed result and a dead-letter copy (counted per request; hand-backs and crashes do not count, and the consumer itself redelivers without limit)")
 	fs.DurationVar(&f.resultsAge, "results-max-age", 7*24*time.Hour, "how long result events (and the request ledger) are kept")
-	fs.StringVar(&f.contextPrefix, "context-prefix", "contexts/{tenant}/", "S3 key prefix a tenant's contexts must have, {tenant} standing for the tenant (the CLI and SDK upload there); empty: any key")
+	fs.StringVar(&f.contextPrefix, "context-prefix", "contexts/{tenant}/", "S3 key prefix a tenant's contexts must have, {tenant} standing for the tenant as a whole path segment (the CLI and SDK upload there); empty: any key")
+	fs.BoolVar(&f.allowUnverified, "allow-unverified-contexts", false, "run without --fetch-image: kaniko reads s3:// with --s3-secret's keys (which a RUN step can read) and nothing checks a context against its contextDigest, so a tenant can poison another's cached build; only for a single trusted tenant")
+	fs.StringVar(&f.contextBucket, "context-bucket", "", "the only S3 bucket a request's context may be in (empty: any the worker's keys reach)")
 	fs.DurationVar(&f.indexTTL, "index-ttl", 30*24*time.Hour, "how long a build record stays in buildq-builds after its last write; an expired key is built again when asked for")
 	fs.DurationVar(&f.lease, "lease", 30*time.Second, "build claim lease; a dead worker's builds are taken over after it")
 	fs.StringVar(&f.storage, "storage", "file", "JetStream storage of streams and the KV buckets: file or memory")
@@ -102,7 +107,7 @@ func (f *workerFlags) register(cmd *cobra.Command) {
 func (f *workerFlags) config(log *zap.Logger) (worker.Config, error) {
 	cfg := worker.Config{
 		ID: f.id, MaxInFlight: f.inFlight, AckWait: f.ackWait, MaxDeliver: f.maxDeliver,
-		ResultsMaxAge: f.resultsAge, IndexTTL: f.indexTTL, ContextPrefix: f.contextPrefix, Lease: f.lease, Replicas: f.replicas, KeepJobs: f.keepJobs, QueueTTL: f.queueTTL,
+		ResultsMaxAge: f.resultsAge, IndexTTL: f.indexTTL, ContextPrefix: f.contextPrefix, ContextBucket: f.contextBucket, Lease: f.lease, Replicas: f.replicas, KeepJobs: f.keepJobs, QueueTTL: f.queueTTL,
 		Naming: f.namingPol, Logger: log,
 	}
 	switch f.storage {
@@ -174,7 +179,7 @@ func registerKaniko(fs *pflag.FlagSet, kc *kaniko.Config, np *naming.Policy) {
 	fs.Int32Var(&kc.BackoffLimit, "backoff-limit", 2, "pod retries for failures the pod failure policy counts")
 	fs.DurationVar(&kc.TTLAfterFinished, "ttl-after-finished", time.Hour, "ttlSecondsAfterFinished of the Jobs (safety net)")
 	fs.IntVar(&kc.PushRetry, "push-retry", 2, "kaniko --push-retry")
-	fs.StringVar(&kc.CacheRepo, "cache-repo", "", "enable kaniko's layer cache in this repository")
+	fs.StringVar(&kc.CacheRepo, "cache-repo", "", "enable kaniko's layer cache in this repository, {tenant} standing for the request's tenant (required with --tenant-registry-secret: a shared cache repository needs a push right every tenant's build Pod holds)")
 	fs.DurationVar(&kc.CacheTTL, "cache-ttl", 0, "maximum age of cached layers (kaniko --cache-ttl; default kaniko's)")
 	fs.StringVar(&kc.ServiceAccountName, "service-account", "", "service account of the build pods")
 
@@ -271,6 +276,9 @@ func runWorker(ctx context.Context, f *workerFlags) error {
 		if !strings.Contains(f.kaniko.TenantRegistrySecret, "{tenant}") {
 			return usageErr("--tenant-registry-secret %q must contain {tenant}", f.kaniko.TenantRegistrySecret)
 		}
+		if f.kaniko.CacheRepo != "" && !strings.Contains(f.kaniko.CacheRepo, "{tenant}") {
+			return usageErr("--cache-repo %q must contain {tenant} with --tenant-registry-secret: one cache repository for all would need a push right in every tenant's Secret, and a RUN step could poison the cache for all", f.kaniko.CacheRepo)
+		}
 		cfg.RegistryFor = tenantRegistries(reg, f.tenantRegistryConfigs, f.kaniko)
 	}
 	var presign worker.Presigner
@@ -287,7 +295,10 @@ func runWorker(ctx context.Context, f *workerFlags) error {
 		}
 		presign = store.PresignGet
 	} else {
-		log.Warn("no --fetch-image: build Pods read S3 contexts with the keys of --s3-secret, which a RUN step can read; set --fetch-image to keep S3 keys out of build Pods")
+		if !f.allowUnverified {
+			return usageErr("--fetch-image (the buildq image, pinned by digest) is required: without it kaniko reads s3:// itself with --s3-secret's keys, which a RUN step can read, and nothing checks a context's bytes against its contextDigest, so one tenant can poison another's cached build; --allow-unverified-contexts accepts that for a single trusted tenant")
+		}
+		log.Warn("--allow-unverified-contexts: build Pods read S3 contexts with the keys of --s3-secret, which a RUN step can read, and contexts are not checked against their digest; set --fetch-image for untrusted tenants")
 	}
 	backend, stopKube, err := kubeBackend(ctx, f.kubeconfig, f.kaniko, log)
 	if err != nil {

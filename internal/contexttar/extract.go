@@ -65,6 +65,10 @@ func ExtractVerified(ctx context.Context, r io.Reader, dir string, maxBytes int6
 	defer root.Close()
 	zr, err := gzip.NewReader(r)
 	if err != nil {
+		if want != "" {
+			// Whatever it is, it is not the gzip of the tar want names.
+			return fmt.Errorf("%w: the object is not gzip (%v)", ErrDigestMismatch, err)
+		}
 		return fmt.Errorf("contexttar: read gzip header: %w", err)
 	}
 	defer zr.Close()
@@ -78,6 +82,21 @@ func ExtractVerified(ctx context.Context, r io.Reader, dir string, maxBytes int6
 	}
 	h := sha256.New()
 	tr := tar.NewReader(io.TeeReader(zr, h))
+	// An archive refused part way (an unsafe entry, a size over the cap, a
+	// malformed header) is a fault of the content only if it is the
+	// content want names: hash the rest to tell, so that other bytes
+	// under the request's name are a mismatch, never a build failure
+	// others would share. The rest is bounded like the extraction.
+	refuse := func(err error) error {
+		if want == "" || ctx.Err() != nil {
+			return err
+		}
+		n, derr := io.Copy(h, io.LimitReader(zr, maxBytes+(64<<20)))
+		if derr != nil || n == maxBytes+(64<<20) || "sha256:"+hex.EncodeToString(h.Sum(nil)) != want {
+			return fmt.Errorf("%w (%v)", ErrDigestMismatch, err)
+		}
+		return err
+	}
 	for {
 		if err := ctx.Err(); err != nil {
 			return err
@@ -87,10 +106,10 @@ func ExtractVerified(ctx context.Context, r io.Reader, dir string, maxBytes int6
 			break
 		}
 		if err != nil {
-			return fmt.Errorf("contexttar: read archive: %w", err)
+			return refuse(fmt.Errorf("contexttar: read archive: %w", err))
 		}
 		if err := x.entry(hdr, tr); err != nil {
-			return err
+			return refuse(err)
 		}
 	}
 	if want != "" {
@@ -99,7 +118,9 @@ func ExtractVerified(ctx context.Context, r io.Reader, dir string, maxBytes int6
 			return fmt.Errorf("contexttar: read archive: %w", err)
 		}
 		if got := "sha256:" + hex.EncodeToString(h.Sum(nil)); got != want {
-			return fmt.Errorf("%w: it names %s, the object holds %s", ErrDigestMismatch, want, got)
+			// Not the object's own digest: it would tell a prober what
+			// someone else's object holds.
+			return fmt.Errorf("%w: the object is not %s", ErrDigestMismatch, want)
 		}
 	}
 	return x.finish()

@@ -3,7 +3,10 @@ package contexttar
 import (
 	"archive/tar"
 	"bytes"
+	"compress/gzip"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -435,8 +438,56 @@ func TestExtractVerifiedChecksTheDigest(t *testing.T) {
 	other := newTree(t, tree{"evil": node{content: "planted"}}, buildOpts{})
 	otherRes, planted := pack(t, other, Options{})
 	err := ExtractVerified(context.Background(), bytes.NewReader(planted), t.TempDir(), 0, res.Digest)
-	if !errors.Is(err, ErrDigestMismatch) || !strings.Contains(err.Error(), otherRes.Digest) {
+	// The refusal names the digest asked for, never the object's own (it
+	// would tell a prober what someone else's object holds).
+	if !errors.Is(err, ErrDigestMismatch) || !strings.Contains(err.Error(), res.Digest) || strings.Contains(err.Error(), otherRes.Digest) {
 		t.Fatalf("planted bytes under another digest: %v", err)
+	}
+}
+
+// TestExtractVerifiedTellsBadBytesFromABadContext: an archive refused part
+// way is a mismatch unless it is the very archive the digest names; bytes
+// that are not even gzip are a mismatch too. Only the named archive's own
+// fault is reported as that fault.
+func TestExtractVerifiedTellsBadBytesFromABadContext(t *testing.T) {
+	t.Parallel()
+	raw := func(hdrs ...*tar.Header) ([]byte, string) {
+		var tb bytes.Buffer
+		tw := tar.NewWriter(&tb)
+		for _, h := range hdrs {
+			if err := tw.WriteHeader(h); err != nil {
+				t.Fatal(err)
+			}
+			if h.Size > 0 {
+				_, _ = tw.Write(bytes.Repeat([]byte("x"), int(h.Size)))
+			}
+		}
+		_ = tw.Close()
+		sum := sha256.Sum256(tb.Bytes())
+		var gz bytes.Buffer
+		zw := gzip.NewWriter(&gz)
+		_, _ = zw.Write(tb.Bytes())
+		_ = zw.Close()
+		return gz.Bytes(), "sha256:" + hex.EncodeToString(sum[:])
+	}
+	unsafe, unsafeDigest := raw(&tar.Header{Name: "a", Typeflag: tar.TypeReg, Mode: 0o644, Size: 1},
+		&tar.Header{Name: "b", Typeflag: tar.TypeSymlink, Linkname: "/etc/passwd", Mode: 0o777})
+	fine, fineDigest := raw(&tar.Header{Name: "a", Typeflag: tar.TypeReg, Mode: 0o644, Size: 1})
+	_ = fine
+
+	// The archive the digest names, refused for its own content: that
+	// fault, which every request for it shares.
+	err := ExtractVerified(context.Background(), bytes.NewReader(unsafe), t.TempDir(), 0, unsafeDigest)
+	if err == nil || errors.Is(err, ErrDigestMismatch) {
+		t.Fatalf("the named archive's own fault: %v, want it and not a mismatch", err)
+	}
+	// The same bytes under another digest: a mismatch.
+	if err := ExtractVerified(context.Background(), bytes.NewReader(unsafe), t.TempDir(), 0, fineDigest); !errors.Is(err, ErrDigestMismatch) {
+		t.Fatalf("a refused archive under another digest: %v, want a mismatch", err)
+	}
+	// Not gzip at all.
+	if err := ExtractVerified(context.Background(), strings.NewReader("garbage, not even gzip"), t.TempDir(), 0, fineDigest); !errors.Is(err, ErrDigestMismatch) {
+		t.Fatalf("bytes that are not gzip: %v, want a mismatch", err)
 	}
 }
 

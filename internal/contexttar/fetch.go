@@ -41,7 +41,7 @@ func Fetch(ctx context.Context, client *http.Client, rawURL, digest, dir string,
 		if attempt > 0 {
 			select {
 			case <-ctx.Done():
-				return ctx.Err()
+				return errors.Join(ctx.Err(), clearDir(dir))
 			case <-time.After(time.Duration(attempt) * time.Second):
 			}
 			if err := clearDir(dir); err != nil {

@@ -58,11 +58,14 @@ const (
 
 // ManagedBySelector selects every object buildq manages.
 // Exit codes of `buildq fetch-context` that fail the Job at once (the pod
-// failure policy): the context's bytes do not match its digest, or the
-// object is gone (or its URL expired). Any other failure is retried.
+// failure policy): the context's bytes do not match its digest, the
+// object is gone (or its URL expired), or the context the digest names is
+// itself unusable (an unsafe entry, too large). Any other failure is
+// retried.
 const (
-	FetchExitMismatch = 3
-	FetchExitRefused  = 4
+	FetchExitMismatch   = 3
+	FetchExitRefused    = 4
+	FetchExitBadContext = 5
 )
 
 const ManagedBySelector = LabelManagedBy + "=" + ManagedByValue
@@ -364,7 +367,7 @@ func Job(spec Spec, cfg Config) (*batchv1.Job, error) {
 			OnExitCodes: &batchv1.PodFailurePolicyOnExitCodesRequirement{
 				ContainerName: ptr(FetchContainerName),
 				Operator:      batchv1.PodFailurePolicyOnExitCodesOpIn,
-				Values:        []int32{FetchExitMismatch, FetchExitRefused},
+				Values:        []int32{FetchExitMismatch, FetchExitRefused, FetchExitBadContext},
 			},
 		})
 	}
@@ -383,8 +386,9 @@ func Job(spec Spec, cfg Config) (*batchv1.Job, error) {
 			PodFailurePolicy: &batchv1.PodFailurePolicy{Rules: append(rules, []batchv1.PodFailurePolicyRule{
 				// A node drain or preemption is not the build's fault:
 				// retry without counting it against the backoff limit.
-				// First, so that a disrupted Pod is never judged by its
-				// exit code.
+				// Before the kaniko exit-code rule, so that a disrupted
+				// Pod is never judged by its exit code (the fetch-context
+				// rule before it matches only codes a kill never gives).
 				{
 					Action: batchv1.PodFailurePolicyActionIgnore,
 					OnPodConditions: []batchv1.PodFailurePolicyOnPodConditionsPattern{
@@ -511,7 +515,7 @@ func Args(spec Spec, cfg Config) ([]string, error) {
 		args = append(args, "--custom-platform="+r.Platforms[0])
 	}
 	if cfg.CacheRepo != "" {
-		args = append(args, "--cache=true", "--cache-repo="+cfg.CacheRepo)
+		args = append(args, "--cache=true", "--cache-repo="+strings.ReplaceAll(cfg.CacheRepo, "{tenant}", r.Tenant))
 		if cfg.CacheTTL > 0 {
 			args = append(args, "--cache-ttl="+cfg.CacheTTL.String())
 		}

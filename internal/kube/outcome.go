@@ -102,13 +102,17 @@ func JobOutcome(job *batchv1.Job, pods []*corev1.Pod) Outcome {
 			switch t.ExitCode {
 			case kaniko.FetchExitMismatch:
 				out.Reason = v1.ReasonContextMismatch
-			case kaniko.FetchExitRefused:
-				out.Reason = v1.ReasonContextMissing
+			case kaniko.FetchExitBadContext:
+				// The named context's own fault: every request for it
+				// shares it.
+			default:
+				// Missing, or not fetched at all: this request's source,
+				// not the content (a joiner with another source retries).
+				if out.Reason != v1.ReasonDeadlineExceeded {
+					out.Reason = v1.ReasonContextMissing
+				}
 			}
-			if out.Reason != v1.ReasonBuildFailed {
-				return out
-			}
-			break
+			return out
 		}
 		t := kanikoTerminated(p)
 		if t == nil || t.ExitCode == 0 {

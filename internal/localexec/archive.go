@@ -122,6 +122,9 @@ func (op *copyOp) untar(src string, n *node, kind int, dstDir string) error {
 		if err != nil {
 			return userErrorf(op.line, "ADD /%s: reading archive: %v", src, err)
 		}
+		if err := checkHeader(hdr); err != nil {
+			return err
+		}
 		name := relPath(hdr.Name)
 		if name == "" || strings.HasPrefix(path.Base(name), ".wh.") {
 			continue // the root itself, and overlay whiteouts that mean nothing here

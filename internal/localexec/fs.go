@@ -470,6 +470,9 @@ func (b *builder) snapshot(img v1.Image, withContent bool) (*imageFS, error) {
 		if err != nil {
 			return nil, err
 		}
+		if err := checkHeader(hdr); err != nil {
+			return nil, err
+		}
 		p := relPath(hdr.Name)
 		if p == "" {
 			continue
@@ -591,6 +594,28 @@ func (s *spool) close() {
 	if s.f != nil {
 		s.f.Close()
 	}
+}
+
+// Per-entry bounds on what a header makes the builder hold in memory.
+const (
+	maxNameBytes = 4096     // PATH_MAX
+	maxPAXBytes  = 64 << 10 // xattrs and other PAX records of one entry
+)
+
+// checkHeader refuses a header whose names or PAX records would make the
+// builder hold more than the per-entry bounds.
+func checkHeader(hdr *tar.Header) error {
+	if len(hdr.Name) > maxNameBytes || len(hdr.Linkname) > maxNameBytes {
+		return limitErrorf("an entry name or link target of more than %d bytes (%s…)", maxNameBytes, truncatePath(hdr.Name))
+	}
+	n := 0
+	for k, v := range hdr.PAXRecords {
+		n += len(k) + len(v)
+	}
+	if n > maxPAXBytes {
+		return limitErrorf("/%s carries more than %d bytes of PAX records", truncatePath(hdr.Name), maxPAXBytes)
+	}
+	return nil
 }
 
 // addSpooled counts n more bytes held on disk against the spool limit.

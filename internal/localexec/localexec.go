@@ -433,6 +433,9 @@ func (b *builder) pull(ref string, plat v1.Platform, line int) (v1.Image, error)
 	}
 	if m, err := desc.Manifest(); err == nil {
 		for _, l := range m.Layers {
+			if l.Size <= 0 {
+				return nil, limitErrorf("base image %s names a layer of size %d; its size counts against the limit", ref, l.Size)
+			}
 			b.baseBytes += l.Size
 		}
 		if b.baseBytes > b.limits.BaseImageBytes {

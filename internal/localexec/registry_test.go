@@ -551,3 +551,24 @@ func TestLayerDir(t *testing.T) {
 		t.Fatalf("%d files in LayerDir, want 2 layers", len(files))
 	}
 }
+
+// TestLongNamesAreRefused: an entry whose name or PAX records exceed the
+// per-entry bounds stops the build instead of being held in memory.
+func TestLongNamesAreRefused(t *testing.T) {
+	t.Parallel()
+	long := strings.Repeat("n", 5000)
+	for name, hdr := range map[string]tar.Header{
+		"name":        {Name: long, Typeflag: tar.TypeReg, Mode: 0o644, Format: tar.FormatPAX},
+		"link target": {Name: "l", Typeflag: tar.TypeSymlink, Linkname: long, Mode: 0o777, Format: tar.FormatPAX},
+		"PAX records": {Name: "x", Typeflag: tar.TypeReg, Mode: 0o644, PAXRecords: map[string]string{"SCHILY.xattr.user.big": strings.Repeat("v", 70<<10)}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			files := map[string]file{"a.tar": {content: string(makeTar(t, false, []tar.Header{hdr}, nil))}}
+			_, err := tryBuild(t, Options{ContextDir: writeContext(t, "FROM scratch\nADD a.tar /x/\n", files)})
+			if err == nil || !strings.Contains(err.Error(), "local executor limit") {
+				t.Fatalf("Build: %v, want a limit error", err)
+			}
+		})
+	}
+}
