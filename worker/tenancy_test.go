@@ -393,3 +393,36 @@ func TestTakeOverBuildsAsTheClaimer(t *testing.T) {
 		t.Fatalf("the run builds as %s/%s, want the claimer %s/%s", r.Tenant, r.Name, acme.Tenant, acme.Name)
 	}
 }
+
+// With ContextBucket set, a context in any other bucket is refused before
+// anything is created (the worker's keys may reach other buckets).
+func TestRequestCannotNameAnotherBucket(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.startWorker("w1", func(c *Config) { c.ContextBucket = "buildq" })
+	results := e.collect()
+	r := request("other-bucket")
+	r.Source.S3.Bucket = "another-teams-bucket"
+	if _, err := e.pub.Publish(context.Background(), r); err != nil {
+		t.Fatal(err)
+	}
+	got := results.waitFor(t, 1, 10*time.Second)[0]
+	if got.Data.Status != v1.StatusFailed || got.Data.Reason != v1.ReasonInvalidRequest || !strings.Contains(got.Data.Message, `contexts must be in bucket "buildq"`) {
+		t.Fatalf("result %s", mustJSON(t, got))
+	}
+	if n := e.creates.total(); n != 0 {
+		t.Fatalf("%d jobs created", n)
+	}
+}
+
+// A context prefix must hold {tenant} as a whole path segment: with
+// "contexts/{tenant}" tenant acme could name contexts/acme-corp/….
+func TestContextPrefixNeedsATenantSegment(t *testing.T) {
+	t.Parallel()
+	for prefix, ok := range map[string]bool{"contexts/{tenant}/": true, "": true, "contexts/{tenant}": false, "contexts/": false} {
+		c := Config{ContextPrefix: prefix}.WithDefaults()
+		if err := c.Validate(); (err == nil) != ok {
+			t.Errorf("ContextPrefix %q: Validate() = %v, want ok=%v", prefix, err, ok)
+		}
+	}
+}
