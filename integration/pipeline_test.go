@@ -13,6 +13,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/name"
 	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
@@ -24,9 +25,17 @@ import (
 // jobsCreated counts the distinct Jobs that ever existed in the namespace.
 func (s *suite) jobsCreated() func() int {
 	s.t.Helper()
+	return s.countAdded(func(ctx context.Context) (watch.Interface, error) {
+		return shared.kube.BatchV1().Jobs(s.ns).Watch(ctx, metav1.ListOptions{})
+	})
+}
+
+// countAdded counts the distinct objects (by UID) a watch reports added.
+func (s *suite) countAdded(start func(context.Context) (watch.Interface, error)) func() int {
+	s.t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	s.t.Cleanup(cancel)
-	w, err := shared.kube.BatchV1().Jobs(s.ns).Watch(ctx, metav1.ListOptions{})
+	w, err := start(ctx)
 	if err != nil {
 		s.t.Fatal(err)
 	}
@@ -34,9 +43,9 @@ func (s *suite) jobsCreated() func() int {
 	seen := map[types.UID]bool{}
 	go func() {
 		for ev := range w.ResultChan() {
-			if j, ok := ev.Object.(*batchv1.Job); ok && ev.Type == watch.Added {
+			if o, err := meta.Accessor(ev.Object); err == nil && ev.Type == watch.Added {
 				mu.Lock()
-				seen[j.UID] = true
+				seen[o.GetUID()] = true
 				mu.Unlock()
 			}
 		}

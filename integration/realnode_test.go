@@ -16,7 +16,6 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -26,7 +25,6 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
 
 	v1 "github.com/buildq/buildq/api/v1"
@@ -277,7 +275,7 @@ COPY hello.txt /srv/hello.txt
 	t.Run("buildq dev --kubeconfig builds examples/with-run", func(t *testing.T) { testDevOnRealNode(t, node) })
 
 	t.Run("layer cache reuses the RUN layer", func(t *testing.T) {
-		s := newSuite(t, options{node: node, workerArgs: []string{"--keep-jobs", "--cache-repo", node.registryHost + "/cache/layers"}})
+		s := newSuite(t, options{node: node, workerArgs: []string{"--keep-jobs", "--cache-repo", node.registryHost + "/cache/{tenant}/layers"}})
 		s.startWorker("w1")
 		res := s.collect()
 		var took []time.Duration
@@ -430,28 +428,9 @@ func (s *suite) jobPods(job string) []corev1.Pod {
 // podsCreated counts the distinct Pods that ever existed in the namespace.
 func (s *suite) podsCreated() func() int {
 	s.t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	s.t.Cleanup(cancel)
-	w, err := shared.kube.CoreV1().Pods(s.ns).Watch(ctx, metav1.ListOptions{})
-	if err != nil {
-		s.t.Fatal(err)
-	}
-	var mu sync.Mutex
-	seen := map[types.UID]bool{}
-	go func() {
-		for ev := range w.ResultChan() {
-			if p, ok := ev.Object.(*corev1.Pod); ok && ev.Type == watch.Added {
-				mu.Lock()
-				seen[p.UID] = true
-				mu.Unlock()
-			}
-		}
-	}()
-	return func() int {
-		mu.Lock()
-		defer mu.Unlock()
-		return len(seen)
-	}
+	return s.countAdded(func(ctx context.Context) (watch.Interface, error) {
+		return shared.kube.CoreV1().Pods(s.ns).Watch(ctx, metav1.ListOptions{})
+	})
 }
 
 func (s *suite) waitNoPods(timeout time.Duration) {
