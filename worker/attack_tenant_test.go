@@ -377,3 +377,43 @@ func TestAttackCancelRepliesRevealAnotherTenantsBuild(t *testing.T) {
 		t.Errorf("mallory's cancel tells acme's key from an unknown one:\n  acme's:  %q\n  unknown: %q", acmes.Message, unknown.Message)
 	}
 }
+
+// A run taken over builds its claimer's inputs (runRequest). When it fails
+// for a reason of those inputs — here mallory's context object is gone —
+// the request that took it over, whose own context is another object, is
+// not answered with that failure: it builds with its own inputs, as a
+// joiner of the run would (sharedFailure). Found by an adversarial review.
+func TestTakerIsNotAnsweredWithTheClaimersOwnFailure(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.startWorker("w1", func(c *Config) { c.Lease = time.Second })
+	events := e.events()
+	results := e.collect()
+	m := mallorys("takeover-missing")
+	if _, err := e.pub.Publish(context.Background(), m); err != nil {
+		t.Fatal(err)
+	}
+	key := v1.BuildKey(m, kanikoID)
+	job := e.waitJob(kaniko.JobName(key))
+	a := request("takeover-missing")
+	if _, err := e.pub.Publish(context.Background(), a); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 5*time.Second, "acme to join", func() bool { return events.has(a.RequestID, v1.PhaseWaiting) })
+	if rep := cancelRequest(t, e.nc, v1.APICancelSubject("mallory"), key); !rep.Canceled || rep.Stopped {
+		t.Fatalf("cancel: %+v", rep)
+	}
+	results.waitFor(t, 1, 10*time.Second)
+	eventually(t, 10*time.Second, "the take-over", func() bool {
+		r := e.claim(key)
+		return r != nil && r.State == StateBuilding && r.Owner != "" && r.Tenant == "mallory"
+	})
+	e.kubelet(job, 1, "error retrieving context: NoSuchKey: contexts/mallory/... does not exist")
+	// acme builds with its own context: a second Job, which succeeds.
+	eventually(t, 15*time.Second, "acme's own build", func() bool { return e.creates.total() == 2 })
+	e.kubelet(e.waitJob(kaniko.JobName(key)), 0, digestOf("takeover-missing"))
+	ar := byID(results.waitFor(t, 2, 15*time.Second))[a.RequestID]
+	if len(ar) != 1 || ar[0].Data.Status != v1.StatusSucceeded || strings.Contains(ar[0].Data.LogTail, "mallory") {
+		t.Fatalf("acme, whose own context exists: %s", mustJSON(t, ar))
+	}
+}

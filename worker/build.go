@@ -134,7 +134,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 		case cur.Owner == "":
 			// Released by an owner that stopped: take the run over now.
 			waits()
-			if out, origin, owned, ok, err := w.takeOver(ctx, req, cur, rev, dests, seq); ok || err != nil {
+			if out, origin, owned, ok, err := w.takeOver(ctx, req, cur, rev, repo, dests, seq); ok || err != nil {
 				return out, origin, owned, err
 			}
 
@@ -160,7 +160,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 				return final, v1.OriginInflight, false, nil
 			}
 			if lapsed != nil {
-				if out, origin, owned, ok, err := w.takeOver(ctx, req, lapsed, lrev, dests, seq); ok || err != nil {
+				if out, origin, owned, ok, err := w.takeOver(ctx, req, lapsed, lrev, repo, dests, seq); ok || err != nil {
 					return out, origin, owned, err
 				}
 			}
@@ -170,8 +170,11 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 }
 
 // takeOver claims the run of cur (at revision rev) for this worker and
-// runs it on; ok is false when the record changed first.
-func (w *Worker) takeOver(ctx context.Context, req *v1.Request, cur *Record, rev uint64, dests []string, seq uint64) (*Record, v1.Origin, bool, bool, error) {
+// runs it on; ok is false when the record changed first, or when the run
+// — built from its claimer's inputs — failed for a reason of those inputs
+// that req does not share (the caller then looks again and builds with
+// req's own, exactly as a joiner of that run would).
+func (w *Worker) takeOver(ctx context.Context, req *v1.Request, cur *Record, rev uint64, repo string, dests []string, seq uint64) (*Record, v1.Origin, bool, bool, error) {
 	claim := *cur
 	now := w.cfg.Now().UTC()
 	claim.Owner, claim.LeaseMs, claim.LeaseUntil = w.cfg.ID, w.cfg.Lease.Milliseconds(), now.Add(w.cfg.Lease)
@@ -191,6 +194,11 @@ func (w *Worker) takeOver(ctx context.Context, req *v1.Request, cur *Record, rev
 	}
 	w.log.Info("took over a build run", zap.String("key", claim.Key), zap.String("run", claim.Run), zap.String("previousOwner", cur.Owner))
 	out, origin, owned, err := w.own(ctx, req, &claim, nrev, dests, seq)
+	if err == nil && origin != v1.OriginBuild && out != nil && !sharedFailure(out, req, repo) {
+		w.log.Info("the run taken over failed for its claimer's own inputs; building with this request's",
+			zap.String("key", claim.Key), zap.String("reason", out.Reason))
+		return nil, "", false, false, nil
+	}
 	return out, origin, owned, true, err
 }
 

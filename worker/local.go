@@ -194,7 +194,7 @@ func (l *LocalBackend) build(ctx context.Context, b Build) (Outcome, error) {
 			// would tell a prober what someone else's object holds.
 			return fail(v1.ReasonContextMismatch, fmt.Sprintf("context refused: s3://%s/%s does not hold the bytes of %s", req.Source.S3.Bucket, req.Source.S3.Key, req.ContextDigest))
 		}
-		if errors.Is(err, contexttar.ErrUnsafePath) || errors.Is(err, contexttar.ErrTooLarge) {
+		if errors.Is(err, contexttar.ErrBadContext) || errors.Is(err, contexttar.ErrUnsafePath) || errors.Is(err, contexttar.ErrTooLarge) {
 			return fail(v1.ReasonBuildFailed, "context refused: "+err.Error())
 		}
 		return Outcome{}, Transient(fmt.Errorf("read context: %w", err))

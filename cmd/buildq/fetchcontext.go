@@ -31,7 +31,8 @@ request was made is never built.
 
 Exit codes: 0 unpacked; ` + fmt.Sprint(kaniko.FetchExitMismatch) + ` the bytes do not match --digest; ` + fmt.Sprint(kaniko.FetchExitRefused) + ` the URL was refused
 (no such object, or the URL expired); ` + fmt.Sprint(kaniko.FetchExitBadContext) + ` the context --digest names is itself
-unusable (an unsafe entry, too large); 1 anything else (the Job retries).
+unusable (an unsafe, unsupported or malformed entry, too large); 1 anything
+else (a download that keeps failing: the Job retries).
 On failure --dest is left empty.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -54,7 +55,7 @@ On failure --dest is left empty.`,
 				return &exitError{code: kaniko.FetchExitMismatch, err: fmt.Errorf("context mismatch: %w", err)}
 			case errors.Is(err, contexttar.ErrFetchRefused):
 				return &exitError{code: kaniko.FetchExitRefused, err: fmt.Errorf("context missing: %w", err)}
-			case errors.Is(err, contexttar.ErrUnsafePath) || errors.Is(err, contexttar.ErrTooLarge):
+			case errors.Is(err, contexttar.ErrBadContext):
 				// The bytes are the ones the digest names: the context
 				// itself cannot be built.
 				return &exitError{code: kaniko.FetchExitBadContext, err: fmt.Errorf("context refused: %w", err)}

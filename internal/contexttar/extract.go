@@ -48,6 +48,16 @@ func Extract(ctx context.Context, r io.Reader, dir string, maxBytes int64) error
 // is not the one its digest names.
 var ErrDigestMismatch = errors.New("contexttar: the context's bytes do not match its digest")
 
+// ErrBadContext matches the error of ExtractVerified for an archive whose
+// bytes are the ones its digest names but which cannot be unpacked (an
+// unsafe or unsupported entry, too large, malformed): a fault of that
+// context, the same for every request that names it. It wraps the cause.
+var ErrBadContext = errors.New("contexttar: the context itself cannot be unpacked")
+
+// maxTrailer bounds what ExtractVerified reads after the end of the
+// archive (tar pads to 10 KiB records).
+const maxTrailer = 1 << 20
+
 // ExtractVerified is Extract that also hashes the uncompressed tar stream
 // as it goes and, unless want is empty, fails with ErrDigestMismatch when
 // it is not want ("sha256:<hex>", as Write reports it): the bytes built are
@@ -92,10 +102,16 @@ func ExtractVerified(ctx context.Context, r io.Reader, dir string, maxBytes int6
 			return err
 		}
 		n, derr := io.Copy(h, io.LimitReader(zr, maxBytes+(64<<20)))
-		if derr != nil || n == maxBytes+(64<<20) || "sha256:"+hex.EncodeToString(h.Sum(nil)) != want {
+		switch {
+		case derr != nil:
+			// The stream itself broke (a download cut short): nothing
+			// can be told about the content, and another try may
+			// succeed.
+			return fmt.Errorf("contexttar: read archive: %w", derr)
+		case n == maxBytes+(64<<20) || "sha256:"+hex.EncodeToString(h.Sum(nil)) != want:
 			return fmt.Errorf("%w (%v)", ErrDigestMismatch, err)
 		}
-		return err
+		return fmt.Errorf("%w: %w", ErrBadContext, err)
 	}
 	for {
 		if err := ctx.Err(); err != nil {
@@ -113,9 +129,15 @@ func ExtractVerified(ctx context.Context, r io.Reader, dir string, maxBytes int6
 		}
 	}
 	if want != "" {
-		// The digest covers the whole stream, trailer included.
-		if _, err := io.Copy(h, zr); err != nil {
+		// The digest covers the whole stream, trailer included. A tar
+		// writer pads the end to its record size; far more than that
+		// after the end of the archive is not a context.
+		n, err := io.Copy(h, io.LimitReader(zr, maxTrailer+1))
+		if err != nil {
 			return fmt.Errorf("contexttar: read archive: %w", err)
+		}
+		if n > maxTrailer {
+			return fmt.Errorf("%w: more than %d bytes after the end of the archive", ErrDigestMismatch, maxTrailer)
 		}
 		if got := "sha256:" + hex.EncodeToString(h.Sum(nil)); got != want {
 			// Not the object's own digest: it would tell a prober what

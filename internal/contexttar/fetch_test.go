@@ -1,13 +1,18 @@
 package contexttar
 
 import (
+	"archive/tar"
 	"bytes"
 	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -96,5 +101,53 @@ func TestFetchRefusesBadInput(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("Fetch(%q, %q) = %v, want %q", c.url, c.digest, err, c.want)
 		}
+	}
+}
+
+// A download cut short mid-body is a fault of the stream, not of the
+// bytes: Fetch tries again and never calls it a mismatch (which fails the
+// Job at once). Found by an adversarial review.
+func TestFetchRetriesADownloadCutShort(t *testing.T) {
+	t.Parallel()
+	b := make([]byte, 256<<10)
+	_, _ = rand.Read(b)
+	good, digest := packed(t, map[string]string{"Dockerfile": "FROM scratch\n", "a": hex.EncodeToString(b)})
+	var n atomic.Int32
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		if n.Add(1) == 1 {
+			w.Header().Set("Content-Length", strconv.Itoa(len(good)))
+			_, _ = w.Write(good[:len(good)/2]) // and the connection ends
+			return
+		}
+		_, _ = w.Write(good)
+	}))
+	defer srv.Close()
+	if err := Fetch(context.Background(), srv.Client(), srv.URL+"/b/k", digest, t.TempDir(), 0); err != nil || n.Load() != 2 {
+		t.Fatalf("Fetch after one cut download: %v, %d requests; want success on the second", err, n.Load())
+	}
+}
+
+// Every fault of the context a digest names — its bytes are the named
+// ones — is ErrBadContext (shared by every request for it), whatever the
+// fault; and bytes after the end of the archive past the tar padding are
+// not a context.
+func TestExtractVerifiedClassifiesEveryFaultOfTheNamedContext(t *testing.T) {
+	t.Parallel()
+	cases := map[string][]byte{
+		"file then child":  makeTar(t, tarEntry{name: "a", body: "x"}, tarEntry{name: "a/b", body: "y"}),
+		"empty link":       makeTar(t, tarEntry{name: "l", typ: tar.TypeSymlink, linkname: ""}),
+		"unsupported type": makeTar(t, tarEntry{name: "s", typ: 'Z'}),
+	}
+	for name, raw := range cases {
+		sum := sha256.Sum256(raw)
+		want := "sha256:" + hex.EncodeToString(sum[:])
+		if err := ExtractVerified(context.Background(), bytes.NewReader(gz(t, raw)), t.TempDir(), 0, want); !errors.Is(err, ErrBadContext) {
+			t.Errorf("%s: %v, want ErrBadContext", name, err)
+		}
+	}
+	raw := append(makeTar(t, tarEntry{name: "a", body: "x"}), make([]byte, 2<<20)...)
+	sum := sha256.Sum256(raw)
+	if err := ExtractVerified(context.Background(), bytes.NewReader(gz(t, raw)), t.TempDir(), 0, "sha256:"+hex.EncodeToString(sum[:])); !errors.Is(err, ErrDigestMismatch) {
+		t.Errorf("2 MiB after the end of the archive: %v, want a mismatch", err)
 	}
 }

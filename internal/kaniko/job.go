@@ -60,7 +60,7 @@ const (
 // Exit codes of `buildq fetch-context` that fail the Job at once (the pod
 // failure policy): the context's bytes do not match its digest, the
 // object is gone (or its URL expired), or the context the digest names is
-// itself unusable (an unsafe entry, too large). Any other failure is
+// itself unusable (contexttar.ErrBadContext). Any other failure is
 // retried.
 const (
 	FetchExitMismatch   = 3
