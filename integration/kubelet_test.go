@@ -226,6 +226,8 @@ func (k *kubelet) fetchContext(ctx context.Context, c corev1.Container) (string,
 		return dir, kaniko.FetchExitMismatch, "context mismatch: " + err.Error()
 	case errors.Is(err, contexttar.ErrFetchRefused):
 		return dir, kaniko.FetchExitRefused, "context missing: " + err.Error()
+	case errors.Is(err, contexttar.ErrBadContext):
+		return dir, kaniko.FetchExitBadContext, "context refused: " + err.Error()
 	default:
 		return dir, 1, err.Error()
 	}
