@@ -247,6 +247,10 @@ func (w *Worker) cancel(ctx context.Context, tenant, target string) CancelReply 
 			_ = w.nc.Publish(internalCancelSubject, []byte(RequestIndexKey(le.e.Tenant, le.e.RequestID)))
 		}
 	}
+	if n > 0 {
+		// Parked requests have no handler to tell: answer them here.
+		w.answerWaiters(ctx, key)
+	}
 	// Does anyone else still wait on the build?
 	ws, err := w.waiters(ctx, key)
 	if err != nil {
@@ -312,6 +316,7 @@ func (w *Worker) stopBuild(ctx context.Context, tenant, key string, hadRequests 
 			w.log.Warn("cancel: stopping the build failed", zap.String("key", key), zap.Error(err))
 		}
 		w.log.Info("build canceled", zap.String("key", key), zap.String("run", cur.Run))
+		w.answerWaiters(ctx, key)
 		return true, "stopped"
 	}
 }
@@ -371,6 +376,9 @@ func waiterKey(key, tenant, id string) string {
 type waiterReg struct {
 	once  sync.Once
 	added bool
+	// park, when set, lets the request park (park.go): the message it
+	// came in, for the waiter entry.
+	park *waiterValue
 }
 
 // add indexes the request as a waiter of key, once. A nil reg does
@@ -389,7 +397,8 @@ func (r *waiterReg) add(ctx context.Context, w *Worker, key, tenant, id string) 
 // that misses it only stops a build one request still waited on, which
 // then answers canceled through the build record).
 func (w *Worker) addWaiter(ctx context.Context, key, tenant, id string) {
-	if _, err := w.requests.Put(ctx, waiterKey(key, tenant, id), []byte(tenant+"/"+id)); err != nil {
+	b, _ := json.Marshal(waiterValue{Tenant: tenant, RequestID: id})
+	if _, err := w.requests.Put(ctx, waiterKey(key, tenant, id), b); err != nil {
 		w.log.Debug("waiter index: put failed", zap.String("key", key), zap.Error(err))
 	}
 }
@@ -419,11 +428,11 @@ func (w *Worker) waiters(ctx context.Context, key string) ([]*ledgerEntry, error
 		if err != nil {
 			continue // gone meanwhile
 		}
-		tenant, id, ok := strings.Cut(string(got.Value()), "/")
+		wv, ok := parseWaiter(got.Value())
 		if !ok {
 			continue
 		}
-		le, err := w.ledgerGet(ctx, tenant, id)
+		le, err := w.ledgerGet(ctx, wv.Tenant, wv.RequestID)
 		if err != nil {
 			return nil, err
 		}

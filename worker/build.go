@@ -139,6 +139,20 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 			}
 
 		default:
+			if wr != nil && wr.park != nil && !holds(cur, RequestIndexKey(req.Tenant, req.RequestID), req, seq) {
+				// Another request's handler runs the build: wait
+				// without a slot, answered when the run ends.
+				parked, err := w.park(ctx, wr, key, cur)
+				if err != nil {
+					return nil, "", false, err
+				}
+				if parked {
+					w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: key, Phase: v1.PhaseWaiting, Job: cur.Job,
+						Message: "joined a build in progress; answered when it ends"})
+					return cur, v1.OriginInflight, false, errParked
+				}
+				continue
+			}
 			waits()
 			w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: key, Phase: v1.PhaseWaiting, Job: cur.Job,
 				Message: "joined a build in progress"})
@@ -178,6 +192,7 @@ func (w *Worker) takeOver(ctx context.Context, req *v1.Request, cur *Record, rev
 	claim := *cur
 	now := w.cfg.Now().UTC()
 	claim.Owner, claim.LeaseMs, claim.LeaseUntil = w.cfg.ID, w.cfg.Lease.Milliseconds(), now.Add(w.cfg.Lease)
+	claim.Holder = RequestIndexKey(req.Tenant, req.RequestID)
 	if len(claim.Destinations) == 0 {
 		// A record written before runs kept their destinations.
 		claim.Repository, claim.Destinations = cur.Repository, dests
@@ -209,6 +224,7 @@ func (w *Worker) newClaim(req *v1.Request, key, repo string, dests []string, seq
 		Key: key, State: StateBuilding, Run: newRunID(), Owner: w.cfg.ID,
 		LeaseMs: w.cfg.Lease.Milliseconds(), LeaseUntil: now.Add(w.cfg.Lease),
 		RequestID: req.RequestID, Seq: seq, Tenant: req.Tenant, Name: req.Name,
+		Holder:     RequestIndexKey(req.Tenant, req.RequestID),
 		Repository: repo, Destinations: dests, StartedAt: now,
 		Source: &src, Timeout: req.Timeout,
 	}
@@ -431,8 +447,10 @@ func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev ui
 			}
 		}
 		// Shutdown or trouble: let the claim go so another worker takes
-		// the run over now rather than after the lease.
+		// the run over now rather than after the lease; parked requests
+		// are requeued, and one of them takes it over.
 		w.releaseClaim(ctx, &held, heldRev)
+		w.answerWaiters(ctx, held.Key)
 		if ctx.Err() != nil || IsTransient(err) {
 			return nil, "", false, err
 		}
@@ -458,6 +476,7 @@ func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev ui
 	if err != nil {
 		return nil, "", false, Transient(err)
 	}
+	w.answerWaiters(ctx, held.Key)
 	return stored, origin, true, nil
 }
 
@@ -587,6 +606,7 @@ func (w *Worker) finishOrphan(ctx context.Context, key string, out Outcome) time
 	final := finalRecord(cur, out, now)
 	if _, ok, err := w.claims.update(ctx, final, rev); err == nil && ok {
 		w.log.Info("stored the outcome of a build whose owner is gone", zap.String("key", key), zap.String("run", cur.Run), zap.String("state", final.State))
+		w.answerWaiters(ctx, key)
 	}
 	return 0
 }

@@ -78,7 +78,10 @@ type Record struct {
 	RequestID string `json:"requestId,omitempty"`
 	// Seq is the stream sequence of that request's message.
 	Seq uint64 `json:"seq,omitempty"`
-	Job string `json:"job,omitempty"`
+	// Holder is the ledger key of the request whose handler runs the run
+	// now (its claimer's, or a taker's): it never parks on the run.
+	Holder string `json:"holder,omitempty"`
+	Job    string `json:"job,omitempty"`
 	// JobUID is the UID of the Job the outcome came from.
 	JobUID     string `json:"jobUid,omitempty"`
 	Repository string `json:"repository,omitempty"`

@@ -17,6 +17,9 @@ type Metrics struct {
 	buildTime *prometheus.HistogramVec
 	retries   prometheus.Counter
 	dupes     prometheus.Counter
+	parks     prometheus.Counter
+	requeues  prometheus.Counter
+	parkedNow prometheus.Gauge
 }
 
 // NewMetrics registers the worker's metrics with reg.
@@ -49,7 +52,19 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Request messages terminated without a result because an earlier message holds their request id.",
 		}),
 	}
-	reg.MustRegister(m.results, m.inFlight, m.queueWait, m.buildTime, m.retries, m.dupes)
+	m.parks = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "buildq_parked_requests_total",
+		Help: "Requests parked on a build in progress: their message acked, their result brought by the build's end.",
+	})
+	m.requeues = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "buildq_requeued_requests_total",
+		Help: "Parked requests published again: their run failed for its claimer's own inputs, or nobody ran it any more.",
+	})
+	m.parkedNow = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "buildq_requests_waiting_on_builds",
+		Help: "Requests parked on builds in progress, as this worker's last sweep of the waiter index counted them.",
+	})
+	reg.MustRegister(m.results, m.inFlight, m.queueWait, m.buildTime, m.retries, m.dupes, m.parks, m.requeues, m.parkedNow)
 	return m
 }
 
@@ -85,5 +100,23 @@ func (m *Metrics) published(d v1.ResultData) {
 	m.queueWait.Observe(time.Duration(d.Timings.QueueWaitMs * int64(time.Millisecond)).Seconds())
 	if d.Origin == v1.OriginBuild && d.Timings.BuildMs > 0 {
 		m.buildTime.WithLabelValues(string(d.Status)).Observe(float64(d.Timings.BuildMs) / 1000)
+	}
+}
+
+func (m *Metrics) parkedRequest() {
+	if m != nil {
+		m.parks.Inc()
+	}
+}
+
+func (m *Metrics) requeued() {
+	if m != nil {
+		m.requeues.Inc()
+	}
+}
+
+func (m *Metrics) setParked(n int) {
+	if m != nil {
+		m.parkedNow.Set(float64(n))
 	}
 }

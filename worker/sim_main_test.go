@@ -188,6 +188,12 @@ func simSummary(outs []simOutcome, first, n int64, took time.Duration) string {
 	}
 	slices.Sort(rs)
 	fmt.Fprintf(&b, "  results stored: %s\n", strings.Join(rs, ", "))
+	parked, requeued := 0, 0
+	for _, o := range outs {
+		parked += o.parked
+		requeued += o.requeued
+	}
+	fmt.Fprintf(&b, "  requests parked on builds in progress: %d (requeued: %d)\n", parked, requeued)
 	if infra > 0 {
 		fmt.Fprintf(&b, "  InfrastructureError results under injected API errors (allowed): %d in %d seeds\n", infra, infraSeeds)
 	}

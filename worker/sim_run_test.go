@@ -4,6 +4,9 @@ package worker
 // schedule, heal, wait until everything is quiet, and judge.
 
 import (
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
 	"context"
 	"fmt"
 	"os"
@@ -46,6 +49,8 @@ type simOutcome struct {
 	kinds      []string
 	report     string
 	results    map[string]int // stored results by status/reason
+	parked     int            // requests parked on a build in progress
+	requeued   int            // parked requests published again
 }
 
 var (
@@ -114,7 +119,8 @@ func runSimSchedule(t *testing.T, seed int64) simOutcome {
 	sc := newSimSchedule(seed)
 	w := &simWorld{
 		t: t, seed: seed, sc: sc, trace: &simTrace{t0: time.Now()}, logs: &simLogBuffer{},
-		api: newSimAPI(), keyNames: map[string]string{}, subByID: map[string]*simSub{},
+		metrics: NewMetrics(prometheus.NewRegistry()),
+		api:     newSimAPI(), keyNames: map[string]string{}, subByID: map[string]*simSub{},
 	}
 	w.identity = simExecutorIdentity(t)
 	w.node = &simNode{w: w, runs: map[string]int{}, jobs: map[string]*simJob{}}
@@ -667,6 +673,8 @@ func (w *simWorld) judge(out *simOutcome) {
 		}
 		out.results[k]++
 	}
+	out.parked = int(testutil.ToFloat64(w.metrics.parks))
+	out.requeued = int(testutil.ToFloat64(w.metrics.requeues))
 	out.report = w.report(out)
 }
 

@@ -458,11 +458,12 @@ func (s *simSlot) takePause(hook string) time.Duration {
 
 // simWorld is one schedule's world.
 type simWorld struct {
-	t     *testing.T
-	seed  int64
-	sc    *simSchedule
-	trace *simTrace
-	logs  *simLogBuffer
+	t       *testing.T
+	seed    int64
+	sc      *simSchedule
+	trace   *simTrace
+	logs    *simLogBuffer
+	metrics *Metrics
 
 	dir   string
 	port  int
@@ -613,6 +614,7 @@ func (w *simWorld) workerConfig(id string, skew time.Duration) Config {
 		Naming:          naming.Policy{Registry: w.reg.host},
 		Registry:        w.reg.client,
 		Logger:          logger.Named(id),
+		Metrics:         w.metrics,
 		Now:             func() time.Time { return time.Now().Add(skew) },
 	}
 }

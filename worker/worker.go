@@ -39,8 +39,11 @@ type Worker struct {
 	claims   claims
 	requests jetstream.KeyValue
 	orphans  orphanWatch
+	parked   parkWatch
 	held     heldRequests
-	apiSem   chan struct{}
+	// bg counts background work (answering parked requests).
+	bg     sync.WaitGroup
+	apiSem chan struct{}
 	// ackWait is the consumer's AckWait as the server has it (nanoseconds):
 	// another worker may have set it lower than this one's.
 	ackWait atomic.Int64
@@ -76,6 +79,7 @@ func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 		sem:      make(chan struct{}, cfg.MaxInFlight),
 		source:   "/buildq/worker/" + cfg.ID,
 		orphans:  orphanWatch{seen: map[string]observed{}},
+		parked:   parkWatch{seen: map[string]observed{}},
 		held:     heldRequests{m: map[string]context.CancelCauseFunc{}},
 		apiSem:   make(chan struct{}, apiConcurrency),
 	}, nil
@@ -266,6 +270,25 @@ func (w *Worker) Run(ctx context.Context) error {
 		}
 	}()
 
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		// Parked requests whose run's end was not answered (a crash
+		// between the two), whose run was let go or lapsed.
+		t := time.NewTicker(max(w.cfg.Lease/2, 100*time.Millisecond))
+		defer t.Stop()
+		for {
+			select {
+			case <-t.C:
+				sctx, cancel := context.WithTimeout(workCtx, w.cfg.Lease)
+				w.sweepWaiters(sctx)
+				cancel()
+			case <-workCtx.Done():
+				return
+			}
+		}
+	}()
+
 	backoff := 100 * time.Millisecond
 fetch:
 	for {
@@ -326,7 +349,7 @@ fetch:
 	w.log.Info("stopping: handing back requests in flight")
 	cancelWork()
 	done := make(chan struct{})
-	go func() { wg.Wait(); close(done) }()
+	go func() { wg.Wait(); w.bg.Wait(); close(done) }()
 	select {
 	case <-done:
 	case <-time.After(w.cfg.ShutdownTimeout):
@@ -361,6 +384,9 @@ type verdict struct {
 	duplicate bool
 	// waiter: the request was indexed as waiting on its build key.
 	waiter bool
+	// parked: the request waits on a build without holding its message;
+	// the message is acked without a result (the build's end brings it).
+	parked bool
 }
 
 func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
@@ -417,6 +443,12 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 			Message: "duplicate: request id " + v.data.RequestID + " belongs to an earlier message; its result is that request's"})
 		w.cfg.Metrics.duplicate()
 		w.settle(actx, log, msg, v.data.RequestID, true, "duplicate request id")
+		return
+	}
+	if v.parked {
+		log.Info("request parked on a build in progress", zap.String("requestId", v.data.RequestID), zap.String("key", v.data.Key))
+		w.cfg.Metrics.parkedRequest()
+		w.settle(actx, log, msg, v.data.RequestID, false, "parked")
 		return
 	}
 	if v.data.Timings.FinishedAt.IsZero() {
@@ -606,7 +638,8 @@ func (w *Worker) heartbeat(msg jetstream.Msg) func() {
 // le is the request's ledger entry (nil for input too broken to have one).
 func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream.MsgMetadata, base *verdict, baseLE **ledgerEntry, cancel context.CancelCauseFunc) (verdict, *ledgerEntry, error) {
 	started := w.cfg.Now().UTC()
-	timings := v1.Timings{QueuedAt: meta.Timestamp.UTC(), StartedAt: started, QueueWaitMs: started.Sub(meta.Timestamp).Milliseconds()}
+	seq, at := msgIdentity(msg, meta)
+	timings := v1.Timings{QueuedAt: at.UTC(), StartedAt: started, QueueWaitMs: started.Sub(at).Milliseconds()}
 	req, err := w.decode(msg)
 	if err != nil {
 		return w.invalidEntry(ctx, msg, req, err, timings, meta)
@@ -617,9 +650,11 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 	key := v1.BuildKey(req, w.backend.Identity())
 	v.data.Key = key
 	*base = v
-	le, fresh, err := w.openEntry(ctx, req.Tenant, req.Name, req.RequestID, key, meta.Sequence.Stream, meta.Timestamp)
+	le, fresh, err := w.openEntry(ctx, req.Tenant, req.Name, req.RequestID, key, seq, at)
 	switch {
-	case errors.Is(err, errDuplicateID):
+	case errors.Is(err, errDuplicateID), err == nil && seq != meta.Sequence.Stream && le.e.Key != "" && le.e.Key != key:
+		// (A requeued request carries its first message's identity; one
+		// whose body builds something else is not that request.)
 		v.duplicate = true
 		return v, nil, nil
 	case err != nil:
@@ -653,9 +688,14 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: key, Phase: v1.PhaseQueued,
 		Message: fmt.Sprintf("taken by %s after %s in the queue", w.cfg.ID, time.Duration(timings.QueueWaitMs)*time.Millisecond)})
 
-	wr := &waiterReg{}
-	rec, origin, owned, err := w.build(ctx, req, key, repo, dests, meta.Sequence.Stream, wr)
+	wr := &waiterReg{park: &waiterValue{Tenant: req.Tenant, RequestID: req.RequestID, Subject: msg.Subject(),
+		MsgID: msg.Headers().Get(v1.MsgIDHeader), Seq: seq, MsgTime: at.UTC(), Body: msg.Data()}}
+	rec, origin, owned, err := w.build(ctx, req, key, repo, dests, seq, wr)
 	v.waiter = wr.added
+	if errors.Is(err, errParked) {
+		v.parked, v.waiter = true, false
+		return v, le, nil
+	}
 	if errors.Is(err, errAnswered) {
 		if cur, gerr := w.ledgerGet(ctx, req.Tenant, req.RequestID); gerr == nil && cur != nil && cur.e.Result != nil {
 			return verdictOf(cur.e), cur, nil // publish that answer again, and ack
@@ -665,30 +705,36 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 	if err != nil {
 		return v, le, err
 	}
+	v, err = w.resultVerdict(ctx, v, req, rec, origin, owned, repo, dests)
+	return v, le, err
+}
+
+// resultVerdict completes v with the final record rec that answers req.
+func (w *Worker) resultVerdict(ctx context.Context, v verdict, req *v1.Request, rec *Record, origin v1.Origin, owned bool, repo string, dests []string) (verdict, error) {
 	v.data.Origin = origin
 	v.data.Job = rec.Job
 	if owned {
-		v.cleanupKey, v.cleanupRun = key, rec.Run
+		v.cleanupKey, v.cleanupRun = rec.Key, rec.Run
 	}
 	if origin != v1.OriginCache {
 		v.data.Timings.BuildMs = max(rec.FinishedAt.Sub(rec.StartedAt).Milliseconds(), 0)
 	}
 	if rec.State == StateSucceeded {
 		if err := w.ensureTags(ctx, req.Tenant, rec, dests); err != nil {
-			return v, le, err
+			return v, err
 		}
 		v.data.Status = v1.StatusSucceeded
 		v.data.Image = dests[0]
 		v.data.Digest = rec.Digest
 		v.data.ImageRef = repo + "@" + rec.Digest
-		return v, le, nil
+		return v, nil
 	}
 	v.data.Status = v1.StatusFailed
 	if rec.Reason == v1.ReasonCanceled {
 		v.data.Status = v1.StatusCanceled
 	}
 	v.data.Reason, v.data.Message, v.data.LogTail = rec.Reason, rec.Message, rec.LogTail
-	return v, le, nil
+	return v, nil
 }
 
 // decode reads and validates a request message. The body's tenant must be

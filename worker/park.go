@@ -1,0 +1,425 @@
+package worker
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/naming"
+)
+
+// Parking: a request that joins a build another request's handler runs
+// costs no slot. Its waiter entry (w.<build key>.<ledger key> in the
+// ledger bucket) is written with the request itself — subject, id, body,
+// and the identity of its message — and the message is acked. Whoever
+// ends the run (its owner, the reconciler, the cancel service) answers the
+// key's parked waiters; a sweep on every worker answers what a crash left
+// behind. A parked request whose run ended in a failure of the claimer's
+// own inputs, or whose run nobody runs any more, is requeued: its request
+// is published again with the original message's identity in headers, and
+// is handled like any redelivery of it.
+//
+// Every answer goes through the ledger's compare-and-swap (record), so a
+// parked request answered by two parties at once still has one decision,
+// published under its one message id.
+
+// errParked: the request was parked on a build; its message is acked
+// without a result, which the build's end brings.
+var errParked = errors.New("parked on a build in progress")
+
+// Headers of a requeued request: the stream sequence and time of the
+// message that first held its id, so its ledger entry knows it.
+const (
+	hdrRequeueSeq  = "Buildq-Requeue-Seq"
+	hdrRequeueTime = "Buildq-Requeue-Time"
+)
+
+// waiterValue is the value of a waiter index entry.
+type waiterValue struct {
+	Tenant    string `json:"tenant"`
+	RequestID string `json:"requestId"`
+	// Parked: no handler holds the request; the build's end answers it.
+	Parked bool `json:"parked,omitempty"`
+	// Run is the run it was parked on.
+	Run string `json:"run,omitempty"`
+	// The request message, to answer or requeue it.
+	Subject  string    `json:"subject,omitempty"`
+	MsgID    string    `json:"msgId,omitempty"`
+	Seq      uint64    `json:"seq,omitempty"`
+	MsgTime  time.Time `json:"msgTime,omitzero"`
+	Body     []byte    `json:"body,omitempty"`
+	ParkedAt time.Time `json:"parkedAt,omitzero"`
+}
+
+// parseWaiter reads a waiter entry: JSON, or the first version's
+// "tenant/id".
+func parseWaiter(b []byte) (waiterValue, bool) {
+	var v waiterValue
+	if len(b) > 0 && b[0] == '{' {
+		if json.Unmarshal(b, &v) != nil || v.Tenant == "" || v.RequestID == "" {
+			return v, false
+		}
+		return v, true
+	}
+	tenant, id, ok := strings.Cut(string(b), "/")
+	return waiterValue{Tenant: tenant, RequestID: id}, ok
+}
+
+// msgIdentity is the stream sequence and time that identify a request
+// message in its ledger entry: the message's own, or, for a requeued
+// request, those of the message that first held its id.
+func msgIdentity(msg jetstream.Msg, meta *jetstream.MsgMetadata) (uint64, time.Time) {
+	h := msg.Headers()
+	if h == nil || h.Get(hdrRequeueSeq) == "" || !strings.Contains(h.Get(v1.MsgIDHeader), "/requeue-") {
+		return meta.Sequence.Stream, meta.Timestamp
+	}
+	seq, err1 := strconv.ParseUint(h.Get(hdrRequeueSeq), 10, 64)
+	at, err2 := time.Parse(time.RFC3339Nano, h.Get(hdrRequeueTime))
+	if err1 != nil || err2 != nil || seq == 0 {
+		return meta.Sequence.Stream, meta.Timestamp
+	}
+	return seq, at
+}
+
+// holds reports whether the run of cur is handled by the request with
+// ledger key lk: that request never parks on it (it would wait for
+// itself); it waits actively and takes the run over when it lapses.
+func holds(cur *Record, lk string, req *v1.Request, seq uint64) bool {
+	if cur.Holder != "" {
+		return cur.Holder == lk
+	}
+	return cur.RequestID == req.RequestID && cur.Seq == seq
+}
+
+// park writes the request's waiter entry as parked on cur's run, then
+// looks at the record again: a run that ended (or was let go) before the
+// entry was written may have had its waiters answered already, so the
+// request is unparked and handled on (parked false).
+func (w *Worker) park(ctx context.Context, wr *waiterReg, key string, cur *Record) (bool, error) {
+	v := *wr.park
+	v.Parked, v.Run, v.ParkedAt = true, cur.Run, w.cfg.Now().UTC()
+	b, _ := json.Marshal(v)
+	wk := waiterKey(key, v.Tenant, v.RequestID)
+	if _, err := w.requests.Put(ctx, wk, b); err != nil {
+		return false, Transient(fmt.Errorf("waiter index: %w", err))
+	}
+	wr.once.Do(func() {})
+	wr.added = true
+	now, _, err := w.claims.get(ctx, key)
+	if err == nil && now != nil && now.State == StateBuilding && now.Owner != "" {
+		return true, nil
+	}
+	v.Parked = false
+	b, _ = json.Marshal(v)
+	if _, perr := w.requests.Put(ctx, wk, b); perr != nil {
+		// Still parked: the sweep answers it.
+		return true, nil
+	}
+	if err != nil {
+		return false, Transient(err)
+	}
+	return false, nil
+}
+
+// answerWaiters answers or requeues the parked waiters of key, now that
+// its run ended or was let go, in the background.
+func (w *Worker) answerWaiters(ctx context.Context, key string) {
+	w.bg.Add(1)
+	go func() {
+		defer w.bg.Done()
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+		defer cancel()
+		items, err := w.listWaiters(ctx, "w."+key+".*")
+		if err != nil {
+			w.log.Debug("waiter index: listing failed; the sweep answers them", zap.String("key", key), zap.Error(err))
+			return
+		}
+		w.settleWaiters(ctx, key, items[key], false)
+	}()
+}
+
+// waiterItem is one waiter entry with its bucket key and revision.
+type waiterItem struct {
+	k   string
+	rev uint64
+	v   waiterValue
+}
+
+// listWaiters reads the waiter entries under filter, by build key.
+func (w *Worker) listWaiters(ctx context.Context, filter string) (map[string][]waiterItem, error) {
+	lister, err := w.requests.ListKeysFiltered(ctx, filter)
+	if err != nil {
+		if errors.Is(err, jetstream.ErrNoKeysFound) {
+			return nil, nil
+		}
+		return nil, fmt.Errorf("waiter index: %w", err)
+	}
+	defer func() { _ = lister.Stop() }()
+	out := map[string][]waiterItem{}
+	seen := map[string]bool{}
+	for k := range lister.Keys() {
+		if seen[k] {
+			continue
+		}
+		seen[k] = true
+		parts := strings.Split(k, ".")
+		if len(parts) != 3 {
+			continue
+		}
+		got, err := w.requests.Get(ctx, k)
+		if err != nil {
+			continue // gone meanwhile
+		}
+		v, ok := parseWaiter(got.Value())
+		if !ok {
+			continue
+		}
+		out[parts[1]] = append(out[parts[1]], waiterItem{k: k, rev: got.Revision(), v: v})
+	}
+	return out, nil
+}
+
+// settleWaiters answers key's parked waiters by the state of its record:
+// a final record answers them (or requeues those whose inputs it does not
+// answer); a missing record, a run let go, or one lapsed (seen unchanged
+// for 1.5 leases by the sweep) requeues them; a run still building keeps
+// them parked. Entries already decided are published and dropped.
+func (w *Worker) settleWaiters(ctx context.Context, key string, items []waiterItem, lapsed bool) {
+	var cur *Record
+	for _, it := range items {
+		if !it.v.Parked {
+			continue
+		}
+		if cur == nil {
+			var err error
+			if cur, _, err = w.claims.get(ctx, key); err != nil {
+				return
+			}
+			if cur == nil {
+				cur = &Record{Key: key} // absent: requeue
+			}
+		}
+		if err := w.settleWaiter(ctx, key, it, cur, lapsed); err != nil {
+			w.log.Info("parked request not settled yet; the sweep tries again",
+				zap.String("key", key), zap.String("requestId", it.v.RequestID), zap.Error(err))
+		}
+	}
+}
+
+func (w *Worker) settleWaiter(ctx context.Context, key string, it waiterItem, cur *Record, lapsed bool) error {
+	le, err := w.ledgerGet(ctx, it.v.Tenant, it.v.RequestID)
+	if err != nil {
+		return err
+	}
+	drop := func() {
+		if err := w.requests.Delete(ctx, it.k, jetstream.LastRevision(it.rev)); err != nil && !isWrongRevision(err) {
+			w.log.Debug("waiter index: delete failed", zap.String("key", key), zap.Error(err))
+		}
+	}
+	switch {
+	case le == nil:
+		// The entry aged out with the results: nothing is left to answer.
+		drop()
+		return nil
+	case le.e.Result != nil:
+		if !le.e.Published {
+			if err := w.deliver(ctx, le, verdictOf(le.e)); err != nil {
+				return err
+			}
+		}
+		drop()
+		return nil
+	case le.e.Canceled:
+		v := canceledVerdict(w.parkedVerdict(it.v, key))
+		if err := w.deliver(ctx, le, v); err != nil {
+			return err
+		}
+		drop()
+		return nil
+	case cur.State == "" || (cur.State == StateBuilding && (cur.Owner == "" || lapsed)):
+		return w.requeue(ctx, it)
+	case cur.State == StateBuilding:
+		return nil // still building: stays parked
+	}
+	req, err := v1.DecodeRequest(it.v.Body)
+	if err != nil {
+		return fmt.Errorf("parked request unreadable: %w", err)
+	}
+	repo, err := w.cfg.Naming.Repository(req)
+	if err != nil {
+		return err
+	}
+	if !sharedFailure(cur, req, repo) {
+		// The run failed for its claimer's own inputs: this request
+		// builds with its own.
+		return w.requeue(ctx, it)
+	}
+	v := w.parkedVerdict(it.v, key)
+	v, err = w.resultVerdict(ctx, v, req, cur, v1.OriginInflight, false, repo, naming.Destinations(repo, key, req.Tags))
+	switch {
+	case err != nil && IsTransient(err):
+		// Registry trouble copying the image into the request's own
+		// repository: handled like any request, with its retry budget.
+		return w.requeue(ctx, it)
+	case err != nil:
+		v.data.Status, v.data.Reason, v.data.Message = v1.StatusFailed, v1.ReasonInfrastructureError, err.Error()
+		v.data.Digest, v.data.Image, v.data.ImageRef, v.data.LogTail = "", "", "", ""
+		v.term = true
+	}
+	if err := w.deliver(ctx, le, v); err != nil {
+		return err
+	}
+	drop()
+	return nil
+}
+
+// parkedVerdict is the start of a parked request's verdict.
+func (w *Worker) parkedVerdict(p waiterValue, key string) verdict {
+	var name string
+	if req, err := v1.DecodeRequest(p.Body); err == nil {
+		name = req.Name
+	}
+	started := p.ParkedAt
+	if started.IsZero() {
+		started = w.cfg.Now().UTC()
+	}
+	return verdict{tenant: p.Tenant, name: name, data: v1.ResultData{
+		RequestID: p.RequestID, Tenant: p.Tenant, Name: name, Key: key, Attempts: 1,
+		Timings: v1.Timings{QueuedAt: p.MsgTime.UTC(), StartedAt: started, QueueWaitMs: max(started.Sub(p.MsgTime).Milliseconds(), 0)},
+	}}
+}
+
+// deliver stores v as the request's decision (or takes the one stored
+// first), publishes it and marks it published.
+func (w *Worker) deliver(ctx context.Context, le *ledgerEntry, v verdict) error {
+	if v.data.Timings.FinishedAt.IsZero() {
+		v.data.Timings.FinishedAt = w.cfg.Now().UTC()
+	}
+	if !v.recorded {
+		rv, err := w.record(ctx, le, v)
+		if err != nil {
+			return err
+		}
+		v = rv
+	}
+	if v.publishedBefore {
+		return nil
+	}
+	w.event(v.tenant, v.name, v1.Event{RequestID: v.data.RequestID, Key: v.data.Key, Phase: v1.PhaseFinished,
+		Message: finishedMessage(v.data), Job: v.data.Job})
+	if err := w.publishResult(ctx, v.tenant, v.name, v.data); err != nil {
+		return err
+	}
+	w.published(ctx, le)
+	w.cfg.Metrics.published(v.data)
+	w.log.Info("parked request answered", zap.String("requestId", v.data.RequestID), zap.String("status", string(v.data.Status)),
+		zap.String("origin", string(v.data.Origin)), zap.String("reason", v.data.Reason))
+	return nil
+}
+
+// requeue publishes a parked request again, carrying its first message's
+// identity, and then drops its waiter entry (at the revision read: a
+// second requeuer of the same revision publishes the same message id,
+// which JetStream drops).
+func (w *Worker) requeue(ctx context.Context, it waiterItem) error {
+	p := it.v
+	if len(p.Body) == 0 || p.Subject == "" {
+		// An entry of the first version (not parked): nothing to requeue.
+		return nil
+	}
+	m := nats.NewMsg(p.Subject)
+	m.Data = p.Body
+	m.Header.Set(v1.MsgIDHeader, v1.MsgID(p.Tenant, p.RequestID)+"/requeue-"+strconv.FormatUint(it.rev, 10))
+	m.Header.Set(hdrRequeueSeq, strconv.FormatUint(p.Seq, 10))
+	m.Header.Set(hdrRequeueTime, p.MsgTime.UTC().Format(time.RFC3339Nano))
+	if _, err := w.js.PublishMsg(ctx, m); err != nil {
+		return fmt.Errorf("requeue %s: %w", p.RequestID, err)
+	}
+	if err := w.requests.Delete(ctx, it.k, jetstream.LastRevision(it.rev)); err != nil && !isWrongRevision(err) {
+		w.log.Debug("waiter index: delete after requeue failed", zap.Error(err))
+	}
+	w.cfg.Metrics.requeued()
+	w.log.Info("parked request requeued", zap.String("requestId", p.RequestID), zap.String("tenant", p.Tenant))
+	return nil
+}
+
+// parkWatch remembers, per build key with parked waiters, the record's
+// revision and when this worker first saw it: a run unchanged for 1.5
+// leases has nobody running it, and its parked waiters are requeued (one
+// of them takes it over).
+type parkWatch struct {
+	mu   sync.Mutex
+	seen map[string]observed
+}
+
+// sweepWaiters settles every parked waiter whose run ended, was let go or
+// lapsed: what a crash between a run's end and its waiters' answers left.
+func (w *Worker) sweepWaiters(ctx context.Context) {
+	items, err := w.listWaiters(ctx, "w.>")
+	if err != nil {
+		w.log.Debug("waiter sweep: listing failed", zap.Error(err))
+		return
+	}
+	now := w.cfg.Now()
+	w.parked.mu.Lock()
+	for k := range w.parked.seen {
+		if _, ok := items[k]; !ok {
+			delete(w.parked.seen, k)
+		}
+	}
+	w.parked.mu.Unlock()
+	n := 0
+	for key, list := range items {
+		parked := 0
+		for _, it := range list {
+			if it.v.Parked {
+				parked++
+			}
+		}
+		n += parked
+		if parked == 0 {
+			continue
+		}
+		cur, rev, err := w.claims.get(ctx, key)
+		if err != nil {
+			continue
+		}
+		lapsed := false
+		if cur != nil && cur.State == StateBuilding && cur.Owner != "" {
+			w.parked.mu.Lock()
+			seen, ok := w.parked.seen[key]
+			if !ok || seen.rev != rev {
+				w.parked.seen[key] = observed{rev: rev, at: now}
+			} else if now.Sub(seen.at) >= cur.lapseAfter() {
+				lapsed = true
+				delete(w.parked.seen, key)
+			}
+			w.parked.mu.Unlock()
+			if lapsed {
+				// Nobody renews the run: let it go (a compare-and-swap on
+				// the revision watched), so the requeued requests take it
+				// over at once. A live owner renewed meanwhile, and keeps it.
+				released := *cur
+				released.Owner, released.LeaseUntil = "", time.Time{}
+				if _, ok, err := w.claims.update(ctx, &released, rev); err != nil || !ok {
+					continue
+				}
+				w.log.Info("released a lapsed build run with parked requests", zap.String("key", key), zap.String("run", cur.Run), zap.String("owner", cur.Owner))
+			}
+		}
+		// Also for a run still building: a parked request canceled, or
+		// decided by a redelivery, is published and dropped.
+		w.settleWaiters(ctx, key, list, lapsed)
+	}
+	w.cfg.Metrics.setParked(n)
+}
