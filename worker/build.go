@@ -407,6 +407,8 @@ func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev ui
 			panic(p)
 		}
 	}()
+	w.cfg.Metrics.buildStarted(claim.Tenant)
+	defer w.cfg.Metrics.buildEnded(claim.Tenant)
 	out, err := w.backend.Run(runCtx, Build{Request: runRequest(req, claim), Key: claim.Key, Run: claim.Run, Destinations: claim.Destinations, Current: current}, func(job string, created bool, creator string) {
 		mu.Lock()
 		claim.Job = job

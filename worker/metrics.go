@@ -13,7 +13,9 @@ import (
 type Metrics struct {
 	results   *prometheus.CounterVec
 	inFlight  prometheus.Gauge
-	queueWait prometheus.Histogram
+	queueWait *prometheus.HistogramVec
+	running   *prometheus.GaugeVec
+	queued    *prometheus.GaugeVec
 	buildTime *prometheus.HistogramVec
 	retries   prometheus.Counter
 	dupes     prometheus.Counter
@@ -33,11 +35,19 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "buildq_requests_in_flight",
 			Help: "Requests this worker holds.",
 		}),
-		queueWait: prometheus.NewHistogram(prometheus.HistogramOpts{
+		queueWait: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "buildq_queue_wait_seconds",
-			Help:    "Time from a request's publication to a worker taking it.",
+			Help:    "Time from a request's publication to a worker taking it, by tenant.",
 			Buckets: prometheus.ExponentialBuckets(0.01, 4, 10),
-		}),
+		}, []string{"tenant"}),
+		running: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "buildq_builds_running",
+			Help: "Builds this worker runs now, by the tenant whose request claimed them (sum over workers for the total).",
+		}, []string{"tenant"}),
+		queued: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "buildq_requests_queued",
+			Help: "Request messages stored in BUILDQ_REQUESTS by tenant: waiting or being handled (every worker reports the same count; take max over workers).",
+		}, []string{"tenant"}),
 		buildTime: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "buildq_build_duration_seconds",
 			Help:    "Duration of the builds results came from, by status.",
@@ -64,7 +74,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		Name: "buildq_requests_waiting_on_builds",
 		Help: "Requests parked on builds in progress, as this worker's last sweep of the waiter index counted them.",
 	})
-	reg.MustRegister(m.results, m.inFlight, m.queueWait, m.buildTime, m.retries, m.dupes, m.parks, m.requeues, m.parkedNow)
+	reg.MustRegister(m.results, m.inFlight, m.queueWait, m.buildTime, m.retries, m.dupes, m.parks, m.requeues, m.parkedNow,
+		m.running, m.queued)
 	return m
 }
 
@@ -97,7 +108,7 @@ func (m *Metrics) published(d v1.ResultData) {
 		return
 	}
 	m.results.WithLabelValues(string(d.Status), string(d.Origin), d.Reason).Inc()
-	m.queueWait.Observe(time.Duration(d.Timings.QueueWaitMs * int64(time.Millisecond)).Seconds())
+	m.queueWait.WithLabelValues(d.Tenant).Observe(time.Duration(d.Timings.QueueWaitMs * int64(time.Millisecond)).Seconds())
 	if d.Origin == v1.OriginBuild && d.Timings.BuildMs > 0 {
 		m.buildTime.WithLabelValues(string(d.Status)).Observe(float64(d.Timings.BuildMs) / 1000)
 	}
@@ -118,5 +129,29 @@ func (m *Metrics) requeued() {
 func (m *Metrics) setParked(n int) {
 	if m != nil {
 		m.parkedNow.Set(float64(n))
+	}
+}
+
+// buildStarted and buildEnded count the builds this worker runs.
+func (m *Metrics) buildStarted(tenant string) {
+	if m != nil {
+		m.running.WithLabelValues(tenant).Inc()
+	}
+}
+
+func (m *Metrics) buildEnded(tenant string) {
+	if m != nil {
+		m.running.WithLabelValues(tenant).Dec()
+	}
+}
+
+// setQueued replaces the per-tenant queue counts.
+func (m *Metrics) setQueued(byTenant map[string]uint64) {
+	if m == nil {
+		return
+	}
+	m.queued.Reset()
+	for t, n := range byTenant {
+		m.queued.WithLabelValues(t).Set(float64(n))
 	}
 }

@@ -289,6 +289,23 @@ func (w *Worker) Run(ctx context.Context) error {
 		}
 	}()
 
+	if w.cfg.Metrics != nil {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			t := time.NewTicker(queueMetricsEvery)
+			defer t.Stop()
+			for {
+				w.countQueued(workCtx)
+				select {
+				case <-t.C:
+				case <-workCtx.Done():
+					return
+				}
+			}
+		}()
+	}
+
 	backoff := 100 * time.Millisecond
 fetch:
 	for {
@@ -357,6 +374,34 @@ fetch:
 	}
 	w.log.Info("worker stopped")
 	return nil
+}
+
+// queueMetricsEvery is how often a worker with metrics counts the queue.
+const queueMetricsEvery = 5 * time.Second
+
+// countQueued reads the request messages stored per tenant subject
+// (waiting, or held by a handler) for buildq_requests_queued.
+func (w *Worker) countQueued(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(ctx, queueMetricsEvery)
+	defer cancel()
+	st, err := w.js.Stream(ctx, v1.RequestsStream)
+	if err != nil {
+		return
+	}
+	info, err := st.Info(ctx, jetstream.WithSubjectFilter(v1.RequestsPrefix+".>"))
+	if err != nil {
+		return
+	}
+	by := map[string]uint64{}
+	for subj, n := range info.State.Subjects {
+		parts := strings.Split(subj, ".")
+		tenant := "_invalid"
+		if len(parts) == 3 && v1.DNSLabelProblem(parts[2]) == "" {
+			tenant = parts[2]
+		}
+		by[tenant] += n
+	}
+	w.cfg.Metrics.setQueued(by)
 }
 
 func (w *Worker) release(n int) {
