@@ -33,6 +33,7 @@ import (
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/contexttar"
 	"github.com/buildq/buildq/internal/kaniko"
+	"github.com/buildq/buildq/worker"
 )
 
 // Helpers of the real-process fault tests (faults_test.go, cluster_test.go):
@@ -408,13 +409,42 @@ func (s *suite) consumerInfo() *jetstream.ConsumerInfo {
 	})
 }
 
-// waitTaken waits until the workers hold n requests (delivered, not yet
-// acked) and none waits in the stream.
+// waitTaken waits until the workers took n requests and none waits in the
+// stream: each is held (delivered, not yet acked) or parked on a build in
+// progress (its message acked, its waiter entry parked).
 func (s *suite) waitTaken(n int) {
 	s.t.Helper()
-	eventually(s.t, time.Minute, fmt.Sprintf("the workers to hold %d requests", n), func() bool {
+	eventually(s.t, time.Minute, fmt.Sprintf("the workers to hold or park %d requests", n), func() bool {
 		ci := s.consumerInfo()
-		return ci.NumAckPending == n && ci.NumPending == 0
+		return ci.NumPending == 0 && ci.NumAckPending+s.parkedRequests() == n
+	})
+}
+
+// parkedRequests counts the waiter entries of parked requests.
+func (s *suite) parkedRequests() int {
+	s.t.Helper()
+	js := s.js()
+	return retry(s.t, "count parked requests", func(ctx context.Context) (int, error) {
+		kv, err := js.KeyValue(ctx, worker.RequestsBucket)
+		if err != nil {
+			return 0, err
+		}
+		lister, err := kv.ListKeysFiltered(ctx, "w.>")
+		if errors.Is(err, jetstream.ErrNoKeysFound) {
+			return 0, nil
+		}
+		if err != nil {
+			return 0, err
+		}
+		defer func() { _ = lister.Stop() }()
+		n := 0
+		for k := range lister.Keys() {
+			e, err := kv.Get(ctx, k)
+			if err == nil && bytes.Contains(e.Value(), []byte(`"parked":true`)) {
+				n++
+			}
+		}
+		return n, nil
 	})
 }
 

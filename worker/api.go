@@ -175,7 +175,9 @@ func (w *Worker) status(ctx context.Context, tenant, target string) StatusReply 
 	case err != nil:
 		return StatusReply{Error: err.Error()}
 	case le != nil:
-		rep.Request, rep.Key = &le.e, le.e.Key
+		e := le.e
+		e.RequeueToken = "" // the worker's secret: it authenticates a requeue
+		rep.Request, rep.Key = &e, e.Key
 	case !IsBuildKey(target):
 		return StatusReply{Error: fmt.Sprintf("no request %s of tenant %s is known (still queued, or older than the results' max age)", target, tenant)}
 	}
@@ -377,8 +379,9 @@ type waiterReg struct {
 	once  sync.Once
 	added bool
 	// park, when set, lets the request park (park.go): the message it
-	// came in, for the waiter entry.
+	// came in, for the waiter entry, and its ledger entry.
 	park *waiterValue
+	le   *ledgerEntry
 }
 
 // add indexes the request as a waiter of key, once. A nil reg does

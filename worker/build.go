@@ -253,6 +253,10 @@ func sharedFailure(final *Record, req *v1.Request, repo string) bool {
 	case v1.ReasonPushFailed:
 		// The claimer's repository refused it; another may take it.
 		return repo == final.Repository
+	case v1.ReasonCanceled:
+		// A cancel answers the requests canceled (their own ledger
+		// entries say so), never one that joined meanwhile.
+		return false
 	}
 	return true
 }

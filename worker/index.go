@@ -56,6 +56,9 @@ type RequestEntry struct {
 	// it removes after publishing.
 	CleanupKey string `json:"cleanupKey,omitempty"`
 	CleanupRun string `json:"cleanupRun,omitempty"`
+	// RequeueToken is written when the request parks; a requeued message
+	// must carry it (never shown to tenants).
+	RequeueToken string `json:"requeueToken,omitempty"`
 }
 
 // StateBuildingRequest is a ledger entry's state before its decision.

@@ -2,6 +2,9 @@ package worker
 
 import (
 	"context"
+	"crypto/rand"
+	"crypto/subtle"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -37,12 +40,11 @@ import (
 // without a result, which the build's end brings.
 var errParked = errors.New("parked on a build in progress")
 
-// Headers of a requeued request: the stream sequence and time of the
-// message that first held its id, so its ledger entry knows it.
-const (
-	hdrRequeueSeq  = "Buildq-Requeue-Seq"
-	hdrRequeueTime = "Buildq-Requeue-Time"
-)
+// hdrRequeueToken carries a requeued request's token: a random value the
+// worker wrote into the request's ledger entry when it parked it. Only a
+// message that carries it is taken for the request's first message (a
+// tenant can read neither bucket, so it cannot forge one).
+const hdrRequeueToken = "Buildq-Requeue-Token"
 
 // waiterValue is the value of a waiter index entry.
 type waiterValue struct {
@@ -59,6 +61,8 @@ type waiterValue struct {
 	MsgTime  time.Time `json:"msgTime,omitzero"`
 	Body     []byte    `json:"body,omitempty"`
 	ParkedAt time.Time `json:"parkedAt,omitzero"`
+	// Token is the requeue token written into the ledger entry at park.
+	Token string `json:"token,omitempty"`
 }
 
 // parseWaiter reads a waiter entry: JSON, or the first version's
@@ -75,20 +79,19 @@ func parseWaiter(b []byte) (waiterValue, bool) {
 	return waiterValue{Tenant: tenant, RequestID: id}, ok
 }
 
-// msgIdentity is the stream sequence and time that identify a request
-// message in its ledger entry: the message's own, or, for a requeued
-// request, those of the message that first held its id.
-func msgIdentity(msg jetstream.Msg, meta *jetstream.MsgMetadata) (uint64, time.Time) {
-	h := msg.Headers()
-	if h == nil || h.Get(hdrRequeueSeq) == "" || !strings.Contains(h.Get(v1.MsgIDHeader), "/requeue-") {
-		return meta.Sequence.Stream, meta.Timestamp
+// requeuedEntry returns the ledger entry a requeued message stands for:
+// the entry of its tenant and id whose requeue token the message carries.
+func (w *Worker) requeuedEntry(ctx context.Context, msg jetstream.Msg, tenant, id string) *ledgerEntry {
+	tok := msg.Headers().Get(hdrRequeueToken)
+	if tok == "" {
+		return nil
 	}
-	seq, err1 := strconv.ParseUint(h.Get(hdrRequeueSeq), 10, 64)
-	at, err2 := time.Parse(time.RFC3339Nano, h.Get(hdrRequeueTime))
-	if err1 != nil || err2 != nil || seq == 0 {
-		return meta.Sequence.Stream, meta.Timestamp
+	le, err := w.ledgerGet(ctx, tenant, id)
+	if err != nil || le == nil || le.e.RequeueToken == "" ||
+		subtle.ConstantTimeCompare([]byte(le.e.RequeueToken), []byte(tok)) != 1 {
+		return nil
 	}
-	return seq, at
+	return le
 }
 
 // holds reports whether the run of cur is handled by the request with
@@ -108,6 +111,11 @@ func holds(cur *Record, lk string, req *v1.Request, seq uint64) bool {
 func (w *Worker) park(ctx context.Context, wr *waiterReg, key string, cur *Record) (bool, error) {
 	v := *wr.park
 	v.Parked, v.Run, v.ParkedAt = true, cur.Run, w.cfg.Now().UTC()
+	tok, err := w.setRequeueToken(ctx, wr.le)
+	if err != nil {
+		return false, Transient(err)
+	}
+	v.Token = tok
 	b, _ := json.Marshal(v)
 	wk := waiterKey(key, v.Tenant, v.RequestID)
 	if _, err := w.requests.Put(ctx, wk, b); err != nil {
@@ -337,11 +345,15 @@ func (w *Worker) requeue(ctx context.Context, it waiterItem) error {
 		// An entry of the first version (not parked): nothing to requeue.
 		return nil
 	}
+	if p.Token == "" {
+		return nil // parked by no version that requeues
+	}
 	m := nats.NewMsg(p.Subject)
 	m.Data = p.Body
-	m.Header.Set(v1.MsgIDHeader, v1.MsgID(p.Tenant, p.RequestID)+"/requeue-"+strconv.FormatUint(it.rev, 10))
-	m.Header.Set(hdrRequeueSeq, strconv.FormatUint(p.Seq, 10))
-	m.Header.Set(hdrRequeueTime, p.MsgTime.UTC().Format(time.RFC3339Nano))
+	// The token makes the id unguessable: nobody can publish it first and
+	// have JetStream drop the requeue as a duplicate.
+	m.Header.Set(v1.MsgIDHeader, v1.MsgID(p.Tenant, p.RequestID)+"/requeue-"+p.Token+"-"+strconv.FormatUint(it.rev, 10))
+	m.Header.Set(hdrRequeueToken, p.Token)
 	if _, err := w.js.PublishMsg(ctx, m); err != nil {
 		return fmt.Errorf("requeue %s: %w", p.RequestID, err)
 	}
@@ -422,4 +434,36 @@ func (w *Worker) sweepWaiters(ctx context.Context) {
 		w.settleWaiters(ctx, key, list, lapsed)
 	}
 	w.cfg.Metrics.setParked(n)
+}
+
+// setRequeueToken writes a fresh requeue token into the request's ledger
+// entry (a new one at every park: an older requeue's message is then
+// refused, the entry's current state stands).
+func (w *Worker) setRequeueToken(ctx context.Context, le *ledgerEntry) (string, error) {
+	var raw [16]byte
+	_, _ = rand.Read(raw[:])
+	tok := hex.EncodeToString(raw[:])
+	if le == nil {
+		return "", errors.New("request ledger: no entry to park")
+	}
+	k := RequestIndexKey(le.e.Tenant, le.e.RequestID)
+	for range 10 {
+		e := le.e
+		e.RequeueToken, e.UpdatedAt = tok, w.cfg.Now().UTC()
+		b, _ := json.Marshal(e)
+		rev, err := w.requests.Update(ctx, k, b, le.rev)
+		if err == nil {
+			le.e, le.rev = e, rev
+			return tok, nil
+		}
+		if !isWrongRevision(err) {
+			return "", fmt.Errorf("request ledger: %w", err)
+		}
+		cur, gerr := w.ledgerGet(ctx, le.e.Tenant, le.e.RequestID)
+		if gerr != nil || cur == nil {
+			return "", fmt.Errorf("request ledger: entry gone while parking: %v", gerr)
+		}
+		*le = *cur
+	}
+	return "", errors.New("request ledger: entry keeps changing")
 }

@@ -683,7 +683,7 @@ func (w *Worker) heartbeat(msg jetstream.Msg) func() {
 // le is the request's ledger entry (nil for input too broken to have one).
 func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream.MsgMetadata, base *verdict, baseLE **ledgerEntry, cancel context.CancelCauseFunc) (verdict, *ledgerEntry, error) {
 	started := w.cfg.Now().UTC()
-	seq, at := msgIdentity(msg, meta)
+	seq, at := meta.Sequence.Stream, meta.Timestamp
 	timings := v1.Timings{QueuedAt: at.UTC(), StartedAt: started, QueueWaitMs: started.Sub(at).Milliseconds()}
 	req, err := w.decode(msg)
 	if err != nil {
@@ -696,10 +696,17 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 	v.data.Key = key
 	*base = v
 	le, fresh, err := w.openEntry(ctx, req.Tenant, req.Name, req.RequestID, key, seq, at)
+	if errors.Is(err, errDuplicateID) {
+		// A parked request published again carries the token its
+		// ledger entry holds: it is that request, not a duplicate.
+		if rq := w.requeuedEntry(ctx, msg, req.Tenant, req.RequestID); rq != nil {
+			le, fresh, err = rq, false, nil
+			seq, at = rq.e.Seq, rq.e.MsgTime
+			v.data.Timings = v1.Timings{QueuedAt: at.UTC(), StartedAt: started, QueueWaitMs: started.Sub(at).Milliseconds()}
+		}
+	}
 	switch {
-	case errors.Is(err, errDuplicateID), err == nil && seq != meta.Sequence.Stream && le.e.Key != "" && le.e.Key != key:
-		// (A requeued request carries its first message's identity; one
-		// whose body builds something else is not that request.)
+	case errors.Is(err, errDuplicateID):
 		v.duplicate = true
 		return v, nil, nil
 	case err != nil:
@@ -733,7 +740,7 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: key, Phase: v1.PhaseQueued,
 		Message: fmt.Sprintf("taken by %s after %s in the queue", w.cfg.ID, time.Duration(timings.QueueWaitMs)*time.Millisecond)})
 
-	wr := &waiterReg{park: &waiterValue{Tenant: req.Tenant, RequestID: req.RequestID, Subject: msg.Subject(),
+	wr := &waiterReg{le: le, park: &waiterValue{Tenant: req.Tenant, RequestID: req.RequestID, Subject: msg.Subject(),
 		MsgID: msg.Headers().Get(v1.MsgIDHeader), Seq: seq, MsgTime: at.UTC(), Body: msg.Data()}}
 	rec, origin, owned, err := w.build(ctx, req, key, repo, dests, seq, wr)
 	v.waiter = wr.added
@@ -833,6 +840,18 @@ func (w *Worker) decode(msg jetstream.Msg) (*v1.Request, error) {
 // validated, with the ledger entry of its id when it has a usable one.
 func (w *Worker) invalidEntry(ctx context.Context, msg jetstream.Msg, req *v1.Request, err error, timings v1.Timings, meta *jetstream.MsgMetadata) (verdict, *ledgerEntry, error) {
 	v := w.invalid(msg, req, err, timings, meta)
+	if w.requests != nil && msg.Headers().Get(v1.MsgIDHeader) == "" && !strings.HasPrefix(v.tenant, "_") &&
+		!strings.HasPrefix(v.data.RequestID, "invalid-") {
+		// No header: the id is the body's. An id the ledger already
+		// holds belongs to another message; this one gets no result
+		// (a second, different one would follow the first).
+		if le, err := w.ledgerGet(ctx, v.tenant, v.data.RequestID); err != nil {
+			return v, nil, Transient(err)
+		} else if le != nil {
+			v.duplicate = true
+			return v, nil, nil
+		}
+	}
 	if w.requests == nil || strings.HasPrefix(v.tenant, "_") || strings.HasPrefix(v.data.RequestID, "invalid-") ||
 		msg.Headers().Get(v1.MsgIDHeader) == "" {
 		// No ledger entry for an id the message does not hold by its
