@@ -413,29 +413,15 @@ func (w *Worker) dropWaiter(ctx context.Context, key, tenant, id string) {
 }
 
 // waiters returns the undecided ledger entries of the requests waiting on
-// key.
+// key, parked or held.
 func (w *Worker) waiters(ctx context.Context, key string) ([]*ledgerEntry, error) {
-	lister, err := w.requests.ListKeysFiltered(ctx, "w."+key+".*")
+	items, err := w.listWaiters(ctx, "w."+key+".*")
 	if err != nil {
-		return nil, fmt.Errorf("waiter index: %w", err)
+		return nil, err
 	}
-	defer func() { _ = lister.Stop() }()
 	var out []*ledgerEntry
-	seen := map[string]bool{}
-	for k := range lister.Keys() {
-		if seen[k] {
-			continue
-		}
-		seen[k] = true
-		got, err := w.requests.Get(ctx, k)
-		if err != nil {
-			continue // gone meanwhile
-		}
-		wv, ok := parseWaiter(got.Value())
-		if !ok {
-			continue
-		}
-		le, err := w.ledgerGet(ctx, wv.Tenant, wv.RequestID)
+	for _, it := range items[key] {
+		le, err := w.ledgerGet(ctx, it.v.Tenant, it.v.RequestID)
 		if err != nil {
 			return nil, err
 		}

@@ -436,18 +436,24 @@ func (w *Worker) sweepWaiters(ctx context.Context) {
 	w.cfg.Metrics.setParked(n)
 }
 
-// setRequeueToken writes a fresh requeue token into the request's ledger
-// entry (a new one at every park: an older requeue's message is then
-// refused, the entry's current state stands).
+// setRequeueToken gives the request's ledger entry its requeue token,
+// once: the token stays the request's for good, so every message that
+// carries it — a requeue, and every redelivery of one, even after the
+// request parked and unparked again — stands for the request. (Handlers
+// of one request racing each other are settled by the ledger, as for any
+// redelivery.)
 func (w *Worker) setRequeueToken(ctx context.Context, le *ledgerEntry) (string, error) {
-	var raw [16]byte
-	_, _ = rand.Read(raw[:])
-	tok := hex.EncodeToString(raw[:])
 	if le == nil {
 		return "", errors.New("request ledger: no entry to park")
 	}
+	var raw [16]byte
+	_, _ = rand.Read(raw[:])
+	tok := hex.EncodeToString(raw[:])
 	k := RequestIndexKey(le.e.Tenant, le.e.RequestID)
 	for range 10 {
+		if le.e.RequeueToken != "" {
+			return le.e.RequeueToken, nil
+		}
 		e := le.e
 		e.RequeueToken, e.UpdatedAt = tok, w.cfg.Now().UTC()
 		b, _ := json.Marshal(e)
