@@ -397,15 +397,14 @@ func (s *suite) streamInfo(name string) *jetstream.StreamInfo {
 	})
 }
 
-func (s *suite) consumerInfo() *jetstream.ConsumerInfo {
+// queueState reads where the requests are: intake (buildq-workers on
+// BUILDQ_REQUESTS) and the tenants' queues (BUILDQ_QUEUE).
+func (s *suite) queueState() worker.QueueState {
 	s.t.Helper()
 	js := s.js()
-	return retry(s.t, "consumer info", func(ctx context.Context) (*jetstream.ConsumerInfo, error) {
-		c, err := js.Consumer(ctx, v1.RequestsStream, v1.WorkersConsumer)
-		if err != nil {
-			return nil, err
-		}
-		return c.Info(ctx)
+	return *retry(s.t, "queue state", func(ctx context.Context) (*worker.QueueState, error) {
+		q, err := worker.ReadQueueState(ctx, js)
+		return &q, err
 	})
 }
 
@@ -415,8 +414,8 @@ func (s *suite) consumerInfo() *jetstream.ConsumerInfo {
 func (s *suite) waitTaken(n int) {
 	s.t.Helper()
 	eventually(s.t, time.Minute, fmt.Sprintf("the workers to hold or park %d requests", n), func() bool {
-		ci := s.consumerInfo()
-		return ci.NumPending == 0 && ci.NumAckPending+s.parkedRequests() == n
+		q := s.queueState()
+		return q.Waiting == 0 && q.Held+s.parkedRequests() == n
 	})
 }
 
@@ -562,12 +561,12 @@ func (s *suite) answeredOnce(res *results, want []string, timeout time.Duration)
 // the consumer empty; no Job left in the namespace.
 func (s *suite) settled(total int) {
 	s.t.Helper()
-	eventually(s.t, time.Minute, "the request stream to empty", func() bool {
-		return s.streamInfo(v1.RequestsStream).State.Msgs == 0
+	eventually(s.t, time.Minute, "the request streams to empty", func() bool {
+		return s.queueState().Messages == 0
 	})
-	eventually(s.t, 30*time.Second, "the consumer to have nothing pending", func() bool {
-		ci := s.consumerInfo()
-		return ci.NumAckPending == 0 && ci.NumPending == 0
+	eventually(s.t, 30*time.Second, "the consumers to have nothing pending", func() bool {
+		q := s.queueState()
+		return q.Held == 0 && q.Waiting == 0
 	})
 	counts := s.storedResultCounts()
 	n := 0

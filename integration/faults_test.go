@@ -265,7 +265,7 @@ func TestS3DownDuringBuild(t *testing.T) {
 func (s *suite) waitRetried(p *faultProxy, method, part string) {
 	s.t.Helper()
 	eventually(s.t, time.Minute, "a redelivery", func() bool {
-		return s.consumerInfo().NumRedelivered >= 1
+		return s.queueState().Redelivered >= 1
 	})
 	n := p.count(method, part)
 	eventually(s.t, time.Minute, "a faulted request after the redelivery", func() bool {

@@ -277,7 +277,21 @@ func TestNATSAuth(t *testing.T) {
 		}
 		b.refused(t, "Publish", v1.ResultSubject("acme", "held"))
 	})
-	for _, bucket := range []string{v1.BuildsBucket, "buildq-requests"} {
+	deny("B jumps the queue: publishes straight into a tenant's queue", func(t *testing.T) {
+		for _, subj := range []string{"buildq.queue.globex.high", "buildq.queue.acme.normal"} {
+			if err := b.nc.Publish(subj, []byte(`{}`)); err != nil {
+				t.Fatal(err)
+			}
+			b.refused(t, "Publish", subj)
+		}
+	})
+	deny("B takes or frees concurrency slots", func(t *testing.T) {
+		if err := b.nc.Publish("$KV."+worker.SlotsBucket+".acme.0", []byte("x")); err != nil {
+			t.Fatal(err)
+		}
+		b.refused(t, "Publish", "$KV."+worker.SlotsBucket+".acme.0")
+	})
+	for _, bucket := range []string{v1.BuildsBucket, "buildq-requests", worker.SlotsBucket} {
 		deny("B opens the KV bucket "+bucket, func(t *testing.T) {
 			js, _ := jetstream.New(b.nc)
 			kctx, kcancel := context.WithTimeout(ctx, 2*time.Second)

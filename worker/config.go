@@ -71,6 +71,9 @@ type Config struct {
 	// ContextBucket, when set, is the only bucket a request's S3 context
 	// may be in.
 	ContextBucket string
+	// Fair holds the fair-queueing rules: tenant weights, concurrency and
+	// queue-length limits (docs/design.md §2d).
+	Fair FairConfig
 	// KeepJobs leaves finished Jobs for their ttlSecondsAfterFinished
 	// instead of deleting them after the results are stored (default false).
 	KeepJobs bool
@@ -166,6 +169,9 @@ func (c Config) Validate() error {
 	if c.ContextPrefix != "" && !strings.Contains(c.ContextPrefix, "{tenant}/") {
 		// "contexts/{tenant}" would let tenant acme name contexts/acme-corp/….
 		errs = append(errs, fmt.Errorf("context prefix %q must contain {tenant}/ ({tenant} as a whole path segment), e.g. contexts/{tenant}/", c.ContextPrefix))
+	}
+	if err := c.Fair.Validate(); err != nil {
+		errs = append(errs, err)
 	}
 	if err := c.Naming.Validate(); err != nil {
 		errs = append(errs, err)

@@ -386,28 +386,15 @@ func merge(a, b map[string]string) map[string]string {
 	return out
 }
 
-// streamState returns the messages left in the requests stream and the
-// consumer's pending acks.
+// streamState returns the request messages left (intake and the tenants'
+// queues), the requests held by handlers and the redelivered ones.
 func (e *env) streamState() (msgs uint64, ackPending int, redelivered int) {
 	e.t.Helper()
-	ctx := context.Background()
-	s, err := e.js.Stream(ctx, v1.RequestsStream)
+	q, err := ReadQueueState(context.Background(), e.js)
 	if err != nil {
 		e.t.Fatal(err)
 	}
-	si, err := s.Info(ctx)
-	if err != nil {
-		e.t.Fatal(err)
-	}
-	c, err := s.Consumer(ctx, v1.WorkersConsumer)
-	if err != nil {
-		e.t.Fatal(err)
-	}
-	ci, err := c.Info(ctx)
-	if err != nil {
-		e.t.Fatal(err)
-	}
-	return si.State.Msgs, ci.NumAckPending, ci.NumRedelivered
+	return q.Messages, q.Held, q.Redelivered
 }
 
 func digestOf(s string) string { return "sha256:" + hex64(s) }

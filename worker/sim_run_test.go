@@ -88,6 +88,8 @@ func simRequestFor(seed int64, ctx, variant int, id, tenant, name string) *v1.Re
 		BuildArgs:     map[string]string{"VERSION": fmt.Sprint(ctx)},
 		Labels:        labels,
 		SubmittedAt:   time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC),
+		// Priorities spread over the schedule's requests; not in the key.
+		Priority: []string{"", v1.PriorityHigh, v1.PriorityLow}[len(id)%3],
 	}
 }
 

@@ -616,7 +616,17 @@ func (w *simWorld) workerConfig(id string, skew time.Duration) Config {
 		Logger:          logger.Named(id),
 		Metrics:         w.metrics,
 		Now:             func() time.Time { return time.Now().Add(skew) },
+		Fair:            w.fair(),
 	}
+}
+
+// fair gives odd seeds fair-queueing rules: acme at most 2 requests at
+// once across all workers, globex twice acme's share.
+func (w *simWorld) fair() FairConfig {
+	if w.seed%2 == 0 {
+		return FairConfig{}
+	}
+	return FairConfig{Concurrency: map[string]int{"acme": 2}, Weights: map[string]int{"globex": 2}}
 }
 
 var simKaniko = func() kaniko.Config {
@@ -979,25 +989,14 @@ func (w *simWorld) storedResults(ctx context.Context) ([]simStored, error) {
 	return out, nil
 }
 
-// queueState is the requests stream's and the consumer's state.
+// queueState is the requests' state: messages left in intake and the
+// tenants' queues, those waiting, and those held.
 func (w *simWorld) queueState(ctx context.Context) (msgs uint64, pending uint64, ackPending int, err error) {
-	s, err := w.js.Stream(ctx, v1.RequestsStream)
+	q, err := ReadQueueState(ctx, w.js)
 	if err != nil {
 		return 0, 0, 0, err
 	}
-	si, err := s.Info(ctx)
-	if err != nil {
-		return 0, 0, 0, err
-	}
-	c, err := s.Consumer(ctx, v1.WorkersConsumer)
-	if err != nil {
-		return 0, 0, 0, err
-	}
-	ci, err := c.Info(ctx)
-	if err != nil {
-		return 0, 0, 0, err
-	}
-	return si.State.Msgs, ci.NumPending, ci.NumAckPending, nil
+	return q.Messages, q.Waiting, q.Held, nil
 }
 
 // liveJobs lists the Jobs that exist now.

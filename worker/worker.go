@@ -48,8 +48,11 @@ type Worker struct {
 	// another worker may have set it lower than this one's.
 	ackWait atomic.Int64
 	cons    jetstream.Consumer
-	sem     chan struct{}
-	source  string
+	// queue is BUILDQ_QUEUE; slots the per-tenant concurrency slots.
+	queue  jetstream.Stream
+	slots  jetstream.KeyValue
+	sem    chan struct{}
+	source string
 
 	setupMu   sync.Mutex
 	setupDone bool
@@ -143,6 +146,9 @@ func (w *Worker) setup(ctx context.Context) error {
 	w.claims = claims{kv: kv}
 	w.cons = cons
 	w.ackWait.Store(int64(cons.CachedInfo().Config.AckWait))
+	if w.queue, w.slots, err = ensureQueue(ctx, w.js, w.cfg); err != nil {
+		return err
+	}
 	w.requests, err = ensureRequestsBucket(ctx, w.js, w.cfg)
 	return err
 }
@@ -306,62 +312,14 @@ func (w *Worker) Run(ctx context.Context) error {
 		}()
 	}
 
-	backoff := 100 * time.Millisecond
-fetch:
-	for {
-		// Fetch only as many messages as there are free slots.
-		select {
-		case w.sem <- struct{}{}:
-		case <-ctx.Done():
-			break fetch
-		}
-		n := 1
-	more:
-		for n < cap(w.sem) {
-			select {
-			case w.sem <- struct{}{}:
-				n++
-			default:
-				break more
-			}
-		}
-		fctx, cancel := context.WithTimeout(ctx, fetchWait)
-		batch, err := w.cons.Fetch(n, jetstream.FetchContext(fctx))
-		if err != nil {
-			cancel()
-			w.release(n)
-			if ctx.Err() != nil {
-				break fetch
-			}
-			w.log.Warn("fetch failed; retrying", zap.Error(err), zap.Duration("backoff", backoff))
-			select {
-			case <-time.After(backoff):
-			case <-ctx.Done():
-				break fetch
-			}
-			backoff = min(backoff*2, 5*time.Second)
-			continue
-		}
-		got := 0
-		for msg := range batch.Messages() {
-			got++
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer w.release(1)
-				w.cfg.Metrics.taken()
-				defer w.cfg.Metrics.released()
-				w.handle(workCtx, msg)
-			}()
-		}
-		cancel()
-		w.release(n - got)
-		if err := batch.Error(); err == nil || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) || errors.Is(err, nats.ErrTimeout) {
-			backoff = 100 * time.Millisecond
-		} else if ctx.Err() == nil {
-			w.log.Warn("fetch ended with an error", zap.Error(err))
-		}
-	}
+	// Intake admits new requests to the tenants' queues; the dispatcher
+	// runs them on this worker's free slots, fairly between tenants.
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		w.intakeLoop(ctx, workCtx, &wg)
+	}()
+	w.dispatchLoop(ctx, workCtx, &wg)
 
 	w.log.Info("stopping: handing back requests in flight")
 	cancelWork()
@@ -379,27 +337,29 @@ fetch:
 // queueMetricsEvery is how often a worker with metrics counts the queue.
 const queueMetricsEvery = 5 * time.Second
 
-// countQueued reads the request messages stored per tenant subject
-// (waiting, or held by a handler) for buildq_requests_queued.
+// countQueued reads the request messages stored per tenant (not yet
+// admitted, queued, or held by a handler) for buildq_requests_queued.
 func (w *Worker) countQueued(ctx context.Context) {
 	ctx, cancel := context.WithTimeout(ctx, queueMetricsEvery)
 	defer cancel()
-	st, err := w.js.Stream(ctx, v1.RequestsStream)
-	if err != nil {
-		return
-	}
-	info, err := st.Info(ctx, jetstream.WithSubjectFilter(v1.RequestsPrefix+".>"))
-	if err != nil {
-		return
-	}
 	by := map[string]uint64{}
-	for subj, n := range info.State.Subjects {
-		parts := strings.Split(subj, ".")
-		tenant := "_invalid"
-		if len(parts) == 3 && v1.DNSLabelProblem(parts[2]) == "" {
-			tenant = parts[2]
+	for _, src := range []struct{ stream, prefix string }{{v1.RequestsStream, v1.RequestsPrefix}, {QueueStream, QueuePrefix}} {
+		st, err := w.js.Stream(ctx, src.stream)
+		if err != nil {
+			return
 		}
-		by[tenant] += n
+		info, err := st.Info(ctx, jetstream.WithSubjectFilter(src.prefix+".>"))
+		if err != nil {
+			return
+		}
+		for subj, n := range info.State.Subjects {
+			parts := strings.Split(strings.TrimPrefix(subj, src.prefix+"."), ".")
+			tenant := "_invalid"
+			if (len(parts) == 1 || src.stream == QueueStream) && v1.DNSLabelProblem(parts[0]) == "" {
+				tenant = parts[0]
+			}
+			by[tenant] += n
+		}
 	}
 	w.cfg.Metrics.setQueued(by)
 }
@@ -715,6 +675,10 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 		return verdictOf(le.e), le, nil // decided before: publish that again
 	case le.e.Canceled:
 		return canceledVerdict(v), le, nil // canceled while it was not held
+	}
+	if message, ok := ctx.Value(quotaKey{}).(string); ok {
+		v.data.Status, v.data.Reason, v.data.Message = v1.StatusFailed, v1.ReasonQuotaExceeded, message
+		return v, le, nil
 	}
 	*baseLE = le
 	defer w.held.hold(RequestIndexKey(req.Tenant, req.RequestID), cancel)()

@@ -119,6 +119,10 @@ type Request struct {
 	// the worker's default.
 	Timeout Duration          `json:"timeout,omitzero"`
 	Labels  map[string]string `json:"labels,omitempty"`
+	// Priority orders a tenant's own queued requests: "high" before
+	// "normal" before "low" (empty means normal). It never moves a request
+	// ahead of another tenant's share, and it is not part of the build key.
+	Priority string `json:"priority,omitempty"`
 	// SubmittedAt is set by the producer; it is informational.
 	SubmittedAt time.Time `json:"submittedAt,omitzero"`
 }
@@ -202,7 +206,32 @@ const (
 	ReasonJobDeleted          = "JobDeleted"
 	ReasonExpired             = "Expired"
 	ReasonInfrastructureError = "InfrastructureError"
+	// ReasonQuotaExceeded: the tenant already had its queue-length limit
+	// of requests waiting; the request was refused without a build.
+	ReasonQuotaExceeded = "QuotaExceeded"
 )
+
+// Priorities of a request (Request.Priority), highest first.
+const (
+	PriorityHigh   = "high"
+	PriorityNormal = "normal"
+	PriorityLow    = "low"
+)
+
+// Priorities lists the priorities in the order they are served.
+var Priorities = []string{PriorityHigh, PriorityNormal, PriorityLow}
+
+// PriorityOf returns p's canonical priority ("" is normal) and whether p
+// is one.
+func PriorityOf(p string) (string, bool) {
+	switch p {
+	case "":
+		return PriorityNormal, true
+	case PriorityHigh, PriorityNormal, PriorityLow:
+		return p, true
+	}
+	return PriorityNormal, false
+}
 
 // CloudEvents constants of the result event.
 const (

@@ -129,6 +129,7 @@ func TestValidateRejects(t *testing.T) {
 		{"image with digest", "image", func(r *Request) { r.Image = "registry.example.com/acme/web@sha256:" + strings.Repeat("a", 64) }},
 		{"uppercase image", "image", func(r *Request) { r.Image = "Registry.example.com/Acme/Web" }},
 		{"bad tag", "tags", func(r *Request) { r.Tags = []string{"-x"} }},
+		{"bad priority", "priority", func(r *Request) { r.Priority = "urgent" }},
 		{"too many tags", "tags", func(r *Request) { r.Tags = strings.Split(strings.Repeat("t,", 17)[:33], ",") }},
 		{"timeout too short", "timeout", func(r *Request) { r.Timeout = Duration{time.Second} }},
 		{"timeout too long", "timeout", func(r *Request) { r.Timeout = Duration{48 * time.Hour} }},
@@ -209,6 +210,7 @@ func TestBuildKey(t *testing.T) {
 		func(r *Request) { r.Image = "other.example.com/x/y" },
 		func(r *Request) { r.Tags = nil },
 		func(r *Request) { r.Timeout = Duration{} },
+		func(r *Request) { r.Priority = PriorityHigh },
 		func(r *Request) { r.Tenant, r.Name = "other", "other" },
 		func(r *Request) { r.Platforms = []string{"linux/amd64", "linux/arm64"} },
 	}

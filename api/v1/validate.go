@@ -230,6 +230,9 @@ func (r *Request) Validate() error {
 	if r.Timeout.Duration != 0 && (r.Timeout.Duration < MinTimeout || r.Timeout.Duration > MaxTimeout) {
 		add("timeout", "must be between %s and %s, got %s", MinTimeout, MaxTimeout, r.Timeout.Duration)
 	}
+	if _, ok := PriorityOf(r.Priority); !ok {
+		add("priority", "must be %q, %q or %q, got %q", PriorityHigh, PriorityNormal, PriorityLow, truncate(r.Priority, 40))
+	}
 	if len(r.Labels) > MaxLabels {
 		add("labels", "has %d entries, more than %d", len(r.Labels), MaxLabels)
 	}

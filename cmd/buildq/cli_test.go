@@ -332,6 +332,7 @@ func TestUsageErrorsExit2(t *testing.T) {
 		"bad tenant":                 {"submit", dir, "--tenant", "a.b"},
 		"image with tag":             {"submit", dir, "--image", "127.0.0.1:5000/a/b:v1"},
 		"bad output":                 {"submit", dir, "-o", "xml"},
+		"bad priority":               {"submit", dir, "--priority", "urgent"},
 		"render bad name":            {"render", dir, "--name", "Bad_Name", "--executor-image", "ghcr.io/x/kaniko@sha256:" + strings.Repeat("0", 64)},
 		"render unpinned":            {"render", dir, "--executor-image", "ghcr.io/x/kaniko:latest"},
 		"render no executor":         {"render", dir},

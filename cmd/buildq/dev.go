@@ -42,6 +42,7 @@ type devFlags struct {
 	namingPol    naming.Policy
 	logLevel     string
 	logFormat    string
+	fair         worker.FairConfig
 }
 
 func newDevCmd() *cobra.Command {
@@ -93,6 +94,7 @@ In another terminal:
 	fs.StringVar(&f.jobTemplate, "job-template", "", "with --kubeconfig: "+jobTemplateHelp)
 	fs.BoolVar(&f.unsafeListen, "unsafe-listen", false, "let --s3-addr and --registry-addr be non-loopback addresses a cluster's Pods can reach; both have no authentication")
 	registerKaniko(fs, &f.kaniko, &f.namingPol)
+	registerFair(fs, &f.fair)
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	fs.StringVar(&f.logFormat, "log-format", "console", "log format: console or json")
 	return cmd
@@ -243,8 +245,8 @@ func runDev(ctx context.Context, stderr io.Writer, f *devFlags) error {
 	defer nc.Close()
 	cfg := worker.Config{
 		ID: "dev", MaxInFlight: f.inFlight, Storage: jetstream.FileStorage, Naming: np, Registry: reg,
-		ContextPrefix: "contexts/{tenant}/",
-		Logger:        log.Named("worker"), ShutdownTimeout: 5 * time.Second,
+		ContextPrefix: "contexts/{tenant}/", Fair: f.fair,
+		Logger: log.Named("worker"), ShutdownTimeout: 5 * time.Second,
 	}
 	w, err := worker.New(nc, backend, cfg)
 	if err != nil {

@@ -30,6 +30,7 @@ type requestFlags struct {
 	tags       []string
 	labels     []string
 	timeout    time.Duration
+	priority   string
 	bucket     string
 	maxContext int64
 }
@@ -45,6 +46,7 @@ func (f *requestFlags) register(fs *pflag.FlagSet) {
 	fs.StringArrayVar(&f.tags, "tag", nil, "extra tag (repeatable); the build key's first 12 hex digits is always a tag")
 	fs.StringArrayVar(&f.labels, "label", nil, "image label KEY=VALUE (repeatable)")
 	fs.DurationVar(&f.timeout, "timeout", 0, "build timeout (default: the worker's)")
+	fs.StringVar(&f.priority, "priority", "", "high, normal or low: the order among the tenant's own queued requests (default normal)")
 	fs.StringVar(&f.bucket, "s3-bucket", "buildq", "bucket of build contexts")
 	fs.Int64Var(&f.maxContext, "max-context-bytes", contexttar.DefaultMaxBytes, "refuse contexts larger than this")
 }
@@ -104,6 +106,9 @@ func (f *requestFlags) request(dir string) (*v1.Request, error) {
 	if err != nil {
 		return nil, err
 	}
+	if _, ok := v1.PriorityOf(f.priority); !ok {
+		return nil, usageErr("--priority must be high, normal or low, got %q", f.priority)
+	}
 	name := f.name
 	if name == "" {
 		name = defaultName(dir)
@@ -120,6 +125,7 @@ func (f *requestFlags) request(dir string) (*v1.Request, error) {
 		Tags:       f.tags,
 		Timeout:    v1.Duration{Duration: f.timeout},
 		Labels:     labels,
+		Priority:   f.priority,
 	}
 	return req, nil
 }

@@ -71,6 +71,8 @@ type workerFlags struct {
 	logLevel    string
 	logFormat   string
 	metricsAddr string
+
+	fair worker.FairConfig
 }
 
 func (f *workerFlags) register(cmd *cobra.Command) {
@@ -89,6 +91,7 @@ func (f *workerFlags) register(cmd *cobra.Command) {
 	fs.StringVar(&f.storage, "storage", "file", "JetStream storage of streams and the KV buckets: file or memory")
 	fs.IntVar(&f.replicas, "replicas", 1, "JetStream replicas of streams and the KV buckets")
 	fs.DurationVar(&f.queueTTL, "queue-ttl", 0, "requests that waited longer than this in the queue fail with reason Expired instead of being built (0: no limit)")
+	registerFair(fs, &f.fair)
 	fs.BoolVar(&f.keepJobs, "keep-jobs", false, "leave finished Jobs to ttlSecondsAfterFinished instead of deleting them")
 
 	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "kubeconfig file (default: in-cluster, then $KUBECONFIG and ~/.kube/config)")
@@ -108,7 +111,7 @@ func (f *workerFlags) config(log *zap.Logger) (worker.Config, error) {
 	cfg := worker.Config{
 		ID: f.id, MaxInFlight: f.inFlight, AckWait: f.ackWait, MaxDeliver: f.maxDeliver,
 		ResultsMaxAge: f.resultsAge, IndexTTL: f.indexTTL, ContextPrefix: f.contextPrefix, ContextBucket: f.contextBucket, Lease: f.lease, Replicas: f.replicas, KeepJobs: f.keepJobs, QueueTTL: f.queueTTL,
-		Naming: f.namingPol, Logger: log,
+		Naming: f.namingPol, Logger: log, Fair: f.fair,
 	}
 	switch f.storage {
 	case "file":
@@ -123,6 +126,13 @@ func (f *workerFlags) config(log *zap.Logger) (worker.Config, error) {
 		return cfg, usageErr("%v", err)
 	}
 	return cfg, nil
+}
+
+// registerFair adds the fair-queueing flags (worker and dev).
+func registerFair(fs *pflag.FlagSet, f *worker.FairConfig) {
+	fs.StringToIntVar(&f.Weights, "tenant-weight", nil, "tenant=weight,...: each tenant's share of the build slots while tenants have work waiting (default 1; * sets every tenant not named)")
+	fs.StringToIntVar(&f.Concurrency, "tenant-concurrency", nil, "tenant=n,...: at most n of the tenant's requests run at once across all workers; more wait (0 or absent: no limit; * sets every tenant not named)")
+	fs.StringToIntVar(&f.QueueLimit, "tenant-queue-limit", nil, "tenant=n,...: a request arriving while n of the tenant's are queued or running fails with reason QuotaExceeded (0 or absent: no limit; * sets every tenant not named)")
 }
 
 // checkExecutorImage requires a kaniko image pinned by digest: the image is
@@ -229,10 +239,13 @@ func newWorkerCmd() *cobra.Command {
 		Long: `Run a buildq worker against a NATS JetStream server and a Kubernetes cluster.
 
 Any number of workers share the "buildq-workers" consumer. Each creates or
-updates the streams, the consumer and the KV buckets at start, takes as many
-requests as it has free slots, builds every unique build key once as a kaniko
-Job, watches Jobs and Pods through informers, and publishes one result per
-request before acking it. SIGTERM hands held requests back at once.
+updates the streams, the consumers and the KV buckets at start, admits new
+requests into per-tenant queues (BUILDQ_QUEUE), fills its free slots from
+them fairly between tenants (--tenant-weight, --tenant-concurrency,
+--tenant-queue-limit; a request's "priority" orders its tenant's own queue),
+builds every unique build key once as a kaniko Job, watches Jobs and Pods
+through informers, and publishes one result per request. SIGTERM hands held
+requests back at once. Give every worker the same fair-queueing flags.
 
 Every flag can also be set as BUILDQ_<FLAG> (e.g. BUILDQ_EXECUTOR_IMAGE);
 --nats-url also reads NATS_URL.`,
