@@ -22,6 +22,8 @@ type Metrics struct {
 	parks     prometheus.Counter
 	requeues  prometheus.Counter
 	parkedNow prometheus.Gauge
+	dead      prometheus.Counter
+	ready     prometheus.Gauge
 }
 
 // NewMetrics registers the worker's metrics with reg.
@@ -74,8 +76,16 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		Name: "buildq_requests_waiting_on_builds",
 		Help: "Requests parked on builds in progress, as this worker's last sweep of the waiter index counted them.",
 	})
+	m.dead = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "buildq_dead_letters_total",
+		Help: "Requests that exhausted their transient-failure budget: failed, with a copy on buildq.deadletter.<tenant>.",
+	})
+	m.ready = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "buildq_worker_ready",
+		Help: "1 while this worker takes requests (streams set up, loops running), else 0.",
+	})
 	reg.MustRegister(m.results, m.inFlight, m.queueWait, m.buildTime, m.retries, m.dupes, m.parks, m.requeues, m.parkedNow,
-		m.running, m.queued)
+		m.running, m.queued, m.dead, m.ready)
 	return m
 }
 
@@ -153,5 +163,22 @@ func (m *Metrics) setQueued(byTenant map[string]uint64) {
 	m.queued.Reset()
 	for t, n := range byTenant {
 		m.queued.WithLabelValues(t).Set(float64(n))
+	}
+}
+
+func (m *Metrics) deadLettered() {
+	if m != nil {
+		m.dead.Inc()
+	}
+}
+
+func (m *Metrics) setReady(ready bool) {
+	if m == nil {
+		return
+	}
+	if ready {
+		m.ready.Set(1)
+	} else {
+		m.ready.Set(0)
 	}
 }

@@ -17,8 +17,12 @@ func TestMetricsCountResults(t *testing.T) {
 	e := setup(t)
 	reg := prometheus.NewRegistry()
 	m := NewMetrics(reg)
-	e.startWorker("w1", func(c *Config) { c.Metrics = m })
+	if testutil.ToFloat64(m.ready) != 0 {
+		t.Fatal("buildq_worker_ready is 1 before the worker runs")
+	}
+	w := e.startWorker("w1", func(c *Config) { c.Metrics = m })
 	results := e.collect()
+	eventually(t, 5*time.Second, "buildq_worker_ready 1", func() bool { return testutil.ToFloat64(m.ready) == 1 })
 
 	ok, bad := request("metrics-ok"), request("metrics-bad")
 	for _, r := range []*v1.Request{ok, bad} {
@@ -36,6 +40,10 @@ func TestMetricsCountResults(t *testing.T) {
 	})
 	if n := testutil.CollectAndCount(m.queueWait); n != 1 {
 		t.Errorf("queue wait histogram: %d series", n)
+	}
+	w.stop(t)
+	if testutil.ToFloat64(m.ready) != 0 {
+		t.Error("buildq_worker_ready is still 1 after the worker stopped")
 	}
 }
 

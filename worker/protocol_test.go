@@ -16,6 +16,8 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	v1 "github.com/buildq/buildq/api/v1"
@@ -270,7 +272,8 @@ func TestPanicInTheHandlerFailsTheRequestOnce(t *testing.T) {
 func TestUnpublishableResultIsDeadLetteredAfterMaxDeliver(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
-	e.startWorker("w1", func(c *Config) { c.MaxDeliver = 2 })
+	metrics := NewMetrics(prometheus.NewRegistry())
+	e.startWorker("w1", func(c *Config) { c.MaxDeliver = 2; c.Metrics = metrics })
 	if err := e.js.DeleteStream(context.Background(), v1.ResultsStream); err != nil {
 		t.Fatal(err)
 	}
@@ -287,6 +290,9 @@ func TestUnpublishableResultIsDeadLetteredAfterMaxDeliver(t *testing.T) {
 	dl := e.streamMsgs(DeadLetterStream)
 	if len(dl) != 1 || dl[0].Header.Get("Buildq-Original-Msg-Id") != "unpublishable" {
 		t.Fatalf("dead letters: %d", len(dl))
+	}
+	if n := testutil.ToFloat64(metrics.dead); n != 1 {
+		t.Fatalf("buildq_dead_letters_total %v, want 1", n)
 	}
 }
 

@@ -10,6 +10,7 @@ package worker
 // priority first.
 
 import (
+	"bytes"
 	"cmp"
 	"context"
 	"encoding/json"
@@ -19,6 +20,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -62,9 +64,6 @@ const (
 	// intakeConcurrency bounds the requests a worker admits at once;
 	// admitting uses no build slot.
 	intakeConcurrency = 16
-	// dispatchInactive: a dispatch consumer nobody pulled for this long is
-	// removed by the server (it is created again when needed).
-	dispatchInactive = time.Hour
 	// viewMaxAge bounds how old the dispatcher's view of the queue may be
 	// when it picks; idlePoll is how often an idle dispatcher looks again.
 	viewMaxAge = 250 * time.Millisecond
@@ -240,9 +239,12 @@ type intakeView struct {
 	Priority  string `json:"priority"`
 }
 
-// quotaKey marks a context whose request is over its tenant's queue-length
-// limit: process answers it QuotaExceeded instead of building it.
-type quotaKey struct{}
+// refuseKey marks a context whose request intake refuses: process answers
+// it with the refusal instead of building it.
+type refuseKey struct{}
+
+// refusal is why intake refused a request.
+type refusal struct{ reason, message string }
 
 // admit moves one request from BUILDQ_REQUESTS to its tenant's queue, or
 // refuses it over the tenant's queue-length limit.
@@ -254,6 +256,11 @@ func (w *Worker) admit(ctx context.Context, msg jetstream.Msg) {
 		return
 	}
 	log := w.log.With(zap.Uint64("seq", meta.Sequence.Stream))
+	if len(msg.Data()) > v1.MaxRequestBytes {
+		// Refused as too large where it is: nothing worth queueing.
+		w.handle(ctx, msg)
+		return
+	}
 	tenant := invalidTenant
 	if t, ok := strings.CutPrefix(msg.Subject(), v1.RequestsPrefix+"."); ok && v1.DNSLabelProblem(t) == "" {
 		tenant = t
@@ -264,7 +271,14 @@ func (w *Worker) admit(ctx context.Context, msg jetstream.Msg) {
 
 	actx, cancel := context.WithTimeout(ctx, 15*time.Second)
 	defer cancel()
-	if limit := w.cfg.Fair.QueueLimitOf(tenant); limit > 0 && tenant != invalidTenant {
+	// The limit is checked on the first delivery only: a redelivery may
+	// follow a publish whose ack was lost, and the queue's count would
+	// then include the request itself. Within a worker, a tenant's checks
+	// and publishes go one at a time, so a burst cannot pass the limit.
+	if limit := w.cfg.Fair.QueueLimitOf(tenant); limit > 0 && tenant != invalidTenant && meta.NumDelivered == 1 {
+		mu := w.admitLock(tenant)
+		mu.Lock()
+		defer mu.Unlock()
 		n, err := w.queuedOf(actx, tenant)
 		switch {
 		case err != nil:
@@ -274,15 +288,18 @@ func (w *Worker) admit(ctx context.Context, msg jetstream.Msg) {
 		case n >= uint64(limit) && w.requeuedEntry(actx, msg, tenant, view.RequestID) == nil:
 			// A parked request published again was admitted before: it
 			// is never refused for the queue its own wait is part of.
-			w.handle(context.WithValue(ctx, quotaKey{}, fmt.Sprintf(
-				"tenant %s already has %d requests queued, its limit is %d; submit again when some have finished", tenant, n, limit)), msg)
+			w.handle(context.WithValue(ctx, refuseKey{}, refusal{v1.ReasonQuotaExceeded, fmt.Sprintf(
+				"tenant %s already has %d requests queued, its limit is %d; submit again when some have finished", tenant, n, limit)}), msg)
 			return
 		}
 	}
 	out := nats.NewMsg(queueSubject(tenant, prio))
 	out.Data = msg.Data()
 	for k, vs := range msg.Headers() {
-		if strings.HasPrefix(k, "Buildq-Intake-") || k == v1.MsgIDHeader {
+		// Nats-* headers are JetStream's publish controls (expected
+		// stream, sequence, TTL, rollup, …): a tenant's must not act on
+		// the queue.
+		if l := strings.ToLower(k); strings.HasPrefix(l, "nats-") || strings.HasPrefix(l, "buildq-intake-") {
 			continue
 		}
 		out.Header[k] = vs
@@ -297,6 +314,15 @@ func (w *Worker) admit(ctx context.Context, msg jetstream.Msg) {
 	// lost ack is dropped by the queue's duplicate window.
 	qid := fmt.Sprintf("intake-%d-%d", meta.Sequence.Stream, meta.Timestamp.UnixNano())
 	if _, err := w.js.PublishMsg(actx, out, jetstream.WithMsgID(qid)); err != nil {
+		var apiErr *jetstream.APIError
+		if errors.As(err, &apiErr) && int(meta.NumDelivered) >= w.cfg.MaxDeliver {
+			// The server refuses this message every time: answer it
+			// rather than hold it (and an intake slot) forever.
+			log.Error("the queue refuses the request; failing it", zap.Error(err))
+			w.handle(context.WithValue(ctx, refuseKey{}, refusal{v1.ReasonInfrastructureError,
+				"the request could not be queued: " + err.Error()}), msg)
+			return
+		}
 		log.Warn("admitting the request failed; retrying it", zap.Error(err))
 		_ = msg.NakWithDelay(retryDelay(meta.NumDelivered))
 		return
@@ -305,6 +331,12 @@ func (w *Worker) admit(ctx context.Context, msg jetstream.Msg) {
 	if err := msg.DoubleAck(actx); err != nil {
 		log.Warn("ack of an admitted request failed; its redelivery is dropped as a duplicate", zap.Error(err))
 	}
+}
+
+// admitLock is the lock of tenant's queue-limit checks in this worker.
+func (w *Worker) admitLock(tenant string) *sync.Mutex {
+	mu, _ := w.admitMu.LoadOrStore(tenant, &sync.Mutex{})
+	return mu.(*sync.Mutex)
 }
 
 // queuedOf counts tenant's admitted, unfinished requests.
@@ -333,6 +365,8 @@ type queuedMsg struct {
 	meta    *jetstream.MsgMetadata
 	qseq    uint64
 	queue   jetstream.Stream
+	// handedBack: the handler gave the message back at once (Nak).
+	handedBack atomic.Bool
 }
 
 // asRequest restores the request message behind a queued message.
@@ -392,6 +426,11 @@ func isMsgDeleted(err error) bool {
 
 func (q *queuedMsg) Ack() error { return q.DoubleAck(context.Background()) }
 
+func (q *queuedMsg) Nak() error {
+	q.handedBack.Store(true)
+	return q.Msg.Nak()
+}
+
 func (q *queuedMsg) DoubleAck(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
@@ -419,29 +458,54 @@ func (q *queuedMsg) TermWithReason(reason string) error {
 
 // ---- concurrency slots ----
 
+// slotValue is what a slot's key holds.
+type slotValue struct {
+	// Holder names the worker and this hold of the slot (unique).
+	Holder string `json:"holder"`
+	// HandedBack: the holder stopped with the request handed back, its
+	// build still running; Subject is that request's queue subject. The
+	// next dispatcher to take the slot takes it for that subject's
+	// request first (the handed-back one is redelivered before new ones).
+	HandedBack bool   `json:"handedBack,omitempty"`
+	Subject    string `json:"subject,omitempty"`
+}
+
 // slot is one of a tenant's concurrency slots, held while its request runs.
 type slot struct {
-	kv     jetstream.KeyValue
-	nc     *nats.Conn
+	w      *Worker
 	tenant string
 	key    string
+	val    []byte
 	rev    uint64
+	// prefer: take this subject's request first (a handed-back slot).
+	prefer string
 	stop   chan struct{}
 	done   chan struct{}
 }
 
-// acquireSlot takes a free slot of tenant's limit, or reports none free.
+// acquireSlot takes a free slot of tenant's limit, or one whose holder
+// handed its request back, or reports none free.
 func (w *Worker) acquireSlot(ctx context.Context, tenant string, limit int) (*slot, bool) {
-	val := []byte(w.cfg.ID)
+	val, _ := json.Marshal(slotValue{Holder: w.cfg.ID + "/" + newRunID()})
 	for i := range limit {
 		key := tenant + "." + strconv.Itoa(i)
 		rev, err := w.slots.Create(ctx, key, val)
+		prefer := ""
+		if errors.Is(err, jetstream.ErrKeyExists) {
+			e, gerr := w.slots.Get(ctx, key)
+			var cur slotValue
+			if gerr != nil || json.Unmarshal(e.Value(), &cur) != nil || !cur.HandedBack {
+				continue
+			}
+			rev, err = w.slots.Update(ctx, key, val, e.Revision())
+			prefer = cur.Subject
+		}
 		if err == nil {
-			s := &slot{kv: w.slots, nc: w.nc, tenant: tenant, key: key, rev: rev, stop: make(chan struct{}), done: make(chan struct{})}
-			go w.renewSlot(s, val)
+			s := &slot{w: w, tenant: tenant, key: key, val: val, rev: rev, prefer: prefer, stop: make(chan struct{}), done: make(chan struct{})}
+			go s.renew()
 			return s, true
 		}
-		if !errors.Is(err, jetstream.ErrKeyExists) {
+		if !isWrongRevision(err) && !errors.Is(err, jetstream.ErrKeyExists) {
 			w.log.Warn("taking a concurrency slot failed", zap.String("tenant", tenant), zap.Error(err))
 			return nil, false
 		}
@@ -449,26 +513,47 @@ func (w *Worker) acquireSlot(ctx context.Context, tenant string, limit int) (*sl
 	return nil, false
 }
 
-// renewSlot keeps s from ageing out until it is released.
-func (w *Worker) renewSlot(s *slot, val []byte) {
+// renew keeps s from ageing out until it is released. A renewal whose
+// reply was lost leaves the key a revision ahead: the key is read back,
+// and if it is still this hold's, renewing goes on from its revision; a
+// key that aged out meanwhile (NATS down longer than the lease) is taken
+// again when free.
+func (s *slot) renew() {
 	defer close(s.done)
-	t := time.NewTicker(max(w.cfg.Lease/3, 100*time.Millisecond))
+	lease := s.w.cfg.Lease
+	t := time.NewTicker(max(lease/3, 100*time.Millisecond))
 	defer t.Stop()
 	for {
 		select {
 		case <-s.stop:
 			return
 		case <-t.C:
-			ctx, cancel := context.WithTimeout(context.Background(), w.cfg.Lease/3+time.Second)
-			rev, err := s.kv.Update(ctx, s.key, val, s.rev)
-			cancel()
-			if err != nil {
-				w.log.Warn("renewing a concurrency slot failed", zap.String("slot", s.key), zap.Error(err))
-				continue
-			}
-			s.rev = rev
 		}
+		ctx, cancel := context.WithTimeout(context.Background(), lease/3+time.Second)
+		rev, err := s.w.slots.Update(ctx, s.key, s.val, s.rev)
+		if err != nil {
+			rev, err = s.recover(ctx, err)
+		}
+		cancel()
+		if err != nil {
+			s.w.log.Warn("renewing a concurrency slot failed", zap.String("slot", s.key), zap.Error(err))
+			continue
+		}
+		s.rev = rev
 	}
+}
+
+func (s *slot) recover(ctx context.Context, cause error) (uint64, error) {
+	e, err := s.w.slots.Get(ctx, s.key)
+	switch {
+	case errors.Is(err, jetstream.ErrKeyNotFound) || errors.Is(err, jetstream.ErrKeyDeleted):
+		return s.w.slots.Create(ctx, s.key, s.val)
+	case err != nil:
+		return 0, cause
+	case !bytes.Equal(e.Value(), s.val):
+		return 0, fmt.Errorf("the slot was taken by another holder (this worker's renewals failed for longer than the lease): %w", cause)
+	}
+	return s.w.slots.Update(ctx, s.key, s.val, e.Revision())
 }
 
 // release frees s.
@@ -480,10 +565,27 @@ func (s *slot) release() {
 	<-s.done
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	if s.kv.Delete(ctx, s.key, jetstream.LastRevision(s.rev)) == nil {
+	if s.w.slots.Delete(ctx, s.key, jetstream.LastRevision(s.rev)) == nil {
 		// Dispatchers that skipped the tenant at its limit look again.
-		_ = s.nc.Publish(wakeSubject, []byte(s.tenant))
+		_ = s.w.nc.Publish(wakeSubject, []byte(s.tenant))
 	}
+}
+
+// handBack keeps s for the handed-back request of subject: its build goes
+// on, and whoever takes the request on takes this slot with it.
+func (s *slot) handBack(subject string) {
+	if s == nil {
+		return
+	}
+	close(s.stop)
+	<-s.done
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	val, _ := json.Marshal(slotValue{Holder: string(s.val), HandedBack: true, Subject: subject})
+	if _, err := s.w.slots.Update(ctx, s.key, val, s.rev); err == nil {
+		_ = s.w.nc.Publish(wakeSubject, []byte(s.tenant))
+	}
+	// Otherwise the key ages out after the lease.
 }
 
 // ---- the dispatcher ----
@@ -621,14 +723,19 @@ func (d *dispatcher) consumer(ctx context.Context, tenant, prio string) (jetstre
 	if c != nil {
 		return c, nil
 	}
+	// The AckWait every worker's heartbeats follow: buildq-workers' as
+	// the server has it (workers with different --ack-wait share both).
+	ackWait := d.w.cfg.AckWait
+	if a := time.Duration(d.w.ackWait.Load()); a > 0 {
+		ackWait = a
+	}
 	c, err := d.w.js.CreateOrUpdateConsumer(ctx, QueueStream, jetstream.ConsumerConfig{
-		Durable:           name,
-		Description:       "buildq dispatch: tenant " + tenant + ", priority " + prio,
-		AckPolicy:         jetstream.AckExplicitPolicy,
-		AckWait:           d.w.cfg.AckWait,
-		MaxDeliver:        -1,
-		FilterSubject:     queueSubject(tenant, prio),
-		InactiveThreshold: dispatchInactive,
+		Durable:       name,
+		Description:   "buildq dispatch: tenant " + tenant + ", priority " + prio,
+		AckPolicy:     jetstream.AckExplicitPolicy,
+		AckWait:       ackWait,
+		MaxDeliver:    -1,
+		FilterSubject: queueSubject(tenant, prio),
 	})
 	if err != nil {
 		return nil, err
@@ -690,11 +797,18 @@ func (d *dispatcher) tryTenant(ctx context.Context, tenant string) *taken {
 			return nil
 		}
 	}
-	for _, p := range v1.Priorities {
+	order := v1.Priorities
+	if s != nil && s.prefer != "" {
+		// A handed-back slot: its request first, whatever its priority.
+		if _, p, ok := strings.Cut(strings.TrimPrefix(s.prefer, QueuePrefix+"."+tenant), "."); ok {
+			order = append([]string{p}, slices.DeleteFunc(slices.Clone(order), func(x string) bool { return x == p })...)
+		}
+	}
+	for i, p := range order {
 		d.mu.Lock()
 		n := d.view[tenant][p]
 		d.mu.Unlock()
-		if n == 0 {
+		if n == 0 && !(i == 0 && s != nil && s.prefer != "") {
 			continue
 		}
 		c, err := d.consumer(ctx, tenant, p)
@@ -757,7 +871,6 @@ func (w *Worker) dispatchLoop(ctx, workCtx context.Context, wg *sync.WaitGroup) 
 			defer wg.Done()
 			defer w.release(1)
 			defer d.finished(tk.tenant)
-			defer tk.slot.release()
 			w.cfg.Metrics.taken()
 			defer w.cfg.Metrics.released()
 			m, err := asRequest(tk.msg, w.queue)
@@ -769,9 +882,17 @@ func (w *Worker) dispatchLoop(ctx, workCtx context.Context, wg *sync.WaitGroup) 
 					_ = w.queue.DeleteMsg(context.WithoutCancel(ctx), meta.Sequence.Stream)
 				}
 				_ = tk.msg.Term()
+				tk.slot.release()
 				return
 			}
 			w.handle(workCtx, m)
+			if m.handedBack.Load() && ctx.Err() != nil {
+				// Stopping: the request's build goes on and another
+				// worker takes the request on; the slot goes with it.
+				tk.slot.handBack(queueSubject(tk.tenant, tk.prio))
+				return
+			}
+			tk.slot.release()
 		}()
 	}
 }

@@ -49,13 +49,17 @@ type Worker struct {
 	ackWait atomic.Int64
 	cons    jetstream.Consumer
 	// queue is BUILDQ_QUEUE; slots the per-tenant concurrency slots.
-	queue  jetstream.Stream
-	slots  jetstream.KeyValue
-	sem    chan struct{}
-	source string
+	queue jetstream.Stream
+	slots jetstream.KeyValue
+	// admitMu: per tenant, its queue-limit checks in this worker.
+	admitMu sync.Map
+	sem     chan struct{}
+	source  string
 
 	setupMu   sync.Mutex
 	setupDone bool
+	// running: Run set up the streams and takes requests (readiness).
+	running atomic.Bool
 
 	// faults is nil outside the package's fault simulation.
 	faults *faultHooks
@@ -258,6 +262,8 @@ func (w *Worker) Run(ctx context.Context) error {
 		}()
 	}
 	w.log.Info("worker started", zap.Int("maxInFlight", w.cfg.MaxInFlight), zap.String("executor", w.backend.Identity()))
+	w.running.Store(true)
+	w.cfg.Metrics.setReady(true)
 
 	wg.Add(1)
 	go func() {
@@ -321,6 +327,8 @@ func (w *Worker) Run(ctx context.Context) error {
 	}()
 	w.dispatchLoop(ctx, workCtx, &wg)
 
+	w.running.Store(false)
+	w.cfg.Metrics.setReady(false)
 	w.log.Info("stopping: handing back requests in flight")
 	cancelWork()
 	done := make(chan struct{})
@@ -331,6 +339,19 @@ func (w *Worker) Run(ctx context.Context) error {
 		w.log.Warn("shutdown timeout: some requests were not handed back; they are redelivered after AckWait")
 	}
 	w.log.Info("worker stopped")
+	return nil
+}
+
+// Ready reports why the worker does not take requests, or nil when it
+// does: Run has set up the streams and runs its loops, and the NATS
+// connection is up (a readiness probe).
+func (w *Worker) Ready() error {
+	if !w.running.Load() {
+		return errors.New("not taking requests: starting (setting up streams) or stopping")
+	}
+	if !w.nc.IsConnected() {
+		return fmt.Errorf("not taking requests: the NATS connection is %s", w.nc.Status())
+	}
 	return nil
 }
 
@@ -676,8 +697,8 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 	case le.e.Canceled:
 		return canceledVerdict(v), le, nil // canceled while it was not held
 	}
-	if message, ok := ctx.Value(quotaKey{}).(string); ok {
-		v.data.Status, v.data.Reason, v.data.Message = v1.StatusFailed, v1.ReasonQuotaExceeded, message
+	if r, ok := ctx.Value(refuseKey{}).(refusal); ok {
+		v.data.Status, v.data.Reason, v.data.Message = v1.StatusFailed, r.reason, r.message
 		return v, le, nil
 	}
 	*baseLE = le
@@ -935,6 +956,7 @@ func (w *Worker) deadLetter(ctx context.Context, tenant string, msg jetstream.Ms
 	m.Header.Set("Buildq-Error", cause.Error())
 	m.Header.Set("Buildq-Original-Subject", msg.Subject())
 	m.Data = msg.Data()
+	w.cfg.Metrics.deadLettered()
 	if _, err := w.js.PublishMsg(ctx, m); err != nil {
 		w.log.Error("dead-letter publish failed", zap.Error(err))
 	}

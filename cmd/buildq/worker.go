@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/go-logr/zapr"
@@ -320,11 +321,18 @@ func runWorker(ctx context.Context, f *workerFlags) error {
 	defer stopKube()
 	backend.WithDigestResolver(reg.Head).WithPresigner(presign)
 
+	var running atomic.Pointer[worker.Worker]
 	if f.metricsAddr != "" {
 		reg := prometheus.NewRegistry()
 		reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 		cfg.Metrics = worker.NewMetrics(reg)
-		stop, err := serveMetrics(f.metricsAddr, reg, log)
+		ready := func() error {
+			if w := running.Load(); w != nil {
+				return w.Ready()
+			}
+			return errors.New("not taking requests: connecting to NATS")
+		}
+		stop, err := serveMetrics(f.metricsAddr, reg, ready, log)
 		if err != nil {
 			return failed(err)
 		}
@@ -340,14 +348,18 @@ func runWorker(ctx context.Context, f *workerFlags) error {
 	if err != nil {
 		return usageErr("%v", err)
 	}
+	running.Store(w)
 	if err := w.Run(ctx); err != nil {
 		return failed(err)
 	}
 	return nil
 }
 
-// serveMetrics serves Prometheus metrics and health endpoints.
-func serveMetrics(addr string, reg *prometheus.Registry, log *zap.Logger) (func(), error) {
+// serveMetrics serves Prometheus metrics and health endpoints: /healthz
+// (liveness) answers while the process serves HTTP; /readyz (readiness)
+// answers 503 with the reason until the worker takes requests, and while
+// its NATS connection is down.
+func serveMetrics(addr string, reg *prometheus.Registry, ready func() error, log *zap.Logger) (func(), error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("--metrics-addr %s: %w", addr, err)
@@ -356,7 +368,13 @@ func serveMetrics(addr string, reg *prometheus.Registry, log *zap.Logger) (func(
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
 	ok := func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) }
 	mux.HandleFunc("/healthz", ok)
-	mux.HandleFunc("/readyz", ok)
+	mux.HandleFunc("/readyz", func(w http.ResponseWriter, r *http.Request) {
+		if err := ready(); err != nil {
+			http.Error(w, err.Error(), http.StatusServiceUnavailable)
+			return
+		}
+		ok(w, r)
+	})
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	go func() {
 		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
