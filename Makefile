@@ -7,7 +7,7 @@ PKGS := ./...
 # outside the clone, see integration/README.md).
 INTEGRATION_TIMEOUT ?= 40m
 
-.PHONY: all build test test-unit test-integration lint fmt vet bench dev e2e tools node-packages clean sim soak
+.PHONY: all build test test-unit test-integration lint fmt vet bench dev e2e tools node-packages clean sim soak image
 
 all: build
 
@@ -56,6 +56,11 @@ fmt:
 
 bench: ## Benchmarks; they print figures, they assert nothing
 	$(GO) test -run '^$$' -bench . -benchmem $(PKGS)
+
+image: PLATFORMS ?= linux/amd64,linux/arm64
+image: ## Build the buildq image without Docker and push it: make image IMAGE=registry.example.com/buildq/buildq [PLATFORMS=linux/amd64,linux/arm64] [TAG=v1] [INSECURE=1]
+	@test -n "$(IMAGE)" || { echo "make image IMAGE=<registry>/<repository> (credentials: your docker config)"; exit 2; }
+	$(GO) run ./hack/image --repo $(IMAGE) --platform $(PLATFORMS) $(if $(TAG),--tag $(TAG)) $(if $(INSECURE),--insecure)
 
 dev: ## Run the embedded stack: NATS, S3, registry and a local-executor worker
 	$(GO) run ./cmd/buildq dev

@@ -14,6 +14,9 @@ import (
 
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
+	// Root certificates for an image without /etc/ssl (make image): used
+	// only when the system has none.
+	_ "golang.org/x/crypto/x509roots/fallback"
 )
 
 // Exit codes (DESIGN §6).
