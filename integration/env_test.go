@@ -139,7 +139,10 @@ func runSuite(m *testing.M) (int, error) {
 
 // startKCM runs kube-controller-manager with the controllers a Job's life
 // needs: the Job controller, TTL-after-finished, and the garbage collector
-// (which carries out foreground deletion of a Job's Pods).
+// (which carries out foreground deletion of a Job's Pods); and for the
+// worker Deployment of deploy/ (workerpod_test.go): the Deployment and
+// ReplicaSet controllers, and the namespace controller that empties a
+// deleted namespace.
 func startKCM(logPath string) (func(), error) {
 	logf, err := os.Create(logPath)
 	if err != nil {
@@ -147,7 +150,7 @@ func startKCM(logPath string) (func(), error) {
 	}
 	cmd := exec.Command(filepath.Join(shared.tools, "kube-controller-manager"),
 		"--kubeconfig="+shared.kubeconfig,
-		"--controllers=job,ttl-after-finished,garbagecollector",
+		"--controllers=job,ttl-after-finished,garbagecollector,deployment,replicaset,namespace",
 		"--leader-elect=false",
 		"--use-service-account-credentials=false",
 		"--secure-port=0",

@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"time"
 
@@ -21,6 +22,8 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
+
+	bqimage "github.com/buildq/buildq/internal/image"
 )
 
 // nodeImages are the real node's images, referenced by digest at the
@@ -138,9 +141,10 @@ func kanikoLayer() (gcr.Layer, error) {
 	})
 }
 
-// buildqLayer is buildq from this tree, built static (the image has no
-// libc), as the worker image is.
-func buildqLayer(ctx context.Context) (gcr.Layer, error) {
+// buildqImage is buildq from this tree as make image builds it
+// (internal/image): the worker's image, whose entrypoint the build Pods'
+// fetch-context init container runs too.
+func buildqImage(ctx context.Context) (gcr.Image, error) {
 	dir, err := os.MkdirTemp("", "buildq-static-")
 	if err != nil {
 		return nil, err
@@ -155,7 +159,7 @@ func buildqLayer(ctx context.Context) (gcr.Layer, error) {
 	if err != nil {
 		return nil, err
 	}
-	return layer([]tarEntry{{name: "buildq", mode: 0o755, body: bin}})
+	return bqimage.Build(bin, bqimage.Options{Platform: gcr.Platform{OS: "linux", Architecture: runtime.GOARCH}, Created: time.Unix(0, 0).UTC()})
 }
 
 // pushNodeImages builds the node's images and pushes them through push
@@ -171,7 +175,7 @@ func pushNodeImages(ctx context.Context, push, podHost string) (nodeImages, erro
 	if err != nil {
 		return imgs, err
 	}
-	ql, err := buildqLayer(ctx)
+	bq, err := buildqImage(ctx)
 	if err != nil {
 		return imgs, err
 	}
@@ -194,11 +198,13 @@ func pushNodeImages(ctx context.Context, push, podHost string) (nodeImages, erro
 			WorkingDir: "/workspace",
 			Entrypoint: []string{"/kaniko/executor"},
 		}, &imgs.kaniko},
-		{"node/buildq", []gcr.Layer{ql}, gcr.Config{Entrypoint: []string{"/buildq"}, User: "65532:65532"}, &imgs.buildq},
+		{"node/buildq", nil, gcr.Config{}, &imgs.buildq},
 	} {
-		img, err := image(im.layers, im.cfg)
-		if err != nil {
-			return imgs, err
+		img := bq
+		if im.layers != nil {
+			if img, err = image(im.layers, im.cfg); err != nil {
+				return imgs, err
+			}
 		}
 		ref, err := name.ParseReference(push+"/"+im.repo+":latest", name.Insecure)
 		if err != nil {

@@ -274,6 +274,8 @@ COPY hello.txt /srv/hello.txt
 
 	t.Run("buildq dev --kubeconfig builds examples/with-run", func(t *testing.T) { testDevOnRealNode(t, node) })
 
+	t.Run("a worker Pod from deploy/ carries a build", func(t *testing.T) { testWorkerPodFromDeploy(t, node) })
+
 	t.Run("layer cache reuses the RUN layer", func(t *testing.T) {
 		s := newSuite(t, options{node: node, workerArgs: []string{"--keep-jobs", "--cache-repo", node.registryHost + "/cache/{tenant}/layers"}})
 		s.startWorker("w1")
