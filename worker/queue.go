@@ -271,10 +271,19 @@ func (w *Worker) admit(ctx context.Context, msg jetstream.Msg) {
 
 	actx, cancel := context.WithTimeout(ctx, 15*time.Second)
 	defer cancel()
+	if n := headerBytes(msg.Headers()); n > maxRequestHeaderBytes {
+		// The queue's copy adds headers: a block near JetStream's 64 KiB
+		// limit would be refused there on every try, holding intake.
+		w.handle(context.WithValue(ctx, refuseKey{}, refusal{v1.ReasonInvalidRequest, fmt.Sprintf(
+			"the request's headers are %d bytes, more than the %d allowed", n, maxRequestHeaderBytes)}), msg)
+		return
+	}
 	// The limit is checked on the first delivery only: a redelivery may
-	// follow a publish whose ack was lost, and the queue's count would
-	// then include the request itself. Within a worker, a tenant's checks
-	// and publishes go one at a time, so a burst cannot pass the limit.
+	// follow an admission whose ack was lost, and the count would then
+	// include the request itself (and the request may be running). So a
+	// request handed back by a stopping worker in the middle of its
+	// admission is admitted unchecked. Within a worker, a tenant's checks
+	// and admissions go one at a time, so a burst cannot pass the limit.
 	if limit := w.cfg.Fair.QueueLimitOf(tenant); limit > 0 && tenant != invalidTenant && meta.NumDelivered == 1 {
 		mu := w.admitLock(tenant)
 		mu.Lock()
@@ -333,6 +342,21 @@ func (w *Worker) admit(ctx context.Context, msg jetstream.Msg) {
 	}
 }
 
+// maxRequestHeaderBytes bounds a request message's headers (the SDK sends
+// one, Nats-Msg-Id).
+const maxRequestHeaderBytes = 16 << 10
+
+// headerBytes is the size of h as NATS sends it, near enough.
+func headerBytes(h nats.Header) int {
+	n := 0
+	for k, vs := range h {
+		for _, v := range vs {
+			n += len(k) + len(v) + 4
+		}
+	}
+	return n
+}
+
 // admitLock is the lock of tenant's queue-limit checks in this worker.
 func (w *Worker) admitLock(tenant string) *sync.Mutex {
 	mu, _ := w.admitMu.LoadOrStore(tenant, &sync.Mutex{})
@@ -367,6 +391,9 @@ type queuedMsg struct {
 	queue   jetstream.Stream
 	// handedBack: the handler gave the message back at once (Nak).
 	handedBack atomic.Bool
+	// ackWait is the AckWait of the consumer the message came from, as
+	// this worker last knew it: heartbeats go at least every third of it.
+	ackWait time.Duration
 }
 
 // asRequest restores the request message behind a queued message.
@@ -468,6 +495,9 @@ type slotValue struct {
 	// request first (the handed-back one is redelivered before new ones).
 	HandedBack bool   `json:"handedBack,omitempty"`
 	Subject    string `json:"subject,omitempty"`
+	// QueueSeq is the handed-back request's message in BUILDQ_QUEUE: while
+	// it is there, workers keep the slot from ageing out (keepHandedBack).
+	QueueSeq uint64 `json:"queueSeq,omitempty"`
 }
 
 // slot is one of a tenant's concurrency slots, held while its request runs.
@@ -573,7 +603,7 @@ func (s *slot) release() {
 
 // handBack keeps s for the handed-back request of subject: its build goes
 // on, and whoever takes the request on takes this slot with it.
-func (s *slot) handBack(subject string) {
+func (s *slot) handBack(subject string, qseq uint64) {
 	if s == nil {
 		return
 	}
@@ -581,11 +611,42 @@ func (s *slot) handBack(subject string) {
 	<-s.done
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	val, _ := json.Marshal(slotValue{Holder: string(s.val), HandedBack: true, Subject: subject})
+	val, _ := json.Marshal(slotValue{Holder: string(s.val), HandedBack: true, Subject: subject, QueueSeq: qseq})
 	if _, err := s.w.slots.Update(ctx, s.key, val, s.rev); err == nil {
 		_ = s.w.nc.Publish(wakeSubject, []byte(s.tenant))
 	}
 	// Otherwise the key ages out after the lease.
+}
+
+// keepHandedBack renews the handed-back slots whose request is still in
+// the queue: a stopping worker's slot must outlive the lease until a
+// dispatcher takes it with its request, however long that takes. A slot
+// whose request is gone (answered) is freed.
+func (w *Worker) keepHandedBack(ctx context.Context) {
+	keys, err := w.slots.ListKeys(ctx)
+	if err != nil {
+		return
+	}
+	for k := range keys.Keys() {
+		e, err := w.slots.Get(ctx, k)
+		if err != nil {
+			continue
+		}
+		var v slotValue
+		if json.Unmarshal(e.Value(), &v) != nil || !v.HandedBack {
+			continue
+		}
+		_, err = w.queue.GetMsg(ctx, v.QueueSeq)
+		switch {
+		case errors.Is(err, jetstream.ErrMsgNotFound):
+			if w.slots.Delete(ctx, k, jetstream.LastRevision(e.Revision())) == nil {
+				tenant, _, _ := strings.Cut(k, ".")
+				_ = w.nc.Publish(wakeSubject, []byte(tenant))
+			}
+		case err == nil:
+			_, _ = w.slots.Update(ctx, k, e.Value(), e.Revision())
+		}
+	}
 }
 
 // ---- the dispatcher ----
@@ -717,17 +778,18 @@ func (d *dispatcher) finished(tenant string) {
 // consumer returns (creating it if needed) the consumer of tenant's prio.
 func (d *dispatcher) consumer(ctx context.Context, tenant, prio string) (jetstream.Consumer, error) {
 	name := dispatchConsumer(tenant, prio)
-	d.mu.Lock()
-	c := d.cons[name]
-	d.mu.Unlock()
-	if c != nil {
-		return c, nil
-	}
 	// The AckWait every worker's heartbeats follow: buildq-workers' as
 	// the server has it (workers with different --ack-wait share both).
+	// A consumer made with another is updated on its next use.
 	ackWait := d.w.cfg.AckWait
 	if a := time.Duration(d.w.ackWait.Load()); a > 0 {
 		ackWait = a
+	}
+	d.mu.Lock()
+	c := d.cons[name]
+	d.mu.Unlock()
+	if c != nil && c.CachedInfo().Config.AckWait == ackWait {
+		return c, nil
 	}
 	c, err := d.w.js.CreateOrUpdateConsumer(ctx, QueueStream, jetstream.ConsumerConfig{
 		Durable:       name,
@@ -754,10 +816,11 @@ func (d *dispatcher) forget(tenant, prio string) {
 
 // taken is a request the dispatcher took from the queue.
 type taken struct {
-	msg    jetstream.Msg
-	tenant string
-	prio   string
-	slot   *slot
+	msg     jetstream.Msg
+	tenant  string
+	prio    string
+	slot    *slot
+	ackWait time.Duration
 }
 
 // next waits for the next request to run on a free slot of this worker.
@@ -822,7 +885,7 @@ func (d *dispatcher) tryTenant(ctx context.Context, tenant string) *taken {
 			continue
 		}
 		for m := range batch.Messages() {
-			return &taken{msg: m, tenant: tenant, prio: p, slot: s}
+			return &taken{msg: m, tenant: tenant, prio: p, slot: s, ackWait: c.CachedInfo().Config.AckWait}
 		}
 		if err := batch.Error(); err != nil && errors.Is(err, jetstream.ErrConsumerNotFound) {
 			d.forget(tenant, p)
@@ -885,11 +948,12 @@ func (w *Worker) dispatchLoop(ctx, workCtx context.Context, wg *sync.WaitGroup) 
 				tk.slot.release()
 				return
 			}
+			m.ackWait = tk.ackWait
 			w.handle(workCtx, m)
 			if m.handedBack.Load() && ctx.Err() != nil {
 				// Stopping: the request's build goes on and another
 				// worker takes the request on; the slot goes with it.
-				tk.slot.handBack(queueSubject(tk.tenant, tk.prio))
+				tk.slot.handBack(queueSubject(tk.tenant, tk.prio), m.qseq)
 				return
 			}
 			tk.slot.release()

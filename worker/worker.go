@@ -301,6 +301,26 @@ func (w *Worker) Run(ctx context.Context) error {
 		}
 	}()
 
+	if len(w.cfg.Fair.Concurrency) > 0 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			// Slots handed back by stopping workers live until taken.
+			t := time.NewTicker(max(w.cfg.Lease/3, 100*time.Millisecond))
+			defer t.Stop()
+			for {
+				select {
+				case <-t.C:
+					kctx, cancel := context.WithTimeout(workCtx, w.cfg.Lease/3+time.Second)
+					w.keepHandedBack(kctx)
+					cancel()
+				case <-workCtx.Done():
+					return
+				}
+			}
+		}()
+	}
+
 	if w.cfg.Metrics != nil {
 		wg.Add(1)
 		go func() {
@@ -643,7 +663,11 @@ func (w *Worker) heartbeat(msg jetstream.Msg) func() {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		t := time.NewTicker(w.heartbeatEvery())
+		every := w.heartbeatEvery()
+		if q, ok := msg.(*queuedMsg); ok && q.ackWait > 0 {
+			every = min(every, max(q.ackWait/3, 100*time.Millisecond))
+		}
+		t := time.NewTicker(every)
 		defer t.Stop()
 		for {
 			select {
