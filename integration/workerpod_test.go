@@ -6,6 +6,9 @@ import (
 	"context"
 	"encoding/base64"
 	"fmt"
+	"io"
+	"net"
+	"net/http"
 	"net/url"
 	"strings"
 	"testing"
@@ -176,6 +179,31 @@ current-context: suite
 	files := imageFiles(t, node, r.Data.Image+"@"+r.Data.Digest)
 	if f, ok := files["made"]; !ok || string(f.body) != "built-by-a-worker-pod\n" {
 		t.Fatalf("the built image's /made: %+v", f)
+	}
+
+	// Its metrics, scraped as Prometheus would (the metrics port, on the
+	// Pod's address): one Job created for the one build.
+	var body string
+	eventually(t, 30*time.Second, "the worker's metrics", func() bool {
+		resp, err := http.Get("http://" + net.JoinHostPort(pod.Status.PodIP, "9090") + "/metrics")
+		if err != nil {
+			return false
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		body = string(b)
+		return resp.StatusCode == http.StatusOK && strings.Contains(body, `buildq_results_total{origin="build",reason="",status="succeeded"} 1`)
+	})
+	var calls []string
+	for _, l := range strings.Split(body, "\n") {
+		if strings.HasPrefix(l, "buildq_kube_requests_total{") {
+			calls = append(calls, l)
+		}
+	}
+	t.Logf("the worker's Kubernetes API requests for one build (watches aside):\n%s", strings.Join(calls, "\n"))
+	if !strings.Contains(body, `buildq_kube_requests_total{resource="jobs",verb="create"} 1`) ||
+		!strings.Contains(body, "buildq_worker_ready 1") {
+		t.Fatalf("metrics: want one Job created and the worker ready:\n%s", strings.Join(calls, "\n"))
 	}
 }
 

@@ -314,6 +314,12 @@ func runWorker(ctx context.Context, f *workerFlags) error {
 		}
 		log.Warn("--allow-unverified-contexts: build Pods read S3 contexts with the keys of --s3-secret, which a RUN step can read, and contexts are not checked against their digest; set --fetch-image for untrusted tenants")
 	}
+	var promReg *prometheus.Registry
+	if f.metricsAddr != "" {
+		promReg = prometheus.NewRegistry()
+		// Before the first Kubernetes client: every API request counts.
+		kube.NewRequestMetrics(promReg).Install()
+	}
 	backend, stopKube, err := kubeBackend(ctx, f.kubeconfig, f.kaniko, log)
 	if err != nil {
 		return err
@@ -323,7 +329,7 @@ func runWorker(ctx context.Context, f *workerFlags) error {
 
 	var running atomic.Pointer[worker.Worker]
 	if f.metricsAddr != "" {
-		reg := prometheus.NewRegistry()
+		reg := promReg
 		reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 		cfg.Metrics = worker.NewMetrics(reg)
 		ready := func() error {
