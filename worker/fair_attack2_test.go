@@ -3,6 +3,10 @@ package worker
 // Second round of attacks on fair queueing (docs/design.md §2d), aimed at
 // the fixes of db0cecb. Each test fails while the defect it shows is
 // present.
+//
+// Each test's comment tells the attack as it worked before its fix (the
+// code it names may have changed since); the test asserts the outcome the
+// fix gives, and failed before it.
 
 import (
 	"context"

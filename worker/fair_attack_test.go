@@ -3,6 +3,10 @@ package worker
 // Attacks on fair queueing (docs/design.md §2d): a hostile tenant, a worker
 // killed or stopped at the worst moment, a NATS hiccup. Each test fails
 // while the defect it shows is present.
+//
+// Each test's comment tells the attack as it worked before its fix (the
+// code it names may have changed since); the test asserts the outcome the
+// fix gives, and failed before it.
 
 import (
 	"context"

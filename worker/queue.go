@@ -655,11 +655,15 @@ func (w *Worker) keepHandedBack(ctx context.Context) {
 type dispatcher struct {
 	w *Worker
 
-	mu      sync.Mutex
-	view    map[string]map[string]uint64 // tenant → priority → queued
-	viewAt  time.Time
-	dry     map[string]bool // fetched nothing since the last look
-	running map[string]int  // this worker's requests per tenant
+	mu     sync.Mutex
+	view   map[string]map[string]uint64 // tenant → priority → queued
+	viewAt time.Time
+	dry    map[string]bool // fetched nothing since the last look
+	// full: tenants found at their concurrency limit, until when they are
+	// skipped without asking the slots bucket again (a freed slot's
+	// announcement clears it sooner).
+	full    map[string]time.Time
+	running map[string]int // this worker's requests per tenant
 	vtime   map[string]float64
 	vnow    float64
 	cons    map[string]jetstream.Consumer
@@ -667,7 +671,7 @@ type dispatcher struct {
 }
 
 func newDispatcher(w *Worker) *dispatcher {
-	return &dispatcher{w: w, view: map[string]map[string]uint64{}, dry: map[string]bool{}, running: map[string]int{},
+	return &dispatcher{w: w, view: map[string]map[string]uint64{}, dry: map[string]bool{}, full: map[string]time.Time{}, running: map[string]int{},
 		vtime: map[string]float64{}, cons: map[string]jetstream.Consumer{}, wake: make(chan struct{}, 1)}
 }
 
@@ -686,6 +690,7 @@ func (d *dispatcher) woken(m *nats.Msg) {
 		d.view[tenant][prio]++
 	}
 	delete(d.dry, tenant)
+	delete(d.full, tenant)
 	d.mu.Unlock()
 	select {
 	case d.wake <- struct{}{}:
@@ -725,7 +730,7 @@ func (d *dispatcher) order() []string {
 	defer d.mu.Unlock()
 	var ts []string
 	for t, ps := range d.view {
-		if d.dry[t] {
+		if d.dry[t] || time.Now().Before(d.full[t]) {
 			continue
 		}
 		for _, n := range ps {
@@ -778,9 +783,12 @@ func (d *dispatcher) finished(tenant string) {
 // consumer returns (creating it if needed) the consumer of tenant's prio.
 func (d *dispatcher) consumer(ctx context.Context, tenant, prio string) (jetstream.Consumer, error) {
 	name := dispatchConsumer(tenant, prio)
-	// The AckWait every worker's heartbeats follow: buildq-workers' as
-	// the server has it (workers with different --ack-wait share both).
-	// A consumer made with another is updated on its next use.
+	// At least the AckWait every worker's heartbeats follow now:
+	// buildq-workers' as the server has it (workers with different
+	// --ack-wait share both). A dispatch consumer's AckWait is only ever
+	// raised, never lowered: a request taken under AckWait X is
+	// heartbeaten every X/3 for as long as it runs, which a lower AckWait
+	// set under it would outrun.
 	ackWait := d.w.cfg.AckWait
 	if a := time.Duration(d.w.ackWait.Load()); a > 0 {
 		ackWait = a
@@ -788,19 +796,25 @@ func (d *dispatcher) consumer(ctx context.Context, tenant, prio string) (jetstre
 	d.mu.Lock()
 	c := d.cons[name]
 	d.mu.Unlock()
-	if c != nil && c.CachedInfo().Config.AckWait == ackWait {
+	if c != nil && c.CachedInfo().Config.AckWait >= ackWait {
 		return c, nil
 	}
-	c, err := d.w.js.CreateOrUpdateConsumer(ctx, QueueStream, jetstream.ConsumerConfig{
-		Durable:       name,
-		Description:   "buildq dispatch: tenant " + tenant + ", priority " + prio,
-		AckPolicy:     jetstream.AckExplicitPolicy,
-		AckWait:       ackWait,
-		MaxDeliver:    -1,
-		FilterSubject: queueSubject(tenant, prio),
-	})
-	if err != nil {
-		return nil, err
+	// Another worker may have raised it further than this one knows.
+	if cur, err := d.w.js.Consumer(ctx, QueueStream, name); err == nil && cur.CachedInfo().Config.AckWait >= ackWait {
+		c = cur
+	} else {
+		var err error
+		c, err = d.w.js.CreateOrUpdateConsumer(ctx, QueueStream, jetstream.ConsumerConfig{
+			Durable:       name,
+			Description:   "buildq dispatch: tenant " + tenant + ", priority " + prio,
+			AckPolicy:     jetstream.AckExplicitPolicy,
+			AckWait:       ackWait,
+			MaxDeliver:    -1,
+			FilterSubject: queueSubject(tenant, prio),
+		})
+		if err != nil {
+			return nil, err
+		}
 	}
 	d.mu.Lock()
 	d.cons[name] = c
@@ -850,13 +864,18 @@ func (d *dispatcher) next(ctx context.Context) (*taken, bool) {
 }
 
 // tryTenant takes tenant's next request, highest priority first, if the
-// tenant is below its concurrency limit; otherwise it marks it dry.
+// tenant is below its concurrency limit; otherwise it marks it full.
 func (d *dispatcher) tryTenant(ctx context.Context, tenant string) *taken {
 	var s *slot
 	if limit := d.w.cfg.Fair.ConcurrencyOf(tenant); limit > 0 {
 		var ok bool
 		if s, ok = d.w.acquireSlot(ctx, tenant, limit); !ok {
-			d.markDry(tenant) // at its limit: it waits, nothing is fetched
+			// At its limit: it waits, nothing is fetched, and its slots
+			// are not scanned again until one is freed (announced) or a
+			// crashed holder's could have aged out.
+			d.mu.Lock()
+			d.full[tenant] = time.Now().Add(d.w.cfg.Lease / 3)
+			d.mu.Unlock()
 			return nil
 		}
 	}
