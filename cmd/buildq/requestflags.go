@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -130,9 +129,9 @@ func (f *requestFlags) request(dir string) (*v1.Request, error) {
 	return req, nil
 }
 
-// pack computes the context digest (hash only) and fills the S3 source.
+// digest computes the context digest (hash only) and fills the S3 source.
 func (f *requestFlags) digest(ctx context.Context, dir string, req *v1.Request) (contexttar.Result, error) {
-	res, err := contexttar.Write(ctx, dir, io.Discard, contexttar.Options{Dockerfile: req.Dockerfile, MaxBytes: f.maxContext})
+	res, err := contexttar.Digest(ctx, dir, contexttar.Options{Dockerfile: req.Dockerfile, MaxBytes: f.maxContext})
 	if err != nil {
 		return res, usageErr("pack %s: %v", dir, err)
 	}

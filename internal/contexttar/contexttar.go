@@ -1,9 +1,10 @@
 // Package contexttar packs a build-context directory into a normalized,
 // reproducible tar.gz (Write) and unpacks such an archive safely (Extract).
 //
-// Producers call Write to upload a context to S3 and to key builds by the
-// context's digest; the worker side calls Extract on archives it did not
-// make itself, so Extract treats its input as hostile.
+// Producers call Write to upload a context to S3, and Digest (the same
+// stream, hashed but not compressed) to key builds by the context's digest;
+// the worker side calls Extract on archives it did not make itself, so
+// Extract treats its input as hostile.
 //
 // # What goes into the archive
 //

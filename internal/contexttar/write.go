@@ -55,7 +55,7 @@ type Options struct {
 	Progress func(bytesRead int64, files int)
 }
 
-// Result describes the archive Write produced.
+// Result describes the archive Write produced, or Digest would have.
 type Result struct {
 	// Digest is "sha256:<hex>" of the UNCOMPRESSED normalized tar stream:
 	// the context's identity. It does not depend on the compressor, whose
@@ -71,8 +71,8 @@ type Result struct {
 // Write walks dir, applies .dockerignore (moby/patternmatcher and
 // patternmatcher/ignorefile, as docker does, including `!` exceptions and the
 // directory-walk semantics described in the package doc), and writes a
-// normalized, reproducible tar.gz to w. w may be io.Discard to only compute
-// the digest.
+// normalized, reproducible tar.gz to w. To only compute the digest, use
+// Digest, which skips the compression.
 //
 // Write streams: memory stays bounded by one copy buffer, the compressor's
 // state and the directory listings on the current walk path, whatever the
@@ -82,6 +82,32 @@ type Result struct {
 // A file that changes size while it is being read is an error rather than a
 // silently inconsistent archive.
 func Write(ctx context.Context, dir string, w io.Writer, opts Options) (Result, error) {
+	zw, err := gzip.NewWriterLevel(w, gzipLevel)
+	if err != nil {
+		return Result{}, fmt.Errorf("contexttar: gzip: %w", err)
+	}
+	res, err := writeTar(ctx, dir, zw, opts)
+	if err != nil {
+		return Result{}, err
+	}
+	if err := zw.Close(); err != nil {
+		return Result{}, fmt.Errorf("contexttar: finish gzip: %w", err)
+	}
+	return res, nil
+}
+
+// Digest returns the Result that Write would for the same dir and opts,
+// without producing the archive: it hashes the same uncompressed tar stream
+// but does not compress it, which is most of Write's CPU time. Use it where
+// only the digest (and the size and count) is needed, such as naming a
+// context before deciding whether to upload it.
+func Digest(ctx context.Context, dir string, opts Options) (Result, error) {
+	return writeTar(ctx, dir, nil, opts)
+}
+
+// writeTar walks dir as Write describes and writes the normalized,
+// uncompressed tar stream to w, or only hashes it when w is nil.
+func writeTar(ctx context.Context, dir string, w io.Writer, opts Options) (Result, error) {
 	maxBytes, err := limit(opts.MaxBytes)
 	if err != nil {
 		return Result{}, err
@@ -104,11 +130,11 @@ func Write(ctx context.Context, dir string, w io.Writer, opts Options) (Result, 
 
 	digest := sha256.New()
 	counted := &countingWriter{w: digest}
-	zw, err := gzip.NewWriterLevel(w, gzipLevel)
-	if err != nil {
-		return Result{}, fmt.Errorf("contexttar: gzip: %w", err)
+	var out io.Writer = counted
+	if w != nil {
+		out = io.MultiWriter(counted, w)
 	}
-	tw := tar.NewWriter(io.MultiWriter(counted, zw))
+	tw := tar.NewWriter(out)
 
 	wk := &walker{
 		ctx:      ctx,
@@ -127,9 +153,6 @@ func Write(ctx context.Context, dir string, w io.Writer, opts Options) (Result, 
 	}
 	if err := tw.Close(); err != nil {
 		return Result{}, fmt.Errorf("contexttar: finish tar: %w", err)
-	}
-	if err := zw.Close(); err != nil {
-		return Result{}, fmt.Errorf("contexttar: finish gzip: %w", err)
 	}
 	return Result{
 		Digest: "sha256:" + hex.EncodeToString(digest.Sum(nil)),

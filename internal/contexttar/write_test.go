@@ -613,9 +613,81 @@ func TestWriteStreams(t *testing.T) {
 	}
 }
 
-// BenchmarkWrite packs 64 MiB in 256 files (16 directories of 16 files of
-// 256 KiB of text-like data, so gzip has real work) to io.Discard.
-func BenchmarkWrite(b *testing.B) {
+// TestDigestMatchesWrite checks that Digest, which skips the compression,
+// returns exactly Write's Result, makes the same progress calls and fails
+// the same way, so a context hashed with Digest is named as before.
+func TestDigestMatchesWrite(t *testing.T) {
+	t.Parallel()
+	rng := rand.New(rand.NewPCG(3, 4))
+	large := make([]byte, 5<<20+1) // several copy buffers, not block-aligned
+	for i := range large {
+		large[i] = byte(rng.Uint32())
+	}
+	tests := []struct {
+		name string
+		tree tree
+		opts Options
+	}{
+		{name: "sample (symlinks, empty directory, PAX names)", tree: sample},
+		{name: "empty context", tree: tree{"empty": dirNode()}},
+		{
+			name: "dockerignore with exceptions",
+			tree: tree{
+				".dockerignore":         file("node_modules\n*.log\n!keep.log\nbuild\n!build/out/keep\ncache\n!cache/**/*.keep\ndocker\n"),
+				"node_modules/x/i.js":   file("x"),
+				"a.log":                 file("a"),
+				"keep.log":              file("k"),
+				"build/tmp/o":           file("o"),
+				"build/out/keep":        file("keep"),
+				"cache/a/b.keep":        file("b"),
+				"cache/a/c.tmp":         file("c"),
+				"docker/Dockerfile.dev": file("FROM scratch\n"),
+				"src/main.go":           file("package main\n"),
+				"src/empty":             dirNode(),
+				"src/link":              link("main.go"),
+			},
+			opts: Options{Dockerfile: "docker/Dockerfile.dev"},
+		},
+		{name: "large file", tree: tree{"Dockerfile": file("FROM scratch\n"), "big.bin": file(string(large)), "tool": exe("#!/bin/sh\n")}},
+		{name: "over the byte cap", tree: sample, opts: Options{MaxBytes: 100}},
+	}
+	type call struct {
+		bytes int64
+		files int
+	}
+	run := func(dir string, opts Options, f func(Options) (Result, error)) (Result, []call, error) {
+		var calls []call
+		opts.Progress = func(b int64, n int) { calls = append(calls, call{b, n}) }
+		res, err := f(opts)
+		return res, calls, err
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			dir := newTree(t, tt.tree, buildOpts{})
+			want, wantCalls, wantErr := run(dir, tt.opts, func(o Options) (Result, error) {
+				return Write(context.Background(), dir, io.Discard, o)
+			})
+			got, gotCalls, err := run(dir, tt.opts, func(o Options) (Result, error) {
+				return Digest(context.Background(), dir, o)
+			})
+			if fmt.Sprint(err) != fmt.Sprint(wantErr) {
+				t.Fatalf("Digest error = %v, Write error = %v", err, wantErr)
+			}
+			if got != want {
+				t.Errorf("Digest = %+v, Write = %+v", got, want)
+			}
+			if !slices.Equal(gotCalls, wantCalls) {
+				t.Errorf("Digest progress = %v, Write progress = %v", gotCalls, wantCalls)
+			}
+		})
+	}
+}
+
+// writeBenchContext lays out 64 MiB in 256 files (16 directories of 16
+// files of 256 KiB of text-like data, so gzip has real work) and returns
+// its root and content size.
+func writeBenchContext(b *testing.B) (string, int64) {
 	const (
 		dirs, filesPerDir = 16, 16
 		fileSize          = 256 << 10
@@ -638,10 +710,30 @@ func BenchmarkWrite(b *testing.B) {
 			}
 		}
 	}
-	b.SetBytes(dirs * filesPerDir * fileSize)
+	return root, dirs * filesPerDir * fileSize
+}
+
+// BenchmarkWrite packs writeBenchContext's 64 MiB to io.Discard.
+func BenchmarkWrite(b *testing.B) {
+	root, size := writeBenchContext(b)
+	b.SetBytes(size)
 	b.ReportAllocs()
 	for b.Loop() {
 		if _, err := Write(context.Background(), root, io.Discard, Options{}); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkDigest hashes the same 64 MiB as BenchmarkWrite without
+// compressing it: the difference between the two is what a hash-only pass
+// (s3store.UploadContext's first, `buildq render`'s only) saves.
+func BenchmarkDigest(b *testing.B) {
+	root, size := writeBenchContext(b)
+	b.SetBytes(size)
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := Digest(context.Background(), root, Options{}); err != nil {
 			b.Fatal(err)
 		}
 	}

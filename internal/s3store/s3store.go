@@ -332,8 +332,8 @@ type UploadResult struct {
 // It streams in two passes, so memory stays bounded by Config.PartSize
 // whatever the context size, and no temporary file is written:
 //
-//  1. contexttar.Write into io.Discard, only for the digest that names the
-//     key (nothing is uploaded, so an existing context costs no upload);
+//  1. contexttar.Digest, only for the digest that names the key (nothing
+//     is compressed or uploaded, so an existing context costs no upload);
 //  2. if the object is absent, contexttar.Write again into an io.Pipe that
 //     feeds a multipart PutObject of unknown size (-1), one part at a time.
 //
@@ -360,7 +360,7 @@ func (s *Store) UploadContext(ctx context.Context, dir string, opts contexttar.O
 		report = progress
 	}
 
-	first, err := contexttar.Write(ctx, dir, io.Discard, withProgress(opts, func(est int64) {
+	first, err := contexttar.Digest(ctx, dir, withProgress(opts, func(est int64) {
 		report(PhaseHashing, est, -1)
 	}))
 	if err != nil {
