@@ -17,6 +17,8 @@ import (
 	"net/url"
 	"os"
 	"strings"
+	"sync"
+	"time"
 
 	"github.com/google/go-containerregistry/pkg/authn"
 	"github.com/google/go-containerregistry/pkg/name"
@@ -52,8 +54,8 @@ type Options struct {
 // DefaultUserAgent is the User-Agent prefix when Options.UserAgent is empty.
 const DefaultUserAgent = "buildq"
 
-// Client talks to registries with one set of credentials. It is immutable
-// after New and safe for concurrent use.
+// Client talks to registries with one set of credentials. Its settings are
+// fixed by New; it is safe for concurrent use.
 type Client struct {
 	creds     *credentials
 	keychain  authn.Keychain
@@ -64,6 +66,37 @@ type Client struct {
 	// backoff overrides go-containerregistry's retry backoff (1s, 3s);
 	// tests set it so that 5xx answers do not cost seconds.
 	backoff *remote.Backoff
+
+	// heads keeps the authenticated transports of Head per repository.
+	heads headCache
+}
+
+// headCache holds a go-containerregistry Puller for Head: without it every
+// call pings /v2/ and authenticates before its HEAD, two or three round
+// trips for one — on every cache hit and every new build's preflight. It
+// is renewed every headCacheTTL, so the repositories it remembers stay
+// few and a transport that went bad does not live on.
+type headCache struct {
+	mu   sync.Mutex
+	p    *remote.Puller
+	made time.Time
+}
+
+const headCacheTTL = 10 * time.Minute
+
+// puller returns the current Puller, making a new one when there is none
+// or it is older than headCacheTTL; nil if one cannot be made.
+func (c *Client) puller() *remote.Puller {
+	c.heads.mu.Lock()
+	defer c.heads.mu.Unlock()
+	if c.heads.p == nil || time.Since(c.heads.made) > headCacheTTL {
+		p, err := remote.NewPuller(c.RemoteOptions(context.Background())...)
+		if err != nil {
+			return nil
+		}
+		c.heads.p, c.heads.made = p, time.Now()
+	}
+	return c.heads.p
 }
 
 // New builds a Client. It reads and validates Options.DockerConfig once, so
@@ -161,6 +194,9 @@ func (c *Client) Head(ctx context.Context, ref string) (string, error) {
 		return "", err
 	}
 	opts := c.RemoteOptions(ctx)
+	if p := c.puller(); p != nil {
+		opts = append(opts, remote.Reuse(p))
+	}
 	desc, err := remote.Head(r, opts...)
 	if err == nil {
 		return desc.Digest.String(), nil

@@ -698,3 +698,34 @@ func TestCopyToWritesWithTheTenantsCredentials(t *testing.T) {
 		t.Fatal("acme's credentials wrote into another tenant's repository")
 	}
 }
+
+// TestHeadReusesAuthentication: repeated Heads of one repository ping and
+// authenticate once, then send one request each (a cache hit's check must
+// not cost three round trips).
+func TestHeadReusesAuthentication(t *testing.T) {
+	t.Parallel()
+	rec := &recorder{h: basicAuth(memRegistry(), "builder", "s3cret")}
+	host := serve(t, rec)
+	img := randomImage(t)
+	seed(t, host+"/team/app:v1", img, remote.WithAuth(&authn.Basic{Username: "builder", Password: "s3cret"}))
+	c := newClient(t, Options{DockerConfig: writeDockerConfig(t, host, "builder", "s3cret"), Insecure: []string{host}})
+	want := digestOf(t, img)
+	mustHead(t, c, host+"/team/app:v1")
+	n := rec.count()
+	for range 5 {
+		if got := mustHead(t, c, host+"/team/app:v1"); got != want {
+			t.Fatalf("digest %s, want %s", got, want)
+		}
+	}
+	if _, err := c.Head(context.Background(), host+"/team/app:nope"); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("missing tag: err = %v, want ErrNotFound", err)
+	}
+	if got := rec.since(n); len(got) != 6 {
+		t.Fatalf("6 Heads after the first sent %d requests, want 6 (no ping, no re-authentication): %v", len(got), got)
+	}
+	// Another client (other credentials) is not served from this cache.
+	wrong := newClient(t, Options{DockerConfig: writeDockerConfig(t, host, "builder", "wrong"), Insecure: []string{host}})
+	if _, err := wrong.Head(context.Background(), host+"/team/app:v1"); err == nil || errors.Is(err, ErrNotFound) {
+		t.Fatalf("wrong password: err = %v, want a non-ErrNotFound error", err)
+	}
+}
