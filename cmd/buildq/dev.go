@@ -214,7 +214,7 @@ func runDev(ctx context.Context, stderr io.Writer, f *devFlags) error {
 			// The dev registry speaks plain HTTP.
 			kc.InsecureRegistries = []string{stack.RegistryAddr}
 		}
-		kb, stopKube, err := kubeBackend(ctx, f.kubeconfig, kc, log)
+		kb, stopKube, err := kubeBackend(ctx, f.kubeconfig, defaultKubeQPS, defaultKubeBurst, kc, log)
 		if err != nil {
 			return err
 		}

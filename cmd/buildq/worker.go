@@ -58,6 +58,8 @@ type workerFlags struct {
 	queueTTL        time.Duration
 
 	kubeconfig     string
+	kubeQPS        float64
+	kubeBurst      int
 	registryConfig string
 	jobTemplate    string
 	// tenantRegistryConfigs holds <tenant>/config.json, each tenant's own
@@ -96,6 +98,8 @@ func (f *workerFlags) register(cmd *cobra.Command) {
 	fs.BoolVar(&f.keepJobs, "keep-jobs", false, "leave finished Jobs to ttlSecondsAfterFinished instead of deleting them")
 
 	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "kubeconfig file (default: in-cluster, then $KUBECONFIG and ~/.kube/config)")
+	fs.Float64Var(&f.kubeQPS, "kube-api-qps", defaultKubeQPS, "sustained Kubernetes API requests per second of the worker's client (client-go's default of 5 would hold a busy worker back)")
+	fs.IntVar(&f.kubeBurst, "kube-api-burst", defaultKubeBurst, "Kubernetes API requests the worker's client may send in a burst above --kube-api-qps")
 	fs.StringVar(&f.jobTemplate, "job-template", "", jobTemplateHelp)
 	fs.StringVar(&f.tenantRegistryConfigs, "tenant-registry-configs", "", "with --tenant-registry-secret: directory holding <tenant>/config.json, each tenant's Secret mounted; the worker's checks and copies for a tenant's request use those credentials")
 	fs.StringVar(&f.s3AccessKey, "s3-access-key", "", "with --fetch-image: S3 access key that signs the context URLs (also AWS_ACCESS_KEY_ID); only the worker holds it")
@@ -320,7 +324,10 @@ func runWorker(ctx context.Context, f *workerFlags) error {
 		// Before the first Kubernetes client: every API request counts.
 		kube.NewRequestMetrics(promReg).Install()
 	}
-	backend, stopKube, err := kubeBackend(ctx, f.kubeconfig, f.kaniko, log)
+	if f.kubeQPS <= 0 || f.kubeBurst <= 0 {
+		return usageErr("--kube-api-qps and --kube-api-burst must be positive")
+	}
+	backend, stopKube, err := kubeBackend(ctx, f.kubeconfig, float32(f.kubeQPS), f.kubeBurst, f.kaniko, log)
 	if err != nil {
 		return err
 	}
@@ -395,14 +402,24 @@ func serveMetrics(addr string, reg *prometheus.Registry, ready func() error, log
 	}, nil
 }
 
+// The worker's client-side rate limit. Each build costs about two
+// requests (create and delete its Job; the informers watch the rest), so
+// 50/s carries a few dozen builds a second while a runaway loop still
+// cannot flood the API server.
+const (
+	defaultKubeQPS   = 50
+	defaultKubeBurst = 100
+)
+
 // kubeBackend connects to the cluster, starts the label-filtered informers
 // and waits for their caches.
-func kubeBackend(ctx context.Context, kubeconfig string, kc kaniko.Config, log *zap.Logger) (*worker.KubeBackend, func(), error) {
+func kubeBackend(ctx context.Context, kubeconfig string, qps float32, burst int, kc kaniko.Config, log *zap.Logger) (*worker.KubeBackend, func(), error) {
 	rc, err := restConfig(kubeconfig)
 	if err != nil {
 		return nil, nil, failed(fmt.Errorf("kubernetes config: %w", err))
 	}
 	rc.UserAgent = "buildq-worker"
+	rc.QPS, rc.Burst = qps, burst
 	client, err := kubernetes.NewForConfig(rc)
 	if err != nil {
 		return nil, nil, failed(fmt.Errorf("kubernetes client: %w", err))
