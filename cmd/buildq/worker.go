@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"os"
 	"path/filepath"
 	"strings"
@@ -74,6 +75,7 @@ type workerFlags struct {
 	logLevel    string
 	logFormat   string
 	metricsAddr string
+	pprof       bool
 
 	fair worker.FairConfig
 }
@@ -110,6 +112,7 @@ func (f *workerFlags) register(cmd *cobra.Command) {
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	fs.StringVar(&f.logFormat, "log-format", "json", "log format: json or console")
 	fs.StringVar(&f.metricsAddr, "metrics-addr", "", "serve /metrics (Prometheus), /healthz and /readyz on this address, e.g. :9090 (default: off)")
+	fs.BoolVar(&f.pprof, "pprof", false, "with --metrics-addr: also serve Go's profiles under /debug/pprof/ (CPU, heap, goroutines; not the command line)")
 }
 
 func (f *workerFlags) config(log *zap.Logger) (worker.Config, error) {
@@ -272,6 +275,12 @@ func runWorker(ctx context.Context, f *workerFlags) error {
 		return err
 	}
 	defer func() { _ = log.Sync() }()
+	if f.pprof && f.metricsAddr == "" {
+		return usageErr("--pprof serves on the --metrics-addr address: set that too")
+	}
+	if f.kubeQPS <= 0 || f.kubeBurst <= 0 {
+		return usageErr("--kube-api-qps and --kube-api-burst must be positive")
+	}
 	cfg, err := f.config(log)
 	if err != nil {
 		return err
@@ -324,9 +333,6 @@ func runWorker(ctx context.Context, f *workerFlags) error {
 		// Before the first Kubernetes client: every API request counts.
 		kube.NewRequestMetrics(promReg).Install()
 	}
-	if f.kubeQPS <= 0 || f.kubeBurst <= 0 {
-		return usageErr("--kube-api-qps and --kube-api-burst must be positive")
-	}
 	backend, stopKube, err := kubeBackend(ctx, f.kubeconfig, float32(f.kubeQPS), f.kubeBurst, f.kaniko, log)
 	if err != nil {
 		return err
@@ -345,7 +351,7 @@ func runWorker(ctx context.Context, f *workerFlags) error {
 			}
 			return errors.New("not taking requests: connecting to NATS")
 		}
-		stop, err := serveMetrics(f.metricsAddr, reg, ready, log)
+		stop, err := serveMetrics(f.metricsAddr, reg, ready, f.pprof, log)
 		if err != nil {
 			return failed(err)
 		}
@@ -372,7 +378,10 @@ func runWorker(ctx context.Context, f *workerFlags) error {
 // (liveness) answers while the process serves HTTP; /readyz (readiness)
 // answers 503 with the reason until the worker takes requests, and while
 // its NATS connection is down.
-func serveMetrics(addr string, reg *prometheus.Registry, ready func() error, log *zap.Logger) (func(), error) {
+//
+// With withPprof it also serves net/http/pprof's profiles — but not
+// /debug/pprof/cmdline, which would show flags such as --s3-secret-key.
+func serveMetrics(addr string, reg *prometheus.Registry, ready func() error, withPprof bool, log *zap.Logger) (func(), error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("--metrics-addr %s: %w", addr, err)
@@ -388,6 +397,12 @@ func serveMetrics(addr string, reg *prometheus.Registry, ready func() error, log
 		}
 		ok(w, r)
 	})
+	if withPprof {
+		mux.HandleFunc("/debug/pprof/", pprof.Index)
+		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	}
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	go func() {
 		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
