@@ -837,8 +837,15 @@ type taken struct {
 	ackWait time.Duration
 }
 
-// next waits for the next request to run on a free slot of this worker.
-func (d *dispatcher) next(ctx context.Context) (*taken, bool) {
+// next waits for requests to run on n free slots of this worker. It
+// returns at least one and at most n, all of one tenant: the first in
+// fair order, up to its weight's share of the n slots (one when the
+// tenant has a concurrency limit). Taking several in one fetch keeps the
+// dispatcher from being the bottleneck when requests are short (cache
+// hits) — one fetch per request would cap a worker at one request per
+// round trip to the server — while the share keeps a burst of free slots
+// from going to one tenant.
+func (d *dispatcher) next(ctx context.Context, n int) ([]*taken, bool) {
 	for ctx.Err() == nil {
 		d.mu.Lock()
 		stale := time.Since(d.viewAt) > viewMaxAge
@@ -846,9 +853,15 @@ func (d *dispatcher) next(ctx context.Context) (*taken, bool) {
 		if stale {
 			d.look(ctx)
 		}
-		for _, t := range d.order() {
-			if tk := d.tryTenant(ctx, t); tk != nil {
-				return tk, true
+		order := d.order()
+		total := 0
+		for _, t := range order {
+			total += d.w.cfg.Fair.Weight(t)
+		}
+		for _, t := range order {
+			share := max(1, n*d.w.cfg.Fair.Weight(t)/max(total, 1))
+			if tks := d.tryTenant(ctx, t, share); len(tks) > 0 {
+				return tks, true
 			}
 		}
 		select {
@@ -863,9 +876,10 @@ func (d *dispatcher) next(ctx context.Context) (*taken, bool) {
 	return nil, false
 }
 
-// tryTenant takes tenant's next request, highest priority first, if the
-// tenant is below its concurrency limit; otherwise it marks it full.
-func (d *dispatcher) tryTenant(ctx context.Context, tenant string) *taken {
+// tryTenant takes up to n of tenant's next requests, highest priority
+// first, if the tenant is below its concurrency limit (then one, with its
+// slot); otherwise it marks it full.
+func (d *dispatcher) tryTenant(ctx context.Context, tenant string, n int) []*taken {
 	var s *slot
 	if limit := d.w.cfg.Fair.ConcurrencyOf(tenant); limit > 0 {
 		var ok bool
@@ -878,6 +892,7 @@ func (d *dispatcher) tryTenant(ctx context.Context, tenant string) *taken {
 			d.mu.Unlock()
 			return nil
 		}
+		n = 1 // one slot, one request
 	}
 	order := v1.Priorities
 	if s != nil && s.prefer != "" {
@@ -886,11 +901,15 @@ func (d *dispatcher) tryTenant(ctx context.Context, tenant string) *taken {
 			order = append([]string{p}, slices.DeleteFunc(slices.Clone(order), func(x string) bool { return x == p })...)
 		}
 	}
+	var out []*taken
 	for i, p := range order {
+		if len(out) >= n {
+			break
+		}
 		d.mu.Lock()
-		n := d.view[tenant][p]
+		queued := d.view[tenant][p]
 		d.mu.Unlock()
-		if n == 0 && !(i == 0 && s != nil && s.prefer != "") {
+		if queued == 0 && !(i == 0 && s != nil && s.prefer != "") {
 			continue
 		}
 		c, err := d.consumer(ctx, tenant, p)
@@ -898,22 +917,33 @@ func (d *dispatcher) tryTenant(ctx context.Context, tenant string) *taken {
 			d.w.log.Warn("creating a dispatch consumer failed", zap.String("tenant", tenant), zap.String("priority", p), zap.Error(err))
 			continue
 		}
-		batch, err := c.FetchNoWait(1)
+		want := n - len(out)
+		if queued > 0 && uint64(want) > queued {
+			want = int(queued)
+		}
+		batch, err := c.FetchNoWait(want)
 		if err != nil {
 			d.forget(tenant, p)
 			continue
 		}
+		got := 0
 		for m := range batch.Messages() {
-			return &taken{msg: m, tenant: tenant, prio: p, slot: s, ackWait: c.CachedInfo().Config.AckWait}
+			got++
+			out = append(out, &taken{msg: m, tenant: tenant, prio: p, slot: s, ackWait: c.CachedInfo().Config.AckWait})
 		}
 		if err := batch.Error(); err != nil && errors.Is(err, jetstream.ErrConsumerNotFound) {
 			d.forget(tenant, p)
 		}
-		d.mu.Lock()
-		if d.view[tenant] != nil {
-			d.view[tenant][p] = 0 // nothing deliverable now (held, or waiting to be retried)
+		if got < want {
+			d.mu.Lock()
+			if d.view[tenant] != nil {
+				d.view[tenant][p] = 0 // nothing more deliverable now (held, or waiting to be retried)
+			}
+			d.mu.Unlock()
 		}
-		d.mu.Unlock()
+	}
+	if len(out) > 0 {
+		return out
 	}
 	s.release()
 	d.markDry(tenant)
@@ -942,42 +972,65 @@ func (w *Worker) dispatchLoop(ctx, workCtx context.Context, wg *sync.WaitGroup) 
 		case <-ctx.Done():
 			return
 		}
-		tk, ok := d.next(ctx)
+		n := 1
+	more:
+		for n < cap(w.sem) {
+			select {
+			case w.sem <- struct{}{}:
+				n++
+			default:
+				break more
+			}
+		}
+		tks, ok := d.next(ctx, n)
 		if !ok {
-			w.release(1)
+			w.release(n)
 			return
 		}
-		d.started(tk.tenant, tk.prio)
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			defer w.release(1)
-			defer d.finished(tk.tenant)
-			w.cfg.Metrics.taken()
-			defer w.cfg.Metrics.released()
-			m, err := asRequest(tk.msg, w.queue)
-			if err != nil {
-				// Not put there by intake (only possible without NATS
-				// permissions): nothing to answer it with.
-				w.log.Error("dropping a queued message that did not come through intake", zap.Error(err))
-				if meta, merr := tk.msg.Metadata(); merr == nil {
-					_ = w.queue.DeleteMsg(context.WithoutCancel(ctx), meta.Sequence.Stream)
-				}
-				_ = tk.msg.Term()
-				tk.slot.release()
-				return
-			}
-			m.ackWait = tk.ackWait
-			w.handle(workCtx, m)
-			if m.handedBack.Load() && ctx.Err() != nil {
-				// Stopping: the request's build goes on and another
-				// worker takes the request on; the slot goes with it.
-				tk.slot.handBack(queueSubject(tk.tenant, tk.prio), m.qseq)
-				return
-			}
-			tk.slot.release()
-		}()
+		w.release(n - len(tks))
+		for _, tk := range tks {
+			d.started(tk.tenant, tk.prio)
+			wg.Add(1)
+			go w.dispatched(ctx, workCtx, wg, d, tk)
+		}
 	}
+}
+
+// dispatched runs one request taken from the queue on its slot.
+func (w *Worker) dispatched(ctx, workCtx context.Context, wg *sync.WaitGroup, d *dispatcher, tk *taken) {
+	defer wg.Done()
+	defer w.release(1)
+	defer d.finished(tk.tenant)
+	w.cfg.Metrics.taken()
+	defer w.cfg.Metrics.released()
+	m, err := asRequest(tk.msg, w.queue)
+	if err != nil {
+		// Not put there by intake (only possible without NATS
+		// permissions): nothing to answer it with.
+		w.log.Error("dropping a queued message that did not come through intake", zap.Error(err))
+		if meta, merr := tk.msg.Metadata(); merr == nil {
+			_ = w.queue.DeleteMsg(context.WithoutCancel(ctx), meta.Sequence.Stream)
+		}
+		_ = tk.msg.Term()
+		tk.slot.release()
+		return
+	}
+	m.ackWait = tk.ackWait
+	w.handle(workCtx, m)
+	if !m.handedBack.Load() {
+		tk.slot.release()
+		return
+	}
+	if ctx.Err() != nil {
+		// Stopping: the request's build goes on and another worker
+		// takes the request on; the slot goes with it.
+		tk.slot.handBack(queueSubject(tk.tenant, tk.prio), m.qseq)
+	} else {
+		tk.slot.release()
+	}
+	// Other workers' dispatchers take the handed-back request now, not
+	// at their next look at the queue.
+	_ = w.nc.Publish(wakeSubject, []byte(tk.tenant+" "+tk.prio))
 }
 
 // QueueState is where the requests are, summed over intake
