@@ -107,31 +107,33 @@ var errDuplicateID = errors.New("duplicate request id")
 func (w *Worker) openEntry(ctx context.Context, tenant, name, id, key string, seq uint64, at time.Time) (le *ledgerEntry, fresh bool, err error) {
 	k := RequestIndexKey(tenant, id)
 	for range 10 {
+		// Create first: a request is almost always new, and this is one
+		// round trip where reading first was two.
+		e := RequestEntry{RequestID: id, Tenant: tenant, Name: name, Key: key, State: StateBuildingRequest,
+			Seq: seq, MsgTime: at.UTC(), Worker: w.cfg.ID, UpdatedAt: w.cfg.Now().UTC()}
+		b, _ := json.Marshal(e)
+		rev, err := w.requests.Create(ctx, k, b)
+		if err == nil {
+			return &ledgerEntry{e: e, rev: rev}, true, nil
+		}
+		if !isWrongRevision(err) {
+			return nil, false, fmt.Errorf("request ledger: %w", err)
+		}
 		got, err := w.requests.Get(ctx, k)
 		if errors.Is(err, jetstream.ErrKeyNotFound) {
-			e := RequestEntry{RequestID: id, Tenant: tenant, Name: name, Key: key, State: StateBuildingRequest,
-				Seq: seq, MsgTime: at.UTC(), Worker: w.cfg.ID, UpdatedAt: w.cfg.Now().UTC()}
-			b, _ := json.Marshal(e)
-			rev, err := w.requests.Create(ctx, k, b)
-			if isWrongRevision(err) {
-				continue
-			}
-			if err != nil {
-				return nil, false, fmt.Errorf("request ledger: %w", err)
-			}
-			return &ledgerEntry{e: e, rev: rev}, true, nil
+			continue // deleted since: create it
 		}
 		if err != nil {
 			return nil, false, fmt.Errorf("request ledger: %w", err)
 		}
-		var e RequestEntry
-		if err := json.Unmarshal(got.Value(), &e); err != nil {
+		var cur RequestEntry
+		if err := json.Unmarshal(got.Value(), &cur); err != nil {
 			return nil, false, fmt.Errorf("request ledger: unreadable entry for %s: %w", id, err)
 		}
-		if e.Seq != seq || !e.MsgTime.Equal(at.UTC()) {
+		if cur.Seq != seq || !cur.MsgTime.Equal(at.UTC()) {
 			return nil, false, errDuplicateID
 		}
-		return &ledgerEntry{e: e, rev: got.Revision()}, false, nil
+		return &ledgerEntry{e: cur, rev: got.Revision()}, false, nil
 	}
 	return nil, false, errors.New("request ledger: entry keeps changing")
 }
