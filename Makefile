@@ -7,7 +7,7 @@ PKGS := ./...
 # outside the clone, see integration/README.md).
 INTEGRATION_TIMEOUT ?= 40m
 
-.PHONY: all build test test-unit test-integration lint fmt vet bench dev e2e tools node-packages clean sim soak image
+.PHONY: all build test test-unit test-integration lint fmt vet bench bench-e2e bench-report bench-scale dev e2e tools node-packages clean sim soak image
 
 all: build
 
@@ -48,7 +48,8 @@ lint: vet ## go vet, gofmt, and golangci-lint when installed
 
 vet:
 	$(GO) vet $(PKGS)
-	$(GO) vet -tags integration ./integration/...
+	$(GO) vet -tags benchscale ./worker/
+	$(GO) vet -tags 'integration benche2e' ./integration/...
 	$(GO) vet -tags e2e ./integration/e2e/...
 
 fmt:
@@ -56,6 +57,24 @@ fmt:
 
 bench: ## Benchmarks; they print figures, they assert nothing
 	$(GO) test -run '^$$' -bench . -benchmem $(PKGS)
+
+# The end-to-end benchmarks (docs/benchmarks.md): each writes its figures
+# as JSON into BENCH_OUT; bench-report renders them into the page and its
+# plot. CPU profiles of the workers: BUILDQ_BENCH_PPROF=<dir>.
+BENCH_OUT ?= docs/benchmarks
+bench-e2e: tools ## P1–P8: buildq against same-run baselines on the integration suite's real components (< 10 min); writes docs/benchmarks.md
+	@mkdir -p $(BENCH_OUT)
+	set -o pipefail; BUILDQ_BENCH_OUT=$(abspath $(BENCH_OUT)) $(GO) test -tags 'integration benche2e' -count=1 -timeout 20m \
+	  -run '^TestBenchE2E' -v ./integration/ 2>&1 | tee /tmp/buildq-bench-e2e.log | grep -E '^(--- |PASS|FAIL|ok|panic)|P[0-9] |bench_.*_test.go'
+	$(MAKE) --no-print-directory bench-report
+
+bench-scale: ## P9, toward internet scale, simulated (< 30 min): 100,000 requests over 10,000 keys, 10 worker processes, one NATS then a 3-node cluster; sizes: BUILDQ_SCALE_* (worker/benchscale_test.go)
+	@mkdir -p $(BENCH_OUT)
+	BUILDQ_BENCH_OUT=$(abspath $(BENCH_OUT)) $(GO) test -tags benchscale -count=1 -timeout 35m -run '^TestBenchScale$$' -v ./worker/
+	$(MAKE) --no-print-directory bench-report
+
+bench-report: ## Render docs/benchmarks.md and docs/benchmarks.svg from the figures in docs/benchmarks/
+	$(GO) run ./hack/benchreport -in $(BENCH_OUT) -md docs/benchmarks.md -svg docs/benchmarks.svg
 
 image: PLATFORMS ?= linux/amd64,linux/arm64
 image: ## Build the buildq image without Docker and push it: make image IMAGE=registry.example.com/buildq/buildq [PLATFORMS=linux/amd64,linux/arm64] [TAG=v1] [INSECURE=1]

@@ -89,6 +89,9 @@ type faultProxy struct {
 	addr string
 	mu   sync.Mutex
 	rule func(*http.Request) int
+	// delay holds every request this long before it is passed on (the
+	// benchmarks' injected latency).
+	delay time.Duration
 	// faulted lists "METHOD path" of every request the rule failed.
 	faulted []string
 }
@@ -119,7 +122,11 @@ func startFaultProxy(t *testing.T, target string) *faultProxy {
 		if code != 0 {
 			p.faulted = append(p.faulted, r.Method+" "+r.URL.Path)
 		}
+		delay := p.delay
 		p.mu.Unlock()
+		if delay > 0 {
+			time.Sleep(delay)
+		}
 		switch code {
 		case 0:
 			rp.ServeHTTP(w, r)
@@ -140,6 +147,12 @@ func startFaultProxy(t *testing.T, target string) *faultProxy {
 	go func() { _ = srv.Serve(ln) }()
 	t.Cleanup(func() { _ = srv.Close() })
 	return p
+}
+
+func (p *faultProxy) setDelay(d time.Duration) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.delay = d
 }
 
 func (p *faultProxy) setRule(rule func(*http.Request) int) {

@@ -38,6 +38,10 @@ type fault struct {
 	message  string
 	// deletePod deletes the pod instead of running it.
 	deletePod bool
+	// duration is how long the build runs at least: the container stays
+	// running that long before the build proper (the benchmarks'
+	// configurable build time).
+	duration time.Duration
 }
 
 // kubelet plays the node for one namespace. It binds buildq's pods and runs
@@ -127,6 +131,13 @@ func (k *kubelet) run(ctx context.Context, pod *corev1.Pod) {
 	if f.hold != nil {
 		select {
 		case <-f.hold:
+		case <-ctx.Done():
+			return
+		}
+	}
+	if f.duration > 0 {
+		select {
+		case <-time.After(f.duration):
 		case <-ctx.Done():
 			return
 		}
