@@ -823,7 +823,10 @@ func (w *simWorld) restartNATS(down time.Duration) {
 // injected faults; seeded, though timing decides which call draws what.
 func (w *simWorld) runtimeRand() func() float64 {
 	var mu sync.Mutex
-	x := uint64(w.seed)*0x9E3779B97F4A7C15 + uint64(len(w.procs)+1)*0xBF58476D1CE4E5B9
+	w.mu.Lock() // slots restart concurrently (replace's timers)
+	n := len(w.procs)
+	w.mu.Unlock()
+	x := uint64(w.seed)*0x9E3779B97F4A7C15 + uint64(n+1)*0xBF58476D1CE4E5B9
 	return func() float64 {
 		mu.Lock()
 		defer mu.Unlock()
