@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"strconv"
 	"strings"
 	"sync"
@@ -203,6 +204,14 @@ func (w *Worker) listWaiters(ctx context.Context, filter string) (map[string][]w
 // for 1.5 leases by the sweep) requeues them; a run still building keeps
 // them parked. Entries already decided are published and dropped.
 func (w *Worker) settleWaiters(ctx context.Context, key string, items []waiterItem, lapsed bool) {
+	// One pass per key at a time in this worker: two passes (a run's end
+	// and the sweep, or two ends) that both read a waiter's entry before
+	// either recorded its decision would both publish its result.
+	h := fnv.New32a()
+	_, _ = h.Write([]byte(key))
+	mu := &w.settling[h.Sum32()%uint32(len(w.settling))]
+	mu.Lock()
+	defer mu.Unlock()
 	var cur *Record
 	for _, it := range items {
 		if !it.v.Parked {

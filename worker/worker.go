@@ -36,6 +36,9 @@ type Worker struct {
 	js       jetstream.JetStream
 	backend  Backend
 	log      *zap.Logger
+	// settling serializes settleWaiters per build key (park.go), by a
+	// hash of the key: bounded, whatever the number of keys.
+	settling [64]sync.Mutex
 	claims   claims
 	requests jetstream.KeyValue
 	orphans  orphanWatch
