@@ -71,13 +71,25 @@ func (s *suite) startBenchWorker(id string, extra ...string) *benchWorker {
 }
 
 // profile, when $BUILDQ_BENCH_PPROF names a directory, takes a CPU
-// profile of the worker for d into <dir>/<name>.pprof, in the background
-// (the worker runs with --pprof).
+// profile of the worker for d into <dir>/<name>.pprof and, halfway
+// through, a dump of its goroutines (where requests wait: the worker is
+// mostly waiting for round trips, which a CPU profile does not show) into
+// <dir>/<name>.goroutines.txt, in the background (the worker runs with
+// --pprof).
 func (w *benchWorker) profile(t *testing.T, name string, d time.Duration) {
 	dir := os.Getenv("BUILDQ_BENCH_PPROF")
 	if dir == "" {
 		return
 	}
+	go func() {
+		time.Sleep(d / 2)
+		resp, err := http.Get(fmt.Sprintf("http://%s/debug/pprof/goroutine?debug=1", w.metrics))
+		if err == nil {
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			_ = os.WriteFile(filepath.Join(dir, name+".goroutines.txt"), b, 0o644)
+		}
+	}()
 	go func() {
 		resp, err := http.Get(fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", w.metrics, int(d.Seconds())))
 		if err != nil {

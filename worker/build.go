@@ -91,7 +91,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 				// The index says built; only the registry knows whether
 				// the image is still there. Not found means build again;
 				// any other error means try later, never "exists".
-				_, err := w.registry.Head(ctx, cur.Repository+"@"+cur.Digest)
+				err := w.checkIndexed(ctx, cur.Repository+"@"+cur.Digest)
 				switch {
 				case errors.Is(err, registry.ErrNotFound):
 					w.log.Info("indexed image is gone from the registry; rebuilding", zap.String("key", key), zap.String("image", cur.Repository+"@"+cur.Digest))
@@ -615,4 +615,31 @@ func (w *Worker) finishOrphan(ctx context.Context, key string, out Outcome) time
 		w.answerWaiters(ctx, key)
 	}
 	return 0
+}
+
+// indexCheckTimeout bounds one shared HEAD of checkIndexed.
+const indexCheckTimeout = time.Minute
+
+// checkIndexed asks the registry whether ref, an indexed image
+// (repo@digest), is still there: nil, or an error matching
+// registry.ErrNotFound, or another error. Concurrent checks of one image
+// share a single HEAD: cache hits on a popular key arrive together, and
+// each would otherwise wait for a round trip of its own. A check joins
+// only a HEAD still in flight, so its answer is never older than the
+// start of that HEAD; nothing is remembered after it returns. The shared
+// HEAD runs apart from any one caller's context (bounded by
+// indexCheckTimeout), so a caller that gives up does not fail the others.
+func (w *Worker) checkIndexed(ctx context.Context, ref string) error {
+	ch := w.heads.DoChan(ref, func() (any, error) {
+		hctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), indexCheckTimeout)
+		defer cancel()
+		_, err := w.registry.Head(hctx, ref)
+		return nil, err
+	})
+	select {
+	case r := <-ch:
+		return r.Err
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	}
 }

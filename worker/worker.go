@@ -23,6 +23,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap"
+	"golang.org/x/sync/singleflight"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/naming"
@@ -39,6 +40,8 @@ type Worker struct {
 	// settling serializes settleWaiters per build key (park.go), by a
 	// hash of the key: bounded, whatever the number of keys.
 	settling [64]sync.Mutex
+	// heads shares concurrent registry checks of one indexed image.
+	heads    singleflight.Group
 	claims   claims
 	requests jetstream.KeyValue
 	orphans  orphanWatch
@@ -520,6 +523,7 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 	if v.waiter && le != nil {
 		w.dropWaiter(actx, le.e.Key, le.e.Tenant, le.e.RequestID)
 	}
+	var marking sync.WaitGroup
 	if !v.publishedBefore {
 		// Progress first: a client waiting for the result sees the last
 		// step before the result ends its wait.
@@ -538,11 +542,15 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 			return
 		}
 		if le != nil {
-			w.published(actx, le)
+			// The mark only spares a redelivery a second publish (which
+			// the stream would drop as a duplicate), and a redelivery
+			// comes only if the ack below is lost: the two go together.
+			marking.Go(func() { w.published(actx, le) })
 		}
 		w.cfg.Metrics.published(v.data)
 	}
 	w.settle(actx, log, msg, v.data.RequestID, v.term, v.data.Reason)
+	marking.Wait()
 	log.Info("request done", zap.String("requestId", v.data.RequestID), zap.String("status", string(v.data.Status)),
 		zap.String("origin", string(v.data.Origin)), zap.String("reason", v.data.Reason), zap.String("digest", v.data.Digest))
 	if v.cleanupKey != "" && !w.cfg.KeepJobs {
