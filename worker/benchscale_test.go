@@ -934,24 +934,18 @@ func runScale(t *testing.T, s scaleSettings, topo scaleTopology) scaleOutcome {
 		t.Fatal(err)
 	}
 	replicas := min(topo.nodes, 3)
-	// The streams and buckets, as a worker creates them. Each attempt has
-	// its own deadline: a JetStream API request sent while a cluster
-	// elects its meta leader gets no answer at all.
+	// The streams and buckets, as a worker creates them (Setup waits for
+	// a cluster still electing its meta leader).
 	sw, err := New(nc, nil, Config{ID: "bench-setup", Replicas: replicas, Naming: naming.Policy{Registry: regHost},
 		Logger: zaptest.NewLogger(t, zaptest.Level(zapcore.WarnLevel))})
 	if err != nil {
 		t.Fatal(err)
 	}
-	for setupBy := time.Now().Add(2 * time.Minute); ; {
-		sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		err := sw.Setup(sctx)
-		cancel()
-		if err == nil {
-			break
-		}
-		if time.Now().After(setupBy) {
-			t.Fatalf("setting up the streams: %v", err)
-		}
+	sctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	err = sw.Setup(sctx)
+	cancel()
+	if err != nil {
+		t.Fatalf("setting up the streams: %v", err)
 	}
 	ctx := context.Background()
 	before := streamSizes(ctx, js)

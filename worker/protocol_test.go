@@ -14,6 +14,7 @@ import (
 
 	ggcrv1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
+	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
@@ -560,5 +561,72 @@ func TestLocalBuildHonoursTheTimeout(t *testing.T) {
 	out, err := l.Run(context.Background(), b, func(string, bool, string) {})
 	if err != nil || out.Succeeded || out.Reason != v1.ReasonDeadlineExceeded {
 		t.Fatalf("got %+v, %v; want DeadlineExceeded", out, err)
+	}
+}
+
+// A JetStream API request that gets no answer at all (sent while a cluster
+// elects its meta leader) costs Setup one attempt, not the caller's whole
+// deadline. The worker's connection reaches JetStream through a relay on a
+// server without it: the relay drops the first API request unanswered and
+// passes on the rest.
+func TestSetupAttemptOutlivesAnUnansweredRequest(t *testing.T) {
+	backend := setup(t) // the server with JetStream
+	front, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, NoLog: true, NoSigs: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	front.Start()
+	if !front.ReadyForConnections(10 * time.Second) {
+		t.Fatal("nats-server did not start")
+	}
+	t.Cleanup(front.Shutdown)
+	relay, err := nats.Connect(front.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(relay.Close)
+	var requests atomic.Int32
+	if _, err := relay.Subscribe("$JS.API.>", func(m *nats.Msg) {
+		if requests.Add(1) == 1 {
+			return // lost: no answer
+		}
+		fwd := nats.NewMsg(m.Subject)
+		fwd.Data, fwd.Header = m.Data, m.Header
+		reply, err := backend.nc.RequestMsg(fwd, 5*time.Second)
+		if err != nil {
+			return
+		}
+		out := nats.NewMsg(m.Reply)
+		out.Data, out.Header = reply.Data, reply.Header
+		_ = relay.PublishMsg(out)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := relay.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	nc, err := nats.Connect(front.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+
+	saved := setupAttemptTimeout
+	setupAttemptTimeout = 500 * time.Millisecond
+	t.Cleanup(func() { setupAttemptTimeout = saved })
+	w, err := New(nc, nil, testConfig("setup-relay"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := w.Setup(ctx); err != nil {
+		t.Fatalf("Setup after one unanswered API request: %v", err)
+	}
+	if requests.Load() < 2 {
+		t.Fatalf("%d API requests reached the relay; the setup did not go through it", requests.Load())
+	}
+	if _, err := backend.js.Stream(ctx, v1.RequestsStream); err != nil {
+		t.Fatalf("the requests stream after Setup: %v", err)
 	}
 }
