@@ -630,16 +630,33 @@ const indexCheckTimeout = time.Minute
 // HEAD runs apart from any one caller's context (bounded by
 // indexCheckTimeout), so a caller that gives up does not fail the others.
 func (w *Worker) checkIndexed(ctx context.Context, ref string) error {
-	ch := w.heads.DoChan(ref, func() (any, error) {
+	ch := w.heads.DoChan(ref, func() (_ any, err error) {
+		// singleflight re-raises a panic of this function where nothing
+		// can recover it: carry it to each caller instead, whose handler
+		// turns it into one failed result (safeProcess), as before the
+		// HEAD was shared.
+		defer func() {
+			if p := recover(); p != nil {
+				err = headPanic{p}
+			}
+		}()
 		hctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), indexCheckTimeout)
 		defer cancel()
-		_, err := w.registry.Head(hctx, ref)
+		_, err = w.registry.Head(hctx, ref)
 		return nil, err
 	})
 	select {
 	case r := <-ch:
+		if p, ok := r.Err.(headPanic); ok {
+			panic(p.v)
+		}
 		return r.Err
 	case <-ctx.Done():
 		return context.Cause(ctx)
 	}
 }
+
+// headPanic carries a panic of a shared HEAD to its callers.
+type headPanic struct{ v any }
+
+func (p headPanic) Error() string { return fmt.Sprintf("panic in a registry HEAD: %v", p.v) }

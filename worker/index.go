@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
+	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -175,6 +176,98 @@ func (w *Worker) record(ctx context.Context, le *ledgerEntry, v verdict) (verdic
 		le.e, le.rev = cur, got.Revision()
 	}
 	return v, errors.New("request ledger: entry keeps changing")
+}
+
+// keyLocks lets one goroutine at a time hold a key, without waiting.
+type keyLocks struct{ m sync.Map }
+
+// acquire takes k and returns its release, or ok false when k is held.
+func (l *keyLocks) acquire(k string) (release func(), ok bool) {
+	if _, held := l.m.LoadOrStore(k, struct{}{}); held {
+		return nil, false
+	}
+	var once sync.Once
+	return func() { once.Do(func() { l.m.Delete(k) }) }, true
+}
+
+// unmarkedWatch remembers, per ledger key, the revision of a decision
+// another worker recorded and had not marked published, and when this
+// worker first saw that revision.
+type unmarkedWatch struct {
+	mu sync.Mutex
+	m  map[string]unmarkedSeen
+}
+
+type unmarkedSeen struct {
+	rev   uint64
+	since time.Time
+}
+
+// lapsed reports whether k has been seen at rev for at least grace, on
+// this worker's clock; it starts the watch when k is new or changed.
+func (u *unmarkedWatch) lapsed(k string, rev uint64, now time.Time, grace time.Duration) bool {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.m == nil {
+		u.m = map[string]unmarkedSeen{}
+	}
+	s, ok := u.m[k]
+	if !ok || s.rev != rev {
+		if len(u.m) >= 4096 {
+			for k, s := range u.m {
+				if now.Sub(s.since) > 4*grace {
+					delete(u.m, k)
+				}
+			}
+		}
+		u.m[k] = unmarkedSeen{rev: rev, since: now}
+		return false
+	}
+	if now.Sub(s.since) < grace {
+		return false
+	}
+	delete(u.m, k)
+	return true
+}
+
+// publishGrace is how long a decision another worker recorded may stay
+// unmarked before this worker takes its publish over: the decider
+// publishes right after recording and marks right after the PubAck, so a
+// decision left unmarked this long is taken to be a dead decider's.
+func (w *Worker) publishGrace() time.Duration { return 2 * w.cfg.Lease }
+
+// mayPublishDecision reports whether the caller may publish le's
+// decision, which was recorded before it and is not marked published.
+// The caller holds the request in w.publishing. A decision this worker
+// recorded is its own to publish again (its publish failed or its mark
+// was lost). Another worker's is published only once it has stayed
+// unchanged for publishGrace on this worker's clock, and then only by the
+// one taker whose compare-and-swap names it the decision's worker: a
+// decider that is only slow publishes it itself, and is not joined by a
+// second publish.
+func (w *Worker) mayPublishDecision(ctx context.Context, le *ledgerEntry) (bool, error) {
+	if le.e.Worker == w.cfg.ID {
+		return true, nil
+	}
+	k := RequestIndexKey(le.e.Tenant, le.e.RequestID)
+	now := w.cfg.Now()
+	if !w.unmarked.lapsed(k, le.rev, now, w.publishGrace()) {
+		return false, nil
+	}
+	e := le.e
+	e.Worker, e.UpdatedAt = w.cfg.ID, now.UTC()
+	b, _ := json.Marshal(e)
+	rev, err := w.requests.Update(ctx, k, b, le.rev)
+	if err != nil {
+		if isWrongRevision(err) {
+			return false, nil // changed meanwhile: marked, or taken over
+		}
+		return false, fmt.Errorf("request ledger: %w", err)
+	}
+	w.log.Info("publishing a result another worker recorded and left unpublished",
+		zap.String("requestId", e.RequestID), zap.String("decidedBy", le.e.Worker))
+	le.e, le.rev = e, rev
+	return true, nil
 }
 
 // published marks the entry's result as stored (best effort: without it a

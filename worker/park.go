@@ -1,6 +1,7 @@
 package worker
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"crypto/subtle"
@@ -316,9 +317,19 @@ func (w *Worker) parkedVerdict(p waiterValue, key string) verdict {
 	}}
 }
 
+// errPublishLater: the request's result is being published by another
+// handler, or was decided by another worker that may still publish it;
+// the waiter stays, and the sweep looks again.
+var errPublishLater = errors.New("its result is another handler's to publish for now")
+
 // deliver stores v as the request's decision (or takes the one stored
 // first), publishes it and marks it published.
 func (w *Worker) deliver(ctx context.Context, le *ledgerEntry, v verdict) error {
+	release, ok := w.publishing.acquire(RequestIndexKey(le.e.Tenant, le.e.RequestID))
+	if !ok {
+		return errPublishLater
+	}
+	defer release()
 	if v.data.Timings.FinishedAt.IsZero() {
 		v.data.Timings.FinishedAt = w.cfg.Now().UTC()
 	}
@@ -331,6 +342,13 @@ func (w *Worker) deliver(ctx context.Context, le *ledgerEntry, v verdict) error 
 	}
 	if v.publishedBefore {
 		return nil
+	}
+	if v.recorded {
+		// Decided before this pass and not marked published: see
+		// handle.
+		if ok, err := w.mayPublishDecision(ctx, le); err != nil || !ok {
+			return cmp.Or(err, errPublishLater)
+		}
 	}
 	w.event(v.tenant, v.name, v1.Event{RequestID: v.data.RequestID, Key: v.data.Key, Phase: v1.PhaseFinished,
 		Message: finishedMessage(v.data), Job: v.data.Job})

@@ -194,6 +194,19 @@ func simSummary(outs []simOutcome, first, n int64, took time.Duration) string {
 		requeued += o.requeued
 	}
 	fmt.Fprintf(&b, "  requests parked on builds in progress: %d (requeued: %d)\n", parked, requeued)
+	republished := 0
+	var republishedSeeds []string
+	for _, o := range outs {
+		if o.republished > 0 {
+			republished += o.republished
+			republishedSeeds = append(republishedSeeds, strconv.FormatInt(o.seed, 10))
+		}
+	}
+	fmt.Fprintf(&b, "  results published more than once (the same decision; the stream keeps one, core subscribers see each): %d in %d seeds", republished, len(republishedSeeds))
+	if len(republishedSeeds) > 0 {
+		fmt.Fprintf(&b, " (seeds %s)", strings.Join(republishedSeeds[:min(len(republishedSeeds), 20)], " "))
+	}
+	b.WriteString("\n")
 	if infra > 0 {
 		fmt.Fprintf(&b, "  InfrastructureError results under injected API errors (allowed): %d in %d seeds\n", infra, infraSeeds)
 	}

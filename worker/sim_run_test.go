@@ -51,6 +51,10 @@ type simOutcome struct {
 	results    map[string]int // stored results by status/reason
 	parked     int            // requests parked on a build in progress
 	requeued   int            // parked requests published again
+	// republished: requests whose (same) result was published more than
+	// once: not a violation (a worker killed between its publish and its
+	// ack publishes it again), but each copy reaches core subscribers.
+	republished int
 }
 
 var (
@@ -616,6 +620,10 @@ func (w *simWorld) judge(out *simOutcome) {
 				ds = append(ds, decisionOf(r.subject, r.r).String())
 			}
 			w.violate(out, "two-stored-results", "request %s has %d results in %s: %s", s.id, len(st), v1.ResultsStream, strings.Join(ds, "; "))
+		}
+		if n := len(pubBy[s.id]); n > 1 {
+			out.republished++
+			w.notes = append(w.notes, fmt.Sprintf("the result of %s was published %d times", s.id, n)) // w.mu is held
 		}
 		// Every answer the request was given, stored or only published.
 		type answer struct {

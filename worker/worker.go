@@ -41,12 +41,17 @@ type Worker struct {
 	// hash of the key: bounded, whatever the number of keys.
 	settling [64]sync.Mutex
 	// heads shares concurrent registry checks of one indexed image.
-	heads    singleflight.Group
-	claims   claims
-	requests jetstream.KeyValue
-	orphans  orphanWatch
-	parked   parkWatch
-	held     heldRequests
+	heads singleflight.Group
+	// publishing: the requests whose decision a goroutine of this worker
+	// is recording and publishing; unmarked: decisions of other workers
+	// seen recorded and not marked published (index.go).
+	publishing keyLocks
+	unmarked   unmarkedWatch
+	claims     claims
+	requests   jetstream.KeyValue
+	orphans    orphanWatch
+	parked     parkWatch
+	held       heldRequests
 	// bg counts background work (answering parked requests).
 	bg     sync.WaitGroup
 	apiSem chan struct{}
@@ -516,6 +521,18 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 	if v.data.Timings.FinishedAt.IsZero() {
 		v.data.Timings.FinishedAt = w.cfg.Now().UTC()
 	}
+	if le != nil {
+		// One handler or settling pass of this worker decides and
+		// publishes a request at a time: another that found the decision
+		// recorded and not yet marked published would publish it again.
+		release, ok := w.publishing.acquire(RequestIndexKey(le.e.Tenant, le.e.RequestID))
+		if !ok {
+			log.Info("this worker is publishing the request's result already; looking again later", zap.String("requestId", v.data.RequestID))
+			_ = msg.NakWithDelay(time.Second)
+			return
+		}
+		defer release()
+	}
 	if le != nil && !v.recorded {
 		// The decision is stored before it is published: a redelivery
 		// publishes this same result, never a second, different one.
@@ -529,6 +546,21 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 			log.Error("recording the decision failed on the last delivery; publishing it unrecorded", zap.Error(err))
 		}
 		v = rv
+	}
+	if le != nil && v.recorded && !v.publishedBefore {
+		// Decided before this handler, and not marked published: by
+		// this worker (its publish failed), or by another party that may
+		// be publishing it right now.
+		ok, err := w.mayPublishDecision(actx, le)
+		if err != nil {
+			log.Warn("reading who publishes the request's result failed; looking again later", zap.Error(err))
+		}
+		if !ok {
+			log.Info("the request's result was decided by another worker and is not marked published yet; looking again later",
+				zap.String("requestId", v.data.RequestID), zap.String("decidedBy", le.e.Worker))
+			_ = msg.NakWithDelay(w.publishGrace() / 2)
+			return
+		}
 	}
 	if v.waiter && le != nil {
 		w.dropWaiter(actx, le.e.Key, le.e.Tenant, le.e.RequestID)
