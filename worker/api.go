@@ -211,6 +211,12 @@ func (w *Worker) cancel(ctx context.Context, tenant, target string) CancelReply 
 	var (
 		key  string
 		mine []*ledgerEntry
+		// before: the key's waiters read before anything is canceled. A
+		// canceled owner lets its run go, and a waiter requeued to take
+		// it over is, for a moment, no waiter at all: read only after the
+		// cancel, it would not be counted, and its build would be
+		// stopped under it.
+		before []*ledgerEntry
 	)
 	// A request id first: an id may look like a build key.
 	byID, err := w.ledgerGet(ctx, tenant, target)
@@ -228,6 +234,7 @@ func (w *Worker) cancel(ctx context.Context, tenant, target string) CancelReply 
 				mine = append(mine, le)
 			}
 		}
+		before = ws
 	} else {
 		le := byID
 		switch {
@@ -237,6 +244,9 @@ func (w *Worker) cancel(ctx context.Context, tenant, target string) CancelReply 
 			return CancelReply{Key: le.e.Key, Message: "the request already has its result: " + le.e.State}
 		}
 		key, mine = le.e.Key, []*ledgerEntry{le}
+		if before, err = w.waiters(ctx, key); err != nil {
+			return CancelReply{Key: key, Message: err.Error()}
+		}
 	}
 	n := 0
 	for _, le := range mine {
@@ -258,12 +268,17 @@ func (w *Worker) cancel(ctx context.Context, tenant, target string) CancelReply 
 	if err != nil {
 		return CancelReply{Key: key, Requests: n, Canceled: n > 0, Message: err.Error()}
 	}
-	others := 0
-	for _, le := range ws {
-		if !le.e.Canceled {
-			others++
+	canceled := map[string]bool{}
+	for _, le := range mine {
+		canceled[RequestIndexKey(le.e.Tenant, le.e.RequestID)] = true
+	}
+	waiting := map[string]bool{}
+	for _, le := range append(before, ws...) {
+		if k := RequestIndexKey(le.e.Tenant, le.e.RequestID); !le.e.Canceled && !canceled[k] {
+			waiting[k] = true
 		}
 	}
+	others := len(waiting)
 	if others > 0 {
 		if n == 0 {
 			return CancelReply{Key: key, Message: fmt.Sprintf("no request of tenant %s waits on key %s", tenant, key)}

@@ -236,23 +236,45 @@ func (u *unmarkedWatch) lapsed(k string, rev uint64, now time.Time, grace time.D
 // decision left unmarked this long is taken to be a dead decider's.
 func (w *Worker) publishGrace() time.Duration { return 2 * w.cfg.Lease }
 
-// mayPublishDecision reports whether the caller may publish le's
-// decision, which was recorded before it and is not marked published.
-// The caller holds the request in w.publishing. A decision this worker
-// recorded is its own to publish again (its publish failed or its mark
+// publishRight is what mayPublishDecision allows.
+type publishRight int
+
+const (
+	publishNow   publishRight = iota // publish it
+	publishDone                      // it is marked published: nothing to publish
+	publishLater                     // not yet: look again later
+)
+
+// mayPublishDecision says whether the caller may publish le's decision,
+// which was recorded before it and was not marked published when the
+// caller read it. The caller holds the request in w.publishing, and the
+// entry is read again under it: a read from before may predate the mark
+// of another handler of this worker that held it. A decision this worker
+// recorded is its own to publish again (its publish failed, or its mark
 // was lost). Another worker's is published only once it has stayed
 // unchanged for publishGrace on this worker's clock, and then only by the
 // one taker whose compare-and-swap names it the decision's worker: a
 // decider that is only slow publishes it itself, and is not joined by a
 // second publish.
-func (w *Worker) mayPublishDecision(ctx context.Context, le *ledgerEntry) (bool, error) {
+func (w *Worker) mayPublishDecision(ctx context.Context, le *ledgerEntry) (publishRight, error) {
+	cur, err := w.ledgerGet(ctx, le.e.Tenant, le.e.RequestID)
+	switch {
+	case err != nil:
+		return publishLater, err
+	case cur == nil || cur.e.Published:
+		// Marked meanwhile; or aged out, and its result with it.
+		return publishDone, nil
+	case cur.e.Result == nil:
+		return publishLater, errors.New("request ledger: the decision read before is not there")
+	}
+	*le = *cur
 	if le.e.Worker == w.cfg.ID {
-		return true, nil
+		return publishNow, nil
 	}
 	k := RequestIndexKey(le.e.Tenant, le.e.RequestID)
 	now := w.cfg.Now()
 	if !w.unmarked.lapsed(k, le.rev, now, w.publishGrace()) {
-		return false, nil
+		return publishLater, nil
 	}
 	e := le.e
 	e.Worker, e.UpdatedAt = w.cfg.ID, now.UTC()
@@ -260,27 +282,44 @@ func (w *Worker) mayPublishDecision(ctx context.Context, le *ledgerEntry) (bool,
 	rev, err := w.requests.Update(ctx, k, b, le.rev)
 	if err != nil {
 		if isWrongRevision(err) {
-			return false, nil // changed meanwhile: marked, or taken over
+			return publishLater, nil // changed meanwhile: marked, or taken over
 		}
-		return false, fmt.Errorf("request ledger: %w", err)
+		return publishLater, fmt.Errorf("request ledger: %w", err)
 	}
 	w.log.Info("publishing a result another worker recorded and left unpublished",
 		zap.String("requestId", e.RequestID), zap.String("decidedBy", le.e.Worker))
 	le.e, le.rev = e, rev
-	return true, nil
+	return publishNow, nil
 }
 
 // published marks the entry's result as stored (best effort: without it a
 // redelivery publishes the same result again, which the results stream's
-// duplicate window drops).
+// duplicate window drops). Another write may have come between the
+// decision and the mark (a retry's count, a take-over): the decision
+// itself never changes once recorded, so the mark is written again on
+// the entry as it is now.
 func (w *Worker) published(ctx context.Context, le *ledgerEntry) {
-	e := le.e
-	e.Published, e.UpdatedAt = true, w.cfg.Now().UTC()
-	b, _ := json.Marshal(e)
-	if rev, err := w.requests.Update(ctx, RequestIndexKey(e.Tenant, e.RequestID), b, le.rev); err == nil {
-		le.e, le.rev = e, rev
-	} else {
+	k := RequestIndexKey(le.e.Tenant, le.e.RequestID)
+	for range 5 {
+		if le.e.Published || le.e.Result == nil {
+			return
+		}
+		e := le.e
+		e.Published, e.UpdatedAt = true, w.cfg.Now().UTC()
+		b, _ := json.Marshal(e)
+		rev, err := w.requests.Update(ctx, k, b, le.rev)
+		if err == nil {
+			le.e, le.rev = e, rev
+			return
+		}
+		if isWrongRevision(err) {
+			if cur, gerr := w.ledgerGet(ctx, le.e.Tenant, le.e.RequestID); gerr == nil && cur != nil {
+				*le = *cur
+				continue
+			}
+		}
 		w.log.Debug("request ledger: marking published failed", zap.String("requestId", e.RequestID), zap.Error(err))
+		return
 	}
 }
 

@@ -346,7 +346,10 @@ func (w *Worker) deliver(ctx context.Context, le *ledgerEntry, v verdict) error 
 	if v.recorded {
 		// Decided before this pass and not marked published: see
 		// handle.
-		if ok, err := w.mayPublishDecision(ctx, le); err != nil || !ok {
+		switch right, err := w.mayPublishDecision(ctx, le); right {
+		case publishDone:
+			return nil
+		case publishLater:
 			return cmp.Or(err, errPublishLater)
 		}
 	}

@@ -430,6 +430,22 @@ func TestAttackParkRequeuedRequestsOwnBuildFails(t *testing.T) {
 		second = j
 		return true
 	})
+	// The other two requeued requests park on the new run (a request
+	// handled after the run failed would build again, as a new run).
+	eventually(t, 20*time.Second, "2 parked on the new run", func() bool {
+		run := e.claim(key)
+		items, err := w.w.listWaiters(ctx, "w."+key+".*")
+		if run == nil || err != nil {
+			return false
+		}
+		n := 0
+		for _, it := range items[key] {
+			if it.v.Parked && it.v.Run == run.Run {
+				n++
+			}
+		}
+		return n == 2
+	})
 	// Its own build fails (content): every long request shares it.
 	e.kubelet(second, 1, "")
 	assertEnd(t, e, results, append([]*v1.Request{short}, longs...), 30*time.Second)

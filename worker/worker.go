@@ -484,7 +484,7 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 		_ = msg.Nak()
 		return
 	case err != nil && IsTransient(err) && w.retryBudgetLeft(actx, le, meta):
-		delay := retryDelay(meta.NumDelivered)
+		delay := retryDelayOf(le, meta)
 		log.Warn("transient failure; retrying later", zap.Error(err), zap.Duration("delay", delay))
 		w.cfg.Metrics.retried()
 		_ = msg.NakWithDelay(delay)
@@ -537,9 +537,9 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 		// The decision is stored before it is published: a redelivery
 		// publishes this same result, never a second, different one.
 		rv, err := w.record(actx, le, v)
-		if err != nil && int(meta.NumDelivered) < w.cfg.MaxDeliver {
+		if err != nil && w.retryBudgetLeft(actx, le, meta) {
 			log.Warn("recording the decision failed; retrying the request", zap.Error(err))
-			_ = msg.NakWithDelay(retryDelay(meta.NumDelivered))
+			_ = msg.NakWithDelay(retryDelayOf(le, meta))
 			return
 		}
 		if err != nil {
@@ -551,11 +551,14 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 		// Decided before this handler, and not marked published: by
 		// this worker (its publish failed), or by another party that may
 		// be publishing it right now.
-		ok, err := w.mayPublishDecision(actx, le)
+		right, err := w.mayPublishDecision(actx, le)
 		if err != nil {
 			log.Warn("reading who publishes the request's result failed; looking again later", zap.Error(err))
 		}
-		if !ok {
+		switch right {
+		case publishDone:
+			v.publishedBefore = true
+		case publishLater:
 			log.Info("the request's result was decided by another worker and is not marked published yet; looking again later",
 				zap.String("requestId", v.data.RequestID), zap.String("decidedBy", le.e.Worker))
 			_ = msg.NakWithDelay(w.publishGrace() / 2)
@@ -572,9 +575,12 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 		w.event(v.tenant, v.name, v1.Event{RequestID: v.data.RequestID, Key: v.data.Key, Phase: v1.PhaseFinished,
 			Message: finishedMessage(v.data), Job: v.data.Job})
 		if err := w.publishResult(actx, v.tenant, v.name, v.data); err != nil {
-			if int(meta.NumDelivered) < w.cfg.MaxDeliver {
+			// Counted in the ledger, like every transient failure: a
+			// request's deliveries also count hand-backs and waits for
+			// another worker's publish.
+			if w.retryBudgetLeft(actx, le, meta) {
 				log.Error("publish result failed; retrying the request", zap.Error(err), zap.String("requestId", v.data.RequestID))
-				_ = msg.NakWithDelay(retryDelay(meta.NumDelivered))
+				_ = msg.NakWithDelay(retryDelayOf(le, meta))
 				return
 			}
 			log.Error("publish result failed on the last delivery; the request goes to the dead-letter stream",
@@ -677,6 +683,16 @@ func finishedMessage(d v1.ResultData) string {
 		return fmt.Sprintf("succeeded (%s): %s", d.Origin, d.ImageRef)
 	}
 	return fmt.Sprintf("%s: %s", d.Status, d.Reason)
+}
+
+// retryDelayOf is the delay before a request's next try: by its count
+// of transient failures in the ledger (retryBudgetLeft), or without an
+// entry by its deliveries (which also count hand-backs and waits).
+func retryDelayOf(le *ledgerEntry, meta *jetstream.MsgMetadata) time.Duration {
+	if le != nil {
+		return retryDelay(uint64(max(le.e.TransientFailures, 1)))
+	}
+	return retryDelay(meta.NumDelivered)
 }
 
 func retryDelay(delivered uint64) time.Duration {
