@@ -109,10 +109,11 @@ func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 // A JetStream that is not ready yet — a cluster still electing its meta
 // leader, a node restarting, workers racing to create the same streams —
 // is waited for, retrying with backoff until ctx ends; other errors are
-// returned at once. Each attempt has its own deadline
-// (setupAttemptTimeout): a JetStream API request sent while a cluster
-// elects its meta leader gets no answer at all, and would otherwise wait
-// out the whole of ctx's.
+// returned at once. ctx's deadline bounds the whole, never one request:
+// a JetStream API request sent while a cluster elects its meta leader
+// gets no answer at all, and under ctx's deadline it would wait out all
+// of it. Each request has JetStream's own timeout instead (5 s), as
+// without a deadline, and is retried.
 func (w *Worker) Setup(ctx context.Context) error {
 	w.setupMu.Lock()
 	defer w.setupMu.Unlock()
@@ -121,8 +122,10 @@ func (w *Worker) Setup(ctx context.Context) error {
 	}
 	backoff := 200 * time.Millisecond
 	for {
-		actx, cancel := context.WithTimeout(ctx, setupAttemptTimeout)
+		actx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+		stop := context.AfterFunc(ctx, cancel)
 		err := w.setup(actx)
+		stop()
 		cancel()
 		if err == nil {
 			w.setupDone = true
@@ -140,11 +143,6 @@ func (w *Worker) Setup(ctx context.Context) error {
 		backoff = min(2*backoff, 5*time.Second)
 	}
 }
-
-// setupAttemptTimeout bounds one attempt of Setup (a variable for the
-// tests). An attempt that runs out is retried: every step of the setup is
-// idempotent, and the steps already done return at once the next time.
-var setupAttemptTimeout = 10 * time.Second
 
 // setupRetryable reports whether a setup error means "not ready yet".
 func setupRetryable(err error) bool {
