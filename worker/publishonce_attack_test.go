@@ -70,15 +70,14 @@ func (l *lateRead) Get(ctx context.Context, key string) (jetstream.KeyValueEntry
 }
 
 // §2 step 6, "One publisher per decision": "within one worker, one
-// goroutine at a time decides and publishes a request". The lock is
-// taken after the entry was read, and the entry is not read again under
-// it: a goroutine that read the decision recorded and not marked, and
-// takes the lock after the decider (a goroutine of the same worker)
-// published, marked and let go, finds its own worker named as the
-// decider — "its publish failed" — and publishes the result a second
-// time, at once. No stall near the grace is needed: here the mark is
-// 3 s late and the read's reply a few seconds late, with a lease of 10 s
-// (grace 20 s).
+// goroutine at a time decides and publishes a request", and it reads the
+// entry again once it holds the request. Without that second read, a
+// goroutine that read the decision recorded and not marked, and takes the
+// request after the decider (a goroutine of the same worker) published,
+// marked and let go, finds its own worker named as the decider ("its
+// publish failed") and publishes the result a second time, at once. No
+// stall near the grace is needed: here the mark is 3 s late and the
+// read's reply a few seconds late, with a lease of 10 s (grace 20 s).
 //
 // The parked request's ack is lost; the run ends; the owner's settle
 // pass records and publishes the parked request's result; the handler of
@@ -117,16 +116,7 @@ func TestStaleReadOfOwnDecisionIsNotPublishedAgain(t *testing.T) {
 		t.Fatal(err)
 	}
 	eventually(t, 5*time.Second, "the request parked, its ack lost", func() bool {
-		kv, err := e.js.KeyValue(ctx, RequestsBucket)
-		if err != nil {
-			return false
-		}
-		ent, err := kv.Get(ctx, waiterKey(key, "acme", parked.RequestID))
-		if err != nil {
-			return false
-		}
-		v, ok := parseWaiter(ent.Value())
-		return ok && v.Parked && lost.Load()
+		return e.isParked(key, parked.RequestID) && lost.Load()
 	})
 	e.kubelet(job, 0, tr.push(t, destination(job)))
 	assertEnd(t, e, results, []*v1.Request{owner, parked}, 30*time.Second)
@@ -267,16 +257,15 @@ func (p *parkRace) Update(ctx context.Context, key string, value []byte, rev uin
 }
 
 // The decider's published mark is a compare-and-swap on the revision it
-// recorded, and it gives up on any change. retryBudgetLeft (a handler of
-// another message of the request counting a transient failure) writes
-// the entry whether or not it is decided meanwhile. When that write falls
-// between the decider's record and its mark, the mark is lost for good,
-// and the next reader — the worker's sweep of parked requests (here, at
-// once), or the handler's next delivery — finds the decision "recorded
-// and not marked": its own worker's, so it publishes it again at once
-// (another worker's would after the grace). No stall: the mark here is
-// 1 s late with a grace of 4 s. (setRequeueToken writes a decided entry
-// too, when its first write loses a race.)
+// recorded. retryBudgetLeft (a handler of another message of the request
+// counting a transient failure) writes the entry whether or not it is
+// decided meanwhile. When that write falls between the decider's record
+// and its mark, a mark that gave up on the changed revision would be lost
+// for good, and the next reader (the worker's sweep of parked requests,
+// or the handler's next delivery) would find the decision "recorded and
+// not marked", its own worker's, and publish it again at once. The mark
+// is written again over the entry as it is. No stall: the mark here is
+// 1 s late with a grace of 4 s.
 //
 // The parked request's ack is lost; the handler of its redelivery parks
 // it again, and that write of its waiter entry times out (transient)
@@ -313,16 +302,7 @@ func TestBudgetCountBetweenRecordAndMarkDoesNotRepublish(t *testing.T) {
 		t.Fatal(err)
 	}
 	eventually(t, 5*time.Second, "the request parked, its ack lost", func() bool {
-		kv, err := e.js.KeyValue(ctx, RequestsBucket)
-		if err != nil {
-			return false
-		}
-		ent, err := kv.Get(ctx, waiterKey(key, "acme", parked.RequestID))
-		if err != nil {
-			return false
-		}
-		v, ok := parseWaiter(ent.Value())
-		return ok && v.Parked && lost.Load()
+		return e.isParked(key, parked.RequestID) && lost.Load()
 	})
 	pr.putArmed.Store(true)
 	select {

@@ -84,16 +84,7 @@ func TestRedeliveredParkDoesNotRepublishBesideTheSettlePass(t *testing.T) {
 		t.Fatal(err)
 	}
 	eventually(t, 5*time.Second, "the request parked, its ack lost", func() bool {
-		kv, err := e.js.KeyValue(ctx, RequestsBucket)
-		if err != nil {
-			return false
-		}
-		ent, err := kv.Get(ctx, waiterKey(key, "acme", parked.RequestID))
-		if err != nil {
-			return false
-		}
-		v, ok := parseWaiter(ent.Value())
-		return ok && v.Parked && lost.Load()
+		return e.isParked(key, parked.RequestID) && lost.Load()
 	})
 	// The run ends now, well before the redelivery (AckWait 3 s).
 	e.kubelet(job, 0, tr.push(t, destination(job)))
@@ -139,16 +130,7 @@ func TestSweepOnAnotherWorkerDoesNotRepublishAParkedResult(t *testing.T) {
 	}
 	eventually(t, 10*time.Second, "the second request parked", func() bool {
 		_, ackPending, _ := e.streamState()
-		kv, err := e.js.KeyValue(ctx, RequestsBucket)
-		if err != nil {
-			return false
-		}
-		ent, err := kv.Get(ctx, waiterKey(key, "acme", parked.RequestID))
-		if err != nil {
-			return false
-		}
-		v, ok := parseWaiter(ent.Value())
-		return ok && v.Parked && ackPending == 1
+		return e.isParked(key, parked.RequestID) && ackPending == 1
 	})
 	e.kubelet(job, 0, tr.push(t, destination(job)))
 	assertEnd(t, e, results, []*v1.Request{owner, parked}, 30*time.Second)
@@ -282,16 +264,7 @@ func TestUnpublishedDecisionOfAStalledWorkerIsTakenOver(t *testing.T) {
 		t.Fatal(err)
 	}
 	eventually(t, 10*time.Second, "the second request parked", func() bool {
-		kv, err := e.js.KeyValue(ctx, RequestsBucket)
-		if err != nil {
-			return false
-		}
-		ent, err := kv.Get(ctx, waiterKey(key, "acme", parked.RequestID))
-		if err != nil {
-			return false
-		}
-		v, ok := parseWaiter(ent.Value())
-		return ok && v.Parked
+		return e.isParked(key, parked.RequestID)
 	})
 	e.kubelet(job, 0, tr.push(t, destination(job)))
 	select {
@@ -323,4 +296,20 @@ func TestUnpublishedDecisionOfAStalledWorkerIsTakenOver(t *testing.T) {
 	if got.Worker != "w2" || !got.Published || got.Result == nil {
 		t.Fatalf("ledger entry after the take-over: worker %q, published %v, decided %v; want w2, true, true", got.Worker, got.Published, got.Result != nil)
 	}
+}
+
+// isParked reports whether acme's request id has a parked waiter entry on
+// key.
+func (e *env) isParked(key, id string) bool {
+	ctx := context.Background()
+	kv, err := e.js.KeyValue(ctx, RequestsBucket)
+	if err != nil {
+		return false
+	}
+	ent, err := kv.Get(ctx, waiterKey(key, "acme", id))
+	if err != nil {
+		return false
+	}
+	v, ok := parseWaiter(ent.Value())
+	return ok && v.Parked
 }
