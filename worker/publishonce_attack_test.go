@@ -87,11 +87,7 @@ func TestStaleReadOfOwnDecisionIsNotPublishedAgain(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
-	owner := request("poa-stale-read")
-	owner.RequestID = "poa-owner"
-	parked := request("poa-stale-read")
-	parked.RequestID = "poa-parked"
-	key := v1.BuildKey(owner, kanikoID)
+	owner, parked, key := ownerAndParked("poa-stale-read", "poa-owner", "poa-parked")
 	var lost atomic.Bool
 	lr := newLateRead(RequestIndexKey("acme", parked.RequestID), 3*time.Second)
 	e.startWorkerHooked("w1", func(c *Config) {
@@ -275,11 +271,7 @@ func TestBudgetCountBetweenRecordAndMarkDoesNotRepublish(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
-	owner := request("poa-bump")
-	owner.RequestID = "poa-owner-b"
-	parked := request("poa-bump")
-	parked.RequestID = "poa-parked-b"
-	key := v1.BuildKey(owner, kanikoID)
+	owner, parked, key := ownerAndParked("poa-bump", "poa-owner-b", "poa-parked-b")
 	pr := &parkRace{lk: RequestIndexKey("acme", parked.RequestID), wk: waiterKey(key, "acme", parked.RequestID),
 		held: make(chan struct{}), recorded: make(chan struct{})}
 	pr.markArmed.Store(true)

@@ -56,11 +56,7 @@ func TestRedeliveredParkDoesNotRepublishBesideTheSettlePass(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
-	owner := request("po-redelivered-park")
-	owner.RequestID = "po-owner"
-	parked := request("po-redelivered-park")
-	parked.RequestID = "po-parked"
-	key := v1.BuildKey(owner, kanikoID)
+	owner, parked, key := ownerAndParked("po-redelivered-park", "po-owner", "po-parked")
 	armed := &atomic.Bool{}
 	armed.Store(true)
 	var lost atomic.Bool
@@ -106,11 +102,7 @@ func TestSweepOnAnotherWorkerDoesNotRepublishAParkedResult(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
-	owner := request("po-two-workers")
-	owner.RequestID = "po-owner2"
-	parked := request("po-two-workers")
-	parked.RequestID = "po-parked2"
-	key := v1.BuildKey(owner, kanikoID)
+	owner, parked, key := ownerAndParked("po-two-workers", "po-owner2", "po-parked2")
 	armed := &atomic.Bool{}
 	armed.Store(true)
 	hook := func(w *Worker) {
@@ -238,11 +230,7 @@ func TestUnpublishedDecisionOfAStalledWorkerIsTakenOver(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
-	owner := request("po-takeover")
-	owner.RequestID = "po-owner3"
-	parked := request("po-takeover")
-	parked.RequestID = "po-parked3"
-	key := v1.BuildKey(owner, kanikoID)
+	owner, parked, key := ownerAndParked("po-takeover", "po-owner3", "po-parked3")
 	armed := &atomic.Bool{}
 	armed.Store(true)
 	end := make(chan struct{})
@@ -312,4 +300,12 @@ func (e *env) isParked(key, id string) bool {
 	}
 	v, ok := parseWaiter(ent.Value())
 	return ok && v.Parked
+}
+
+// ownerAndParked is two requests for one build key: the first claims it,
+// the second parks on its run.
+func ownerAndParked(seed, ownerID, parkedID string) (owner, parked *v1.Request, key string) {
+	owner, parked = request(seed), request(seed)
+	owner.RequestID, parked.RequestID = ownerID, parkedID
+	return owner, parked, v1.BuildKey(owner, kanikoID)
 }
