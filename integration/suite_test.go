@@ -290,9 +290,10 @@ func (s *suite) startWorker(id string) *workerProc {
 		"--registry-config", s.dockerCfg,
 		"--registry", s.registryHost,
 		"--insecure-registry", s.registryHost,
-		// Most tests run the emulator's kaniko contract on s3:// (the
-		// fetch-context shape is its own tests' and the real node's).
-		"--allow-unverified-contexts",
+		// Most tests run the emulator's kaniko contract on s3:// with one
+		// shared registry Secret (the fetch-context shape and per-tenant
+		// Secrets are their own tests' and the real node's).
+		"--single-tenant",
 		"--ack-wait", "5s",
 		"--lease", "3s",
 		"--max-in-flight", "16",

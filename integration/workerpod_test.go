@@ -95,13 +95,22 @@ current-context: suite
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The package gives each tenant its own push Secret (in the build
+	// namespace for its Pods, in the worker's for its checks and copies);
+	// the request below is acme's.
+	acmeCfg, err := registry.DockerConfigJSON(node.registryHost, shared.acmeUser, shared.acmePass)
+	if err != nil {
+		t.Fatal(err)
+	}
 	for _, obj := range []any{
 		&corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "buildq-s3", Namespace: "buildq"},
 			StringData: map[string]string{"AWS_ACCESS_KEY_ID": shared.minioUser, "AWS_SECRET_ACCESS_KEY": shared.minioPassword}},
 		&corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "buildq-registry", Namespace: "buildq"}, Type: corev1.SecretTypeDockerConfigJson,
 			Data: map[string][]byte{corev1.DockerConfigJsonKey: workerCfg}},
-		&corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "buildq-registry", Namespace: "buildq-builds"}, Type: corev1.SecretTypeDockerConfigJson,
-			Data: map[string][]byte{corev1.DockerConfigJsonKey: workerCfg}},
+		&corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "buildq-registry-acme", Namespace: "buildq"}, Type: corev1.SecretTypeDockerConfigJson,
+			Data: map[string][]byte{corev1.DockerConfigJsonKey: acmeCfg}},
+		&corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "buildq-registry-acme", Namespace: "buildq-builds"}, Type: corev1.SecretTypeDockerConfigJson,
+			Data: map[string][]byte{corev1.DockerConfigJsonKey: acmeCfg}},
 		&corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "buildq-kubeconfig", Namespace: "buildq"},
 			StringData: map[string]string{"config": kubeconfig}},
 		&corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: "buildq-job-template", Namespace: "buildq"},

@@ -6,16 +6,18 @@
 //
 // # Tenant permissions
 //
-// Publish, Wait, Follow and Events work under a tenant's NATS permissions
-// (deploy/nats/buildq.conf): publish on buildq.requests.<tenant> and
+// Publish, Wait, Follow and Events work for a tenant's NATS user in the
+// shipped setup (deploy/nats: an account per tenant, which imports its
+// request subject and services from the workers' account, and its results
+// and events): publish on buildq.requests.<tenant> and
 // buildq.api.status.<tenant>, subscribe to buildq.results.<tenant>.>,
-// buildq.events.<tenant>.> and the tenant's own inbox prefix. Replies (the
-// JetStream PubAck of a request, the status service's answer) come back on
-// the connection's inbox, so connect with that prefix:
+// buildq.events.<tenant>.> and its inboxes. The JetStream PubAck of a
+// request comes back on the connection's inbox; the tenant API's answers
+// (TenantRequest) on a reply under the tenant's own prefix,
+// "_INBOX_<tenant>", the only kind a worker answers besides a service
+// import's. So a tenant connects with no special option:
 //
-//	nc, err := nats.Connect(url,
-//		nats.UserCredentials("acme.creds"), // or nats.Nkey…, user/password
-//		nats.CustomInboxPrefix(publisher.InboxPrefix("acme")))
+//	nc, err := nats.Connect(url, nats.UserCredentials("acme.creds")) // or nats.Nkey…
 //
 // Watch replays the BUILDQ_RESULTS stream through the JetStream API; it is
 // for operators, whose users may read the stream.
@@ -72,11 +74,11 @@ func (c *Client) msgID(tenant, requestID string) string {
 	return v1.RequestMsgID(tenant, requestID, hex.EncodeToString(m.Sum(nil))[:20])
 }
 
-// InboxPrefix is the inbox prefix of tenant's connections in the shipped
-// NATS configuration (deploy/nats): "_INBOX_<tenant>". Pass it to
-// nats.CustomInboxPrefix; a tenant's user may subscribe to its own inbox
-// only, so another tenant cannot read its replies.
-func InboxPrefix(tenant string) string { return "_INBOX_" + tenant }
+// InboxPrefix is tenant's own reply-subject prefix, "_INBOX_<tenant>"
+// (v1.InboxPrefix). The client sends the tenant API's requests with
+// replies under it whatever the connection's own inbox prefix; passing it
+// to nats.CustomInboxPrefix is still accepted.
+func InboxPrefix(tenant string) string { return v1.InboxPrefix(tenant) }
 
 // NewRequestID returns a fresh, unique request id.
 func NewRequestID() string { return nuid.Next() }
@@ -354,7 +356,7 @@ type statusReply struct {
 func (c *Client) decided(ctx context.Context, tenant, requestID string) (*v1.Result, bool) {
 	rctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
-	msg, err := c.nc.RequestWithContext(rctx, v1.APIStatusSubject(tenant), []byte(requestID))
+	msg, err := c.TenantRequest(rctx, tenant, v1.APIStatusSubject(tenant), []byte(requestID))
 	if err != nil {
 		return nil, false
 	}
@@ -376,6 +378,51 @@ func (c *Client) decided(ctx context.Context, tenant, requestID string) (*v1.Res
 	}
 	r := v1.NewResult(source, *e.Result, at)
 	return &r, true
+}
+
+// TenantRequest sends a request to one of tenant's API subjects
+// (v1.APIStatusSubject, v1.APICancelSubject) and returns the answer. The
+// reply subject is under the tenant's own inbox prefix (v1.InboxPrefix),
+// whatever the connection's: a worker answers tenant API requests only on
+// such a reply, or on the reply a service import gives (the account per
+// tenant of deploy/nats), never on a subject of someone else's. When no
+// worker subscribes it returns an error matching ErrNoWorkers.
+func (c *Client) TenantRequest(ctx context.Context, tenant, subject string, payload []byte) (*nats.Msg, error) {
+	if p := v1.DNSLabelProblem(tenant); p != "" {
+		return nil, fmt.Errorf("tenant %s", p)
+	}
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, 20*time.Second)
+		defer cancel()
+	}
+	inbox := v1.InboxPrefix(tenant) + "." + nuid.Next()
+	sub, err := c.nc.SubscribeSync(inbox)
+	if err != nil {
+		return nil, fmt.Errorf("subscribe to %s: %w", inbox, err)
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	if err := sub.AutoUnsubscribe(1); err != nil {
+		return nil, fmt.Errorf("subscribe to %s: %w", inbox, err)
+	}
+	if err := c.nc.PublishRequest(subject, inbox, payload); err != nil {
+		return nil, fmt.Errorf("%s: %w", subject, err)
+	}
+	msg, err := sub.NextMsgWithContext(ctx)
+	if err != nil {
+		if perr := c.permissionError("Subscription to", inbox); perr != nil {
+			return nil, perr
+		}
+		if perr := c.permissionError("Publish to", subject); perr != nil {
+			return nil, perr
+		}
+		return nil, fmt.Errorf("%s: %w", subject, err)
+	}
+	// The server's "no responders" status: nobody subscribes.
+	if len(msg.Data) == 0 && msg.Header.Get("Status") == "503" {
+		return nil, fmt.Errorf("no worker answers %s: %w", subject, ErrNoWorkers)
+	}
+	return msg, nil
 }
 
 // flush waits until the server has processed everything sent so far

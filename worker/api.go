@@ -140,18 +140,30 @@ func (w *Worker) serveAPI(ctx context.Context) (func(), error) {
 	return stop, nil
 }
 
-// respond runs fn for the tenant of m's subject and sends its JSON reply.
+// respond runs fn for the tenant of m's subject and sends its JSON reply
+// — only to a reply subject a tenant's request can legitimately carry
+// (replyAllowed); any other request is dropped unanswered and counted.
 func (w *Worker) respond(ctx context.Context, m *nats.Msg, fn func(ctx context.Context, tenant string) any) {
 	if m.Reply == "" {
 		return
 	}
-	cctx, cancel := context.WithTimeout(ctx, 15*time.Second)
-	defer cancel()
 	parts := strings.Split(m.Subject, ".")
 	tenant := parts[len(parts)-1]
 	if strings.HasPrefix(m.Subject, v1.CancelPrefix+".") {
 		tenant = parts[2] // buildq.cancel.<tenant>.<name>
 	}
+	label := tenant
+	if v1.DNSLabelProblem(tenant) != "" {
+		label = "_invalid"
+	}
+	if !w.replyAllowed(label, m.Reply) {
+		w.cfg.Metrics.replyRefused(label)
+		w.log.Warn("tenant API request with a reply subject no tenant may name: not answered",
+			zap.String("subject", m.Subject), zap.String("reply", truncate(m.Reply, 200)))
+		return
+	}
+	cctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+	defer cancel()
 	var reply any
 	if p := v1.DNSLabelProblem(tenant); p != "" {
 		reply = map[string]string{"error": "tenant " + p}
@@ -160,6 +172,48 @@ func (w *Worker) respond(ctx context.Context, m *nats.Msg, fn func(ctx context.C
 	}
 	b, _ := json.Marshal(reply)
 	_ = m.Respond(b)
+}
+
+// ServiceReplyPrefix is the prefix nats-server gives the reply subject of
+// a request that reached the BUILDQ account through a service import
+// (a tenant account's status, cancel or request subject): the server
+// routes a message on it back into the importing account only, and
+// refuses it as the reply of any client's publish (a reserved reply).
+const ServiceReplyPrefix = "_R_."
+
+// replyAllowed reports whether the worker may answer a tenant API request
+// of tenant on reply. NATS checks the subject a client publishes to, never
+// the reply subject it names; a tenant inside the workers' account could
+// otherwise have the worker write its answer on a bucket's $KV subject,
+// another tenant's inbox or a JetStream API reply the worker waits on. So
+// the worker answers only where a tenant's request can legitimately ask
+// for an answer: a service import's reply (_R_., the account per tenant
+// of deploy/nats) or the tenant's own inbox prefix (_INBOX_<tenant>.,
+// which only that tenant may read), unless Config.AnyReply says every
+// client of the server is trusted (buildq dev).
+func (w *Worker) replyAllowed(tenant, reply string) bool {
+	if w.cfg.AnyReply {
+		return true
+	}
+	if strings.ContainsAny(reply, "*> \t\r\n") {
+		return false
+	}
+	if rest, ok := strings.CutPrefix(reply, ServiceReplyPrefix); ok {
+		return rest != ""
+	}
+	if tenant == "_invalid" {
+		return false
+	}
+	rest, ok := strings.CutPrefix(reply, v1.InboxPrefix(tenant)+".")
+	return ok && rest != ""
+}
+
+// truncate shortens s to at most n bytes for a log line.
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "…"
 }
 
 // status is what tenant may know of target: one of its request ids, or a

@@ -55,6 +55,13 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 		if err != nil {
 			return nil, "", false, Transient(err)
 		}
+		if foreignRun(cur, req) {
+			// Answered from another tenant's build: only for content
+			// this request's tenant holds (possession.go).
+			if err := w.checkPossession(ctx, req); err != nil {
+				return nil, "", false, err
+			}
+		}
 		fresh := cur == nil || (cur.State == StateFailed && !mine(cur))
 		if fresh {
 			// Before claiming: the requester's own first tag may already

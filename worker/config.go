@@ -71,12 +71,28 @@ type Config struct {
 	// ContextBucket, when set, is the only bucket a request's S3 context
 	// may be in.
 	ContextBucket string
+	// Contexts reads tenants' S3 context objects. With it, a request is
+	// answered from a build another tenant's request claimed (a cache hit,
+	// a join, a take-over) only once its tenant's own context object was
+	// shown to hold the bytes of its contextDigest (possession.go); nil:
+	// nothing is checked (one trusted tenant).
+	Contexts ContextSource
+	// MaxContextBytes bounds the content of a context read to check it
+	// (default contexttar.DefaultMaxBytes).
+	MaxContextBytes int64
 	// Fair holds the fair-queueing rules: tenant weights, concurrency and
 	// queue-length limits (docs/design.md §2d).
 	Fair FairConfig
 	// KeepJobs leaves finished Jobs for their ttlSecondsAfterFinished
 	// instead of deleting them after the results are stored (default false).
 	KeepJobs bool
+	// AnyReply answers tenant API requests (status, cancel) on any reply
+	// subject. Off (the default), the worker answers only on a service
+	// import's reply (_R_.…) or the tenant's own inbox (_INBOX_<tenant>.…)
+	// and drops the rest: NATS does not check the reply subject a client
+	// names. Only for a server whose every client is trusted (buildq dev,
+	// which has no NATS authentication at all).
+	AnyReply bool
 	// Metrics, when not nil, records Prometheus metrics.
 	Metrics *Metrics
 	// Logger (default: a no-op logger).

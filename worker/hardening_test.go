@@ -579,7 +579,7 @@ func cancelRequest(t *testing.T, nc *nats.Conn, subject, payload string) CancelR
 	var m *nats.Msg
 	var err error
 	eventually(t, 5*time.Second, "a worker answering cancel requests", func() bool {
-		m, err = nc.Request(subject, []byte(payload), 10*time.Second)
+		m, err = tenantAPIRequest(nc, subjectTenant(subject), subject, payload, 10*time.Second)
 		return !errors.Is(err, nats.ErrNoResponders)
 	})
 	if err != nil {

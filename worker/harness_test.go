@@ -463,3 +463,37 @@ func destination(job *batchv1.Job) string {
 	}
 	return ""
 }
+
+// tenantAPIRequest asks one of tenant's API subjects the way the SDK does
+// (publisher.Client.TenantRequest): the reply under the tenant's own inbox
+// prefix, the only kind (with a service import's) a worker answers. No
+// subscriber: nats.ErrNoResponders.
+func tenantAPIRequest(nc *nats.Conn, tenant, subject, payload string, timeout time.Duration) (*nats.Msg, error) {
+	inbox := v1.InboxPrefix(tenant) + "." + nats.NewInbox()[len(nats.InboxPrefix):]
+	sub, err := nc.SubscribeSync(inbox)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	if err := nc.PublishRequest(subject, inbox, []byte(payload)); err != nil {
+		return nil, err
+	}
+	m, err := sub.NextMsg(timeout)
+	if err != nil {
+		return nil, err
+	}
+	if len(m.Data) == 0 && m.Header.Get("Status") == "503" {
+		return nil, nats.ErrNoResponders
+	}
+	return m, nil
+}
+
+// subjectTenant is the tenant of a tenant API subject:
+// buildq.api.<service>.<tenant> or buildq.cancel.<tenant>.<name>.
+func subjectTenant(subject string) string {
+	parts := strings.Split(subject, ".")
+	if strings.HasPrefix(subject, v1.CancelPrefix+".") && len(parts) > 2 {
+		return parts[2]
+	}
+	return parts[len(parts)-1]
+}

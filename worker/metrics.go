@@ -24,6 +24,7 @@ type Metrics struct {
 	parkedNow prometheus.Gauge
 	dead      prometheus.Counter
 	ready     prometheus.Gauge
+	refused   *prometheus.CounterVec
 }
 
 // NewMetrics registers the worker's metrics with reg.
@@ -84,9 +85,19 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		Name: "buildq_worker_ready",
 		Help: "1 while this worker takes requests (streams set up, loops running), else 0.",
 	})
+	m.refused = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "buildq_api_replies_refused_total",
+		Help: "Tenant API requests (status, cancel) left unanswered because their reply subject is not one a tenant's import or inbox produces, by the subject's tenant.",
+	}, []string{"tenant"})
 	reg.MustRegister(m.results, m.inFlight, m.queueWait, m.buildTime, m.retries, m.dupes, m.parks, m.requeues, m.parkedNow,
-		m.running, m.queued, m.dead, m.ready)
+		m.running, m.queued, m.dead, m.ready, m.refused)
 	return m
+}
+
+func (m *Metrics) replyRefused(tenant string) {
+	if m != nil {
+		m.refused.WithLabelValues(tenant).Inc()
+	}
 }
 
 func (m *Metrics) taken() {

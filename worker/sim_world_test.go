@@ -913,7 +913,7 @@ func (w *simWorld) cancel(target, key, tenant, name string) *simCancel {
 	if target != key {
 		what = "request " + target
 	}
-	m, err := w.obs.Request(v1.CancelSubject(tenant, name), []byte(target), 5*time.Second)
+	m, err := tenantAPIRequest(w.obs, tenant, v1.CancelSubject(tenant, name), target, 5*time.Second)
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	switch {

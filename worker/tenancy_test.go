@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -16,6 +17,8 @@ import (
 	"github.com/google/go-containerregistry/pkg/name"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/contexttar"
@@ -356,7 +359,7 @@ func TestStatusShowsOnlyTheTenantsOwn(t *testing.T) {
 
 	ask := func(tenant, target string) StatusReply {
 		t.Helper()
-		m, err := e.nc.Request(v1.APIStatusSubject(tenant), []byte(target), 5*time.Second)
+		m, err := tenantAPIRequest(e.nc, tenant, v1.APIStatusSubject(tenant), target, 5*time.Second)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -424,5 +427,115 @@ func TestContextPrefixNeedsATenantSegment(t *testing.T) {
 		if err := c.Validate(); (err == nil) != ok {
 			t.Errorf("ContextPrefix %q: Validate() = %v, want ok=%v", prefix, err, ok)
 		}
+	}
+}
+
+// TestAPIAnswersOnlyOnATenantsOwnReplies: NATS checks the subject a client
+// publishes to, never the reply subject it names. A tenant API request
+// whose reply is a bucket's $KV subject, the workers' inbox, another
+// tenant's inbox or a stream's subject is dropped unanswered and counted;
+// the tenant's own inbox is answered. (A service import's reply, _R_.…,
+// cannot be sent by a client at all — nats-server refuses it as reserved —
+// so the worker sees one only from an import: TestReplyAllowed, and
+// integration/natsauth_test.go on the account per tenant.)
+// (Issue 23: a tenant in the workers' account had the worker's answers
+// written into buildq-requests and buildq-builds.)
+func TestAPIAnswersOnlyOnATenantsOwnReplies(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	reg := prometheus.NewRegistry()
+	metrics := NewMetrics(reg)
+	e.startWorker("w1", func(c *Config) { c.Metrics = metrics })
+	// A responder is there once a legitimate request is answered.
+	eventually(t, 5*time.Second, "the status service", func() bool {
+		_, err := tenantAPIRequest(e.nc, "acme", v1.APIStatusSubject("acme"), "nothing", time.Second)
+		return err == nil
+	})
+
+	hostile := []string{
+		"$KV." + v1.BuildsBucket + "." + hex64("k"),
+		"$KV.buildq-requests.x",
+		"$KV." + SlotsBucket + ".acme.0",
+		"_INBOX.abc.def",
+		v1.InboxPrefix("globex") + ".abc",
+		v1.InboxPrefix("acme"), // the prefix alone is no inbox
+		"_INBOX_acme-corp.x",   // another tenant whose name starts with acme
+		v1.ResultSubject("globex", "web"),
+		"buildq.requests.globex",
+		"buildq.internal.cancel",
+		"$JS.API.STREAM.DELETE." + v1.RequestsStream,
+	}
+	spy, err := e.nc.SubscribeSync(">")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = spy.Unsubscribe() }()
+	if err := e.nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	subjects := []string{v1.APIStatusSubject("acme"), v1.APICancelSubject("acme"), v1.CancelSubject("acme", "web")}
+	for _, reply := range hostile {
+		for _, subj := range subjects {
+			if err := e.nc.PublishRequest(subj, reply, []byte(hex64("k"))); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	want := float64(len(hostile) * len(subjects))
+	eventually(t, 10*time.Second, "every hostile reply counted", func() bool {
+		return testutil.ToFloat64(metrics.refused.WithLabelValues("acme")) == want
+	})
+	// Nothing was published on any of the hostile replies.
+	for {
+		m, err := spy.NextMsg(200 * time.Millisecond)
+		if err != nil {
+			break
+		}
+		if slices.Contains(hostile, m.Subject) {
+			t.Errorf("the worker answered on %s: %s", m.Subject, m.Data)
+		}
+	}
+	if n, _, _ := e.streamState(); n != 0 {
+		t.Errorf("%d request messages stored", n)
+	}
+
+	// The tenant's own inbox is still answered.
+	if _, err := tenantAPIRequest(e.nc, "acme", v1.APIStatusSubject("acme"), "nothing", 5*time.Second); err != nil {
+		t.Fatalf("acme's own inbox: %v", err)
+	}
+	if got := testutil.ToFloat64(metrics.refused.WithLabelValues("acme")); got != want {
+		t.Errorf("refused replies: %v, want %v", got, want)
+	}
+}
+
+// replyAllowed's edge cases, including replies the server itself refuses
+// to carry (a trailing dot, wildcards).
+func TestReplyAllowed(t *testing.T) {
+	t.Parallel()
+	w := &Worker{}
+	for reply, ok := range map[string]bool{
+		"_R_.abc.def":         true,
+		"_R_.":                false,
+		"_R_.*":               false,
+		"_R_.a >":             false,
+		"_INBOX_acme.x":       true,
+		"_INBOX_acme.x.y":     true,
+		"_INBOX_acme.":        false,
+		"_INBOX_acme":         false,
+		"_INBOX_acme.>":       false,
+		"_INBOX_acmex.y":      false,
+		"_INBOX_acme-corp.y":  false,
+		"_INBOX.x":            false,
+		"$KV.buildq-builds.k": false,
+	} {
+		if got := w.replyAllowed("acme", reply); got != ok {
+			t.Errorf("replyAllowed(acme, %q) = %v, want %v", reply, got, ok)
+		}
+	}
+	if w.replyAllowed("_invalid", "_INBOX__invalid.x") {
+		t.Error("a subject without a valid tenant has no inbox")
+	}
+	if !(&Worker{cfg: Config{AnyReply: true}}).replyAllowed("acme", "_INBOX.x") {
+		t.Error("AnyReply answers any reply")
 	}
 }

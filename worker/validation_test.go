@@ -285,3 +285,70 @@ func TestInvalidRequestsFailWithoutJobs(t *testing.T) {
 		t.Errorf("jobs in the cluster: %v %v", jobs, err)
 	}
 }
+
+// TestRefusalCarriesTheBodysRequestID: a refused request is answered under
+// the request id its producer waits on, whatever Nats-Msg-Id form it used
+// (the SDK's <tenant>/<id>/<nonce>, <tenant>/<id>, bare); a header that
+// names another id than the body's is answered under the header's (what
+// JetStream deduped the message on). Issue 23: the SDK's form was answered
+// as "<id>/<nonce>", so publisher.Wait never got the refusal.
+func TestRefusalCarriesTheBodysRequestID(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.startWorker("w1", nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+
+	// The SDK's own publish: valid for the client, refused by the worker
+	// (its context is outside the tenant's prefix).
+	t.Run("SDK form, publisher.Wait", func(t *testing.T) {
+		r := request("refused-sdk")
+		r.Name = "sdk"
+		r.Source.S3.Key = "elsewhere/" + r.ContextDigest[7:] + ".tar.gz"
+		if _, err := e.pub.Publish(ctx, r); err != nil {
+			t.Fatal(err)
+		}
+		got, err := e.pub.Wait(ctx, "acme", "sdk", r.RequestID, time.Time{})
+		if err != nil {
+			t.Fatalf("publisher.Wait for a refused request: %v", err)
+		}
+		if got.ID != r.RequestID || got.Data.RequestID != r.RequestID || got.Data.Reason != v1.ReasonInvalidRequest {
+			t.Fatalf("result %s, want InvalidRequest for %s", mustJSON(t, got), r.RequestID)
+		}
+	})
+
+	results := e.collect()
+	cases := []struct {
+		name, header, wantID string
+		body                 func(id string) []byte
+	}{
+		{"SDK form, undecodable body", "acme/sdk-broken/0123abcd", "sdk-broken",
+			func(id string) []byte { return replaceJSON(validJSON(id), `"apiVersion"`, `"apiVersion": 3, "x"`) }},
+		{"tenant form", "acme/tenant-form", "tenant-form",
+			func(id string) []byte { return replaceJSON(validJSON(id), `"name":"web"`, `"name":"Web"`) }},
+		{"bare form", "bare-form", "bare-form",
+			func(id string) []byte { return replaceJSON(validJSON(id), `"name":"web"`, `"name":"Web"`) }},
+		{"requeue form", "acme/requeue-form/requeue-abc-7", "requeue-form",
+			func(id string) []byte { return replaceJSON(validJSON(id), `"name":"web"`, `"name":"Web"`) }},
+		{"header names another id", "acme/the-header/0123", "the-header",
+			func(string) []byte { return replaceJSON(validJSON("the-body"), `"name":"web"`, `"name":"Web"`) }},
+	}
+	for _, c := range cases {
+		m := nats.NewMsg(v1.RequestSubject("acme"))
+		m.Header.Set(v1.MsgIDHeader, c.header)
+		m.Data = c.body(c.wantID)
+		if _, err := e.js.PublishMsg(ctx, m); err != nil {
+			t.Fatalf("%s: %v", c.name, err)
+		}
+	}
+	got := map[string]v1.Result{}
+	for _, r := range results.waitFor(t, len(cases)+1, 20*time.Second) { // and the SDK case's
+		got[r.Data.RequestID] = r
+	}
+	for _, c := range cases {
+		r, ok := got[c.wantID]
+		if !ok || r.ID != c.wantID || r.Data.Reason != v1.ReasonInvalidRequest {
+			t.Errorf("%s (Nats-Msg-Id %q): no InvalidRequest result for %q; results: %s", c.name, c.header, c.wantID, mustJSON(t, got))
+		}
+	}
+}

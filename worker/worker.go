@@ -52,6 +52,8 @@ type Worker struct {
 	orphans    orphanWatch
 	parked     parkWatch
 	held       heldRequests
+	// possessed: tenants shown to hold a context (possession.go).
+	possessed possessions
 	// bg counts background work (answering parked requests).
 	bg     sync.WaitGroup
 	apiSem chan struct{}
@@ -830,6 +832,13 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 		}
 		err = Transient(err) // the ledger could not be read back: try again
 	}
+	if nh := (*notHeldError)(nil); errors.As(err, &nh) {
+		// Its tenant does not hold the content another tenant's build
+		// was made of: refused, nothing of that build given.
+		v.data.Status, v.data.Reason, v.data.Message = v1.StatusFailed, nh.reason, nh.message
+		v.term = true
+		return v, le, nil
+	}
 	if err != nil {
 		return v, le, err
 	}
@@ -994,12 +1003,18 @@ func (w *Worker) invalid(msg jetstream.Msg, req *v1.Request, err error, timings 
 	if v1.DNSLabelProblem(name) != "" {
 		name = "_invalid"
 	}
-	// The id is the header's — what JetStream deduped the message on —
-	// not the body's: a broken or forged body must not take (and so
-	// block) an id another message of the tenant holds.
-	if h := strings.TrimPrefix(msg.Headers().Get(v1.MsgIDHeader), tenant+"/"); usableID(h) {
-		id = h
-	} else if !usableID(id) || msg.Headers().Get(v1.MsgIDHeader) != "" {
+	// The id is the body's when the header — what JetStream deduped the
+	// message on — names it (in any of its forms: the SDK's
+	// <tenant>/<id>/<nonce>, <tenant>/<id>, bare), so the producer that
+	// waits on its request id gets the refusal. Otherwise it is the id the
+	// header names: a broken or forged body must not take (and so block)
+	// an id another message of the tenant holds.
+	switch h := msg.Headers().Get(v1.MsgIDHeader); {
+	case h != "" && usableID(id) && v1.MsgIDMatches(h, tenant, id):
+	case h != "" && usableID(v1.RequestIDOfMsgID(h, tenant)):
+		id = v1.RequestIDOfMsgID(h, tenant)
+	case h == "" && usableID(id):
+	default:
 		id = fmt.Sprintf("invalid-%d", meta.Sequence.Stream)
 	}
 	w.log.Info("invalid request", zap.String("requestId", id), zap.Error(err))

@@ -68,6 +68,17 @@ func MsgIDMatches(header, tenant, requestID string) bool {
 	return header == requestID || header == scoped || strings.HasPrefix(header, scoped+"/")
 }
 
+// RequestIDOfMsgID returns the request id a request's Nats-Msg-Id header
+// names for tenant, in any of the accepted forms: RequestMsgID's
+// "<tenant>/<requestId>/<nonce>", MsgID's "<tenant>/<requestId>", or the
+// bare "<requestId>" (a request id holds no '/'). It is "" for an empty
+// header.
+func RequestIDOfMsgID(header, tenant string) string {
+	id := strings.TrimPrefix(header, tenant+"/")
+	id, _, _ = strings.Cut(id, "/")
+	return id
+}
+
 // APIStatusSubject and APICancelSubject are a tenant's status and cancel
 // services.
 func APIStatusSubject(tenant string) string { return APIStatusPrefix + "." + tenant }
@@ -89,6 +100,14 @@ func CancelSubject(tenant, name string) string { return CancelPrefix + "." + ten
 
 // DeadLetterSubject receives copies of requests that exhausted their deliveries.
 func DeadLetterSubject(tenant string) string { return DeadLetterPrefix + "." + tenant }
+
+// InboxPrefix is tenant's own reply-subject prefix, "_INBOX_<tenant>".
+// The SDK and the CLI send the tenant API's requests (status, cancel) with
+// replies under it, and a worker answers a tenant API request only on a
+// reply under it or on the reply a service import gives (the account per
+// tenant of deploy/nats): no client can have the worker answer on a
+// subject of someone else's.
+func InboxPrefix(tenant string) string { return "_INBOX_" + tenant }
 
 // Request is a build request, published as JSON on RequestSubject(Tenant)
 // with the header Nats-Msg-Id set to RequestID.

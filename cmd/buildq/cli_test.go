@@ -47,14 +47,14 @@ func freeAddr(t *testing.T) string {
 	return l.Addr().String()
 }
 
-func startDevOn(t *testing.T, data, natsAddr, s3Addr, registryAddr string) *dev {
+func startDevOn(t *testing.T, data, natsAddr, s3Addr, registryAddr string, extra ...string) *dev {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	pr, pw := io.Pipe()
 	done := make(chan int, 1)
 	go func() {
-		code := run(ctx, []string{"dev", "--data", data, "--nats-addr", natsAddr, "--s3-addr", s3Addr,
-			"--registry-addr", registryAddr, "--log-level", "warn"}, io.Discard, pw)
+		code := run(ctx, append([]string{"dev", "--data", data, "--nats-addr", natsAddr, "--s3-addr", s3Addr,
+			"--registry-addr", registryAddr, "--log-level", "warn"}, extra...), io.Discard, pw)
 		pw.Close()
 		done <- code
 	}()
@@ -342,9 +342,12 @@ func TestUsageErrorsExit2(t *testing.T) {
 		"worker fetch-image without keys": {"worker", "--executor-image", "ghcr.io/x/kaniko@sha256:" + strings.Repeat("0", 64),
 			"--fetch-image", "ghcr.io/buildq/buildq@sha256:" + strings.Repeat("1", 64), "--s3-endpoint", "http://minio:9000"},
 		"worker pprof without metrics": {"worker", "--executor-image", "ghcr.io/x/kaniko@sha256:" + strings.Repeat("0", 64),
-			"--allow-unverified-contexts", "--pprof"},
+			"--single-tenant", "--pprof"},
 		"worker zero qps": {"worker", "--executor-image", "ghcr.io/x/kaniko@sha256:" + strings.Repeat("0", 64),
-			"--allow-unverified-contexts", "--kube-api-qps", "0"},
+			"--allow-unverified-contexts", "--kube-api-qps", "0"}, // --single-tenant's first name
+		"worker shared registry secret": {"worker", "--executor-image", "ghcr.io/x/kaniko@sha256:" + strings.Repeat("0", 64),
+			"--fetch-image", "ghcr.io/buildq/buildq@sha256:" + strings.Repeat("1", 64), "--registry-secret", "buildq-registry",
+			"--s3-endpoint", "http://minio:9000", "--s3-access-key", "a", "--s3-secret-key", "b", "--kubeconfig", "/nonexistent"},
 		"status no arg":    {"status"},
 		"bad inbox prefix": {"status", "x", "--inbox-prefix", "_INBOX_acme.*"},
 		"unknown command":  {"frobnicate"},
@@ -381,5 +384,108 @@ func TestNoNATSSaysStartDev(t *testing.T) {
 	code, _, stderr = cli(t, "status", strings.Repeat("a", 64))
 	if code != 1 || !strings.Contains(stderr, "no NATS at nats://127.0.0.1:4222 — is `buildq dev` running?") {
 		t.Fatalf("exit %d stderr %q", code, stderr)
+	}
+}
+
+// buildq dev confines each tenant to its own part of its registry, as a
+// worker does (issue 23: dev let any tenant push anywhere, so the policy
+// could not be tried locally); --allowed-destination relaxes it.
+func TestDevConfinesDestinations(t *testing.T) {
+	t.Parallel()
+	dir := writeTree(t, map[string]string{"Dockerfile": "FROM scratch\nCOPY f /f\n", "f": "confined"})
+
+	d := startDev(t, t.TempDir())
+	code, stdout, stderr := d.submit(t, dir, "--tenant", "acme", "--image", d.registry+"/globex/site", "--wait", "-o", "json")
+	if code != 1 {
+		t.Fatalf("acme pushing to globex's repository: exit %d, want 1\n%s%s", code, stdout, stderr)
+	}
+	if r := decodeResult(t, stdout); r.Reason != v1.ReasonInvalidRequest || !strings.Contains(r.Message, d.registry+"/acme/**") {
+		t.Fatalf("result %+v, want InvalidRequest naming %s/acme/**", r, d.registry)
+	}
+	code, stdout, stderr = d.submit(t, dir, "--tenant", "acme", "--wait", "-o", "json")
+	if r := decodeResult(t, stdout); code != 0 || r.Status != v1.StatusSucceeded || !strings.HasPrefix(r.Image, d.registry+"/acme/") {
+		t.Fatalf("acme's own repository: exit %d, %+v\n%s", code, r, stderr)
+	}
+
+	open := startDevOn(t, t.TempDir(), "127.0.0.1:0", "127.0.0.1:0", "127.0.0.1:0", "--allowed-destination", "{registry}/**")
+	code, stdout, stderr = open.submit(t, dir, "--tenant", "acme", "--image", open.registry+"/globex/site", "--wait", "-o", "json")
+	if r := decodeResult(t, stdout); code != 0 || r.Status != v1.StatusSucceeded {
+		t.Fatalf("with --allowed-destination '{registry}/**': exit %d, %+v\n%s", code, r, stderr)
+	}
+}
+
+// render runs the checks a worker runs at start and on the request's
+// destination, and refuses what a worker would refuse (issue 23: it
+// printed Jobs the worker itself would not create).
+func TestRenderRunsTheWorkersChecks(t *testing.T) {
+	t.Parallel()
+	dir := writeTree(t, map[string]string{"Dockerfile": "FROM scratch\nCOPY f /f\n", "f": "render"})
+	executor := "ghcr.io/x/kaniko@sha256:" + strings.Repeat("0", 64)
+	fetch := "ghcr.io/buildq/buildq@sha256:" + strings.Repeat("1", 64)
+	base := []string{"render", dir, "--tenant", "acme", "--name", "web", "--registry", "registry.example.com",
+		"--executor-image", executor, "--s3-endpoint", "http://minio:9000"}
+	refused := map[string]struct {
+		args []string
+		want string
+	}{
+		"no fetch-image":            {nil, "--fetch-image"},
+		"fetch-image unpinned":      {[]string{"--fetch-image", "ghcr.io/buildq/buildq:latest"}, "not pinned by digest"},
+		"shared registry secret":    {[]string{"--fetch-image", fetch, "--registry-secret", "buildq-registry"}, "--single-tenant"},
+		"tenant secret without tag": {[]string{"--fetch-image", fetch, "--tenant-registry-secret", "buildq-registry"}, "must contain {tenant}"},
+		"shared cache repository":   {[]string{"--fetch-image", fetch, "--cache-repo", "registry.example.com/cache"}, "must contain {tenant}"},
+		"another tenant's repository": {[]string{"--fetch-image", fetch, "--image", "registry.example.com/globex/web"},
+			`tenant "acme" may push only to registry.example.com/acme/**`},
+		"no registry for the policy": {[]string{"--fetch-image", fetch, "--registry", "", "--image", "registry.example.com/acme/web"}, "allows no destination"},
+		"bad job template":           {[]string{"--fetch-image", fetch, "--job-template", filepath.Join(dir, "nope.yaml")}, "--job-template"},
+	}
+	for name, c := range refused {
+		t.Run("refused: "+name, func(t *testing.T) {
+			t.Parallel()
+			code, stdout, stderr := cli(t, append(append([]string{}, base...), c.args...)...)
+			if code != 2 || stdout != "" || !strings.Contains(stderr, c.want) {
+				t.Fatalf("exit %d, stdout %q, stderr %q; want exit 2 naming %q", code, stdout, stderr, c.want)
+			}
+		})
+	}
+	accepted := map[string]struct {
+		args   []string
+		secret string
+	}{
+		"per-tenant secrets": {[]string{"--fetch-image", fetch, "--tenant-registry-secret", "buildq-registry-{tenant}"}, "buildq-registry-acme"},
+		"single tenant":      {[]string{"--single-tenant", "--s3-secret", "buildq-s3", "--registry-secret", "buildq-registry"}, "buildq-registry"},
+	}
+	for name, c := range accepted {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			code, stdout, stderr := cli(t, append(append([]string{}, base...), append(c.args, "-o", "json")...)...)
+			if code != 0 {
+				t.Fatalf("exit %d: %s", code, stderr)
+			}
+			var job struct {
+				Metadata struct{ Name string }
+				Spec     struct {
+					Template struct {
+						Spec struct {
+							Volumes []struct {
+								Name   string
+								Secret *struct{ SecretName string }
+							}
+						}
+					}
+				}
+			}
+			if err := json.Unmarshal([]byte(stdout), &job); err != nil || !strings.HasPrefix(job.Metadata.Name, "buildq-") {
+				t.Fatalf("not a Job: %v\n%s", err, stdout)
+			}
+			var secrets []string
+			for _, v := range job.Spec.Template.Spec.Volumes {
+				if v.Secret != nil {
+					secrets = append(secrets, v.Secret.SecretName)
+				}
+			}
+			if !slices.Equal(secrets, []string{c.secret}) {
+				t.Errorf("Secrets mounted: %v, want [%s]", secrets, c.secret)
+			}
+		})
 	}
 }

@@ -59,6 +59,11 @@ func newDevCmd() *cobra.Command {
     runs FROM, COPY/ADD, ENV, ARG, LABEL, WORKDIR, USER, EXPOSE, ENTRYPOINT,
     CMD and multi-stage builds, but not RUN.
 
+A tenant pushes only to its own part of the registry, as with a worker:
+{registry}/{tenant}/** by default (submit without --image names
+{registry}/{tenant}/{name}); --allowed-destination '{registry}/**' lets any
+tenant push anywhere in it.
+
 With --kubeconfig the worker launches kaniko Jobs on that cluster instead
 (RUN works there). The build Pods must reach the S3 store and the registry,
 and a cluster's Pods cannot reach this machine's 127.0.0.1 (kind and k3d
@@ -233,11 +238,10 @@ func runDev(ctx context.Context, stderr io.Writer, f *devFlags) error {
 	if np.Registry == "" {
 		np.Registry = stack.RegistryAddr
 	}
-	if len(np.Allowed) == 0 {
-		// One user on a laptop: any repository of the dev registry. A
-		// multi-tenant worker confines each tenant (buildq worker).
-		np.Allowed = []string{"{registry}/**"}
-	}
+	// The same destination policy as a worker's (np.AllowedPatterns): a
+	// tenant pushes only to its own part of the registry, by default
+	// {registry}/{tenant}/**, so the policy can be tried locally.
+	// --allowed-destination '{registry}/**' lets any tenant push anywhere.
 	nc, err := nats.Connect(stack.NATSURL, nats.Name("buildq-dev-worker"), nats.MaxReconnects(-1))
 	if err != nil {
 		return failed(err)
@@ -246,7 +250,13 @@ func runDev(ctx context.Context, stderr io.Writer, f *devFlags) error {
 	cfg := worker.Config{
 		ID: "dev", MaxInFlight: f.inFlight, Storage: jetstream.FileStorage, Naming: np, Registry: reg,
 		ContextPrefix: "contexts/{tenant}/", Fair: f.fair,
-		Logger: log.Named("worker"), ShutdownTimeout: 5 * time.Second,
+		// dev's NATS has no authentication: every client is trusted, and
+		// third-party tools (nats req) may use any inbox.
+		AnyReply: true,
+		// Tenants are answered from one another's builds only for content
+		// they hold, as with a worker.
+		Contexts: store,
+		Logger:   log.Named("worker"), ShutdownTimeout: 5 * time.Second,
 	}
 	w, err := worker.New(nc, backend, cfg)
 	if err != nil {

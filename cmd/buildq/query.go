@@ -134,7 +134,7 @@ on buildq.api.status.<tenant> with that tenant's requests and builds only.`,
 			}
 			defer nc.Close()
 			var view worker.StatusReply
-			if err := apiRequest(nc, v1.APIStatusSubject(tenant), args[0], &view); err != nil {
+			if err := apiRequest(cmd.Context(), nc, tenant, v1.APIStatusSubject(tenant), args[0], &view); err != nil {
 				return err
 			}
 			if view.Error != "" {
@@ -186,16 +186,19 @@ on buildq.api.status.<tenant> with that tenant's requests and builds only.`,
 }
 
 // apiRequest sends target to a tenant API subject and decodes the reply.
-func apiRequest(nc *nats.Conn, subject, target string, reply any) error {
+func apiRequest(ctx context.Context, nc *nats.Conn, tenant, subject, target string, reply any) error {
 	if target == "" || len(target) > v1.MaxRequestIDLen {
 		return usageErr("%q is neither a build key (64 hex digits) nor a request id", target)
 	}
-	msg, err := nc.Request(subject, []byte(target), 20*time.Second)
-	if errors.Is(err, nats.ErrNoResponders) {
-		return failed(fmt.Errorf("no worker answers %s: %w", subject, publisher.ErrNoWorkers))
-	}
+	pub, err := publisher.New(nc)
 	if err != nil {
-		return failed(fmt.Errorf("%s: %w", subject, err))
+		return failed(err)
+	}
+	ctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	msg, err := pub.TenantRequest(ctx, tenant, subject, []byte(target))
+	if err != nil {
+		return failed(err)
 	}
 	if err := json.Unmarshal(msg.Data, reply); err != nil {
 		return failed(fmt.Errorf("unreadable reply on %s: %w", subject, err))
@@ -231,7 +234,7 @@ answers on buildq.api.cancel.<tenant>.`,
 			}
 			defer nc.Close()
 			var rep worker.CancelReply
-			if err := apiRequest(nc, v1.APICancelSubject(tenant), args[0], &rep); err != nil {
+			if err := apiRequest(cmd.Context(), nc, tenant, v1.APICancelSubject(tenant), args[0], &rep); err != nil {
 				return err
 			}
 			fmt.Fprintln(cmd.OutOrStdout(), rep.Message)

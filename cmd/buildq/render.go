@@ -2,7 +2,6 @@ package main
 
 import (
 	"encoding/json"
-	"fmt"
 	"strings"
 
 	"github.com/spf13/cobra"
@@ -15,11 +14,13 @@ import (
 
 func newRenderCmd() *cobra.Command {
 	var (
-		rf     requestFlags
-		kc     kaniko.Config
-		np     naming.Policy
-		output string
-		reqID  string
+		rf           requestFlags
+		kc           kaniko.Config
+		np           naming.Policy
+		output       string
+		reqID        string
+		jobTemplate  string
+		singleTenant bool
 	)
 	cmd := &cobra.Command{
 		Use:   "render DIR",
@@ -29,10 +30,15 @@ request flags. The context digest is computed locally; nothing is uploaded
 and no cluster is contacted. The output can be piped to kubectl apply
 --dry-run=server to have an API server validate it.
 
-The Job-shaping flags are the worker's (--executor-image, --s3-endpoint, …)
-and read the same BUILDQ_* variables.`,
-		Example: `  buildq render ./examples/static-site --image 127.0.0.1:5000/demo/site \
-      --executor-image ghcr.io/example/kaniko@sha256:<digest> --s3-endpoint http://minio:9000`,
+The Job-shaping flags are the worker's (--executor-image, --fetch-image,
+--s3-endpoint, --registry, --tenant-registry-secret, --job-template, …) and
+read the same BUILDQ_* variables, and render runs the checks a worker runs
+on them at start and on the request's destination: what a worker would
+refuse, render refuses too (exit 2), with the same message.`,
+		Example: `  buildq render ./examples/static-site --tenant demo --registry registry.example.com \
+      --executor-image ghcr.io/example/kaniko@sha256:<digest> \
+      --fetch-image ghcr.io/buildq/buildq@sha256:<digest> --s3-endpoint http://minio:9000 \
+      --tenant-registry-secret 'buildq-registry-{tenant}'`,
 		Args: exactArgs(1, "DIR"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := bindEnv(cmd, nil); err != nil {
@@ -41,7 +47,8 @@ and read the same BUILDQ_* variables.`,
 			if output != "yaml" && output != "json" {
 				return usageErr("-o must be yaml or json, got %q", output)
 			}
-			if err := checkExecutorImage(kc.ExecutorImage); err != nil {
+			kc, err := checkJobConfig(kc, np, jobTemplate, singleTenant)
+			if err != nil {
 				return err
 			}
 			req, err := rf.request(args[0])
@@ -55,16 +62,14 @@ and read the same BUILDQ_* variables.`,
 			if err := validate(req); err != nil {
 				return err
 			}
-			if err := np.Validate(); err != nil {
-				return usageErr("%v", err)
-			}
 			repo, err := np.Repository(req)
 			if err != nil {
 				return usageErr("%v (pass --image, or --registry for the naming policy)", err)
 			}
-			kc = kc.Defaults()
-			if err := kc.Validate(); err != nil {
-				return usageErr("%v", err)
+			// The worker refuses a destination outside the tenant's part
+			// of the registry before it creates anything.
+			if err := np.CheckDestination(req.Tenant, repo); err != nil {
+				return usageErr("%v (a worker with these flags refuses this request: pass --registry and --tenant as the worker and the producer have them, or --allowed-destination)", err)
 			}
 			key := v1.BuildKey(req, "kaniko@"+kc.ExecutorImage)
 			spec := kaniko.Spec{Request: req, Key: key, Destinations: naming.Destinations(repo, key, req.Tags)}
@@ -94,6 +99,8 @@ and read the same BUILDQ_* variables.`,
 	registerKaniko(cmd.Flags(), &kc, &np)
 	cmd.Flags().StringVarP(&output, "output", "o", "yaml", "output format: yaml or json")
 	cmd.Flags().StringVar(&reqID, "request-id", "render", "request id recorded in the Job's annotations")
+	cmd.Flags().StringVar(&jobTemplate, "job-template", "", jobTemplateHelp)
+	registerSingleTenant(cmd.Flags(), &singleTenant)
 	return cmd
 }
 
@@ -106,5 +113,3 @@ func exactArgs(n int, names ...string) cobra.PositionalArgs {
 		return nil
 	}
 }
-
-var _ = fmt.Sprint

@@ -50,13 +50,14 @@ type workerFlags struct {
 	// contextPrefix is where a tenant's S3 contexts must live.
 	contextPrefix string
 	contextBucket string
-	// allowUnverified runs without --fetch-image (see its help).
-	allowUnverified bool
-	lease           time.Duration
-	storage         string
-	replicas        int
-	keepJobs        bool
-	queueTTL        time.Duration
+	// singleTenant accepts what is safe for one trusted tenant only (see
+	// registerSingleTenant).
+	singleTenant bool
+	lease        time.Duration
+	storage      string
+	replicas     int
+	keepJobs     bool
+	queueTTL     time.Duration
 
 	kubeconfig     string
 	kubeQPS        float64
@@ -89,7 +90,7 @@ func (f *workerFlags) register(cmd *cobra.Command) {
 	fs.IntVar(&f.maxDeliver, "max-deliver", 5, "transient failures after which a request gets a failed result and a dead-letter copy (counted per request; hand-backs and crashes do not count, and the consumer itself redelivers without limit)")
 	fs.DurationVar(&f.resultsAge, "results-max-age", 7*24*time.Hour, "how long result events (and the request ledger) are kept")
 	fs.StringVar(&f.contextPrefix, "context-prefix", "contexts/{tenant}/", "S3 key prefix a tenant's contexts must have, {tenant} standing for the tenant as a whole path segment (the CLI and SDK upload there); empty: any key")
-	fs.BoolVar(&f.allowUnverified, "allow-unverified-contexts", false, "run without --fetch-image: kaniko reads s3:// with --s3-secret's keys (which a RUN step can read) and nothing checks a context against its contextDigest, so a tenant can poison another's cached build; only for a single trusted tenant")
+	registerSingleTenant(fs, &f.singleTenant)
 	fs.StringVar(&f.contextBucket, "context-bucket", "", "the only S3 bucket a request's context may be in (empty: any the worker's keys reach)")
 	fs.DurationVar(&f.indexTTL, "index-ttl", 30*24*time.Hour, "how long a build record stays in buildq-builds after its last write; an expired key is built again when asked for")
 	fs.DurationVar(&f.lease, "lease", 30*time.Second, "build claim lease; a dead worker's builds are taken over after it")
@@ -269,6 +270,53 @@ Every flag can also be set as BUILDQ_<FLAG> (e.g. BUILDQ_EXECUTOR_IMAGE);
 	return cmd
 }
 
+// registerSingleTenant adds --single-tenant (worker and render) and its
+// first name, --allow-unverified-contexts.
+func registerSingleTenant(fs *pflag.FlagSet, v *bool) {
+	fs.BoolVar(v, "single-tenant", false, "serve one trusted tenant: allow a shared --registry-secret (every build Pod, and so every RUN step, holds its push rights), a --cache-repo without {tenant}, and running without --fetch-image (kaniko reads s3:// with --s3-secret's keys, which a RUN step can read, and no context is checked against its contextDigest); a multi-tenant worker refuses all three")
+	fs.BoolVar(v, "allow-unverified-contexts", false, "the first name of --single-tenant")
+	_ = fs.MarkDeprecated("allow-unverified-contexts", "use --single-tenant")
+}
+
+// checkJobConfig holds the checks on the Job-shaping flags that a worker
+// runs at start; render runs the same ones, so it never prints a Job a
+// worker would refuse to create. It returns kc with the --job-template
+// applied and the defaults set.
+func checkJobConfig(kc kaniko.Config, np naming.Policy, jobTemplate string, singleTenant bool) (kaniko.Config, error) {
+	if err := checkExecutorImage(kc.ExecutorImage); err != nil {
+		return kc, err
+	}
+	kc, err := applyJobTemplate(kc, jobTemplate)
+	if err != nil {
+		return kc, err
+	}
+	if kc.FetchImage != "" {
+		if err := checkImageDigest("--fetch-image", kc.FetchImage); err != nil {
+			return kc, err
+		}
+	} else if !singleTenant {
+		return kc, usageErr("--fetch-image (the buildq image, pinned by digest) is required: without it kaniko reads s3:// itself with --s3-secret's keys, which a RUN step can read, and nothing checks a context's bytes against its contextDigest, so one tenant can poison another's cached build; --single-tenant accepts that for one trusted tenant")
+	}
+	if kc.TenantRegistrySecret != "" {
+		if !strings.Contains(kc.TenantRegistrySecret, "{tenant}") {
+			return kc, usageErr("--tenant-registry-secret %q must contain {tenant}", kc.TenantRegistrySecret)
+		}
+	} else if kc.RegistrySecret != "" && !singleTenant {
+		return kc, usageErr("--registry-secret %s would be mounted into every tenant's build Pods, where a RUN step can read it and push anywhere it may: give each tenant its own Secret (--tenant-registry-secret buildq-registry-{tenant} with --tenant-registry-configs), or pass --single-tenant for one trusted tenant", kc.RegistrySecret)
+	}
+	if kc.CacheRepo != "" && !strings.Contains(kc.CacheRepo, "{tenant}") && !singleTenant {
+		return kc, usageErr("--cache-repo %q must contain {tenant}: one cache repository for all would need a push right every tenant's build Pod holds, and a RUN step could poison the cache for all (--single-tenant accepts it for one trusted tenant)", kc.CacheRepo)
+	}
+	if err := np.Validate(); err != nil {
+		return kc, usageErr("%v", err)
+	}
+	kc = kc.Defaults()
+	if err := kc.Validate(); err != nil {
+		return kc, usageErr("%v", err)
+	}
+	return kc, nil
+}
+
 func runWorker(ctx context.Context, f *workerFlags) error {
 	log, err := newLogger(f.logLevel, f.logFormat)
 	if err != nil {
@@ -285,10 +333,7 @@ func runWorker(ctx context.Context, f *workerFlags) error {
 	if err != nil {
 		return err
 	}
-	if err := checkExecutorImage(f.kaniko.ExecutorImage); err != nil {
-		return err
-	}
-	if f.kaniko, err = applyJobTemplate(f.kaniko, f.jobTemplate); err != nil {
+	if f.kaniko, err = checkJobConfig(f.kaniko, f.namingPol, f.jobTemplate, f.singleTenant); err != nil {
 		return err
 	}
 	reg, err := registry.New(registry.Options{DockerConfig: f.registryConfig, Insecure: f.kaniko.InsecureRegistries})
@@ -300,19 +345,10 @@ func runWorker(ctx context.Context, f *workerFlags) error {
 		return usageErr("--tenant-registry-secret and --tenant-registry-configs go together: the build Pods and the worker's own registry calls use the same per-tenant credentials")
 	}
 	if f.kaniko.TenantRegistrySecret != "" {
-		if !strings.Contains(f.kaniko.TenantRegistrySecret, "{tenant}") {
-			return usageErr("--tenant-registry-secret %q must contain {tenant}", f.kaniko.TenantRegistrySecret)
-		}
-		if f.kaniko.CacheRepo != "" && !strings.Contains(f.kaniko.CacheRepo, "{tenant}") {
-			return usageErr("--cache-repo %q must contain {tenant} with --tenant-registry-secret: one cache repository for all would need a push right in every tenant's Secret, and a RUN step could poison the cache for all", f.kaniko.CacheRepo)
-		}
 		cfg.RegistryFor = tenantRegistries(reg, f.tenantRegistryConfigs, f.kaniko)
 	}
 	var presign worker.Presigner
 	if f.kaniko.FetchImage != "" {
-		if err := checkImageDigest("--fetch-image", f.kaniko.FetchImage); err != nil {
-			return err
-		}
 		if f.kaniko.S3Endpoint == "" || f.s3AccessKey == "" || f.s3SecretKey == "" {
 			return usageErr("--fetch-image needs --s3-endpoint (as the build Pods reach it) and --s3-access-key/--s3-secret-key (or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY): the worker signs each context's URL")
 		}
@@ -321,11 +357,14 @@ func runWorker(ctx context.Context, f *workerFlags) error {
 			return usageErr("--s3-endpoint: %v", err)
 		}
 		presign = store.PresignGet
+		// The same keys read a tenant's own context object when it is to
+		// be answered from another tenant's build (possession).
+		cfg.Contexts = store
 	} else {
-		if !f.allowUnverified {
-			return usageErr("--fetch-image (the buildq image, pinned by digest) is required: without it kaniko reads s3:// itself with --s3-secret's keys, which a RUN step can read, and nothing checks a context's bytes against its contextDigest, so one tenant can poison another's cached build; --allow-unverified-contexts accepts that for a single trusted tenant")
-		}
-		log.Warn("--allow-unverified-contexts: build Pods read S3 contexts with the keys of --s3-secret, which a RUN step can read, and contexts are not checked against their digest; set --fetch-image for untrusted tenants")
+		log.Warn("--single-tenant without --fetch-image: build Pods read S3 contexts with the keys of --s3-secret, which a RUN step can read, and contexts are not checked against their digest; set --fetch-image for untrusted tenants")
+	}
+	if f.kaniko.TenantRegistrySecret == "" && f.kaniko.RegistrySecret != "" {
+		log.Warn("--single-tenant with --registry-secret: every build Pod mounts the shared push Secret; give each tenant its own with --tenant-registry-secret for untrusted tenants")
 	}
 	var promReg *prometheus.Registry
 	if f.metricsAddr != "" {

@@ -519,3 +519,34 @@ func TestExtractRefusesBombsAndDeepTrees(t *testing.T) {
 		t.Fatalf("a path %d deep: %v", MaxDepth, err)
 	}
 }
+
+// VerifyArchive accepts exactly the bytes a digest names, without
+// unpacking, and tells a broken stream (retry) from other bytes
+// (mismatch).
+func TestVerifyArchive(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "Dockerfile"), []byte("FROM scratch\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var buf bytes.Buffer
+	res, err := Write(context.Background(), dir, &buf, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if err := VerifyArchive(ctx, bytes.NewReader(buf.Bytes()), 0, res.Digest); err != nil {
+		t.Fatalf("its own bytes: %v", err)
+	}
+	other := "sha256:" + strings.Repeat("0", 64)
+	if err := VerifyArchive(ctx, bytes.NewReader(buf.Bytes()), 0, other); !errors.Is(err, ErrDigestMismatch) || strings.Contains(err.Error(), res.Digest) {
+		t.Fatalf("another digest: %v (must be a mismatch that does not name the object's digest)", err)
+	}
+	if err := VerifyArchive(ctx, strings.NewReader("not gzip at all"), 0, res.Digest); !errors.Is(err, ErrDigestMismatch) {
+		t.Fatalf("not gzip: %v", err)
+	}
+	cut := buf.Bytes()[:buf.Len()/2]
+	if err := VerifyArchive(ctx, bytes.NewReader(cut), 0, res.Digest); err == nil || errors.Is(err, ErrDigestMismatch) {
+		t.Fatalf("a stream cut short: %v, want an error another try may cure", err)
+	}
+}
