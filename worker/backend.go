@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strings"
 	"time"
 
 	batchv1 "k8s.io/api/batch/v1"
@@ -156,6 +157,12 @@ func NewKubeBackend(client kubernetes.Interface, watcher *kube.Watcher, cfg kani
 // Identity is the pinned executor image: another executor image is another
 // build.
 func (k *KubeBackend) Identity() string { return k.identity }
+
+// PerTenantCache reports whether a run reads kaniko's layer cache from its
+// claimer's tenant's own repository (--cache-repo with {tenant}): the
+// image a build makes then depends on that tenant, and its key names it
+// (KeyIdentity).
+func (k *KubeBackend) PerTenantCache() bool { return strings.Contains(k.cfg.CacheRepo, "{tenant}") }
 
 // Run implements Backend.
 func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcome, error) {

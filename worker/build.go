@@ -47,6 +47,15 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 		}
 		return nil
 	}
+	if req.Source.S3 != nil && w.cfg.Contexts != nil {
+		// Before anything else, whoever built the key or is building it:
+		// a request is answered only for content its tenant holds, and
+		// whether another tenant's build exists must not change what a
+		// tenant without the content is told (possession.go).
+		if err := w.checkPossession(ctx, req); err != nil {
+			return nil, "", false, err
+		}
+	}
 	for {
 		if err := ctx.Err(); err != nil {
 			return nil, "", false, err
@@ -57,7 +66,10 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 		}
 		if foreignRun(cur, req) {
 			// Answered from another tenant's build: only for content
-			// this request's tenant holds (possession.go).
+			// this request's tenant holds (possession.go; remembered, so
+			// shown above for an S3 context; a git source's key is its
+			// tenant's own, so a foreign run of it is a record made
+			// before keys were).
 			if err := w.checkPossession(ctx, req); err != nil {
 				return nil, "", false, err
 			}
@@ -243,6 +255,13 @@ func (w *Worker) newClaim(req *v1.Request, key, repo string, dests []string, seq
 func sharedFailure(final *Record, req *v1.Request, repo string) bool {
 	if final.State != StateFailed {
 		return true
+	}
+	if final.Tenant != req.Tenant {
+		// A run builds with its claimer's tenant's credentials (base
+		// images, the push) and quota: its failure may be of those, not
+		// of the content, and another tenant's request builds with its
+		// own instead of taking it.
+		return false
 	}
 	switch final.Reason {
 	case v1.ReasonDeadlineExceeded:

@@ -3,7 +3,9 @@ package worker
 import (
 	"cmp"
 	"context"
+	"crypto/hmac"
 	"crypto/rand"
+	"crypto/sha256"
 	"crypto/subtle"
 	"encoding/hex"
 	"encoding/json"
@@ -126,7 +128,9 @@ func (w *Worker) park(ctx context.Context, wr *waiterReg, key string, cur *Recor
 	wr.once.Do(func() {})
 	wr.added = true
 	now, _, err := w.claims.get(ctx, key)
-	if err == nil && now != nil && now.State == StateBuilding && now.Owner != "" {
+	if err == nil && now != nil && now.State == StateBuilding && now.Owner != "" && now.Run == cur.Run {
+		// Still the run the request was checked against and parked on
+		// (v.Run); a new run since is looked at again by the caller.
 		return true, nil
 	}
 	v.Parked = false
@@ -380,12 +384,16 @@ func (w *Worker) requeue(ctx context.Context, it waiterItem) error {
 	}
 	m := nats.NewMsg(p.Subject)
 	m.Data = p.Body
-	// The token makes the id unguessable: nobody can publish it first and
-	// have JetStream drop the requeue as a duplicate.
-	m.Header.Set(v1.MsgIDHeader, v1.MsgID(p.Tenant, p.RequestID)+"/requeue-"+p.Token+"-"+strconv.FormatUint(it.rev, 10))
+	m.Header.Set(v1.MsgIDHeader, requeueMsgID(p, it.rev))
 	m.Header.Set(hdrRequeueToken, p.Token)
-	if _, err := w.js.PublishMsg(ctx, m); err != nil {
+	ack, err := w.js.PublishMsg(ctx, m)
+	if err != nil {
 		return fmt.Errorf("requeue %s: %w", p.RequestID, err)
+	}
+	if ack.Duplicate {
+		// Another requeuer of the same revision published it first (the
+		// id is the same for both); it removes the waiter entry too.
+		w.log.Debug("requeue already published", zap.String("requestId", p.RequestID))
 	}
 	if err := w.requests.Delete(ctx, it.k, jetstream.LastRevision(it.rev)); err != nil && !isWrongRevision(err) {
 		w.log.Debug("waiter index: delete after requeue failed", zap.Error(err))
@@ -502,4 +510,20 @@ func (w *Worker) setRequeueToken(ctx context.Context, le *ledgerEntry) (string, 
 		*le = *cur
 	}
 	return "", errors.New("request ledger: entry keeps changing")
+}
+
+// requeueMsgID is the Nats-Msg-Id of the requeue of p's request at waiter
+// revision rev: the same for every worker that requeues that revision (so
+// JetStream keeps one), and unguessable by anyone who does not hold the
+// requeue token, so nobody can publish it first and have JetStream drop
+// the requeue. The token itself is not in it: a stream's message ids are
+// not secret from its producers (JetStream's Nats-Expected-Last-Msg-Id
+// check answers a failed publish with the stream's last message id, so a
+// tenant can read the id of the message stored before its probe — an
+// adversarial review read requeue tokens so), and an id that showed the
+// token would give away every later requeue's id.
+func requeueMsgID(p waiterValue, rev uint64) string {
+	m := hmac.New(sha256.New, []byte(p.Token))
+	m.Write([]byte(strconv.FormatUint(rev, 10)))
+	return v1.MsgID(p.Tenant, p.RequestID) + "/requeue-" + hex.EncodeToString(m.Sum(nil))[:32]
 }

@@ -23,15 +23,22 @@ import (
 // a join of the run in flight, a take-over of it. The key is made of the
 // build's inputs, the context digest among them, and a digest travels (in
 // results, logs, provenance): knowing one is not holding the content. So
-// before a tenant is first answered from another tenant's build of a
-// context, the worker reads the tenant's own context object (the one its
-// request names, under its own prefix) and checks that it hashes to the
-// request's contextDigest. The proof is recorded in the ledger bucket
-// (possessionKey: one entry per tenant and digest, kept for the ledger's
-// TTL) and remembered by the worker, so it is read once, not at every hit.
-// A tenant whose object is missing gets ContextMissing, one whose object
-// holds other bytes ContextMismatch; neither gets anything of the other
-// tenant's build (no image, no log tail, no copy into its repository).
+// before a request is handled at all, the worker reads its tenant's own
+// context object (the one the request names, under its tenant's prefix)
+// and checks that it hashes to the request's contextDigest — whether or
+// not anyone built the key: were it checked only when another tenant's
+// build exists, the refusal itself would tell that such a build exists
+// (found by an adversarial review). The proof is recorded in the ledger
+// bucket (possessionKey: one entry per tenant and digest, kept for the
+// ledger's TTL) and remembered by the worker, so the object is read once
+// per tenant and digest, not at every request. A tenant whose object is
+// missing gets ContextMissing, one whose object holds other bytes
+// ContextMismatch, before any claim, Job, event of a build or copy.
+//
+// A git source has no object the worker reads: its key is its tenant's
+// own (KeyIdentity), so it is never answered from another tenant's build.
+// A failed run of another tenant's request answers no one
+// (sharedFailure): it built with its claimer's credentials.
 
 // notHeldError refuses a request its tenant cannot show the content of.
 type notHeldError struct {
@@ -93,7 +100,7 @@ func (w *Worker) checkPossession(ctx context.Context, req *v1.Request) error {
 	s3 := req.Source.S3
 	if s3 == nil || req.ContextDigest == "" {
 		return &notHeldError{v1.ReasonContextMismatch,
-			"this build key was built from another tenant's request; only an S3 context whose bytes the worker can read shows that this tenant holds the content"}
+			"this build key was built from another tenant's request; only an S3 context whose bytes the worker can read shows that a tenant holds the content"}
 	}
 	pk := possessionKey(req.Tenant, req.ContextDigest)
 	p := &w.possessed
@@ -146,8 +153,7 @@ func (w *Worker) provePossession(ctx context.Context, req *v1.Request, pk string
 	object := s3.Bucket + "/" + s3.Key
 	body, err := w.cfg.Contexts.Open(ctx, s3.Bucket, s3.Key)
 	if errors.Is(err, s3store.ErrNotFound) {
-		return &notHeldError{v1.ReasonContextMissing, fmt.Sprintf(
-			"this build key was built from another tenant's request, and this tenant's own context object %s, which would show that it holds the content, does not exist", object)}
+		return &notHeldError{v1.ReasonContextMissing, fmt.Sprintf("the context object %s does not exist", object)}
 	}
 	if err != nil {
 		return Transient(fmt.Errorf("read the context object %s: %w", object, err))
@@ -158,7 +164,7 @@ func (w *Worker) provePossession(ctx context.Context, req *v1.Request, pk string
 		w.log.Warn("a request named a context digest its tenant's object does not hold; refused",
 			zap.String("tenant", req.Tenant), zap.String("requestId", req.RequestID), zap.String("object", object))
 		return &notHeldError{v1.ReasonContextMismatch, fmt.Sprintf(
-			"this build key was built from another tenant's request, and this tenant's own context object %s is not %s: a tenant is answered from another's build only for content it holds", object, req.ContextDigest)}
+			"the context object %s does not hold the bytes of %s (the contextDigest): it was replaced, or the request names a digest of other content", object, req.ContextDigest)}
 	}
 	if err != nil {
 		return Transient(fmt.Errorf("read the context object %s: %w", object, err))
@@ -174,4 +180,30 @@ func (w *Worker) provePossession(ctx context.Context, req *v1.Request, pk string
 	w.log.Info("tenant shown to hold a context another tenant's build was made of",
 		zap.String("tenant", req.Tenant), zap.String("digest", req.ContextDigest), zap.String("object", object))
 	return nil
+}
+
+// KeyIdentity is the executor identity a request's build key is made
+// with (v1.BuildKey): the backend's, and the request's tenant too when the
+// image a build makes, or the right to be answered from it, depends on its
+// tenant, so that no other tenant's request shares the key:
+//   - perTenantCache: a run reads kaniko's layer cache from its claimer's
+//     tenant's own cache repository, which that tenant can push into; a
+//     RUN step's layer may come from there instead of the step, so the
+//     image is that tenant's (an adversarial review had one tenant's
+//     planted layer answer another's request through the index);
+//   - checked (possession is checked, Config.Contexts) and a git source:
+//     no object the worker reads shows that another tenant holds it.
+//
+// buildq render computes keys with it too.
+func KeyIdentity(executor string, req *v1.Request, perTenantCache, checked bool) string {
+	if perTenantCache || (checked && req.Source.Git != nil) {
+		return executor + "+tenant=" + req.Tenant
+	}
+	return executor
+}
+
+// keyOf is req's build key on this worker.
+func (w *Worker) keyOf(req *v1.Request) string {
+	pt, _ := w.backend.(interface{ PerTenantCache() bool })
+	return v1.BuildKey(req, KeyIdentity(w.backend.Identity(), req, pt != nil && pt.PerTenantCache(), w.cfg.Contexts != nil))
 }

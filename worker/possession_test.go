@@ -86,8 +86,8 @@ func TestForeignBuildNeedsPossession(t *testing.T) {
 	if built.Data.Status != v1.StatusSucceeded || built.Data.Origin != v1.OriginBuild {
 		t.Fatalf("acme's build: %s", mustJSON(t, built))
 	}
-	if n := store.reads(acme.Source.S3.Key); n != 0 {
-		t.Fatalf("the worker read the claimer's own context %d times, want 0 (its build checks it)", n)
+	if n := store.reads(acme.Source.S3.Key); n != 1 {
+		t.Fatalf("the worker read the claimer's own context %d times, want 1 (every request's tenant shows it holds the content, once)", n)
 	}
 
 	refused := func(t *testing.T, r *v1.Request, n int, reason string) {

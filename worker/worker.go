@@ -766,7 +766,7 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 	v := verdict{tenant: req.Tenant, name: req.Name, data: v1.ResultData{
 		RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, Attempts: int(meta.NumDelivered), Timings: timings,
 	}}
-	key := v1.BuildKey(req, w.backend.Identity())
+	key := w.keyOf(req)
 	v.data.Key = key
 	*base = v
 	le, fresh, err := w.openEntry(ctx, req.Tenant, req.Name, req.RequestID, key, seq, at)

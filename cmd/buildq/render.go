@@ -10,6 +10,7 @@ import (
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
 	"github.com/buildq/buildq/internal/naming"
+	"github.com/buildq/buildq/worker"
 )
 
 func newRenderCmd() *cobra.Command {
@@ -71,7 +72,10 @@ refuse, render refuses too (exit 2), with the same message.`,
 			if err := np.CheckDestination(req.Tenant, repo); err != nil {
 				return usageErr("%v (a worker with these flags refuses this request: pass --registry and --tenant as the worker and the producer have them, or --allowed-destination)", err)
 			}
-			key := v1.BuildKey(req, "kaniko@"+kc.ExecutorImage)
+			// As a worker with these flags makes it (it checks possession
+			// when it has --fetch-image).
+			key := v1.BuildKey(req, worker.KeyIdentity("kaniko@"+kc.ExecutorImage, req,
+				strings.Contains(kc.CacheRepo, "{tenant}"), kc.FetchImage != ""))
 			spec := kaniko.Spec{Request: req, Key: key, Destinations: naming.Destinations(repo, key, req.Tags)}
 			if kc.FetchImage != "" && req.Source.S3 != nil {
 				// The worker signs a fresh URL when it creates the Job.
