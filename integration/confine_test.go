@@ -72,20 +72,51 @@ func TestFetchContextKeepsS3KeysOutOfBuildPods(t *testing.T) {
 }
 
 // TestFetchContextRefusesReplacedBytes: an object replaced after the
-// request named it (a tenant that can write the bucket poisoning another's
-// context) is never built: ContextMismatch, one Pod.
+// request named it (a party that can write the bucket poisoning a
+// tenant's context) is never built. Replaced before the worker took the
+// request, the worker's own possession check refuses it before any Job
+// (ContextMismatch, no Pod); replaced after the worker had shown its
+// tenant holds those bytes (the proof is kept per tenant and digest), the
+// build Pod's fetch-context init container refuses it: ContextMismatch,
+// one Pod (a mismatch is not retried).
 func TestFetchContextRefusesReplacedBytes(t *testing.T) {
 	s := newSuite(t, options{workerArgs: fetchArgs()})
 	s.startWorker("w1")
 	res := s.collect()
-	req := s.submitWith(contextDir(t, siteFiles), "poisoned", 1, func(r *v1.Request) { replaceContext(t, s, r) })[0]
-	r := res.wait(t, 1, 2*time.Minute)[0]
-	if r.ID != req.RequestID || r.Data.Status != v1.StatusFailed || r.Data.Reason != v1.ReasonContextMismatch {
-		t.Fatalf("result %s, want failed/%s", mustJSON(r), v1.ReasonContextMismatch)
-	}
-	if n := s.kubelet.podsRun(); n != 1 {
-		t.Errorf("%d pods ran, want 1 (a mismatch is not retried)", n)
-	}
+
+	t.Run("replaced before the request was taken", func(t *testing.T) {
+		req := s.submitWith(contextDir(t, siteFiles), "poisoned", 1, func(r *v1.Request) { replaceContext(t, s, r) })[0]
+		r := res.wait(t, 1, 2*time.Minute)[0]
+		if r.ID != req.RequestID || r.Data.Status != v1.StatusFailed || r.Data.Reason != v1.ReasonContextMismatch || r.Data.Job != "" {
+			t.Fatalf("result %s, want failed/%s and no Job", mustJSON(r), v1.ReasonContextMismatch)
+		}
+		if n := s.kubelet.podsRun(); n != 0 {
+			t.Errorf("%d pods ran, want 0 (refused before any Job)", n)
+		}
+	})
+
+	t.Run("replaced after the worker checked it", func(t *testing.T) {
+		dir := contextDir(t, map[string]string{"Dockerfile": "FROM scratch\nARG V\nCOPY f /f\n", "f": "genuine"})
+		first := s.submitWith(dir, "checked", 1, nil)[0]
+		if r := res.wait(t, 2, 2*time.Minute)[1]; r.ID != first.RequestID || r.Data.Status != v1.StatusSucceeded {
+			t.Fatalf("the genuine build: %s", mustJSON(r))
+		}
+		before := s.kubelet.podsRun()
+		// The same context, another build (another key): the worker
+		// holds the proof and does not read the object again; the
+		// build Pod does.
+		req := s.submitWith(dir, "checked", 1, func(r *v1.Request) {
+			r.BuildArgs = map[string]string{"V": "2"}
+			replaceContext(t, s, r)
+		})[0]
+		r := res.wait(t, 3, 2*time.Minute)[2]
+		if r.ID != req.RequestID || r.Data.Status != v1.StatusFailed || r.Data.Reason != v1.ReasonContextMismatch || r.Data.Job == "" {
+			t.Fatalf("result %s, want failed/%s from the build Pod", mustJSON(r), v1.ReasonContextMismatch)
+		}
+		if n := s.kubelet.podsRun() - before; n != 1 {
+			t.Errorf("%d pods ran, want 1 (a mismatch is not retried)", n)
+		}
+	})
 }
 
 // replaceContext overwrites the object r names with another context's

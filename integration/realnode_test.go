@@ -180,13 +180,26 @@ COPY hello.txt /srv/hello.txt
 		pods := s.podsCreated()
 		s.startWorker("w1")
 		res := s.collect()
-		dir := contextDir(t, map[string]string{"Dockerfile": "FROM scratch\nCOPY f /f\n", "f": "the requested bytes"})
-		s.submitWith(dir, "poisoned", 1, func(r *v1.Request) { replaceContext(t, s, r) })
-		r := res.wait(t, 1, 5*time.Minute)[0]
-		if r.Data.Status != v1.StatusFailed || r.Data.Reason != v1.ReasonContextMismatch {
-			t.Fatalf("result %s, want failed/%s", mustJSON(r), v1.ReasonContextMismatch)
+		dir := contextDir(t, map[string]string{"Dockerfile": "FROM scratch\nARG V\nCOPY f /f\n", "f": "the requested bytes"})
+		// The worker shows once that acme holds these bytes (and keeps
+		// that proof); the genuine build runs.
+		s.submitWith(dir, "poisoned", 1, nil)
+		if r := res.wait(t, 1, 5*time.Minute)[0]; r.Data.Status != v1.StatusSucceeded {
+			t.Fatalf("the genuine build: %s", mustJSON(r))
 		}
-		if n := pods(); n != 1 {
+		before := pods()
+		// Replaced afterwards, for another build of the same context:
+		// the worker does not read it again; the build Pod's
+		// fetch-context init container does, and refuses it.
+		s.submitWith(dir, "poisoned", 1, func(r *v1.Request) {
+			r.BuildArgs = map[string]string{"V": "2"}
+			replaceContext(t, s, r)
+		})
+		r := res.wait(t, 2, 5*time.Minute)[1]
+		if r.Data.Status != v1.StatusFailed || r.Data.Reason != v1.ReasonContextMismatch || r.Data.Job == "" {
+			t.Fatalf("result %s, want failed/%s from the build Pod", mustJSON(r), v1.ReasonContextMismatch)
+		}
+		if n := pods() - before; n != 1 {
 			t.Errorf("%d pods ran, want 1 (a mismatch is not retried)", n)
 		}
 	})

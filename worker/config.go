@@ -182,6 +182,12 @@ func (c Config) Validate() error {
 	if c.QueueTTL < 0 {
 		errs = append(errs, fmt.Errorf("queue TTL must not be negative (0 means no limit), got %s", c.QueueTTL))
 	}
+	if c.ContextPrefix == "" && c.Contexts != nil {
+		// Possession is shown with the request's own object: without a
+		// prefix of its tenant's, a request could name another tenant's
+		// object as its proof (and its build would read it).
+		errs = append(errs, errors.New("a worker that checks possession of contexts (Contexts set) needs a context prefix with {tenant}/, e.g. contexts/{tenant}/"))
+	}
 	if c.ContextPrefix != "" && !strings.Contains(c.ContextPrefix, "{tenant}/") {
 		// "contexts/{tenant}" would let tenant acme name contexts/acme-corp/….
 		errs = append(errs, fmt.Errorf("context prefix %q must contain {tenant}/ ({tenant} as a whole path segment), e.g. contexts/{tenant}/", c.ContextPrefix))

@@ -12,6 +12,7 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap"
+	"golang.org/x/sync/singleflight"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/contexttar"
@@ -65,21 +66,36 @@ type possessionProof struct {
 }
 
 // possessions remembers, per worker, the tenants and digests already shown
-// held, and lets concurrent checks of one share a single read.
+// held and the digest of each object version read, and lets concurrent
+// checks of one request's object share a single read.
 type possessions struct {
-	mu       sync.Mutex
-	known    map[string]bool
-	inFlight map[string]*possessionCall
+	mu sync.Mutex
+	// known: possession keys shown held.
+	known map[string]bool
+	// digests: "bucket/key@version" → the digest of that version's bytes,
+	// "" when they are no context archive at all. A refusal is remembered
+	// as well as a proof, so naming one object again costs a HEAD, not a
+	// read of the whole object (a small gzip can inflate to the context
+	// limit).
+	digests map[string]string
+	reads   singleflight.Group
 }
 
-type possessionCall struct {
-	done chan struct{}
-	err  error
-}
-
-// maxKnownPossessions bounds the worker's memory of proofs; past it the
+// maxKnownPossessions bounds each of the worker's memories; past it that
 // memory starts over (the ledger still holds every proof).
 const maxKnownPossessions = 1 << 16
+
+// possessionReadTimeout bounds a shared read of a context object: it runs
+// apart from any one request's context, so a request canceled or handed
+// back does not fail the others waiting on the same read.
+const possessionReadTimeout = 10 * time.Minute
+
+// ContextVersions is implemented by a ContextSource that can tell an
+// object's version without reading it (s3store.Store.Version): equal
+// versions hold equal bytes.
+type ContextVersions interface {
+	Version(ctx context.Context, bucket, key string) (string, error)
+}
 
 // foreignRun reports whether rec is a run another tenant's request claimed
 // and that would answer req: succeeded (a cache hit) or building (a join,
@@ -87,6 +103,12 @@ const maxKnownPossessions = 1 << 16
 func foreignRun(rec *Record, req *v1.Request) bool {
 	return rec != nil && rec.Tenant != req.Tenant && (rec.State == StateSucceeded || rec.State == StateBuilding)
 }
+
+// possessionPanic carries a panic of a shared read to each of its callers,
+// whose handlers turn it into one failed result (safeProcess).
+type possessionPanic struct{ v any }
+
+func (p possessionPanic) Error() string { return fmt.Sprintf("panic in a context check: %v", p.v) }
 
 // checkPossession returns nil when req's tenant holds the content of
 // req.ContextDigest (shown before, or now by reading its own context
@@ -105,38 +127,91 @@ func (w *Worker) checkPossession(ctx context.Context, req *v1.Request) error {
 	pk := possessionKey(req.Tenant, req.ContextDigest)
 	p := &w.possessed
 	p.mu.Lock()
-	if p.known[pk] {
-		p.mu.Unlock()
+	held := p.known[pk]
+	p.mu.Unlock()
+	if held {
 		return nil
 	}
-	if c, ok := p.inFlight[pk]; ok {
-		p.mu.Unlock()
-		select {
-		case <-c.done:
-			return c.err
-		case <-ctx.Done():
-			return Transient(ctx.Err())
+	// One read per request's object and claim at a time: requests naming
+	// the same object for the same digest share it.
+	ch := p.reads.DoChan(pk+"\n"+s3.Bucket+"/"+s3.Key, func() (_ any, err error) {
+		defer func() {
+			if v := recover(); v != nil {
+				err = possessionPanic{v}
+			}
+		}()
+		// Apart from the asking request's context (its cancel or hand-back
+		// must not fail the others), but not from the worker's: a stopping
+		// worker leaves no read behind.
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), possessionReadTimeout)
+		defer cancel()
+		if life := w.life.Load(); life != nil {
+			defer context.AfterFunc(*life, cancel)()
 		}
-	}
-	c := &possessionCall{done: make(chan struct{})}
-	if p.inFlight == nil {
-		p.inFlight, p.known = map[string]*possessionCall{}, map[string]bool{}
-	}
-	p.inFlight[pk] = c
-	p.mu.Unlock()
-
-	c.err = w.provePossession(ctx, req, pk)
-	p.mu.Lock()
-	delete(p.inFlight, pk)
-	if c.err == nil {
-		if len(p.known) >= maxKnownPossessions {
+		if err := w.provePossession(rctx, req, pk); err != nil {
+			return nil, err
+		}
+		p.mu.Lock()
+		if p.known == nil || len(p.known) >= maxKnownPossessions {
 			p.known = map[string]bool{}
 		}
 		p.known[pk] = true
+		p.mu.Unlock()
+		return nil, nil
+	})
+	select {
+	case r := <-ch:
+		if pp, ok := r.Err.(possessionPanic); ok {
+			panic(pp.v)
+		}
+		return r.Err
+	case <-ctx.Done():
+		return context.Cause(ctx)
 	}
-	p.mu.Unlock()
-	close(c.done)
-	return c.err
+}
+
+// objectDigest returns the digest of the bytes of bucket/key: remembered
+// for the object's version when the source tells versions, read and hashed
+// otherwise. "" with a nil error: the object is no context archive.
+func (w *Worker) objectDigest(ctx context.Context, bucket, key string) (string, error) {
+	p := &w.possessed
+	version := ""
+	if vs, ok := w.cfg.Contexts.(ContextVersions); ok {
+		v, err := vs.Version(ctx, bucket, key)
+		if err != nil {
+			return "", err
+		}
+		version = bucket + "/" + key + "@" + v
+		p.mu.Lock()
+		d, seen := p.digests[version]
+		p.mu.Unlock()
+		if seen {
+			return d, nil
+		}
+	}
+	body, err := w.cfg.Contexts.Open(ctx, bucket, key)
+	if err != nil {
+		return "", err
+	}
+	defer body.Close()
+	d, err := contexttar.ArchiveDigest(ctx, body, w.cfg.MaxContextBytes)
+	if errors.Is(err, contexttar.ErrDigestMismatch) {
+		d, err = "", nil
+	}
+	if err != nil {
+		return "", err
+	}
+	if version != "" {
+		// The version read before the bytes: were the object replaced in
+		// between, the digest is of bytes its tenant held all the same.
+		p.mu.Lock()
+		if p.digests == nil || len(p.digests) >= maxKnownPossessions {
+			p.digests = map[string]string{}
+		}
+		p.digests[version] = d
+		p.mu.Unlock()
+	}
+	return d, nil
 }
 
 // provePossession looks the proof up in the ledger bucket, and without one
@@ -151,23 +226,18 @@ func (w *Worker) provePossession(ctx context.Context, req *v1.Request, pk string
 	}
 	s3 := req.Source.S3
 	object := s3.Bucket + "/" + s3.Key
-	body, err := w.cfg.Contexts.Open(ctx, s3.Bucket, s3.Key)
+	digest, err := w.objectDigest(ctx, s3.Bucket, s3.Key)
 	if errors.Is(err, s3store.ErrNotFound) {
 		return &notHeldError{v1.ReasonContextMissing, fmt.Sprintf("the context object %s does not exist", object)}
 	}
 	if err != nil {
 		return Transient(fmt.Errorf("read the context object %s: %w", object, err))
 	}
-	defer body.Close()
-	err = contexttar.VerifyArchive(ctx, body, w.cfg.MaxContextBytes, req.ContextDigest)
-	if errors.Is(err, contexttar.ErrDigestMismatch) {
+	if digest != req.ContextDigest {
 		w.log.Warn("a request named a context digest its tenant's object does not hold; refused",
 			zap.String("tenant", req.Tenant), zap.String("requestId", req.RequestID), zap.String("object", object))
 		return &notHeldError{v1.ReasonContextMismatch, fmt.Sprintf(
 			"the context object %s does not hold the bytes of %s (the contextDigest): it was replaced, or the request names a digest of other content", object, req.ContextDigest)}
-	}
-	if err != nil {
-		return Transient(fmt.Errorf("read the context object %s: %w", object, err))
 	}
 	if w.requests != nil {
 		b, _ := json.Marshal(possessionProof{Tenant: req.Tenant, Digest: req.ContextDigest, Object: object,
@@ -177,7 +247,7 @@ func (w *Worker) provePossession(ctx context.Context, req *v1.Request, pk string
 			w.log.Debug("recording a possession proof failed; it is read again next time", zap.Error(err))
 		}
 	}
-	w.log.Info("tenant shown to hold a context another tenant's build was made of",
+	w.log.Info("tenant shown to hold a context",
 		zap.String("tenant", req.Tenant), zap.String("digest", req.ContextDigest), zap.String("object", object))
 	return nil
 }

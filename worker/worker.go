@@ -54,6 +54,10 @@ type Worker struct {
 	held       heldRequests
 	// possessed: tenants shown to hold a context (possession.go).
 	possessed possessions
+	// life is Run's work context: it ends when the worker stops. Work
+	// shared between requests (a possession read) runs in it, apart from
+	// any one request's context.
+	life atomic.Pointer[context.Context]
 	// bg counts background work (answering parked requests).
 	bg     sync.WaitGroup
 	apiSem chan struct{}
@@ -269,6 +273,7 @@ func (w *Worker) Run(ctx context.Context) error {
 	// handed back explicitly, not abandoned mid-publish.
 	workCtx, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelWork()
+	w.life.Store(&workCtx)
 	stopAPI, err := w.serveAPI(workCtx)
 	if err != nil {
 		return fmt.Errorf("subscribe the status and cancel services: %w", err)

@@ -123,6 +123,20 @@ The files written are listed on stderr. A tenant's clients need no
 			if flags.Changed("nkeys") && nkeysDir == "" {
 				return usageErr("--nkeys needs a directory")
 			}
+			// Comma-separated lists, split here: pflag's string-slice
+			// flag reads a value as one CSV record and drops the rest
+			// silently (a list with a newline lost every tenant after
+			// the first). Every name is then checked, whitespace and all.
+			var names []string
+			for _, v := range tenants {
+				for _, n := range strings.Split(v, ",") {
+					if n == "" {
+						return usageErr("--tenant %q: an empty tenant name", v)
+					}
+					names = append(names, n)
+				}
+			}
+			tenants = names
 			if len(tenants) == 0 {
 				return usageErr("give at least one --tenant (a DNS-1123 label, e.g. --tenant acme)")
 			}
@@ -137,7 +151,7 @@ The files written are listed on stderr. A tenant's clients need no
 		},
 	}
 	f := cmd.Flags()
-	f.StringSliceVar(&tenants, "tenant", nil, "a tenant (DNS-1123 label); repeat it or give a comma-separated list")
+	f.StringArrayVar(&tenants, "tenant", nil, "a tenant (DNS-1123 label); repeat it or give a comma-separated list")
 	f.StringVar(&mode, "mode", "file", "file: print a configuration file with the accounts written out; jwt: write a decentralized (operator/JWT) setup into --dir")
 	f.StringVar(&nkeysDir, "nkeys", "", "config-file mode: keep or make each user's seed in DIR/<user>.seed and write the public keys into the file")
 	f.StringVar(&dir, "dir", "", "jwt mode: the setup's directory (new, or an existing setup to add tenants to)")
@@ -253,7 +267,15 @@ func natsConfigJWT(ctx context.Context, stderr io.Writer, tenants []string, dir,
 				fresh = append(fresh, t)
 			}
 		}
-		if len(fresh) == 0 && nf.url == "" {
+		// Credentials an earlier run did not get to write (a full disk, a
+		// killed process) are written now: a retry is the same command.
+		var missing []string
+		for _, u := range append([]string{natsconf.WorkerKey, natsconf.AdminKey, natsconf.SysKey}, kept...) {
+			if _, err := os.Lstat(filepath.Join(dir, natsconf.CredsDir, u+".creds")); errors.Is(err, fs.ErrNotExist) {
+				missing = append(missing, u)
+			}
+		}
+		if len(fresh) == 0 && len(missing) == 0 && nf.url == "" {
 			return usageErr("%s already has tenant(s) %s: nothing to add (name a new --tenant; with --push, the named tenants are pushed again)",
 				dir, strings.Join(kept, ", "))
 		}
@@ -265,7 +287,7 @@ func natsConfigJWT(ctx context.Context, stderr io.Writer, tenants []string, dir,
 				return usageErr("%v", err)
 			}
 		}
-		creds, pushing = fresh, tenants
+		creds, pushing = append(missing, fresh...), tenants
 		if resolverDir == "" {
 			resolverDir = configuredResolverDir(confPath)
 		}

@@ -89,7 +89,7 @@ func (f *workerFlags) register(cmd *cobra.Command) {
 	fs.DurationVar(&f.ackWait, "ack-wait", 30*time.Second, "AckWait of the shared consumer; heartbeats go every third of it")
 	fs.IntVar(&f.maxDeliver, "max-deliver", 5, "transient failures after which a request gets a failed result and a dead-letter copy (counted per request; hand-backs and crashes do not count, and the consumer itself redelivers without limit)")
 	fs.DurationVar(&f.resultsAge, "results-max-age", 7*24*time.Hour, "how long result events (and the request ledger) are kept")
-	fs.StringVar(&f.contextPrefix, "context-prefix", "contexts/{tenant}/", "S3 key prefix a tenant's contexts must have, {tenant} standing for the tenant as a whole path segment (the CLI and SDK upload there); empty: any key")
+	fs.StringVar(&f.contextPrefix, "context-prefix", "contexts/{tenant}/", "S3 key prefix a tenant's contexts must have, {tenant} standing for the tenant as a whole path segment (the CLI and SDK upload there); empty: any key, which only a --single-tenant worker accepts")
 	registerSingleTenant(fs, &f.singleTenant)
 	fs.StringVar(&f.contextBucket, "context-bucket", "", "the only S3 bucket a request's context may be in (empty: any the worker's keys reach)")
 	fs.DurationVar(&f.indexTTL, "index-ttl", 30*24*time.Hour, "how long a build record stays in buildq-builds after its last write; an expired key is built again when asked for")
@@ -335,6 +335,9 @@ func runWorker(ctx context.Context, f *workerFlags) error {
 	}
 	if f.kaniko, err = checkJobConfig(f.kaniko, f.namingPol, f.jobTemplate, f.singleTenant); err != nil {
 		return err
+	}
+	if f.contextPrefix == "" && !f.singleTenant {
+		return usageErr("--context-prefix is empty: a request could name any object of the bucket, another tenant's context among them, as its own; keep {tenant}/ in it (default contexts/{tenant}/), or pass --single-tenant for one trusted tenant")
 	}
 	reg, err := registry.New(registry.Options{DockerConfig: f.registryConfig, Insecure: f.kaniko.InsecureRegistries})
 	if err != nil {

@@ -452,25 +452,20 @@ func truncateName(s string) string {
 	return s
 }
 
-// VerifyArchive reads the gzip-compressed context archive r to its end and
-// reports whether its uncompressed bytes are the ones want
-// ("sha256:<hex>", as Write reports it) names: nil when they are, an error
-// matching ErrDigestMismatch when they are not (not gzip, other bytes, or
-// far more than a context of maxBytes could be), and any other error when
-// the stream itself broke (another try may succeed). Nothing is unpacked.
-// The error never names the archive's own digest: it would tell a prober
-// what someone else's object holds.
-func VerifyArchive(ctx context.Context, r io.Reader, maxBytes int64, want string) error {
-	if want == "" {
-		return errors.New("contexttar: verify needs the context's digest")
-	}
+// ArchiveDigest reads the gzip-compressed context archive r to its end and
+// returns the digest ("sha256:<hex>", as Write reports it) of its
+// uncompressed bytes. An object that cannot be the archive of any context
+// — not gzip, or far larger than a context of maxBytes could be — fails
+// with an error matching ErrDigestMismatch; a stream that broke fails
+// with any other error (another try may succeed). Nothing is unpacked.
+func ArchiveDigest(ctx context.Context, r io.Reader, maxBytes int64) (string, error) {
 	maxBytes, err := limit(maxBytes)
 	if err != nil {
-		return err
+		return "", err
 	}
 	zr, err := gzip.NewReader(r)
 	if err != nil {
-		return fmt.Errorf("%w: the object is not gzip (%v)", ErrDigestMismatch, err)
+		return "", fmt.Errorf("%w: the object is not gzip (%v)", ErrDigestMismatch, err)
 	}
 	defer zr.Close()
 	// A context's tar stream is its content plus headers and padding:
@@ -480,14 +475,31 @@ func VerifyArchive(ctx context.Context, r io.Reader, maxBytes int64, want string
 	n, err := io.Copy(h, io.LimitReader(ctxReader{ctx: ctx, r: zr}, bound+1))
 	switch {
 	case ctx.Err() != nil:
-		return ctx.Err()
+		return "", ctx.Err()
 	case errors.Is(err, gzip.ErrChecksum) || errors.Is(err, gzip.ErrHeader):
-		return fmt.Errorf("%w: the object is not a valid gzip stream (%v)", ErrDigestMismatch, err)
+		return "", fmt.Errorf("%w: the object is not a valid gzip stream (%v)", ErrDigestMismatch, err)
 	case err != nil:
-		return fmt.Errorf("contexttar: read archive: %w", err)
+		return "", fmt.Errorf("contexttar: read archive: %w", err)
 	case n > bound:
-		return fmt.Errorf("%w: the object is larger than any context of at most %d bytes", ErrDigestMismatch, maxBytes)
-	case "sha256:"+hex.EncodeToString(h.Sum(nil)) != want:
+		return "", fmt.Errorf("%w: the object is larger than any context of at most %d bytes", ErrDigestMismatch, maxBytes)
+	}
+	return "sha256:" + hex.EncodeToString(h.Sum(nil)), nil
+}
+
+// VerifyArchive is ArchiveDigest compared with want: nil when the
+// archive's bytes are the ones want names, an error matching
+// ErrDigestMismatch when they are not. The error never names the
+// archive's own digest: it would tell a prober what someone else's object
+// holds.
+func VerifyArchive(ctx context.Context, r io.Reader, maxBytes int64, want string) error {
+	if want == "" {
+		return errors.New("contexttar: verify needs the context's digest")
+	}
+	got, err := ArchiveDigest(ctx, r, maxBytes)
+	if err != nil {
+		return err
+	}
+	if got != want {
 		return fmt.Errorf("%w: the object is not %s", ErrDigestMismatch, want)
 	}
 	return nil

@@ -19,6 +19,7 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"time"
 
@@ -472,6 +473,23 @@ func (s *Store) Exists(ctx context.Context, bucket, key string) (bool, error) {
 		return false, nil
 	default:
 		return false, fmt.Errorf("s3store: stat %s/%s: %w", bucket, key, err)
+	}
+}
+
+// Version returns the version of bucket/key's bytes as the server tells it
+// with a HEAD (its ETag, and its version id in a versioned bucket): equal
+// versions hold equal bytes, so what was computed from them can be reused
+// without reading them again. A missing object is an error matching
+// ErrNotFound.
+func (s *Store) Version(ctx context.Context, bucket, key string) (string, error) {
+	info, err := s.client.StatObject(ctx, bucket, key, minio.StatObjectOptions{})
+	switch {
+	case err == nil:
+		return info.ETag + "/" + info.VersionID + "/" + strconv.FormatInt(info.Size, 10), nil
+	case isNotFound(err):
+		return "", fmt.Errorf("%w: %s/%s: %w", ErrNotFound, bucket, key, err)
+	default:
+		return "", fmt.Errorf("s3store: stat %s/%s: %w", bucket, key, err)
 	}
 }
 
