@@ -7,17 +7,17 @@ PKGS := ./...
 # outside the clone, see integration/README.md).
 INTEGRATION_TIMEOUT ?= 40m
 
-.PHONY: all build test test-unit test-integration lint fmt vet bench bench-e2e bench-report bench-scale dev e2e tools node-packages clean sim soak image
+.PHONY: all build test test-unit test-integration lint fmt vet bench bench-e2e bench-report bench-scale dev e2e tools node-packages clean sim soak mutants image
 
 all: build
 
 build: ## Build the buildq binary into bin/
 	$(GO) build -o $(BIN)/buildq ./cmd/buildq
 
-test: test-unit sim test-integration ## Unit tests (with -race), the fault simulation (200 seeds), then the integration suite
+test: test-unit sim mutants test-integration ## Unit tests (with -race), the fault simulation (200 seeds and the frozen scenarios), the mutation tests, then the integration suite
 
-test-unit: ## Unit tests, race detector on
-	$(GO) test -race -count=1 -timeout 10m $(PKGS)
+test-unit: ## Unit tests, race detector on (the frozen simulation scenarios run in `make sim`)
+	$(GO) test -race -count=1 -timeout 10m -skip '^TestFrozenScenarios$$' $(PKGS)
 
 # The worker's seeded fault simulation (worker/sim_*_test.go): SEEDS schedules
 # from seed FIRST, SIM_PARALLEL at a time. Replay one seed with
@@ -28,10 +28,23 @@ sim soak: FIRST ?= 1
 sim soak: SIM_PARALLEL ?= 24
 sim: SIM_TIMEOUT ?= 30m
 soak: SIM_TIMEOUT ?= 4h
-sim soak: ## Fault simulation of the worker: `make sim` (SEEDS=200, < 3 min), `make soak` (SEEDS=2000)
+sim soak: ## Fault simulation of the worker: `make sim` (SEEDS=200 and the frozen scenarios, < 4 min), `make soak` (SEEDS=2000, then every mutant with MUTANT_SEEDS=200)
 	set -o pipefail; BUILDQ_SIM_SEEDS=$(SEEDS) BUILDQ_SIM_FIRST=$(FIRST) BUILDQ_SIM_PARALLEL=$(SIM_PARALLEL) \
-	  $(GO) test -count=1 -timeout $(SIM_TIMEOUT) -run '^TestFaultSimulation$$' -v ./worker/ \
+	  $(GO) test -count=1 -timeout $(SIM_TIMEOUT) -parallel $(SIM_PARALLEL) -run '^(TestFaultSimulation|TestFrozenScenarios)$$' -v ./worker/ \
 	  | grep -Ev '^(=== (RUN|PAUSE|CONT|NAME)|    --- PASS)'
+	@if [ "$@" = soak ]; then $(MAKE) --no-print-directory mutants MUTANT_SEEDS=$(MUTANT_SEEDS); fi
+
+# Mutation tests (worker/mutants_test.go): each deliberate defect of the
+# catalogue runs against the fault simulation (MUTANT_SEEDS seeds; it stops
+# at the first violation) and its named unit tests, and must be killed.
+# One line per mutant; the target fails if any survived. Pick some with
+# MUTANTS=name,name.
+mutants: MUTANT_SEEDS ?= 40
+mutants: SIM_PARALLEL ?= 24
+soak: MUTANT_SEEDS ?= 200
+mutants: ## Mutation tests of the worker's protocol: every mutant must be killed by the simulation or its unit tests
+	set -o pipefail; BUILDQ_MUTANT_SEEDS=$(MUTANT_SEEDS) BUILDQ_MUTANTS=$(MUTANTS) BUILDQ_SIM_PARALLEL=$(SIM_PARALLEL) \
+	  $(GO) test -tags mutants -count=1 -timeout 120m -run '^TestMutants$$' -v ./worker/ | grep -Ev '^=== RUN'
 
 tools: ## Build the integration suite's real components (cached outside the clone)
 	bash integration/tools/build.sh

@@ -120,7 +120,9 @@ func TestWaitAndWatch(t *testing.T) {
 	publishResult := func(tenant, name, id string) {
 		ev := v1.NewResult("/test", v1.ResultData{RequestID: id, Tenant: tenant, Name: name, Status: v1.StatusSucceeded}, time.Now())
 		b, _ := jsonMarshal(ev)
-		m := nats.NewMsg(v1.ResultSubject(tenant, name))
+		// As a worker publishes it: into BUILDQ_RESULTS, which stores
+		// and publishes it on its result subject.
+		m := nats.NewMsg(worker.ResultsIngestPrefix + "." + tenant + "." + name)
 		m.Header.Set(v1.MsgIDHeader, id)
 		m.Data = b
 		if _, err := js.PublishMsg(ctx, m); err != nil {
@@ -275,7 +277,7 @@ func TestTenantPermissions(t *testing.T) {
 		d := v1.ResultData{RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, Status: v1.StatusSucceeded, Digest: "sha256:" + req.RequestID}
 		decided.Store(&d)
 		b, _ := json.Marshal(v1.NewResult("/test", d, time.Now()))
-		m := nats.NewMsg(v1.ResultSubject(req.Tenant, req.Name))
+		m := nats.NewMsg(worker.ResultsIngestPrefix + "." + req.Tenant + "." + req.Name)
 		m.Header.Set(v1.MsgIDHeader, v1.MsgID(req.Tenant, req.RequestID))
 		m.Data = b
 		if _, err := ajs.PublishMsg(ctx, m); err != nil {

@@ -118,30 +118,40 @@ func (g *gateRegistry) EnsureHarborProject(context.Context, string, string) erro
 // block: the fake clientset holds its lock while reactors run.)
 type slowCreates struct {
 	kubernetes.Interface
-	hold func() // called before each Job create is passed on
+	hold       func()            // called before each Job create is passed on; nil: none
+	holdDelete func(name string) // called before each Job delete is passed on; nil: none
 }
 
 func (s slowCreates) BatchV1() batchv1client.BatchV1Interface {
-	return slowBatch{BatchV1Interface: s.Interface.BatchV1(), hold: s.hold}
+	return slowBatch{BatchV1Interface: s.Interface.BatchV1(), s: s}
 }
 
 type slowBatch struct {
 	batchv1client.BatchV1Interface
-	hold func()
+	s slowCreates
 }
 
 func (b slowBatch) Jobs(ns string) batchv1client.JobInterface {
-	return slowJobs{JobInterface: b.BatchV1Interface.Jobs(ns), hold: b.hold}
+	return slowJobs{JobInterface: b.BatchV1Interface.Jobs(ns), s: b.s}
 }
 
 type slowJobs struct {
 	batchv1client.JobInterface
-	hold func()
+	s slowCreates
 }
 
 func (j slowJobs) Create(ctx context.Context, job *batchv1.Job, opts metav1.CreateOptions) (*batchv1.Job, error) {
-	j.hold()
+	if j.s.hold != nil {
+		j.s.hold()
+	}
 	return j.JobInterface.Create(ctx, job, opts)
+}
+
+func (j slowJobs) Delete(ctx context.Context, name string, opts metav1.DeleteOptions) error {
+	if j.s.holdDelete != nil {
+		j.s.holdDelete(name)
+	}
+	return j.JobInterface.Delete(ctx, name, opts)
 }
 
 // resultFor returns the stored results of request id.

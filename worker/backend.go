@@ -14,6 +14,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/util/workqueue"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
@@ -107,9 +108,12 @@ type KubeBackend struct {
 	digestGrace time.Duration
 	resolve     func(ctx context.Context, ref string) (string, error)
 	presign     Presigner
-	// finished receives the names of finished Jobs from the informers
-	// (their initial list, every event, every relist): reconciliation.
-	finished chan string
+	// finished holds the names of finished Jobs from the informers (their
+	// initial list, every event, every relist) for reconciliation: a
+	// client-go workqueue, so a name is queued once however many events
+	// name it, none is dropped, a transient failure is retried with
+	// backoff and a claim that still looks alive is looked at again later.
+	finished workqueue.TypedRateLimitingInterface[string]
 }
 
 // Presigner makes a credential-free GET URL for one S3 object, valid for
@@ -141,16 +145,11 @@ func NewKubeBackend(client kubernetes.Interface, watcher *kube.Watcher, cfg kani
 		return nil, fmt.Errorf("kaniko config: %w", err)
 	}
 	k := &KubeBackend{client: client, watcher: watcher, cfg: cfg, identity: "kaniko@" + cfg.ExecutorImage,
-		digestGrace: 10 * time.Second, finished: make(chan string, 256)}
-	watcher.OnFinished(func(job *batchv1.Job) {
-		select {
-		case k.finished <- job.Name:
-		default:
-			// Full: the hint is dropped, not the build. The requests of
-			// that build are still in the stream and recover it through
-			// redelivery and the claim's lease.
-		}
-	})
+		digestGrace: 10 * time.Second}
+	k.finished = workqueue.NewTypedRateLimitingQueueWithConfig(
+		workqueue.NewTypedItemExponentialFailureRateLimiter[string](reconcileRetryMin, reconcileRetryMax),
+		workqueue.TypedRateLimitingQueueConfig[string]{Name: "buildq-finished-jobs"})
+	watcher.OnFinished(func(job *batchv1.Job) { k.finished.Add(job.Name) })
 	return k, nil
 }
 
@@ -388,7 +387,7 @@ func (k *KubeBackend) removeStale(ctx context.Context, name string, b Build, sig
 	if err != nil || old == nil {
 		return false, err
 	}
-	if old.Annotations[kaniko.AnnotationRun] == b.Run && old.DeletionTimestamp == nil {
+	if (old.Annotations[kaniko.AnnotationRun] == b.Run || mutant("adopt-any-run")) && old.DeletionTimestamp == nil {
 		return true, nil
 	}
 	// The Job seen is of another run. It is stale only if this run is
@@ -461,45 +460,65 @@ func (k *KubeBackend) Cleanup(ctx context.Context, key, run string) error {
 	return k.deleteJob(ctx, name, job.UID)
 }
 
+// Backoff of a finished Job whose outcome could not be read (a transient
+// API error): retried from reconcileRetryMin, doubling up to
+// reconcileRetryMax.
+const (
+	reconcileRetryMin = 500 * time.Millisecond
+	reconcileRetryMax = time.Minute
+)
+
 // Reconcile is level-triggered reconciliation: for every finished Job the
 // informers show (at start, on events, after every relist) that no goroutine
 // of this worker waits on, it reads the outcome and hands it to finish,
-// which stores it if the build's owner is gone. It returns when ctx ends.
+// which stores it if the build's owner is gone. It returns when ctx ends,
+// and runs once per backend (its queue is shut down then).
 func (k *KubeBackend) Reconcile(ctx context.Context, finish func(ctx context.Context, key string, out Outcome) time.Duration) {
+	stop := context.AfterFunc(ctx, k.finished.ShutDown)
+	defer stop()
 	for {
-		select {
-		case <-ctx.Done():
+		name, quit := k.finished.Get()
+		if quit {
 			return
-		case name := <-k.finished:
-			if k.watcher.Subscribers(name) > 0 {
-				continue // a build of this worker waits on it
-			}
-			job, pods, ok := k.watcher.Get(k.cfg.Namespace, name)
-			if !ok || job.DeletionTimestamp != nil {
-				continue
-			}
-			key := job.Annotations[kaniko.AnnotationKey]
-			o := kube.JobOutcome(job, pods)
-			if key == "" || !o.Done || o.Pending {
-				continue
-			}
-			out, err := k.outcome(ctx, name, job.UID, job.Annotations[kaniko.AnnotationImage], o)
-			if err != nil {
-				continue // transient: the next event or the redelivery retries
-			}
-			out.Run = job.Annotations[kaniko.AnnotationRun]
-			if again := finish(ctx, key, out); again > 0 {
-				// The claim still looks alive: look again once it could
-				// have lapsed. A dropped hint is recovered by redelivery.
-				time.AfterFunc(again, func() {
-					select {
-					case k.finished <- name:
-					default:
-					}
-				})
-			}
 		}
+		again, retry := k.reconcileJob(ctx, name, finish)
+		switch {
+		case retry:
+			k.finished.AddRateLimited(name)
+		case again > 0:
+			// The claim still looks alive: look again once it could
+			// have lapsed.
+			k.finished.Forget(name)
+			k.finished.AddAfter(name, again)
+		default:
+			k.finished.Forget(name)
+		}
+		k.finished.Done(name)
 	}
+}
+
+// reconcileJob hands the outcome of finished Job name to finish when no
+// build of this worker waits on it. It returns when to look again, or
+// retry when the outcome could not be read.
+func (k *KubeBackend) reconcileJob(ctx context.Context, name string, finish func(ctx context.Context, key string, out Outcome) time.Duration) (again time.Duration, retry bool) {
+	if k.watcher.Subscribers(name) > 0 {
+		return 0, false // a build of this worker waits on it
+	}
+	job, pods, ok := k.watcher.Get(k.cfg.Namespace, name)
+	if !ok || job.DeletionTimestamp != nil {
+		return 0, false
+	}
+	key := job.Annotations[kaniko.AnnotationKey]
+	o := kube.JobOutcome(job, pods)
+	if key == "" || !o.Done || o.Pending {
+		return 0, false
+	}
+	out, err := k.outcome(ctx, name, job.UID, job.Annotations[kaniko.AnnotationImage], o)
+	if err != nil {
+		return 0, ctx.Err() == nil
+	}
+	out.Run = job.Annotations[kaniko.AnnotationRun]
+	return finish(ctx, key, out), false
 }
 
 // Reconciler is a backend with reconciliation to run beside the worker.

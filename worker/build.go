@@ -41,6 +41,9 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 	// stalled (a NATS outage, a pause) while its redelivered copy was
 	// answered elsewhere must not start a build nobody waits for.
 	answered := func() error {
+		if mutant("answered-check-off") {
+			return nil
+		}
 		le, err := w.ledgerGet(ctx, req.Tenant, req.RequestID)
 		if err == nil && le != nil && le.e.Result != nil && le.e.Seq == seq {
 			return errAnswered
@@ -59,6 +62,9 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 	for {
 		if err := ctx.Err(); err != nil {
 			return nil, "", false, err
+		}
+		if w.faults != nil && w.faults.beforeWalk != nil {
+			w.faults.beforeWalk(key)
 		}
 		cur, rev, err := w.claims.get(ctx, key)
 		if err != nil {
@@ -100,7 +106,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 				continue // another worker claimed it first: look again
 			}
 			waits()
-			return w.own(ctx, req, claim, rev, dests, seq)
+			return w.own(ctx, req, claim, rev, repo, dests, seq)
 
 		case cur.State == StateSucceeded:
 			if mine(cur) {
@@ -126,7 +132,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 						continue
 					}
 					waits()
-					return w.own(ctx, req, claim, rev, dests, seq)
+					return w.own(ctx, req, claim, rev, repo, dests, seq)
 				case err != nil:
 					return nil, "", false, Transient(fmt.Errorf("check %s in the registry: %w", cur.Repository, err))
 				}
@@ -148,7 +154,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 				continue
 			}
 			waits()
-			return w.own(ctx, req, claim, rev, dests, seq)
+			return w.own(ctx, req, claim, rev, repo, dests, seq)
 
 		case cur.Owner == "":
 			// Released by an owner that stopped: take the run over now.
@@ -227,7 +233,7 @@ func (w *Worker) takeOver(ctx context.Context, req *v1.Request, cur *Record, rev
 		return nil, "", false, false, nil
 	}
 	w.log.Info("took over a build run", zap.String("key", claim.Key), zap.String("run", claim.Run), zap.String("previousOwner", cur.Owner))
-	out, origin, owned, err := w.own(ctx, req, &claim, nrev, dests, seq)
+	out, origin, owned, err := w.own(ctx, req, &claim, nrev, repo, dests, seq)
 	if err == nil && origin != v1.OriginBuild && out != nil && !sharedFailure(out, req, repo) {
 		w.log.Info("the run taken over failed for its claimer's own inputs; building with this request's",
 			zap.String("key", claim.Key), zap.String("reason", out.Reason))
@@ -256,7 +262,7 @@ func sharedFailure(final *Record, req *v1.Request, repo string) bool {
 	if final.State != StateFailed {
 		return true
 	}
-	if final.Tenant != req.Tenant {
+	if final.Tenant != req.Tenant && !mutant("share-foreign-failure") {
 		// A run builds with its claimer's tenant's credentials (base
 		// images, the push) and quota: its failure may be of those, not
 		// of the content, and another tenant's request builds with its
@@ -363,8 +369,10 @@ func (w *Worker) join(ctx context.Context, key string) (final, lapsed *Record, r
 }
 
 // own runs the claimed run while renewing its lease, and ends the run with
-// its outcome.
-func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev uint64, dests []string, seq uint64) (*Record, v1.Origin, bool, error) {
+// its outcome. repo and dests are the request's own (build's), not the
+// run's: a run taken over pushes to its claimer's repository, and when the
+// record moves on the request follows it with its own inputs.
+func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev uint64, repo string, dests []string, seq uint64) (*Record, v1.Origin, bool, error) {
 	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: claim.Key, Phase: v1.PhaseClaimed, Message: "claimed build by " + w.cfg.ID})
 	origin := v1.OriginInflight
 	if claim.RequestID == req.RequestID && claim.Seq == seq {
@@ -475,7 +483,11 @@ func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev ui
 			}
 			if errors.Is(err, errNotCurrent) || errors.Is(context.Cause(runCtx), errLostClaim) || (gerr == nil && cur != nil && (cur.Final() || cur.Run != held.Run || cur.Owner != w.cfg.ID)) {
 				w.log.Info("the build claim changed hands; following the record", zap.String("key", held.Key), zap.String("run", held.Run))
-				return w.build(ctx, req, held.Key, held.Repository, dests, seq, nil)
+				// With the request's own repository, not the run's: a run
+				// taken over is its claimer's, and a new run claimed from
+				// here pushes to dests — its record must name their
+				// repository, or the index points where the image is not.
+				return w.build(ctx, req, held.Key, repo, dests, seq, nil)
 			}
 		}
 		// Shutdown or trouble: let the claim go so another worker takes
@@ -503,7 +515,7 @@ func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev ui
 		if !w.cfg.KeepJobs {
 			_ = w.backend.Cleanup(fctx, held.Key, held.Run)
 		}
-		return w.build(ctx, req, held.Key, held.Repository, dests, seq, nil)
+		return w.build(ctx, req, held.Key, repo, dests, seq, nil)
 	}
 	if err != nil {
 		return nil, "", false, Transient(err)
@@ -614,7 +626,7 @@ func (w *Worker) finishOrphan(ctx context.Context, key string, out Outcome) time
 			delete(o.seen, k)
 		}
 	}
-	if cur == nil || cur.State != StateBuilding || out.Run == "" || cur.Run != out.Run {
+	if cur == nil || cur.State != StateBuilding || out.Run == "" || (cur.Run != out.Run && !mutant("reconcile-any-run")) {
 		delete(o.seen, key)
 		o.mu.Unlock()
 		return 0

@@ -33,7 +33,7 @@ type Config struct {
 	// ResultsMaxAge is how long results are kept (default 7 days).
 	ResultsMaxAge time.Duration
 	// IndexTTL is how long a build record (claim or index entry) is kept
-	// after its last write (default 30 days).
+	// after its last write (default 30 days; at least 1h and 3 leases).
 	IndexTTL time.Duration
 	// DuplicateWindow of both streams (default 10m, the contract's minimum).
 	DuplicateWindow time.Duration
@@ -100,6 +100,10 @@ type Config struct {
 	// Now is the clock (default time.Now).
 	Now func() time.Time
 }
+
+// minIndexTTLLeases is how many leases a build record must outlive its
+// last write by (Validate).
+const minIndexTTLLeases = 3
 
 // Registry is what the worker needs of the OCI registry; internal/registry
 // implements it with go-containerregistry.
@@ -178,6 +182,16 @@ func (c Config) Validate() error {
 	}
 	if c.IndexTTL < time.Hour {
 		errs = append(errs, fmt.Errorf("index TTL must be at least 1h, got %s", c.IndexTTL))
+	} else if c.Lease >= time.Second && c.IndexTTL < minIndexTTLLeases*c.Lease {
+		// A record ages out IndexTTL after its last write. A running
+		// build's record is written every lease/3, and a dead owner's is
+		// taken over only once a reader watched it unchanged for 1.5
+		// leases (first seen up to a lease after its last write): a
+		// shorter TTL drops a running build's record (its key claimed
+		// again, its Job replaced) or a dead owner's before it is taken
+		// over.
+		errs = append(errs, fmt.Errorf("index TTL must be at least %d times the lease (%s), got %s",
+			minIndexTTLLeases, minIndexTTLLeases*c.Lease, c.IndexTTL))
 	}
 	if c.QueueTTL < 0 {
 		errs = append(errs, fmt.Errorf("queue TTL must not be negative (0 means no limit), got %s", c.QueueTTL))

@@ -14,4 +14,9 @@ type faultHooks struct {
 	// beforeFinalize runs before the owner stores a build's final record;
 	// it may block (a pause between the outcome and the write).
 	beforeFinalize func(key string)
+	// beforeWalk runs each time a handler reads its key's build record to
+	// decide what to do (claim, join, take over, answer from the index);
+	// it may block (a handler stalled while its request is handled
+	// elsewhere).
+	beforeWalk func(key string)
 }

@@ -84,18 +84,26 @@ func parseWaiter(b []byte) (waiterValue, bool) {
 }
 
 // requeuedEntry returns the ledger entry a requeued message stands for:
-// the entry of its tenant and id whose requeue token the message carries.
-func (w *Worker) requeuedEntry(ctx context.Context, msg jetstream.Msg, tenant, id string) *ledgerEntry {
+// the entry of its tenant and id whose requeue token the message carries;
+// nil when the message carries no token or not the entry's. An error means
+// the entry could not be read, and so nothing is known: the caller must
+// not take the message for a duplicate (or for a new request) on it — a
+// requeue's waiter entry is gone, so the requeued message is all that is
+// left of the request.
+func (w *Worker) requeuedEntry(ctx context.Context, msg jetstream.Msg, tenant, id string) (*ledgerEntry, error) {
 	tok := msg.Headers().Get(hdrRequeueToken)
 	if tok == "" {
-		return nil
+		return nil, nil
 	}
 	le, err := w.ledgerGet(ctx, tenant, id)
-	if err != nil || le == nil || le.e.RequeueToken == "" ||
-		subtle.ConstantTimeCompare([]byte(le.e.RequeueToken), []byte(tok)) != 1 {
-		return nil
+	if err != nil {
+		return nil, err
 	}
-	return le
+	if le == nil || le.e.RequeueToken == "" ||
+		subtle.ConstantTimeCompare([]byte(le.e.RequeueToken), []byte(tok)) != 1 {
+		return nil, nil
+	}
+	return le, nil
 }
 
 // holds reports whether the run of cur is handled by the request with

@@ -116,7 +116,7 @@ func (p possessionPanic) Error() string { return fmt.Sprintf("panic in a context
 // that cannot be told now. Without Config.Contexts (a worker of one
 // trusted tenant, --single-tenant without S3 keys) nothing is checked.
 func (w *Worker) checkPossession(ctx context.Context, req *v1.Request) error {
-	if w.cfg.Contexts == nil {
+	if w.cfg.Contexts == nil || mutant("skip-possession") {
 		return nil
 	}
 	s3 := req.Source.S3

@@ -10,7 +10,6 @@ package worker
 // priority first.
 
 import (
-	"bytes"
 	"cmp"
 	"context"
 	"encoding/json"
@@ -44,7 +43,9 @@ const (
 	QueuedConsumer = "buildq-queued"
 	// SlotsBucket holds one entry per running request of a tenant with a
 	// concurrency limit: <tenant>.<n>, n below the limit. An entry whose
-	// holder stops renewing it ages out after the lease.
+	// holder stops renewing it lapses after 1.5 of the holder's leases,
+	// watched by other workers, and is freed then unless the request it
+	// names may still have a build running.
 	SlotsBucket = "buildq-slots"
 	// invalidTenant queues requests whose subject names no valid tenant
 	// (they are answered InvalidRequest); no tenant can be called this.
@@ -159,9 +160,13 @@ func ensureQueue(ctx context.Context, js jetstream.JetStream, cfg Config) (jetst
 		Bucket:      SlotsBucket,
 		Description: "buildq per-tenant concurrency slots: <tenant>.<n> per running request",
 		History:     1,
-		TTL:         cfg.Lease,
-		Storage:     cfg.Storage,
-		Replicas:    cfg.Replicas,
+		// No TTL: a key's life is its holder's lease as the key records
+		// it, judged on each reader's clock, and it is kept for a request
+		// whose build may be running (see the concurrency slots below).
+		// A bucket TTL would be the last starting worker's lease, and a
+		// NATS outage longer than it would drop every key.
+		Storage:  cfg.Storage,
+		Replicas: cfg.Replicas,
 	})
 	if err != nil {
 		return nil, nil, fmt.Errorf("create key-value bucket %s: %w", SlotsBucket, err)
@@ -287,19 +292,38 @@ func (w *Worker) admit(ctx context.Context, msg jetstream.Msg) {
 	if limit := w.cfg.Fair.QueueLimitOf(tenant); limit > 0 && tenant != invalidTenant && meta.NumDelivered == 1 {
 		mu := w.admitLock(tenant)
 		mu.Lock()
-		defer mu.Unlock()
+		locked := true
+		defer func() {
+			if locked {
+				mu.Unlock()
+			}
+		}()
 		n, err := w.queuedOf(actx, tenant)
-		switch {
-		case err != nil:
+		if err != nil {
 			log.Warn("counting the tenant's queue failed; retrying the request", zap.Error(err))
 			_ = msg.NakWithDelay(time.Second)
 			return
-		case n >= uint64(limit) && w.requeuedEntry(actx, msg, tenant, view.RequestID) == nil:
+		}
+		if n >= uint64(limit) {
 			// A parked request published again was admitted before: it
 			// is never refused for the queue its own wait is part of.
-			w.handle(context.WithValue(ctx, refuseKey{}, refusal{v1.ReasonQuotaExceeded, fmt.Sprintf(
-				"tenant %s already has %d requests queued, its limit is %d; submit again when some have finished", tenant, n, limit)}), msg)
-			return
+			// Whether it is one is unknown while its ledger entry cannot
+			// be read: it is retried then, not refused.
+			rq, err := w.requeuedEntry(actx, msg, tenant, view.RequestID)
+			if err != nil {
+				log.Warn("reading the ledger for a requeue token failed; retrying the request", zap.Error(err))
+				_ = msg.NakWithDelay(time.Second)
+				return
+			}
+			if rq == nil {
+				// The refusal changes no count: others of the tenant
+				// need not wait for it.
+				mu.Unlock()
+				locked = false
+				w.refuse(ctx, msg, refusal{v1.ReasonQuotaExceeded, fmt.Sprintf(
+					"tenant %s already has %d requests queued, its limit is %d; submit again when some have finished", tenant, n, limit)})
+				return
+			}
 		}
 	}
 	out := nats.NewMsg(queueSubject(tenant, prio))
@@ -340,6 +364,54 @@ func (w *Worker) admit(ctx context.Context, msg jetstream.Msg) {
 	if err := msg.DoubleAck(actx); err != nil {
 		log.Warn("ack of an admitted request failed; its redelivery is dropped as a duplicate", zap.Error(err))
 	}
+}
+
+// refuse answers a request intake refuses at its tenant's queue limit.
+// The limit is checked on a first delivery only (a redelivery may follow
+// an admission whose ack was lost), so a refusal the handler could not
+// settle — its ledger entry or its decision not written, its result not
+// published: the handler asks for a retry — must not be handed back, or
+// its redelivery would be admitted unchecked. It is retried here, holding
+// the message (heartbeaten), with the handler's delays; only a worker that
+// stops meanwhile, or --max-deliver tries that all failed, hands it back.
+func (w *Worker) refuse(ctx context.Context, msg jetstream.Msg, r refusal) {
+	rctx := context.WithValue(ctx, refuseKey{}, r)
+	for try := 1; ; try++ {
+		held := &refusalMsg{Msg: msg}
+		w.handle(rctx, held)
+		if !held.retry {
+			return
+		}
+		if try >= w.cfg.MaxDeliver {
+			_ = msg.NakWithDelay(held.delay)
+			return
+		}
+		w.log.Warn("the refusal of a request over its tenant's queue limit is not settled; retrying it in place",
+			zap.String("subject", msg.Subject()), zap.Duration("delay", held.delay))
+		stop := w.heartbeat(msg)
+		select {
+		case <-time.After(held.delay):
+		case <-ctx.Done():
+		}
+		stop()
+		if ctx.Err() != nil {
+			_ = msg.Nak()
+			return
+		}
+	}
+}
+
+// refusalMsg is a refused request's message whose retries (NakWithDelay)
+// refuse keeps for itself.
+type refusalMsg struct {
+	jetstream.Msg
+	retry bool
+	delay time.Duration
+}
+
+func (m *refusalMsg) NakWithDelay(d time.Duration) error {
+	m.retry, m.delay = true, d
+	return nil
 }
 
 // maxRequestHeaderBytes bounds a request message's headers (the SDK sends
@@ -389,8 +461,10 @@ type queuedMsg struct {
 	meta    *jetstream.MsgMetadata
 	qseq    uint64
 	queue   jetstream.Stream
-	// handedBack: the handler gave the message back at once (Nak).
+	// handedBack: the handler gave the message back at once (Nak);
+	// retryIn: it asked for it again after a delay (NakWithDelay).
 	handedBack atomic.Bool
+	retryIn    atomic.Int64
 	// ackWait is the AckWait of the consumer the message came from, as
 	// this worker last knew it: heartbeats go at least every third of it.
 	ackWait time.Duration
@@ -458,6 +532,11 @@ func (q *queuedMsg) Nak() error {
 	return q.Msg.Nak()
 }
 
+func (q *queuedMsg) NakWithDelay(d time.Duration) error {
+	q.retryIn.Store(int64(max(d, time.Millisecond)))
+	return q.Msg.NakWithDelay(d)
+}
+
 func (q *queuedMsg) DoubleAck(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
@@ -485,19 +564,135 @@ func (q *queuedMsg) TermWithReason(reason string) error {
 
 // ---- concurrency slots ----
 
+// A tenant's concurrency slots are the keys <tenant>.<n>, n below its
+// limit, of the slots bucket (docs/design.md §2d): Create is atomic on the
+// server, so at most limit of them exist. A key counts for as long as the
+// request it was taken for may have a build running. It is
+//
+//   - live while its holder renews it, every third of the holder's own
+//     lease (LeaseMs in the value);
+//   - handed back when its holder stopped with the request handed back
+//     and its build running on, or retries the request after a delay
+//     (the run it let go may have a Job running on);
+//   - lapsed when a reader watched it unchanged, without a gap, for 1.5
+//     of its holder's leases on the reader's own clock (the holder died,
+//     or lost NATS).
+//
+// The bucket has no TTL, and no clock is compared with another: workers
+// with other leases or skewed clocks, and a NATS outage (which breaks
+// every reader's watch), leave a live holder its key. A handed-back or
+// lapsed key is free when it names no request, or its request is
+// finished (its message is gone from BUILDQ_QUEUE) or runs on a live key;
+// otherwise it is kept for its request, and a dispatcher takes it only
+// with that request (takeReserved). So a request whose build may be
+// running always holds a key, whatever the AckWait, the priorities or the
+// leases: the limit is exact.
+
 // slotValue is what a slot's key holds.
 type slotValue struct {
 	// Holder names the worker and this hold of the slot (unique).
 	Holder string `json:"holder"`
+	// LeaseMs is the holder's lease: it renews the key every third of
+	// it, and a reader counts the key lapsed once it watched it unchanged
+	// for 1.5 times it.
+	LeaseMs int64 `json:"leaseMs,omitempty"`
 	// HandedBack: the holder stopped with the request handed back, its
-	// build still running; Subject is that request's queue subject. The
-	// next dispatcher to take the slot takes it for that subject's
-	// request first (the handed-back one is redelivered before new ones).
-	HandedBack bool   `json:"handedBack,omitempty"`
-	Subject    string `json:"subject,omitempty"`
-	// QueueSeq is the handed-back request's message in BUILDQ_QUEUE: while
-	// it is there, workers keep the slot from ageing out (keepHandedBack).
+	// build still running; or the request is retried after RetryMs
+	// (transient trouble: the run it let go may still have a Job).
+	HandedBack bool  `json:"handedBack,omitempty"`
+	RetryMs    int64 `json:"retryMs,omitempty"`
+	// Subject and QueueSeq name the request the slot was taken for: its
+	// queue subject and its message in BUILDQ_QUEUE. They are written
+	// before the request is handled; while that message is in the queue,
+	// a handed-back or lapsed key is kept for that request.
+	Subject  string `json:"subject,omitempty"`
 	QueueSeq uint64 `json:"queueSeq,omitempty"`
+}
+
+// lease is the holder's lease (def for a value without one).
+func (v slotValue) lease(def time.Duration) time.Duration {
+	if v.LeaseMs <= 0 {
+		return def
+	}
+	return time.Duration(v.LeaseMs) * time.Millisecond
+}
+
+// slotWatch remembers, per slot key, the revision this worker last read
+// and since when it has read it unchanged without a gap.
+type slotWatch struct {
+	mu sync.Mutex
+	m  map[string]slotSeen
+}
+
+type slotSeen struct {
+	rev         uint64
+	since, last time.Time
+}
+
+// watch records a read of key at rev and returns how long this worker has
+// seen the key unchanged. A gap of more than gap since its previous read
+// (this worker could not read: a NATS outage, a pause, during which the
+// holder could not renew either) starts the watch again.
+func (sw *slotWatch) watch(key string, rev uint64, gap time.Duration, now time.Time) time.Duration {
+	sw.mu.Lock()
+	defer sw.mu.Unlock()
+	if sw.m == nil {
+		sw.m = map[string]slotSeen{}
+	}
+	s, ok := sw.m[key]
+	if !ok || s.rev != rev || now.Sub(s.last) > gap || now.Before(s.last) {
+		sw.m[key] = slotSeen{rev: rev, since: now, last: now}
+		return 0
+	}
+	s.last = now
+	sw.m[key] = s
+	return now.Sub(s.since)
+}
+
+func (sw *slotWatch) forget(key string) {
+	sw.mu.Lock()
+	delete(sw.m, key)
+	sw.mu.Unlock()
+}
+
+// slotState is a slot key as this worker reads it now.
+type slotState struct {
+	key     string
+	rev     uint64
+	v       slotValue
+	watched time.Duration
+	// kept: handed back, or lapsed; no live holder renews it.
+	kept bool
+}
+
+// readSlot judges a slot key read at e.
+func (w *Worker) readSlot(key string, e jetstream.KeyValueEntry) slotState {
+	var v slotValue
+	if json.Unmarshal(e.Value(), &v) != nil {
+		v = slotValue{} // unreadable: judged by its lapse, naming no request
+	}
+	lease := v.lease(w.cfg.Lease)
+	// The watch tolerates gaps of this worker's own reading pace too (it
+	// reads every third of its lease).
+	watched := w.slotSeen.watch(key, e.Revision(), max(lease, w.cfg.Lease), w.cfg.Now())
+	return slotState{key: key, rev: e.Revision(), v: v, watched: watched, kept: v.HandedBack || watched >= lease+lease/2}
+}
+
+// slotFree reports whether a kept key is free: it names no request, its
+// request runs on a live key (held: the queue sequences live keys name),
+// or its request is finished (its message gone from the queue).
+func (w *Worker) slotFree(ctx context.Context, s slotState, held map[uint64]bool) (bool, error) {
+	if s.v.QueueSeq == 0 || held[s.v.QueueSeq] {
+		return true, nil
+	}
+	_, err := w.queue.GetMsg(ctx, s.v.QueueSeq)
+	switch {
+	case errors.Is(err, jetstream.ErrMsgNotFound):
+		return true, nil
+	case err != nil:
+		return false, err
+	}
+	return false, nil
 }
 
 // slot is one of a tenant's concurrency slots, held while its request runs.
@@ -505,49 +700,129 @@ type slot struct {
 	w      *Worker
 	tenant string
 	key    string
-	val    []byte
+	val    slotValue
 	rev    uint64
-	// prefer: take this subject's request first (a handed-back slot).
-	prefer string
-	stop   chan struct{}
-	done   chan struct{}
+	// reserved: a kept key, not taken yet, for the request reservedFor
+	// names; watched is how long this worker saw it unchanged.
+	reserved    bool
+	reservedFor slotValue
+	watched     time.Duration
+	renewing    bool
+	stop        chan struct{}
+	done        chan struct{}
 }
 
-// acquireSlot takes a free slot of tenant's limit, or one whose holder
-// handed its request back, or reports none free.
+func (w *Worker) newSlot(tenant, key string, val slotValue, rev uint64) *slot {
+	return &slot{w: w, tenant: tenant, key: key, val: val, rev: rev, stop: make(chan struct{}), done: make(chan struct{})}
+}
+
+func (s *slot) bytes() []byte {
+	b, _ := json.Marshal(s.val)
+	return b
+}
+
+// acquireSlot takes a free slot of tenant's limit: a key nobody holds, or
+// a handed-back or lapsed one that is free (slotFree). Failing that, it
+// returns a kept key reserved for its request (s.reserved: not taken yet;
+// see takeReserved), or reports none.
 func (w *Worker) acquireSlot(ctx context.Context, tenant string, limit int) (*slot, bool) {
-	val, _ := json.Marshal(slotValue{Holder: w.cfg.ID + "/" + newRunID()})
+	val := slotValue{Holder: w.cfg.ID + "/" + newRunID(), LeaseMs: w.cfg.Lease.Milliseconds()}
+	b, _ := json.Marshal(val)
+	var kept []slotState
+	held := map[uint64]bool{}
 	for i := range limit {
 		key := tenant + "." + strconv.Itoa(i)
-		rev, err := w.slots.Create(ctx, key, val)
-		prefer := ""
-		if errors.Is(err, jetstream.ErrKeyExists) {
-			e, gerr := w.slots.Get(ctx, key)
-			var cur slotValue
-			if gerr != nil || json.Unmarshal(e.Value(), &cur) != nil || !cur.HandedBack {
-				continue
-			}
-			rev, err = w.slots.Update(ctx, key, val, e.Revision())
-			prefer = cur.Subject
-		}
+		rev, err := w.slots.Create(ctx, key, b)
 		if err == nil {
-			s := &slot{w: w, tenant: tenant, key: key, val: val, rev: rev, prefer: prefer, stop: make(chan struct{}), done: make(chan struct{})}
-			go s.renew()
-			return s, true
+			return w.newSlot(tenant, key, val, rev), true
 		}
-		if !isWrongRevision(err) && !errors.Is(err, jetstream.ErrKeyExists) {
+		if !isWrongRevision(err) {
 			w.log.Warn("taking a concurrency slot failed", zap.String("tenant", tenant), zap.Error(err))
 			return nil, false
 		}
+		e, err := w.slots.Get(ctx, key)
+		if err != nil {
+			continue // deleted meanwhile, or unreadable now: looked at again later
+		}
+		st := w.readSlot(key, e)
+		if !st.kept {
+			if st.v.QueueSeq > 0 {
+				held[st.v.QueueSeq] = true
+			}
+			continue
+		}
+		kept = append(kept, st)
+	}
+	var reserved *slotState
+	for i, st := range kept {
+		free, err := w.slotFree(ctx, st, held)
+		if err != nil {
+			continue
+		}
+		if !free {
+			if reserved == nil {
+				reserved = &kept[i]
+			}
+			continue
+		}
+		if rev, err := w.slots.Update(ctx, st.key, b, st.rev); err == nil {
+			w.slotSeen.forget(st.key)
+			return w.newSlot(tenant, st.key, val, rev), true
+		}
+	}
+	if reserved != nil {
+		s := w.newSlot(tenant, reserved.key, val, reserved.rev)
+		s.reserved, s.reservedFor, s.watched = true, reserved.v, reserved.watched
+		return s, true
 	}
 	return nil, false
 }
 
-// renew keeps s from ageing out until it is released. A renewal whose
-// reply was lost leaves the key a revision ahead: the key is read back,
-// and if it is still this hold's, renewing goes on from its revision; a
-// key that aged out meanwhile (NATS down longer than the lease) is taken
-// again when free.
+// hold records the request a fresh slot was taken for — before the
+// request is handled: a slot that names no request is freed when its
+// holder lapses — and starts renewing the slot.
+func (s *slot) hold(ctx context.Context, subject string, qseq uint64) error {
+	s.val.Subject, s.val.QueueSeq = subject, qseq
+	rev, err := s.w.slots.Update(ctx, s.key, s.bytes(), s.rev)
+	if err != nil {
+		if rev, err = s.recover(ctx, err); err != nil {
+			return err
+		}
+	}
+	s.rev = rev
+	s.startRenew()
+	return nil
+}
+
+// take takes a reserved slot for its request, which the caller holds.
+func (s *slot) take(ctx context.Context) error {
+	s.val.Subject, s.val.QueueSeq = s.reservedFor.Subject, s.reservedFor.QueueSeq
+	rev, err := s.w.slots.Update(ctx, s.key, s.bytes(), s.rev)
+	if err != nil {
+		return err
+	}
+	s.rev, s.reserved = rev, false
+	s.w.slotSeen.forget(s.key)
+	s.startRenew()
+	return nil
+}
+
+func (s *slot) startRenew() {
+	s.renewing = true
+	go s.renew()
+}
+
+func (s *slot) stopRenew() {
+	if s.renewing {
+		s.renewing = false
+		close(s.stop)
+		<-s.done
+	}
+}
+
+// renew keeps s live until it is released. A renewal whose reply was lost
+// leaves the key a revision ahead: the key is read back, and if it is
+// still this hold's, renewing goes on from its revision.
 func (s *slot) renew() {
 	defer close(s.done)
 	lease := s.w.cfg.Lease
@@ -560,7 +835,7 @@ func (s *slot) renew() {
 		case <-t.C:
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), lease/3+time.Second)
-		rev, err := s.w.slots.Update(ctx, s.key, s.val, s.rev)
+		rev, err := s.w.slots.Update(ctx, s.key, s.bytes(), s.rev)
 		if err != nil {
 			rev, err = s.recover(ctx, err)
 		}
@@ -577,74 +852,87 @@ func (s *slot) recover(ctx context.Context, cause error) (uint64, error) {
 	e, err := s.w.slots.Get(ctx, s.key)
 	switch {
 	case errors.Is(err, jetstream.ErrKeyNotFound) || errors.Is(err, jetstream.ErrKeyDeleted):
-		return s.w.slots.Create(ctx, s.key, s.val)
+		// Freed by a reader that saw it lapse: take it again if it is
+		// still free.
+		return s.w.slots.Create(ctx, s.key, s.bytes())
 	case err != nil:
 		return 0, cause
-	case !bytes.Equal(e.Value(), s.val):
+	}
+	var cur slotValue
+	if json.Unmarshal(e.Value(), &cur) != nil || cur.Holder != s.val.Holder || cur.HandedBack {
 		return 0, fmt.Errorf("the slot was taken by another holder (this worker's renewals failed for longer than the lease): %w", cause)
 	}
-	return s.w.slots.Update(ctx, s.key, s.val, e.Revision())
+	return s.w.slots.Update(ctx, s.key, s.bytes(), e.Revision())
 }
 
 // release frees s.
 func (s *slot) release() {
-	if s == nil {
+	if s == nil || s.reserved {
 		return
 	}
-	close(s.stop)
-	<-s.done
+	s.stopRenew()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	if s.w.slots.Delete(ctx, s.key, jetstream.LastRevision(s.rev)) == nil {
+		s.w.slotSeen.forget(s.key)
 		// Dispatchers that skipped the tenant at its limit look again.
 		_ = s.w.nc.Publish(wakeSubject, []byte(s.tenant))
 	}
+	// Otherwise it lapses, and is freed once its request is finished.
 }
 
 // handBack keeps s for the handed-back request of subject: its build goes
-// on, and whoever takes the request on takes this slot with it.
-func (s *slot) handBack(subject string, qseq uint64) {
-	if s == nil {
+// on, and whoever takes the request on takes this slot with it — at once,
+// or for a request retried after a delay (retry), once the delay passed.
+func (s *slot) handBack(subject string, qseq uint64, retry time.Duration) {
+	if s == nil || s.reserved {
 		return
 	}
-	close(s.stop)
-	<-s.done
+	s.stopRenew()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	val, _ := json.Marshal(slotValue{Holder: string(s.val), HandedBack: true, Subject: subject, QueueSeq: qseq})
-	if _, err := s.w.slots.Update(ctx, s.key, val, s.rev); err == nil {
+	s.val.HandedBack, s.val.Subject, s.val.QueueSeq = true, subject, qseq
+	s.val.RetryMs = retry.Milliseconds()
+	if _, err := s.w.slots.Update(ctx, s.key, s.bytes(), s.rev); err == nil {
 		_ = s.w.nc.Publish(wakeSubject, []byte(s.tenant))
 	}
-	// Otherwise the key ages out after the lease.
+	// Otherwise it lapses, and is kept for its request all the same.
 }
 
-// keepHandedBack renews the handed-back slots whose request is still in
-// the queue: a stopping worker's slot must outlive the lease until a
-// dispatcher takes it with its request, however long that takes. A slot
-// whose request is gone (answered) is freed.
-func (w *Worker) keepHandedBack(ctx context.Context) {
+// keepSlots frees the handed-back and lapsed keys that are free
+// (slotFree), announcing each: a key kept for a request whose message is
+// gone, or that runs on another key, or a lapsed key naming no request.
+// Reading every key every third of the lease is also what keeps this
+// worker's watch of them without gaps.
+func (w *Worker) keepSlots(ctx context.Context) {
 	keys, err := w.slots.ListKeys(ctx)
 	if err != nil {
 		return
 	}
+	var kept []slotState
+	held := map[uint64]bool{}
 	for k := range keys.Keys() {
 		e, err := w.slots.Get(ctx, k)
 		if err != nil {
 			continue
 		}
-		var v slotValue
-		if json.Unmarshal(e.Value(), &v) != nil || !v.HandedBack {
+		st := w.readSlot(k, e)
+		if !st.kept {
+			if st.v.QueueSeq > 0 {
+				held[st.v.QueueSeq] = true
+			}
 			continue
 		}
-		_, err = w.queue.GetMsg(ctx, v.QueueSeq)
-		switch {
-		case errors.Is(err, jetstream.ErrMsgNotFound):
-			if w.slots.Delete(ctx, k, jetstream.LastRevision(e.Revision())) == nil {
-				tenant, _, _ := strings.Cut(k, ".")
-				_ = w.nc.Publish(wakeSubject, []byte(tenant))
-			}
-		case err == nil:
-			_, _ = w.slots.Update(ctx, k, e.Value(), e.Revision())
+		kept = append(kept, st)
+	}
+	for _, st := range kept {
+		if free, err := w.slotFree(ctx, st, held); err != nil || !free {
+			continue
+		}
+		if w.slots.Delete(ctx, st.key, jetstream.LastRevision(st.rev)) == nil {
+			w.slotSeen.forget(st.key)
+			tenant, _, _ := strings.Cut(st.key, ".")
+			_ = w.nc.Publish(wakeSubject, []byte(tenant))
 		}
 	}
 }
@@ -748,6 +1036,9 @@ func (d *dispatcher) order() []string {
 		return d.vnow
 	}
 	slices.SortFunc(ts, func(a, b string) int {
+		if mutant("ignore-shares") {
+			return strings.Compare(a, b)
+		}
 		if c := cmp.Compare(share(a), share(b)); c != 0 {
 			return c
 		}
@@ -878,38 +1169,38 @@ func (d *dispatcher) next(ctx context.Context, n int) ([]*taken, bool) {
 
 // tryTenant takes up to n of tenant's next requests, highest priority
 // first, if the tenant is below its concurrency limit (then one, with its
-// slot); otherwise it marks it full.
+// slot, recorded in the slot before it is handled); otherwise it marks it
+// full.
 func (d *dispatcher) tryTenant(ctx context.Context, tenant string, n int) []*taken {
 	var s *slot
-	if limit := d.w.cfg.Fair.ConcurrencyOf(tenant); limit > 0 {
+	if limit := d.w.cfg.Fair.ConcurrencyOf(tenant); limit > 0 && !mutant("ignore-concurrency") {
 		var ok bool
 		if s, ok = d.w.acquireSlot(ctx, tenant, limit); !ok {
 			// At its limit: it waits, nothing is fetched, and its slots
 			// are not scanned again until one is freed (announced) or a
-			// crashed holder's could have aged out.
-			d.mu.Lock()
-			d.full[tenant] = time.Now().Add(d.w.cfg.Lease / 3)
-			d.mu.Unlock()
+			// holder could have lapsed.
+			d.markFull(tenant)
 			return nil
+		}
+		if s.reserved {
+			return d.takeReserved(ctx, tenant, s)
 		}
 		n = 1 // one slot, one request
 	}
-	order := v1.Priorities
-	if s != nil && s.prefer != "" {
-		// A handed-back slot: its request first, whatever its priority.
-		if _, p, ok := strings.Cut(strings.TrimPrefix(s.prefer, QueuePrefix+"."+tenant), "."); ok {
-			order = append([]string{p}, slices.DeleteFunc(slices.Clone(order), func(x string) bool { return x == p })...)
-		}
-	}
 	var out []*taken
-	for i, p := range order {
+	prios := v1.Priorities
+	if mutant("ignore-priority") {
+		prios = slices.Clone(prios)
+		slices.Reverse(prios)
+	}
+	for _, p := range prios {
 		if len(out) >= n {
 			break
 		}
 		d.mu.Lock()
 		queued := d.view[tenant][p]
 		d.mu.Unlock()
-		if queued == 0 && !(i == 0 && s != nil && s.prefer != "") {
+		if queued == 0 {
 			continue
 		}
 		c, err := d.consumer(ctx, tenant, p)
@@ -918,7 +1209,7 @@ func (d *dispatcher) tryTenant(ctx context.Context, tenant string, n int) []*tak
 			continue
 		}
 		want := n - len(out)
-		if queued > 0 && uint64(want) > queued {
+		if uint64(want) > queued {
 			want = int(queued)
 		}
 		batch, err := c.FetchNoWait(want)
@@ -942,12 +1233,94 @@ func (d *dispatcher) tryTenant(ctx context.Context, tenant string, n int) []*tak
 			d.mu.Unlock()
 		}
 	}
+	if len(out) > 0 && s != nil {
+		tk := out[0]
+		meta, err := tk.msg.Metadata()
+		if err == nil {
+			err = s.hold(ctx, tk.msg.Subject(), meta.Sequence.Stream)
+		}
+		if err != nil {
+			// Unrecorded, the slot would not be kept for the request
+			// were this worker to die while its build runs: it is not
+			// run now, and goes back at once.
+			d.w.log.Warn("recording a request in its concurrency slot failed; handing it back", zap.String("tenant", tenant), zap.Error(err))
+			_ = tk.msg.Nak()
+			s.release()
+			d.markFull(tenant)
+			return nil
+		}
+	}
 	if len(out) > 0 {
 		return out
 	}
 	s.release()
 	d.markDry(tenant)
 	return nil
+}
+
+// takeReserved takes a kept slot with the request it is kept for, and
+// with no other: it fetches the next message of that request's subject
+// and takes the slot if it is that request (redelivered: handed back, its
+// retry delay over, or its holder's AckWait passed). Any other message
+// goes back at once (Nak) and the tenant waits. A lapsed holder's request
+// is redelivered only once its consumer's AckWait has passed since the
+// holder's last heartbeat, a retried one after its delay: nothing is
+// fetched before this worker watched the slot unchanged that long (and,
+// for a lapse, half a lease more).
+func (d *dispatcher) takeReserved(ctx context.Context, tenant string, s *slot) []*taken {
+	want := s.reservedFor
+	p, ok := v1.PriorityOf(strings.TrimPrefix(want.Subject, QueuePrefix+"."+tenant+"."))
+	if !ok || queueSubject(tenant, p) != want.Subject {
+		d.markFull(tenant) // not its queue: only keepSlots frees it, when its request is finished
+		return nil
+	}
+	c, err := d.consumer(ctx, tenant, p)
+	if err != nil {
+		d.markFull(tenant)
+		return nil
+	}
+	ackWait := c.CachedInfo().Config.AckWait
+	if (!want.HandedBack && s.watched < ackWait+want.lease(d.w.cfg.Lease)/2) ||
+		(want.HandedBack && s.watched < time.Duration(want.RetryMs)*time.Millisecond) {
+		d.markFull(tenant)
+		return nil
+	}
+	batch, err := c.FetchNoWait(1)
+	if err != nil {
+		d.forget(tenant, p)
+		d.markFull(tenant)
+		return nil
+	}
+	var m jetstream.Msg
+	for x := range batch.Messages() {
+		m = x
+	}
+	if m == nil {
+		d.markFull(tenant)
+		return nil
+	}
+	meta, err := m.Metadata()
+	if err != nil || meta.Sequence.Stream != want.QueueSeq {
+		// Not redelivered yet, or still held by a holder whose renewals
+		// fail: another request must not run on its slot.
+		_ = m.Nak()
+		d.markFull(tenant)
+		return nil
+	}
+	if err := s.take(ctx); err != nil {
+		_ = m.Nak()
+		d.markFull(tenant)
+		return nil
+	}
+	return []*taken{{msg: m, tenant: tenant, prio: p, slot: s, ackWait: ackWait}}
+}
+
+// markFull skips tenant, at its limit, for a third of the lease (or until
+// a freed slot is announced).
+func (d *dispatcher) markFull(tenant string) {
+	d.mu.Lock()
+	d.full[tenant] = time.Now().Add(d.w.cfg.Lease / 3)
+	d.mu.Unlock()
 }
 
 func (d *dispatcher) markDry(tenant string) {
@@ -1017,6 +1390,13 @@ func (w *Worker) dispatched(ctx, workCtx context.Context, wg *sync.WaitGroup, d 
 	}
 	m.ackWait = tk.ackWait
 	w.handle(workCtx, m)
+	if retry := time.Duration(m.retryIn.Load()); retry > 0 && !m.handedBack.Load() {
+		// Retried after transient trouble (or a wait for another
+		// worker's publish): the run it let go may have a Job running
+		// on, which its retry takes over. The slot is kept for it.
+		tk.slot.handBack(queueSubject(tk.tenant, tk.prio), m.qseq, retry)
+		return
+	}
 	if !m.handedBack.Load() {
 		tk.slot.release()
 		return
@@ -1024,7 +1404,7 @@ func (w *Worker) dispatched(ctx, workCtx context.Context, wg *sync.WaitGroup, d 
 	if ctx.Err() != nil {
 		// Stopping: the request's build goes on and another worker
 		// takes the request on; the slot goes with it.
-		tk.slot.handBack(queueSubject(tk.tenant, tk.prio), m.qseq)
+		tk.slot.handBack(queueSubject(tk.tenant, tk.prio), m.qseq, 0)
 	} else {
 		tk.slot.release()
 	}

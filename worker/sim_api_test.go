@@ -431,6 +431,9 @@ type simAPIFault struct {
 	until     time.Time
 	p         float64
 	committed bool
+	// lag: every call is held up to this long, and fails with p = 0;
+	// deleteLag: a delete at least this long (a slow delete path).
+	lag, deleteLag time.Duration
 }
 
 // simClient is one party's clientset on the shared API server.
@@ -471,7 +474,7 @@ func (c *simClient) injected(verb string) (err error, committed bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	f := c.fault
-	if f == nil || time.Now().After(f.until) || c.rnd() >= f.p {
+	if f == nil || time.Now().After(f.until) || f.p == 0 || c.rnd() >= f.p {
 		return nil, false
 	}
 	gr := simJobsGVR.GroupResource()
@@ -491,10 +494,29 @@ func (c *simClient) injected(verb string) (err error, committed bool) {
 	return err, false
 }
 
+// delay holds a call for the injected lag, if any: the request reaches
+// the API server late, whatever happened meanwhile.
+func (c *simClient) delay(verb string) {
+	c.mu.Lock()
+	f := c.fault
+	d := time.Duration(0)
+	if f != nil && f.lag > 0 && time.Now().Before(f.until) {
+		d = time.Duration(c.rnd() * float64(f.lag))
+		if verb == "delete" {
+			d += f.deleteLag
+		}
+	}
+	c.mu.Unlock()
+	if d > 0 {
+		time.Sleep(d)
+	}
+}
+
 func (c *simClient) react(act k8stesting.Action) (bool, runtime.Object, error) {
 	if c.dead.Load() {
 		return true, nil, errors.New("dial tcp: connection refused (worker killed)")
 	}
+	c.delay(act.GetVerb())
 	a := c.api
 	gvr := act.GetResource()
 	verb := act.GetVerb()

@@ -14,7 +14,8 @@ package worker
 // a replay repeats the schedule, while goroutines may interleave
 // differently, so a timing-dependent violation may need a few runs),
 // BUILDQ_SIM_LOGS=1 (add the workers' logs to a
-// failing seed's report).
+// failing seed's report), BUILDQ_SIM_STOP=1 (start no more schedules once
+// one found a violation: the mutation tests need one kill, not all).
 
 import (
 	"flag"
@@ -25,6 +26,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -59,6 +61,8 @@ func TestFaultSimulation(t *testing.T) {
 	// A replay repeats the schedule, not every thread switch: run a seed
 	// several times to see a timing-dependent violation again.
 	repeat := simSetting(0, "BUILDQ_SIM_REPEAT", 1, t)
+	stopEarly := os.Getenv("BUILDQ_SIM_STOP") != ""
+	var violated atomic.Bool
 	parallel := simSetting(int64(*simParallelFlag), "BUILDQ_SIM_PARALLEL", min(n*repeat, 8), t)
 	if testing.Short() && n > 2 {
 		n = 2
@@ -83,6 +87,10 @@ func TestFaultSimulation(t *testing.T) {
 			name += fmt.Sprintf("/run=%d", i%int(repeat)+1)
 		}
 		sem <- struct{}{}
+		if stopEarly && violated.Load() {
+			<-sem
+			break
+		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -93,6 +101,7 @@ func TestFaultSimulation(t *testing.T) {
 				outcomes = append(outcomes, out)
 				mu.Unlock()
 				if len(out.violations) > 0 {
+					violated.Store(true)
 					t.Error(out.report)
 				} else if len(runs) == 1 {
 					t.Log(out.report)

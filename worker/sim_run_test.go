@@ -7,6 +7,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"cmp"
 	"context"
 	"fmt"
 	"os"
@@ -79,7 +80,7 @@ func simExecutorIdentity(t *testing.T) string {
 	return simIdentity
 }
 
-func simRequestFor(seed int64, ctx, variant int, id, tenant, name string) *v1.Request {
+func simRequestFor(seed int64, ctx, variant int, id, tenant, name, prio string) *v1.Request {
 	d := hex64(fmt.Sprintf("sim-%d-context-%d", seed, ctx))
 	labels := map[string]string{"team": "platform"}
 	if variant != 0 {
@@ -92,13 +93,14 @@ func simRequestFor(seed int64, ctx, variant int, id, tenant, name string) *v1.Re
 		BuildArgs:     map[string]string{"VERSION": fmt.Sprint(ctx)},
 		Labels:        labels,
 		SubmittedAt:   time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC),
-		// Priorities spread over the schedule's requests; not in the key.
-		Priority: []string{"", v1.PriorityHigh, v1.PriorityLow}[len(id)%3],
+		// Priorities spread over the schedule's requests (unless the plan
+		// names one); not in the key.
+		Priority: cmp.Or(prio, []string{"", v1.PriorityHigh, v1.PriorityLow}[len(id)%3]),
 	}
 }
 
-func (w *simWorld) newSub(id string, ctx, variant int, tenant, name string) *simSub {
-	req := simRequestFor(w.seed, ctx, variant, id, tenant, name)
+func (w *simWorld) newSub(id string, ctx, variant int, tenant, name, prio string) *simSub {
+	req := simRequestFor(w.seed, ctx, variant, id, tenant, name, prio)
 	key := v1.BuildKey(req, w.identity)
 	args, err := kaniko.Args(kaniko.Spec{Request: req, Key: key, Destinations: []string{"sim.invalid/x:y"}}, simKaniko.Defaults())
 	if err != nil {
@@ -121,8 +123,13 @@ func (w *simWorld) newSub(id string, ctx, variant int, tenant, name string) *sim
 
 // runSimSchedule runs one seed and judges it.
 func runSimSchedule(t *testing.T, seed int64) simOutcome {
+	return runSim(t, newSimSchedule(seed))
+}
+
+// runSim runs one schedule and judges it.
+func runSim(t *testing.T, sc *simSchedule) simOutcome {
 	began := time.Now()
-	sc := newSimSchedule(seed)
+	seed := sc.seed
 	w := &simWorld{
 		t: t, seed: seed, sc: sc, trace: &simTrace{t0: time.Now()}, logs: &simLogBuffer{},
 		metrics: NewMetrics(prometheus.NewRegistry()),
@@ -160,9 +167,15 @@ func runSimSchedule(t *testing.T, seed int64) simOutcome {
 	if err := w.watchResults(); err != nil {
 		t.Fatal(err)
 	}
+	if err := w.watchEvents(); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.watchIngest(); err != nil {
+		t.Fatal(err)
+	}
 	// The world's images, prepared before anything is timed.
 	for _, p := range sc.reqs {
-		w.newSub(p.id, p.ctx, p.variant, p.tenant, p.name)
+		w.newSub(p.id, p.ctx, p.variant, p.tenant, p.name, p.prio)
 	}
 	for _, s := range w.subs {
 		if _, err := simImageFor(s.content); err != nil {
@@ -172,6 +185,10 @@ func runSimSchedule(t *testing.T, seed int64) simOutcome {
 
 	for i := range sc.workers {
 		s := &simSlot{idx: i, skew: sc.skews[i], pauses: map[string][]time.Duration{}}
+		if s.proxy, err = newSimProxy(func() string { return fmt.Sprintf("127.0.0.1:%d", w.port) }, w.runtimeRand()); err != nil {
+			t.Fatal(err)
+		}
+		defer s.proxy.close()
 		w.slots = append(w.slots, s)
 		w.start(s)
 	}
@@ -194,12 +211,34 @@ func runSimSchedule(t *testing.T, seed int64) simOutcome {
 	}
 	w.trace.t0 = time.Now()
 	w.trace.mu.Unlock()
+	if err := w.watchRecords(context.Background()); err != nil {
+		t.Fatalf("harness: %v", err)
+	}
 	w.faultsOn.Store(true)
 	w.drive()
 	w.heal()
 	w.trace.add("----  healed: no more faults")
 	w.settle(&out)
 	out.dur = time.Since(began)
+	if !simPoll(30*time.Second, func() bool { return w.recordsCopied(context.Background()) }) {
+		t.Errorf("harness: the copy of the build records lags")
+	}
+	rc, rcancel := context.WithTimeout(context.Background(), 30*time.Second)
+	recs, err := w.readRecords(rc)
+	rcancel()
+	if err != nil {
+		t.Fatalf("harness: read the build records: %v", err)
+	}
+	lc, lcancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ledger, err := w.readLedger(lc)
+	lcancel()
+	if err != nil {
+		t.Fatalf("harness: read the request ledger: %v", err)
+	}
+	indexed := w.checkIndexed(recs)
+	w.mu.Lock()
+	w.records, w.ledger, w.indexed = recs, ledger, indexed
+	w.mu.Unlock()
 	w.judge(&out)
 	return out
 }
@@ -308,6 +347,40 @@ func (w *simWorld) drive() {
 					w.trace.add("fault api errors on %s for %s (p=%.2f)", p.id, f.dur, f.p)
 				}
 			}
+		case "lag":
+			af := &simAPIFault{until: time.Now().Add(f.dur), lag: f.lag}
+			for i, s := range w.slots {
+				if f.slot >= 0 && i != f.slot {
+					continue
+				}
+				s.proxy.setLag(f.lag)
+				if p := w.proc(i); p != nil {
+					p.client.setFault(af)
+				}
+				w.trace.add("fault lag on w%d: up to %s for %s", i, f.lag, f.dur)
+				w.ops.Add(1)
+				time.AfterFunc(f.dur, func() {
+					defer w.ops.Done()
+					s.proxy.setLag(0)
+					w.trace.add("fault lag on w%d ended", i)
+				})
+			}
+		case "stall":
+			s := w.slots[f.slot]
+			s.mu.Lock()
+			s.stallNext = f.dur
+			s.mu.Unlock()
+			w.trace.add("fault w%d's next handler to read a build record stalls %s, the worker cut off NATS", f.slot, f.dur)
+		case "partition":
+			s := w.slots[f.slot]
+			s.proxy.partition()
+			w.trace.add("fault w%d cut off NATS for %s", f.slot, f.dur)
+			w.ops.Add(1)
+			time.AfterFunc(f.dur, func() {
+				defer w.ops.Done()
+				s.proxy.heal()
+				w.trace.add("fault w%d reaches NATS again", f.slot)
+			})
 		case "watch-break":
 			if p := w.proc(f.slot); p != nil {
 				n := w.api.breakWatches(p.client, f.flag)
@@ -356,9 +429,18 @@ func (w *simWorld) drive() {
 						// a resubmit of a resubmit: same content as its origin
 						p.ctx, p.variant = simCtxOf(target.label)
 					}
-					re = w.newSub(id, p.ctx, p.variant, target.req.Tenant, target.req.Name)
+					re = w.newSub(id, p.ctx, p.variant, target.req.Tenant, target.req.Name, target.req.Priority)
 				}
 				if f.resubmit == 2 {
+					// One worker's deletes held up a while: if it is the
+					// one that answers the cancel, the cancel's delete
+					// comes after the racing resubmit's new run replaced
+					// the old Job with its own.
+					lag := &simAPIFault{until: time.Now().Add(2500 * time.Millisecond), lag: 50 * time.Millisecond, deleteLag: 1500 * time.Millisecond}
+					if p := w.proc(f.slot); p != nil {
+						p.client.setFault(lag)
+						w.trace.add("fault deletes of %s held up 1.5s for 2.5s", p.id)
+					}
 					w.ops.Add(1)
 					go func() {
 						defer w.ops.Done()
@@ -395,7 +477,9 @@ func (w *simWorld) heal() {
 	for _, s := range w.slots {
 		s.mu.Lock()
 		s.pauses = map[string][]time.Duration{}
+		s.stallNext = 0
 		s.mu.Unlock()
+		s.proxy.heal()
 	}
 	done := make(chan struct{})
 	go func() { w.ops.Wait(); close(done) }()
@@ -524,6 +608,28 @@ func (w *simWorld) checkImages() {
 	w.mu.Unlock()
 }
 
+// checkIndexed looks up, in the registry, the image every succeeded build
+// record indexes (Repository@Digest): where a request answered from the
+// index is sent, and what a worker asks the registry before answering
+// from it. Nothing in the simulation deletes an image.
+func (w *simWorld) checkIndexed(recs []simRecordRev) map[string]error {
+	out := map[string]error{}
+	for _, rv := range recs {
+		if rv.deleted || rv.rec.State != StateSucceeded || rv.rec.Repository == "" || rv.rec.Digest == "" {
+			continue
+		}
+		ref := rv.rec.Repository + "@" + rv.rec.Digest
+		if _, ok := out[ref]; ok {
+			continue
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		_, err := w.reg.client.Head(ctx, ref)
+		cancel()
+		out[ref] = err
+	}
+	return out
+}
+
 // shutdown stops every worker and waits for them.
 func (w *simWorld) shutdown() {
 	w.mu.Lock()
@@ -622,8 +728,14 @@ func (w *simWorld) judge(out *simOutcome) {
 			w.violate(out, "two-stored-results", "request %s has %d results in %s: %s", s.id, len(st), v1.ResultsStream, strings.Join(ds, "; "))
 		}
 		if n := len(pubBy[s.id]); n > 1 {
+			// One publish per decision: core subscribers of the results
+			// see each publish, the stream's dedupe notwithstanding.
 			out.republished++
-			w.notes = append(w.notes, fmt.Sprintf("the result of %s was published %d times", s.id, n)) // w.mu is held
+			var at []string
+			for _, p := range pubBy[s.id] {
+				at = append(at, fmt.Sprintf("%.3fs by %s", p.at.Seconds(), strings.TrimPrefix(p.r.Source, "/buildq/worker/")))
+			}
+			w.violate(out, "repeated-publish", "the result of %s reached core subscribers %d times: %s", s.id, n, strings.Join(at, ", "))
 		}
 		// Every answer the request was given, stored or only published.
 		type answer struct {
@@ -669,6 +781,12 @@ func (w *simWorld) judge(out *simOutcome) {
 	for _, d := range n.twoJobs {
 		w.violate(out, "two-jobs", "%s", d)
 	}
+	w.judgeRecords(out)
+	w.judgeOrder(out)
+	w.judgeLedger(out)
+	w.judgeAnsweredBuilds(out)
+	w.judgePublishers(out)
+	w.judgeHandledAfterAnswer(out)
 	for _, j := range n.order {
 		if j.created > w.quiet && w.quiet > 0 {
 			w.violate(out, "job-after-quiet", "job %s of %s created at %.3fs by %s, after every request was answered and acked (%.3fs)",
@@ -759,13 +877,17 @@ func (w *simWorld) checkAnswer(out *simOutcome, s *simSub, d simDecision, who st
 			out.infra++
 		}
 	case d.status == v1.StatusCanceled:
+		// Canceled only by a cancel of its own tenant that names it: its
+		// request id, or its key (every request of that tenant waiting
+		// on the key), answered after the request was published.
 		ok := false
 		for _, c := range w.cancels {
-			ok = ok || (c.key == s.key && c.canceled && c.done > s.start)
+			names := c.target == s.id || (c.target == s.key && c.key == s.key)
+			ok = ok || (names && c.tenant == s.req.Tenant && c.canceled && c.done > s.start)
 		}
 		if !ok {
-			w.violate(out, "unexplained-cancel", "request %s (%s, published at %.3fs): canceled, but no cancel of its key or id was made after it was published (%s)",
-				s.id, w.keyName(s.key), s.start.Seconds(), who)
+			w.violate(out, "unexplained-cancel", "request %s (%s/%s %s, published at %.3fs): canceled, but no cancel by tenant %s of its id or key was answered after it was published (%s)",
+				s.id, s.req.Tenant, s.req.Name, w.keyName(s.key), s.start.Seconds(), s.req.Tenant, who)
 		}
 	default:
 		w.violate(out, "unexpected-result", "request %s: %s (%s)", s.id, d, who)

@@ -12,13 +12,19 @@ import (
 	"sort"
 	"strings"
 	"time"
+
+	v1 "github.com/buildq/buildq/api/v1"
 )
 
-// Fault kinds. "skew" and "labels" shape the whole schedule; the others
-// are events at times within the fault window.
+// Fault kinds. "skew", "labels", "no-ttl" (no TTL controller: the workers
+// alone delete the Jobs) and "mixed" (workers with different leases and
+// AckWaits) shape the whole schedule; the others are events at times
+// within the fault window. "lag" delays a worker's NATS traffic and API
+// calls; "partition" cuts a worker off NATS for longer than the lease.
 var simKinds = []string{
 	"kill", "term", "nats-restart", "lost-ack", "api-errors", "watch-break", "job-delete", "pod-delete",
-	"cancel", "dup-publish", "pause-renew", "pause-finalize", "skew", "labels",
+	"cancel", "dup-publish", "pause-renew", "pause-finalize", "skew", "labels", "no-ttl",
+	"lag", "partition", "mixed",
 }
 
 // simMaxSkew bounds the clock skew between workers: ±5 leases.
@@ -32,8 +38,13 @@ type simSchedule struct {
 	failProb float64
 	kinds    []string
 	skews    []time.Duration
+	// leases and ackWaits per worker slot ("mixed"; else simLease and
+	// simAckWait).
+	leases   []time.Duration
+	ackWaits []time.Duration
 	reqs     []simReqPlan
 	faults   []simFault
+	burst    *simBurst
 }
 
 type simReqPlan struct {
@@ -43,6 +54,18 @@ type simReqPlan struct {
 	variant int
 	tenant  string
 	name    string
+	// prio, when set, is the request's priority ("" : spread by id).
+	prio string
+}
+
+// simBurst is a tenant's burst of distinct builds, then one request of
+// the other tenant and one of a higher priority of the burst's own: who is
+// taken next when a slot frees (the shares and the priorities) is what it
+// tries. No fault comes near it, so the order can be judged.
+type simBurst struct {
+	at            time.Duration
+	tenant, other string
+	n             int
 }
 
 type simFault struct {
@@ -56,6 +79,7 @@ type simFault struct {
 	// cancel: 0 no resubmit, 1 resubmit after the reply, 2 resubmit racing it
 	resubmit int
 	pick     int
+	lag      time.Duration // lag: the most a message or API call is held
 }
 
 func (s *simSchedule) has(kind string) bool { return slices.Contains(s.kinds, kind) }
@@ -88,6 +112,15 @@ func newSimSchedule(seed int64) *simSchedule {
 			s.skews[i] = dur(-simMaxSkew, simMaxSkew).Round(time.Millisecond)
 		}
 	}
+	for range s.workers {
+		lease, ack := simLease, simAckWait
+		if s.has("mixed") {
+			lease = []time.Duration{simLease, 3 * simLease / 2, 2 * simLease}[r.IntN(3)]
+			ack = []time.Duration{simAckWait, 2 * simAckWait}[r.IntN(2)]
+		}
+		s.leases = append(s.leases, lease)
+		s.ackWaits = append(s.ackWaits, ack)
+	}
 	n := 10 + r.IntN(21)
 	for i := range n {
 		p := simReqPlan{
@@ -104,7 +137,7 @@ func newSimSchedule(seed int64) *simSchedule {
 	}
 	sort.SliceStable(s.reqs, func(i, j int) bool { return s.reqs[i].at < s.reqs[j].at })
 	for _, k := range s.kinds {
-		if k == "skew" || k == "labels" {
+		if k == "skew" || k == "labels" || k == "no-ttl" || k == "mixed" {
 			continue
 		}
 		for range 1 + r.IntN(3) {
@@ -113,7 +146,8 @@ func newSimSchedule(seed int64) *simSchedule {
 			case "kill", "term":
 				f.dur = dur(100*time.Millisecond, 2*time.Second) // until the replacement starts
 			case "nats-restart":
-				f.dur = dur(100*time.Millisecond, 1500*time.Millisecond)
+				// Up to three leases: claims and slots lapse meanwhile.
+				f.dur = dur(100*time.Millisecond, 3*simLease)
 			case "api-errors":
 				f.dur = dur(500*time.Millisecond, 3*time.Second)
 				f.p = 0.3 + 0.6*r.Float64()
@@ -131,12 +165,78 @@ func newSimSchedule(seed int64) *simSchedule {
 				f.req = r.IntN(n)
 			case "pause-renew", "pause-finalize":
 				f.dur = dur(simLease*3/2, 3*simLease)
+			case "lag":
+				f.dur = dur(500*time.Millisecond, 3*time.Second)
+				f.lag = dur(20*time.Millisecond, 250*time.Millisecond)
+				if r.IntN(3) == 0 {
+					f.slot = -1 // every worker
+				}
+			case "partition":
+				f.dur = dur(simLease*3/2, 4*simLease)
 			}
 			s.faults = append(s.faults, f)
 		}
 	}
 	sort.SliceStable(s.faults, func(i, j int) bool { return s.faults[i].at < s.faults[j].at })
+	s.addBurst()
+	s.addStalls()
 	return s
+}
+
+// addStalls gives a third of the schedules a worker whose handlers stall
+// while it is cut off NATS ("stall"): its requests are redelivered and
+// handled elsewhere meanwhile, and a stalled handler goes on afterwards
+// with what it read before. Drawn from a generator of its own.
+func (s *simSchedule) addStalls() {
+	r := rand.New(rand.NewPCG(uint64(s.seed), 0x57a11))
+	if r.IntN(3) != 0 {
+		return
+	}
+	s.kinds = append(s.kinds, "stall")
+	for range 1 + r.IntN(2) {
+		f := simFault{kind: "stall", at: 300*time.Millisecond + time.Duration(r.Int64N(int64(s.window))), slot: r.IntN(s.workers),
+			dur: 3*simLease + time.Duration(r.Int64N(int64(2*simLease)))}
+		if b := s.burst; b != nil && f.at+f.dur >= b.at-2*time.Second && f.at <= b.at+12*time.Second {
+			continue
+		}
+		s.faults = append(s.faults, f)
+	}
+	sort.SliceStable(s.faults, func(i, j int) bool { return s.faults[i].at < s.faults[j].at })
+}
+
+// addBurst gives a quarter of the schedules a burst (simBurst), drawn from
+// a generator of its own: the rest of a seed's schedule stays what it was.
+func (s *simSchedule) addBurst() {
+	r := rand.New(rand.NewPCG(uint64(s.seed), 0xb0257))
+	if r.IntN(4) != 0 {
+		return
+	}
+	t := r.IntN(2)
+	b := &simBurst{
+		at:     time.Second + time.Duration(r.Int64N(int64(s.window/3))),
+		tenant: simTenants[t], other: simTenants[1-t],
+		n: 12 + r.IntN(10),
+	}
+	s.burst = b
+	s.kinds = append(s.kinds, "burst")
+	for i := range b.n {
+		s.reqs = append(s.reqs, simReqPlan{at: b.at + time.Duration(i)*time.Millisecond, id: fmt.Sprintf("s%d-b%02d", s.seed, i),
+			ctx: 100 + i, tenant: b.tenant, name: simNames[i%2], prio: v1.PriorityLow})
+	}
+	later := b.at + 300*time.Millisecond
+	s.reqs = append(s.reqs,
+		simReqPlan{at: later, id: fmt.Sprintf("s%d-bh", s.seed), ctx: 100 + b.n, tenant: b.tenant, name: "web", prio: v1.PriorityHigh},
+		simReqPlan{at: later, id: fmt.Sprintf("s%d-bo", s.seed), ctx: 101 + b.n, tenant: b.other, name: "web", prio: v1.PriorityNormal},
+	)
+	sort.SliceStable(s.reqs, func(i, j int) bool { return s.reqs[i].at < s.reqs[j].at })
+	// Nothing in the way while the burst is worked off.
+	quiet := s.faults[:0]
+	for _, f := range s.faults {
+		if f.at+f.dur < b.at-2*time.Second || f.at > b.at+12*time.Second {
+			quiet = append(quiet, f)
+		}
+	}
+	s.faults = quiet
 }
 
 func (f simFault) String() string {
@@ -168,6 +268,12 @@ func (f simFault) String() string {
 		what = fmt.Sprintf("publish request #%d again (same Nats-Msg-Id)", f.req)
 	case "pause-renew", "pause-finalize":
 		what = fmt.Sprintf("%s: %s blocks %s", f.kind, w, f.dur)
+	case "lag":
+		what = fmt.Sprintf("lag on %s for %s: NATS traffic and API calls held up to %s", w, f.dur, f.lag)
+	case "partition":
+		what = fmt.Sprintf("partition: %s cut off NATS for %s", w, f.dur)
+	case "stall":
+		what = fmt.Sprintf("stall: %s's next handler to read a build record stalls %s, the worker cut off NATS meanwhile", w, f.dur)
 	}
 	return fmt.Sprintf("%7.3fs  %s", f.at.Seconds(), what)
 }
@@ -177,6 +283,17 @@ func (s *simSchedule) describe() string {
 	fmt.Fprintf(&b, "schedule: fault window %s, %d workers, %d contexts, %d requests, build failure rate %.0f%%\n",
 		s.window.Round(time.Millisecond), s.workers, s.contexts, len(s.reqs), 100*s.failProb)
 	fmt.Fprintf(&b, "  fault kinds: %s\n", strings.Join(s.kinds, " "))
+	if s.burst != nil {
+		fmt.Fprintf(&b, "  burst at %.3fs: %d builds of %s (low), then one of %s and a high one of %s\n",
+			s.burst.at.Seconds(), s.burst.n, s.burst.tenant, s.burst.other, s.burst.tenant)
+	}
+	if s.has("mixed") {
+		var cfg []string
+		for i := range s.leases {
+			cfg = append(cfg, fmt.Sprintf("w%d lease %s ackWait %s", i, s.leases[i], s.ackWaits[i]))
+		}
+		fmt.Fprintf(&b, "  workers: %s\n", strings.Join(cfg, ", "))
+	}
 	if s.has("skew") {
 		var sk []string
 		for i, d := range s.skews {

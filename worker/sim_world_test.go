@@ -71,6 +71,14 @@ func (tr *simTrace) rel() time.Duration {
 	return time.Since(t0)
 }
 
+// since is t on the trace's clock (t0 = 0).
+func (tr *simTrace) since(t time.Time) time.Duration {
+	tr.mu.Lock()
+	t0 := tr.t0
+	tr.mu.Unlock()
+	return t.Sub(t0)
+}
+
 func (tr *simTrace) add(format string, args ...any) {
 	msg := fmt.Sprintf(format, args...)
 	tr.mu.Lock()
@@ -103,6 +111,7 @@ func (b *simLogBuffer) Sync() error { return nil }
 // simJob is the node's record of one Job (by UID).
 type simJob struct {
 	key, name, uid, creator string
+	run, tenant             string
 	content                 string
 	created                 time.Duration
 	finished                time.Duration // 0: not finished
@@ -149,7 +158,8 @@ func (n *simNode) onChange(ev simAPIEvent, cause string) {
 	switch ev.typ {
 	case watch.Added:
 		key := job.Annotations[kaniko.AnnotationKey]
-		j := &simJob{key: key, name: job.Name, uid: string(job.UID), creator: cause, content: simContentOf(job), created: w.trace.rel()}
+		j := &simJob{key: key, name: job.Name, uid: string(job.UID), creator: cause, content: simContentOf(job), created: w.trace.rel(),
+			run: job.Annotations[kaniko.AnnotationRun], tenant: job.Labels[kaniko.LabelTenant]}
 		for _, o := range n.order {
 			if o.key == key && o.deleted == 0 {
 				n.twoJobs = append(n.twoJobs, fmt.Sprintf("job %s (%s) of key %s created by %s at %.3fs while job %s (%s, created by %s at %.3fs) still existed",
@@ -320,6 +330,10 @@ func (n *simNode) finish(uid string, ok bool) {
 		return
 	}
 	w.trace.add("job   %s %s %s %s", w.keyName(j.key), j.name[:14], j.uid, map[bool]string{true: "succeeded", false: "FAILED"}[exit == 0])
+	if w.sc.has("no-ttl") {
+		// No TTL controller: every Job must be deleted by the workers.
+		return
+	}
 	time.AfterFunc(simTTL, func() {
 		_ = w.api.do(func() error {
 			cur, found := w.api.getJobLocked(testNamespace, j.name)
@@ -436,13 +450,18 @@ type simProc struct {
 
 // simSlot is a place in the pool: a worker, and its replacements.
 type simSlot struct {
-	idx     int
-	skew    time.Duration
+	idx  int
+	skew time.Duration
+	// proxy carries the slot's workers' NATS traffic (lag, partition).
+	proxy   *simProxy
 	mu      sync.Mutex
 	gen     int
 	proc    *simProc
 	pending *time.Timer
 	pauses  map[string][]time.Duration
+	// stallNext: the next handler to read a build record cuts the worker
+	// off NATS and blocks this long ("stall").
+	stallNext time.Duration
 }
 
 func (s *simSlot) takePause(hook string) time.Duration {
@@ -496,8 +515,17 @@ type simWorld struct {
 	notes     []string
 
 	finalStored []simStored
-	quiet       time.Duration
-	registry    map[string]string // image → digest (or error) at the end
+	// records: the build records' revisions, as the observer saw them.
+	records []simRecordRev
+	events  []simEvent
+	ingest  []simIngest
+	// ledger: the accepted requests' ledger entries once settled.
+	ledger   map[string]*RequestEntry
+	quiet    time.Duration
+	registry map[string]string // image → digest (or error) at the end
+	// indexed: every succeeded record's Repository@Digest → nil when the
+	// registry has it at the end, else the error of its HEAD.
+	indexed map[string]error
 }
 
 // simSub is one submission: a request id and what the producer saw.
@@ -594,12 +622,16 @@ func (w *simWorld) stopServer() {
 }
 
 func (w *simWorld) connect(name string) (*nats.Conn, error) {
-	return nats.Connect(w.url(), nats.Name(name), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond),
+	return w.connectTo(w.url(), name)
+}
+
+func (w *simWorld) connectTo(url, name string) (*nats.Conn, error) {
+	return nats.Connect(url, nats.Name(name), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond),
 		nats.ReconnectJitter(10*time.Millisecond, 10*time.Millisecond), nats.RetryOnFailedConnect(true),
 		nats.Timeout(2*time.Second))
 }
 
-func (w *simWorld) workerConfig(id string, skew time.Duration) Config {
+func (w *simWorld) workerConfig(id string, slot int, skew time.Duration) Config {
 	enc := zap.NewDevelopmentEncoderConfig()
 	enc.TimeKey = ""
 	core := zapcore.NewCore(zapcore.NewConsoleEncoder(enc), zapcore.AddSync(w.logs), zapcore.InfoLevel)
@@ -607,9 +639,9 @@ func (w *simWorld) workerConfig(id string, skew time.Duration) Config {
 	return Config{
 		ID:              id,
 		MaxInFlight:     4,
-		AckWait:         simAckWait,
+		AckWait:         w.sc.ackWaits[slot],
 		MaxDeliver:      simMaxDeliver,
-		Lease:           simLease,
+		Lease:           w.sc.leases[slot],
 		ShutdownTimeout: 5 * time.Second,
 		Naming:          naming.Policy{Registry: w.reg.host},
 		Registry:        w.reg.client,
@@ -647,7 +679,7 @@ func (w *simWorld) start(s *simSlot) {
 	client.onFault = func(verb, name string, err error) {
 		w.trace.add("api   %s: %s job %s failed: %v", id, verb, name, err)
 	}
-	nc, err := w.connect(id)
+	nc, err := w.connectTo(s.proxy.url(), id)
 	if err != nil {
 		w.t.Errorf("harness: connect %s: %v", id, err)
 		return
@@ -684,7 +716,7 @@ func (w *simWorld) start(s *simSlot) {
 	}
 	w.mu.Unlock()
 	factory.Start(ctx.Done())
-	cfg := w.workerConfig(id, s.skew)
+	cfg := w.workerConfig(id, s.idx, s.skew)
 	go func() {
 		defer close(p.done)
 		defer factory.Shutdown()
@@ -725,6 +757,27 @@ func (w *simWorld) start(s *simSlot) {
 						w.trace.add("fault %s: paused %s before renewing %s", id, d, w.keyName(key))
 						time.Sleep(d)
 						w.trace.add("fault %s: resumed (renew %s)", id, w.keyName(key))
+					}
+				},
+				beforeWalk: func(key string) {
+					s.mu.Lock()
+					d := s.stallNext
+					s.mu.Unlock()
+					if d == 0 || p.killed.Load() || !w.faultsOn.Load() || !w.claimable(key) {
+						return
+					}
+					s.mu.Lock()
+					d, s.stallNext = s.stallNext, 0
+					s.mu.Unlock()
+					if d > 0 {
+						// Cut off, its heartbeats fail and its request is
+						// redelivered elsewhere; it goes on afterwards
+						// with what it knew.
+						s.proxy.partition()
+						w.trace.add("fault %s: a handler stalls %s before reading %s, the worker cut off NATS", id, d.Round(time.Millisecond), w.keyName(key))
+						time.Sleep(d)
+						s.proxy.heal()
+						w.trace.add("fault %s: the stalled handler goes on (%s)", id, w.keyName(key))
 					}
 				},
 				beforeFinalize: func(key string) {
@@ -963,17 +1016,27 @@ type simStored struct {
 }
 
 func (w *simWorld) storedResults(ctx context.Context) ([]simStored, error) {
-	s, err := w.js.Stream(ctx, v1.ResultsStream)
+	var out []simStored
+	err := w.streamMsgs(ctx, v1.ResultsStream, func(m *jetstream.RawStreamMsg) error {
+		var r v1.Result
+		if err := json.Unmarshal(m.Data, &r); err != nil {
+			return fmt.Errorf("result seq %d: %w", m.Sequence, err)
+		}
+		out = append(out, simStored{id: strings.TrimPrefix(m.Header.Get(v1.MsgIDHeader), r.Data.Tenant+"/"), subject: m.Subject, r: r})
+		return nil
+	})
+	return out, err
+}
+
+// streamMsgs hands each message stored in stream to f, in order.
+func (w *simWorld) streamMsgs(ctx context.Context, stream string, f func(m *jetstream.RawStreamMsg) error) error {
+	s, err := w.js.Stream(ctx, stream)
 	if err != nil {
-		return nil, err
+		return err
 	}
 	info, err := s.Info(ctx)
-	if err != nil {
-		return nil, err
-	}
-	var out []simStored
-	if info.State.Msgs == 0 {
-		return nil, nil
+	if err != nil || info.State.Msgs == 0 {
+		return err
 	}
 	for seq := info.State.FirstSeq; seq <= info.State.LastSeq; seq++ {
 		m, err := s.GetMsg(ctx, seq)
@@ -981,15 +1044,13 @@ func (w *simWorld) storedResults(ctx context.Context) ([]simStored, error) {
 			continue
 		}
 		if err != nil {
-			return nil, err
+			return err
 		}
-		var r v1.Result
-		if err := json.Unmarshal(m.Data, &r); err != nil {
-			return nil, fmt.Errorf("result seq %d: %w", seq, err)
+		if err := f(m); err != nil {
+			return err
 		}
-		out = append(out, simStored{id: strings.TrimPrefix(m.Header.Get(v1.MsgIDHeader), r.Data.Tenant+"/"), subject: m.Subject, r: r})
 	}
-	return out, nil
+	return nil
 }
 
 // queueState is the requests' state: messages left in intake and the
@@ -1025,4 +1086,25 @@ func (w *simWorld) liveJobs() []string {
 	})
 	slices.Sort(out)
 	return out
+}
+
+// claimable reports whether key's build record would let a handler claim
+// a new run (absent, or failed): a stall there is one after which a
+// handler that forgot to check its request's answer would build again.
+func (w *simWorld) claimable(key string) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	kv, err := w.js.KeyValue(ctx, v1.BuildsBucket)
+	if err != nil {
+		return false
+	}
+	e, err := kv.Get(ctx, key)
+	if errors.Is(err, jetstream.ErrKeyNotFound) {
+		return true
+	}
+	if err != nil {
+		return false
+	}
+	var r Record
+	return json.Unmarshal(e.Value(), &r) == nil && r.State == StateFailed
 }

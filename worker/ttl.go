@@ -1,29 +1,48 @@
 package worker
 
 import (
+	"context"
 	"fmt"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
 
 	v1 "github.com/buildq/buildq/api/v1"
 )
 
 // expired reports whether a request waited in the queue longer than
 // QueueTTL before a worker first took it, and if so the failed result's
-// message. The wait is measured from the request's JetStream timestamp
-// (when the server stored it), so a producer's clock does not matter.
+// message. Both ends of the wait are the server's clock: from the
+// request's JetStream timestamp (when the server stored it) to the
+// server's timestamp of le, the ledger entry the first handler of the
+// request has just created (fresh). Neither the producer's clock nor the
+// worker's decides: a worker whose clock is off, by any amount, neither
+// expires a fresh request nor builds a stale one (docs/design.md §6). An
+// entry whose time cannot be read does not expire the request.
 //
 // Only the first delivery is checked: a request that was taken in time
 // and is redelivered later (a transient failure, a worker handing it back
 // at shutdown, a crash) may have a build running or others waiting on it,
 // and expiring it then would abandon work already started.
-func (w *Worker) expired(meta *jetstream.MsgMetadata, now time.Time) (string, bool) {
+func (w *Worker) expired(ctx context.Context, meta *jetstream.MsgMetadata, le *ledgerEntry) (string, bool) {
 	ttl := w.cfg.QueueTTL
-	if ttl <= 0 || meta.NumDelivered > 1 {
+	if ttl <= 0 || meta.NumDelivered > 1 || le == nil {
 		return "", false
 	}
-	waited := now.Sub(meta.Timestamp)
+	k := RequestIndexKey(le.e.Tenant, le.e.RequestID)
+	e, err := w.requests.GetRevision(ctx, k, le.rev)
+	if err != nil {
+		// Written again meanwhile (a cancel): the latest write is later
+		// still, and as much the server's time.
+		e, err = w.requests.Get(ctx, k)
+	}
+	if err != nil {
+		w.log.Warn("reading the server's time of the request's ledger entry failed; the queue TTL is not applied",
+			zap.String("requestId", le.e.RequestID), zap.Error(err))
+		return "", false
+	}
+	waited := e.Created().Sub(meta.Timestamp)
 	if waited <= ttl {
 		return "", false
 	}

@@ -54,6 +54,8 @@ type Worker struct {
 	held       heldRequests
 	// possessed: tenants shown to hold a context (possession.go).
 	possessed possessions
+	// jobs: the janitor's view of Jobs left behind (janitor.go).
+	jobs janitor
 	// life is Run's work context: it ends when the worker stops. Work
 	// shared between requests (a possession read) runs in it, apart from
 	// any one request's context.
@@ -68,6 +70,8 @@ type Worker struct {
 	// queue is BUILDQ_QUEUE; slots the per-tenant concurrency slots.
 	queue jetstream.Stream
 	slots jetstream.KeyValue
+	// slotSeen: how long this worker has seen each slot key unchanged.
+	slotSeen slotWatch
 	// admitMu: per tenant, its queue-limit checks in this worker.
 	admitMu sync.Map
 	sem     chan struct{}
@@ -182,6 +186,11 @@ func (w *Worker) setup(ctx context.Context) error {
 	return err
 }
 
+// ResultsIngestPrefix is where workers publish results: BUILDQ_RESULTS
+// takes them from buildq.internal.results.<tenant>.<name> and stores and
+// publishes them as buildq.results.<tenant>.<name> (v1.ResultSubject).
+const ResultsIngestPrefix = "buildq.internal.results"
+
 // EnsureStreams creates or updates everything of the wire contract
 // (DESIGN §3) on the server: BUILDQ_REQUESTS, BUILDQ_RESULTS, the dead-letter
 // stream, the buildq-workers consumer and the buildq-builds bucket.
@@ -201,12 +210,21 @@ func EnsureStreams(ctx context.Context, js jetstream.JetStream, cfg Config) (jet
 	if _, err := js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
 		Name:        v1.ResultsStream,
 		Description: "buildq build results (CloudEvents), one per request",
-		Subjects:    []string{v1.ResultsPrefix + ".>"},
-		Retention:   jetstream.LimitsPolicy,
-		MaxAge:      cfg.ResultsMaxAge,
-		Storage:     cfg.Storage,
-		Replicas:    cfg.Replicas,
-		Duplicates:  cfg.DuplicateWindow,
+		// Workers publish a result on buildq.internal.results.<tenant>.<name>;
+		// the stream stores it as buildq.results.<tenant>.<name> and, once
+		// stored, publishes it there for core subscribers. A publish the
+		// duplicate window drops is never stored and so never published
+		// again: every subscriber sees a decision once, whoever published
+		// it how many times (a worker killed between its publish and its
+		// mark, a redelivery).
+		Subjects:         []string{ResultsIngestPrefix + ".>"},
+		SubjectTransform: &jetstream.SubjectTransformConfig{Source: ResultsIngestPrefix + ".>", Destination: v1.ResultsPrefix + ".>"},
+		RePublish:        &jetstream.RePublish{Source: v1.ResultsPrefix + ".>", Destination: v1.ResultsPrefix + ".>"},
+		Retention:        jetstream.LimitsPolicy,
+		MaxAge:           cfg.ResultsMaxAge,
+		Storage:          cfg.Storage,
+		Replicas:         cfg.Replicas,
+		Duplicates:       cfg.DuplicateWindow,
 	}); err != nil {
 		return nil, nil, fmt.Errorf("create stream %s: %w", v1.ResultsStream, err)
 	}
@@ -327,18 +345,39 @@ func (w *Worker) Run(ctx context.Context) error {
 		}
 	}()
 
+	if _, ok := w.backend.(jobJanitor); ok {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			// No Job left behind (janitor.go).
+			t := time.NewTicker(w.cfg.Lease)
+			defer t.Stop()
+			for {
+				select {
+				case <-t.C:
+					jctx, cancel := context.WithTimeout(workCtx, w.cfg.Lease+5*time.Second)
+					w.sweepJobs(jctx)
+					cancel()
+				case <-workCtx.Done():
+					return
+				}
+			}
+		}()
+	}
+
 	if len(w.cfg.Fair.Concurrency) > 0 {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			// Slots handed back by stopping workers live until taken.
+			// Handed-back and lapsed slots are freed once free; the
+			// reads are this worker's watch of every slot.
 			t := time.NewTicker(max(w.cfg.Lease/3, 100*time.Millisecond))
 			defer t.Stop()
 			for {
 				select {
 				case <-t.C:
 					kctx, cancel := context.WithTimeout(workCtx, w.cfg.Lease/3+time.Second)
-					w.keepHandedBack(kctx)
+					w.keepSlots(kctx)
 					cancel()
 				case <-workCtx.Done():
 					return
@@ -538,7 +577,7 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 		}
 		defer release()
 	}
-	if le != nil && !v.recorded {
+	if le != nil && !v.recorded && !mutant("publish-before-record") {
 		// The decision is stored before it is published: a redelivery
 		// publishes this same result, never a second, different one.
 		rv, err := w.record(actx, le, v)
@@ -606,7 +645,7 @@ func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
 	marking.Wait()
 	log.Info("request done", zap.String("requestId", v.data.RequestID), zap.String("status", string(v.data.Status)),
 		zap.String("origin", string(v.data.Origin)), zap.String("reason", v.data.Reason), zap.String("digest", v.data.Digest))
-	if v.cleanupKey != "" && !w.cfg.KeepJobs {
+	if v.cleanupKey != "" && !w.cfg.KeepJobs && !mutant("no-job-cleanup") {
 		if err := w.backend.Cleanup(actx, v.cleanupKey, v.cleanupRun); err != nil {
 			log.Warn("cleanup failed; ttlSecondsAfterFinished will remove the job", zap.Error(err))
 		}
@@ -777,8 +816,15 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 	le, fresh, err := w.openEntry(ctx, req.Tenant, req.Name, req.RequestID, key, seq, at)
 	if errors.Is(err, errDuplicateID) {
 		// A parked request published again carries the token its
-		// ledger entry holds: it is that request, not a duplicate.
-		if rq := w.requeuedEntry(ctx, msg, req.Tenant, req.RequestID); rq != nil {
+		// ledger entry holds: it is that request, not a duplicate. A
+		// failed read (KV trouble, or the worker stopping) decides
+		// nothing: the message is retried or handed back, never
+		// terminated as a duplicate (its waiter entry is gone).
+		rq, rerr := w.requeuedEntry(ctx, msg, req.Tenant, req.RequestID)
+		if rerr != nil {
+			return v, nil, Transient(rerr)
+		}
+		if rq != nil {
 			le, fresh, err = rq, false, nil
 			seq, at = rq.e.Seq, rq.e.MsgTime
 			v.data.Timings = v1.Timings{QueuedAt: at.UTC(), StartedAt: started, QueueWaitMs: started.Sub(at).Milliseconds()}
@@ -790,7 +836,7 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 		return v, nil, nil
 	case err != nil:
 		return v, nil, Transient(err)
-	case le.e.Result != nil:
+	case le.e.Result != nil && !mutant("ignore-recorded-decision"):
 		return verdictOf(le.e), le, nil // decided before: publish that again
 	case le.e.Canceled:
 		return canceledVerdict(v), le, nil // canceled while it was not held
@@ -801,8 +847,10 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 	}
 	*baseLE = le
 	defer w.held.hold(RequestIndexKey(req.Tenant, req.RequestID), cancel)()
-	if message, ok := w.expired(meta, started); ok && fresh {
-		return expiredVerdict(v, message), le, nil
+	if fresh { // only its first handler: a redelivery is never expired
+		if message, ok := w.expired(ctx, meta, le); ok {
+			return expiredVerdict(v, message), le, nil
+		}
 	}
 	repo, err := w.cfg.Naming.Repository(req)
 	if err == nil {
@@ -1041,7 +1089,9 @@ func (w *Worker) publishResult(ctx context.Context, tenant, name string, data v1
 	if err != nil {
 		return err
 	}
-	m := nats.NewMsg(v1.ResultSubject(tenant, name))
+	// Into the results stream, which stores it as
+	// v1.ResultSubject(tenant, name) and publishes it there once stored.
+	m := nats.NewMsg(ResultsIngestPrefix + "." + tenant + "." + name)
 	m.Header.Set(v1.MsgIDHeader, v1.MsgID(tenant, data.RequestID))
 	m.Header.Set("Content-Type", v1.CloudEventsContentType)
 	m.Data = b

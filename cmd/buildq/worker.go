@@ -92,7 +92,7 @@ func (f *workerFlags) register(cmd *cobra.Command) {
 	fs.StringVar(&f.contextPrefix, "context-prefix", "contexts/{tenant}/", "S3 key prefix a tenant's contexts must have, {tenant} standing for the tenant as a whole path segment (the CLI and SDK upload there); empty: any key, which only a --single-tenant worker accepts")
 	registerSingleTenant(fs, &f.singleTenant)
 	fs.StringVar(&f.contextBucket, "context-bucket", "", "the only S3 bucket a request's context may be in (empty: any the worker's keys reach)")
-	fs.DurationVar(&f.indexTTL, "index-ttl", 30*24*time.Hour, "how long a build record stays in buildq-builds after its last write; an expired key is built again when asked for")
+	fs.DurationVar(&f.indexTTL, "index-ttl", 30*24*time.Hour, "how long a build record stays in buildq-builds after its last write; an expired key is built again when asked for (at least 1h and 3 × --lease: a running build's record must not age out)")
 	fs.DurationVar(&f.lease, "lease", 30*time.Second, "build claim lease; a dead worker's builds are taken over after it")
 	fs.StringVar(&f.storage, "storage", "file", "JetStream storage of streams and the KV buckets: file or memory")
 	fs.IntVar(&f.replicas, "replicas", 1, "JetStream replicas of streams and the KV buckets")

@@ -218,6 +218,16 @@ func (w *Watcher) Subscribers(jobName string) int {
 	return len(w.subs[jobName])
 }
 
+// Jobs lists the Jobs of the informer cache (buildq's, in its namespace).
+// The objects are shared with the cache and must not be modified.
+func (w *Watcher) Jobs() []*batchv1.Job {
+	var out []*batchv1.Job
+	for _, o := range w.jobs.GetIndexer().List() {
+		out = append(out, o.(*batchv1.Job))
+	}
+	return out
+}
+
 // Get reads a Job and its Pods from the informer caches. The objects are
 // shared with the cache and must not be modified.
 func (w *Watcher) Get(namespace, jobName string) (*batchv1.Job, []*corev1.Pod, bool) {

@@ -162,17 +162,18 @@ var workerPublish = []perm{
 	{"$KV.buildq-requests.>", nil},
 	{"$KV.buildq-slots.>", nil},
 	{"buildq.queue.>", []string{"Admitted requests, into their tenant's queue by priority."}},
-	{"buildq.results.>", []string{
-		"Every tenant's results (stored by BUILDQ_RESULTS) and",
-		"progress events.",
-	}},
-	{"buildq.events.>", nil},
+	{"buildq.events.>", []string{"Every tenant's progress events."}},
 	{"buildq.deadletter.>", []string{"Copies of requests that exhausted their deliveries."}},
 	{"buildq.requests.>", []string{
 		"Parked requests published again (their run failed for",
 		"its claimer's own inputs, or nobody runs it any more).",
 	}},
-	{"buildq.internal.>", []string{"Worker to worker: a canceled request is let go everywhere."}},
+	{"buildq.internal.>", []string{
+		"Results, into BUILDQ_RESULTS (buildq.internal.results.>: the",
+		"stream stores and publishes them as buildq.results.>, once",
+		"each); worker to worker: a canceled request is let go",
+		"everywhere, a wake-up of idle dispatchers.",
+	}},
 }
 
 var workerSubscribe = []perm{

@@ -15,6 +15,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/worker"
 )
 
 // startServer runs nats-server in-process on the configuration conf, on a
@@ -186,15 +187,10 @@ func checkTenantsApart(t *testing.T, w world) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The worker, as its user, sets up a stream and a bucket.
-	if _, err := wjs.CreateStream(ctx, jetstream.StreamConfig{
-		Name: v1.RequestsStream, Subjects: []string{v1.RequestsPrefix + ".>"}, Storage: jetstream.MemoryStorage,
-	}); err != nil {
-		t.Fatalf("the worker creates %s: %v", v1.RequestsStream, err)
-	}
-	kv, err := wjs.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: v1.BuildsBucket, Storage: jetstream.MemoryStorage})
+	// The worker, as its user, sets up its streams and buckets.
+	kv, _, err := worker.EnsureStreams(ctx, wjs, worker.Config{Storage: jetstream.MemoryStorage})
 	if err != nil {
-		t.Fatalf("the worker creates the bucket %s: %v", v1.BuildsBucket, err)
+		t.Fatalf("the worker sets up its streams and buckets: %v", err)
 	}
 	if _, err := kv.Put(ctx, "worker-key", []byte("x")); err != nil {
 		t.Fatalf("the worker writes its bucket: %v", err)
@@ -278,7 +274,18 @@ func checkTenantsApart(t *testing.T, w world) {
 		if err := w.globex.nc.Flush(); err != nil {
 			t.Fatal(err)
 		}
+		// Results as a worker publishes them: into BUILDQ_RESULTS, which
+		// publishes each once stored; events directly.
 		for _, s := range []string{"buildq.results.globex.x", "buildq.events.globex.x", "buildq.results.acme.x", "buildq.events.acme.x"} {
+			if strings.HasPrefix(s, v1.ResultsPrefix+".") {
+				m := nats.NewMsg(worker.ResultsIngestPrefix + strings.TrimPrefix(s, v1.ResultsPrefix))
+				m.Header.Set(v1.MsgIDHeader, s)
+				m.Data = []byte(s)
+				if _, err := wjs.PublishMsg(ctx, m); err != nil {
+					t.Fatalf("the worker's result %s: %v", s, err)
+				}
+				continue
+			}
 			if err := w.worker.nc.Publish(s, []byte(s)); err != nil {
 				t.Fatal(err)
 			}

@@ -1,0 +1,175 @@
+//go:build mutants
+
+package worker
+
+// TestMutants: mutation testing of the worker's protocol (issue 24). Each
+// mutant is one deliberate defect in the code, switched on by name
+// (mutant(name), build tag mutants; in any other build the switch is a
+// constant false). Each is run against the unit tests named for it and,
+// when they all pass, the fault simulation, in one test binary built for
+// the purpose (the mutant chosen by BUILDQ_MUTANT); it is killed when
+// either fails, and it survived when everything passed — which means the
+// proof behind the rule it breaks is missing.
+//
+//	make mutants                          # every mutant, MUTANT_SEEDS seeds each
+//	BUILDQ_MUTANTS=end-run-put make mutants
+//
+// Variables: BUILDQ_MUTANTS (comma-separated names; default all),
+// BUILDQ_MUTANT_SEEDS (simulation seeds per mutant, default 40; the
+// simulation stops at the first violation), BUILDQ_SIM_FIRST,
+// BUILDQ_SIM_PARALLEL.
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+)
+
+// mutantCase is one deliberate defect: the rule it breaks, and the unit
+// tests (besides the simulation) that must catch it.
+type mutantCase struct {
+	name  string
+	rule  string
+	tests []string
+}
+
+// mutantCatalogue: the eleven mutants issue 24 found surviving, and the
+// rules added since.
+var mutantCatalogue = []mutantCase{
+	{"answered-check-off", "before claiming, joining or taking over, a handler checks the ledger: a request answered elsewhere starts nothing", []string{"TestAnsweredRequestStartsNoBuild"}},
+	{"ignore-recorded-decision", "a request whose ledger holds a decision publishes that decision again, never a new one", []string{"TestLostAckNeverGivesASecondResult"}},
+	{"publish-before-record", "a decision is recorded in the ledger before it is published", nil},
+	{"adopt-any-run", "a take-over adopts only the Job of its own run", nil},
+	{"end-run-put", "a run ends with a compare-and-swap on the revision its holder read", []string{"TestFinishingRunNeverOverwritesANewerClaim"}},
+	{"ignore-concurrency", "the dispatcher holds a tenant to its concurrency limit", nil},
+	{"cancel-by-name", "a cancel deletes the Job of the run it ended, by UID, never the key's Job by name", []string{"TestCancelDeletesOnlyItsRunsJob"}},
+	{"publish-unmarked-at-once", "another worker's unmarked decision is published only after it stayed unchanged for two leases", nil},
+	{"no-job-cleanup", "the owner deletes its run's finished Job", nil},
+	{"reconcile-any-run", "the reconciler ends a run only with that run's own Job's outcome", []string{"TestReconcilerEndsOnlyTheJobsOwnRun"}},
+	{"cancel-other-tenants", "a cancel by key cancels the canceling tenant's waiting requests only", []string{"TestCancelOfASharedBuildSparesOtherTenants"}},
+	{"ignore-priority", "a tenant's requests are taken high, then normal, then low", nil},
+	{"ignore-shares", "a free slot goes to the tenant with the fewest requests running per weight", nil},
+	{"share-foreign-failure", "a failed run of another tenant's request answers nobody else", []string{"TestAttackClaimersCredentialFailureFailsTheJoiner"}},
+	{"skip-possession", "a request is answered only for content its tenant shows it holds", []string{"TestForeignBuildNeedsPossession", "TestJoiningAForeignBuildNeedsPossession"}},
+	{"reply-anywhere", "the tenant API answers only on a service import's or the tenant's own inbox's reply", []string{"TestAPIAnswersOnlyOnATenantsOwnReplies"}},
+}
+
+func TestMutants(t *testing.T) {
+	names := strings.Split(os.Getenv("BUILDQ_MUTANTS"), ",")
+	if names[0] == "" {
+		names = nil
+	}
+	seeds := os.Getenv("BUILDQ_MUTANT_SEEDS")
+	if seeds == "" {
+		seeds = "40"
+	}
+	src := mutantSwitches(t)
+	// One test binary for every mutant: each picks its own at run time.
+	bin := filepath.Join(t.TempDir(), "worker-mutants.test")
+	if out, err := exec.Command("go", "test", "-c", "-tags", "mutants", "-o", bin, ".").CombinedOutput(); err != nil {
+		t.Fatalf("build the mutants' test binary: %v\n%s", err, out)
+	}
+	var lines []string
+	survived := 0
+	for _, m := range mutantCatalogue {
+		if names != nil && !slices.Contains(names, m.name) {
+			continue
+		}
+		if !src[m.name] {
+			t.Errorf("mutant %s: no mutant(%q) switch in the worker's code", m.name, m.name)
+			continue
+		}
+		began := time.Now()
+		var out bytes.Buffer
+		run := func(pattern string) error {
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+			defer cancel()
+			cmd := exec.CommandContext(ctx, bin, "-test.count=1", "-test.timeout=20m", "-test.v", "-test.run", pattern)
+			cmd.Env = append(os.Environ(), "BUILDQ_MUTANT="+m.name, "BUILDQ_SIM_SEEDS="+seeds, "BUILDQ_SIM_STOP=1", "BUILDQ_MUTANTS=")
+			cmd.Stdout, cmd.Stderr = &out, &out
+			return cmd.Run()
+		}
+		// The named tests first: they are quick, and a mutant they kill
+		// needs no simulation.
+		var err error
+		if len(m.tests) > 0 {
+			err = run("^(" + strings.Join(m.tests, "|") + ")$")
+		}
+		if err == nil {
+			err = run("^TestFaultSimulation$")
+		}
+		took := time.Since(began).Round(time.Second)
+		line := fmt.Sprintf("killed   %-26s %6s  by %s", m.name, took, mutantKillers(out.String()))
+		if err == nil {
+			survived++
+			line = fmt.Sprintf("SURVIVED %-26s %6s  %s", m.name, took, m.rule)
+		}
+		t.Log(line)
+		lines = append(lines, line)
+	}
+	t.Logf("mutants:\n%s", strings.Join(lines, "\n"))
+	if survived > 0 {
+		t.Errorf("%d mutant(s) survived: the rules they break are not proven", survived)
+	}
+}
+
+var (
+	failedTestRe = regexp.MustCompile(`(?m)^\s*--- FAIL: (\S+)`)
+	violationRe  = regexp.MustCompile(`(?m)^\s+\[([a-z-]+)\]`)
+)
+
+// mutantKillers summarizes what failed: the tests, and the simulation's
+// violation classes.
+func mutantKillers(out string) string {
+	var tests, classes []string
+	for _, m := range failedTestRe.FindAllStringSubmatch(out, -1) {
+		if !strings.Contains(m[1], "/") && !slices.Contains(tests, m[1]) {
+			tests = append(tests, m[1])
+		}
+	}
+	for _, m := range violationRe.FindAllStringSubmatch(out, -1) {
+		if !slices.Contains(classes, m[1]) {
+			classes = append(classes, m[1])
+		}
+	}
+	s := strings.Join(tests, ", ")
+	if len(classes) > 0 {
+		s += " (violations: " + strings.Join(classes, ", ") + ")"
+	}
+	if s == "" {
+		lines := strings.Split(strings.TrimSpace(out), "\n")
+		s = "a failed build or run: " + lines[len(lines)-1]
+	}
+	return s
+}
+
+// mutantSwitches lists the names the worker's code switches on.
+func mutantSwitches(t *testing.T) map[string]bool {
+	files, err := filepath.Glob("*.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	re := regexp.MustCompile(`mutant\("([a-z-]+)"\)`)
+	found := map[string]bool{}
+	for _, f := range files {
+		if strings.HasSuffix(f, "_test.go") {
+			continue
+		}
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range re.FindAllStringSubmatch(string(b), -1) {
+			found[m[1]] = true
+		}
+	}
+	return found
+}
