@@ -28,7 +28,7 @@ sim soak: FIRST ?= 1
 sim soak: SIM_PARALLEL ?= 24
 sim: SIM_TIMEOUT ?= 30m
 soak: SIM_TIMEOUT ?= 4h
-sim soak: ## Fault simulation of the worker: `make sim` (SEEDS=200 and the frozen scenarios, < 4 min), `make soak` (SEEDS=2000, then every mutant with MUTANT_SEEDS=200)
+sim soak: ## Fault simulation of the worker: `make sim` (SEEDS=200 and the frozen scenarios, < 4 min), `make soak` (SEEDS=2000, then every mutant with MUTANT_SEEDS=400)
 	set -o pipefail; BUILDQ_SIM_SEEDS=$(SEEDS) BUILDQ_SIM_FIRST=$(FIRST) BUILDQ_SIM_PARALLEL=$(SIM_PARALLEL) \
 	  $(GO) test -count=1 -timeout $(SIM_TIMEOUT) -parallel $(SIM_PARALLEL) -run '^(TestFaultSimulation|TestFrozenScenarios)$$' -v ./worker/ \
 	  | grep -Ev '^(=== (RUN|PAUSE|CONT|NAME)|    --- PASS)'
@@ -39,9 +39,9 @@ sim soak: ## Fault simulation of the worker: `make sim` (SEEDS=200 and the froze
 # at the first violation) and its named unit tests, and must be killed.
 # One line per mutant; the target fails if any survived. Pick some with
 # MUTANTS=name,name.
-mutants: MUTANT_SEEDS ?= 40
+mutants: MUTANT_SEEDS ?= 120
 mutants: SIM_PARALLEL ?= 24
-soak: MUTANT_SEEDS ?= 200
+soak: MUTANT_SEEDS ?= 400
 mutants: ## Mutation tests of the worker's protocol: every mutant must be killed by the simulation or its unit tests
 	set -o pipefail; BUILDQ_MUTANT_SEEDS=$(MUTANT_SEEDS) BUILDQ_MUTANTS=$(MUTANTS) BUILDQ_SIM_PARALLEL=$(SIM_PARALLEL) \
 	  $(GO) test -tags mutants -count=1 -timeout 120m -run '^TestMutants$$' -v ./worker/ | grep -Ev '^=== RUN'

@@ -17,7 +17,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	v1 "github.com/buildq/buildq/api/v1"
-	"github.com/buildq/buildq/worker"
 )
 
 // A JetStream cluster of nats-server processes on loopback, for the tests
@@ -159,7 +158,7 @@ func (c *natsCluster) index(name string) int {
 }
 
 // clusterStreams are the streams behind buildq's streams and buckets.
-var clusterStreams = []string{v1.RequestsStream, worker.QueueStream, v1.ResultsStream, "KV_" + v1.BuildsBucket, "KV_buildq-requests", "KV_" + worker.SlotsBucket}
+var clusterStreams = []string{v1.RequestsStream, v1.QueueStream, v1.ResultsStream, "KV_" + v1.BuildsBucket, "KV_buildq-requests", "KV_" + v1.SlotsBucket}
 
 // waitCurrent waits until every stream has a leader and all its other
 // replicas are online and current.

@@ -437,7 +437,7 @@ func (s *suite) parkedRequests() int {
 	s.t.Helper()
 	js := s.js()
 	return retry(s.t, "count parked requests", func(ctx context.Context) (int, error) {
-		kv, err := js.KeyValue(ctx, worker.RequestsBucket)
+		kv, err := js.KeyValue(ctx, v1.RequestsBucket)
 		if err != nil {
 			return 0, err
 		}

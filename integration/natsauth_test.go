@@ -299,7 +299,7 @@ func (e *natsAuthEnv) tenantsApart(t *testing.T) {
 		if code != 0 {
 			t.Fatalf("buildq status as acme: exit %d\n%s%s", code, out, errOut)
 		}
-		var rep worker.StatusReply
+		var rep v1.StatusReply
 		if err := json.Unmarshal([]byte(out), &rep); err != nil || rep.Request == nil || rep.Request.State != string(v1.StatusSucceeded) {
 			t.Fatalf("status: %v %s", err, out)
 		}
@@ -319,9 +319,9 @@ func (e *natsAuthEnv) tenantsApart(t *testing.T) {
 			t.Fatal("acme's held build did not start")
 		}
 	}
-	heldStatus := func(t *testing.T) worker.StatusReply {
+	heldStatus := func(t *testing.T) v1.StatusReply {
 		t.Helper()
-		var rep worker.StatusReply
+		var rep v1.StatusReply
 		request(t, a, v1.APIStatusSubject("acme"), held.RequestID, &rep)
 		return rep
 	}
@@ -455,12 +455,12 @@ func (e *natsAuthEnv) tenantsApart(t *testing.T) {
 			}
 		})
 		deny("B takes or frees concurrency slots", func(t *testing.T) {
-			if err := b.nc.Publish("$KV."+worker.SlotsBucket+".acme.0", []byte("x")); err != nil {
+			if err := b.nc.Publish("$KV."+v1.SlotsBucket+".acme.0", []byte("x")); err != nil {
 				t.Fatal(err)
 			}
-			b.refused(t, "Publish", "$KV."+worker.SlotsBucket+".acme.0")
+			b.refused(t, "Publish", "$KV."+v1.SlotsBucket+".acme.0")
 		})
-		for _, bucket := range []string{v1.BuildsBucket, worker.RequestsBucket, worker.SlotsBucket} {
+		for _, bucket := range []string{v1.BuildsBucket, v1.RequestsBucket, v1.SlotsBucket} {
 			deny("B opens the KV bucket "+bucket, func(t *testing.T) {
 				js, _ := jetstream.New(b.nc)
 				kctx, kcancel := context.WithTimeout(ctx, jsRefusedWait)
@@ -472,7 +472,7 @@ func (e *natsAuthEnv) tenantsApart(t *testing.T) {
 			})
 		}
 		deny("B reads A's ledger entry by direct get", func(t *testing.T) {
-			subj := "$JS.API.DIRECT.GET.KV_" + worker.RequestsBucket + ".$KV." + worker.RequestsBucket + "." + worker.RequestIndexKey("acme", held.RequestID)
+			subj := "$JS.API.DIRECT.GET.KV_" + v1.RequestsBucket + ".$KV." + v1.RequestsBucket + "." + worker.RequestIndexKey("acme", held.RequestID)
 			b.requestRefused(t, subj, "")
 		})
 		deny("B reads the build record by direct get", func(t *testing.T) {
@@ -485,7 +485,7 @@ func (e *natsAuthEnv) tenantsApart(t *testing.T) {
 			b.refused(t, "Publish", "$KV."+v1.BuildsBucket+"."+heldKey)
 		})
 		deny("B watches the buckets' writes", func(t *testing.T) {
-			b.subscribeRefused(t, "$KV."+worker.RequestsBucket+".>")
+			b.subscribeRefused(t, "$KV."+v1.RequestsBucket+".>")
 		})
 		deny("B reads the results stream", func(t *testing.T) {
 			js, _ := jetstream.New(b.nc)
@@ -512,7 +512,7 @@ func (e *natsAuthEnv) tenantsApart(t *testing.T) {
 			for _, c := range []struct{ subject, reply string }{
 				{v1.RequestSubject("globex"), "_R_.abcdef.ghijkl"},
 				{v1.APIStatusSubject("globex"), "_R_.abcdef.mnopqr"},
-				{v1.RequestSubject("globex"), "$JS.ACK." + worker.QueueStream + ".buildq-q-normal-acme.1.1.1.1.0"},
+				{v1.RequestSubject("globex"), "$JS.ACK." + v1.QueueStream + ".buildq-q-normal-acme.1.1.1.1.0"},
 			} {
 				if err := b.nc.PublishRequest(c.subject, c.reply, []byte(held.RequestID)); err != nil {
 					t.Fatal(err)
@@ -522,7 +522,7 @@ func (e *natsAuthEnv) tenantsApart(t *testing.T) {
 		})
 		deny("B asks its own status service for A's request and build", func(t *testing.T) {
 			for _, target := range []string{held.RequestID, heldKey} {
-				var rep worker.StatusReply
+				var rep v1.StatusReply
 				request(t, b, v1.APIStatusSubject("globex"), target, &rep)
 				if rep.Error == "" || rep.Request != nil || rep.Build != nil {
 					t.Errorf("globex's status of acme's %s: %+v", target, rep)
@@ -536,7 +536,7 @@ func (e *natsAuthEnv) tenantsApart(t *testing.T) {
 				{v1.CancelSubject("globex", "held"), held.RequestID},
 				{v1.CancelSubject("globex", "held"), heldKey},
 			} {
-				var rep worker.CancelReply
+				var rep v1.CancelReply
 				request(t, b, c.subject, c.target, &rep)
 				if rep.Canceled || rep.Stopped || rep.Requests != 0 {
 					t.Errorf("globex's cancel of %s on %s: %+v", c.target, c.subject, rep)
@@ -564,7 +564,7 @@ func (e *natsAuthEnv) tenantsApart(t *testing.T) {
 		// the JetStream API, replies on the workers' _INBOX.), a PubAck
 		// and A's result, decided by the worker; and an operator's
 		// JetStream API reply.
-		var rep worker.StatusReply
+		var rep v1.StatusReply
 		request(t, a, v1.APIStatusSubject("acme"), held.RequestID, &rep)
 		if rep.Request == nil {
 			t.Fatalf("acme's status of its held request: %+v", rep)
@@ -601,7 +601,7 @@ func (e *natsAuthEnv) tenantsApart(t *testing.T) {
 	})
 
 	// A's held request went through all of that untouched.
-	if st := heldStatus(t); st.Request == nil || st.Request.Result != nil || st.Request.Canceled || st.Build == nil || st.Build.State != worker.StateBuilding {
+	if st := heldStatus(t); st.Request == nil || st.Request.Result != nil || st.Request.Canceled || st.Build == nil || st.Build.State != v1.StateBuilding {
 		t.Fatalf("acme's held request after globex's attempts: %+v", st)
 	}
 
@@ -747,28 +747,28 @@ func (e *natsAuthEnv) replyAttack(t *testing.T, attacker, victim string, held *v
 	wake := regexp.MustCompile(`^[a-z0-9_-]+( (high|normal|low))?$`)
 
 	kvBuilds := "$KV." + v1.BuildsBucket + "." + randomHex(t, 32)
-	kvLedger := "$KV." + worker.RequestsBucket + "." + randomHex(t, 20)
-	kvVictimSlot := "$KV." + worker.SlotsBucket + "." + victim + "." + slot()
-	kvAttackerSlot := "$KV." + worker.SlotsBucket + "." + attacker + "." + slot()
-	queueVictim := worker.QueuePrefix + "." + victim + ".high"
-	queueAttacker := worker.QueuePrefix + "." + attacker + ".high"
+	kvLedger := "$KV." + v1.RequestsBucket + "." + randomHex(t, 20)
+	kvVictimSlot := "$KV." + v1.SlotsBucket + "." + victim + "." + slot()
+	kvAttackerSlot := "$KV." + v1.SlotsBucket + "." + attacker + "." + slot()
+	queueVictim := v1.QueuePrefix + "." + victim + ".high"
+	queueAttacker := v1.QueuePrefix + "." + attacker + ".high"
 	victimResult := v1.ResultSubject(victim, name)
 	hostile := []hostileReply{
 		// The buckets: new keys, and existing ones of the victim's.
 		{subject: kvBuilds},
 		{subject: "$KV." + v1.BuildsBucket + "." + heldKey, legit: func(d []byte) bool {
-			var r worker.Record
+			var r v1.BuildRecord
 			return json.Unmarshal(d, &r) == nil && r.Key == heldKey && r.State != ""
 		}},
 		{subject: kvLedger},
-		{subject: "$KV." + worker.RequestsBucket + "." + doneLedger},
-		{subject: "$KV." + worker.RequestsBucket + "." + heldLedger, legit: func(d []byte) bool {
-			var r worker.RequestEntry
+		{subject: "$KV." + v1.RequestsBucket + "." + doneLedger},
+		{subject: "$KV." + v1.RequestsBucket + "." + heldLedger, legit: func(d []byte) bool {
+			var r v1.RequestEntry
 			return json.Unmarshal(d, &r) == nil && r.RequestID == held.RequestID && r.State != ""
 		}},
 		{subject: kvVictimSlot},
 		{subject: kvAttackerSlot},
-		{subject: "$KV." + worker.SlotsBucket + "." + victim + ".0", legit: func(d []byte) bool {
+		{subject: "$KV." + v1.SlotsBucket + "." + victim + ".0", legit: func(d []byte) bool {
 			return bytes.Contains(d, []byte(`"holder"`))
 		}},
 		// The streams.
@@ -862,7 +862,7 @@ func (e *natsAuthEnv) replyAttack(t *testing.T, attacker, victim string, held *v
 	}
 
 	// What must not change.
-	ledger, err := js.KeyValue(ctx, worker.RequestsBucket)
+	ledger, err := js.KeyValue(ctx, v1.RequestsBucket)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -874,7 +874,7 @@ func (e *natsAuthEnv) replyAttack(t *testing.T, attacker, victim string, held *v
 	if err != nil {
 		t.Fatalf("%s's finished result: %v", victim, err)
 	}
-	deadLetters := streamMsgs(ctx, t, js, worker.DeadLetterStream)
+	deadLetters := streamMsgs(ctx, t, js, v1.DeadLetterStream)
 
 	// The attack: four sends per hostile subject, every one allowed.
 	attackMsg := func(id string) *nats.Msg {
@@ -932,13 +932,13 @@ func (e *natsAuthEnv) replyAttack(t *testing.T, attacker, victim string, held *v
 			}
 			kinds["puback"]++
 		case fields["canceled"] != nil:
-			var rep worker.CancelReply
+			var rep v1.CancelReply
 			if json.Unmarshal(m.Data, &rep) != nil || rep.Canceled || rep.Stopped || rep.Requests != 0 {
 				t.Fatalf("cancel answer %s", m.Data)
 			}
 			kinds["cancel"]++
 		default:
-			var rep worker.StatusReply
+			var rep v1.StatusReply
 			if json.Unmarshal(m.Data, &rep) != nil || rep.Error == "" || rep.Request != nil || rep.Build != nil {
 				t.Fatalf("status answer %s", m.Data)
 			}
@@ -980,7 +980,7 @@ func (e *natsAuthEnv) replyAttack(t *testing.T, attacker, victim string, held *v
 			t.Fatalf("no result for the attacker's request %s", id)
 		}
 	}
-	var rep worker.StatusReply
+	var rep v1.StatusReply
 	request(t, att, v1.APIStatusSubject(attacker), ownID, &rep) // default inbox
 	if rep.Request == nil || rep.Request.RequestID != ownID || rep.Request.State != string(v1.StatusFailed) {
 		t.Fatalf("the attacker's status of its own request: %+v", rep)
@@ -1024,15 +1024,15 @@ func (e *natsAuthEnv) replyAttack(t *testing.T, attacker, victim string, held *v
 	if got, err := ledger.Get(ctx, heldLedger); err != nil {
 		t.Errorf("the ledger entry of %s's held request: %v", victim, err)
 	} else {
-		var le worker.RequestEntry
+		var le v1.RequestEntry
 		if err := json.Unmarshal(got.Value(), &le); err != nil || le.RequestID != held.RequestID || le.Canceled || le.Result != nil {
 			t.Errorf("the ledger entry of %s's held request: %v %s", victim, err, got.Value())
 		}
 	}
 	// The streams: still there, and nothing of the attack's in them.
 	for _, c := range []struct{ stream, subject string }{
-		{worker.QueueStream, queueVictim},
-		{worker.QueueStream, queueAttacker},
+		{v1.QueueStream, queueVictim},
+		{v1.QueueStream, queueAttacker},
 		{v1.ResultsStream, victimResult},
 	} {
 		if m, err := lastMsg(ctx, js, c.stream, c.subject); !errors.Is(err, jetstream.ErrMsgNotFound) {
@@ -1042,8 +1042,8 @@ func (e *natsAuthEnv) replyAttack(t *testing.T, attacker, victim string, held *v
 	if m, err := lastMsg(ctx, js, v1.ResultsStream, v1.ResultSubject(victim, done.Name)); err != nil || m.Sequence != doneResult.Sequence {
 		t.Errorf("%s's finished result after the attack: %v %v, was at sequence %d", victim, err, m, doneResult.Sequence)
 	}
-	if n := streamMsgs(ctx, t, js, worker.DeadLetterStream); n != deadLetters {
-		t.Errorf("%s holds %d messages, had %d", worker.DeadLetterStream, n, deadLetters)
+	if n := streamMsgs(ctx, t, js, v1.DeadLetterStream); n != deadLetters {
+		t.Errorf("%s holds %d messages, had %d", v1.DeadLetterStream, n, deadLetters)
 	}
 	if _, err := js.Stream(ctx, "KV_"+v1.BuildsBucket); err != nil {
 		t.Errorf("the bucket %s: %v", v1.BuildsBucket, err)

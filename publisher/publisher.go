@@ -338,19 +338,6 @@ func (c *Client) Wait(ctx context.Context, tenant, name, requestID string, since
 	}
 }
 
-// statusReply holds what Wait reads of the status service's answer
-// (worker.StatusReply; the ledger entry's result is the decided result
-// exactly as it is published).
-type statusReply struct {
-	Request *struct {
-		RequestID string         `json:"requestId"`
-		Worker    string         `json:"worker"`
-		UpdatedAt time.Time      `json:"updatedAt"`
-		Result    *v1.ResultData `json:"result"`
-	} `json:"request"`
-	Error string `json:"error"`
-}
-
 // decided asks tenant's status service for requestID. answered is false
 // when no worker answered; the result is nil while undecided (or unknown).
 func (c *Client) decided(ctx context.Context, tenant, requestID string) (*v1.Result, bool) {
@@ -360,7 +347,7 @@ func (c *Client) decided(ctx context.Context, tenant, requestID string) (*v1.Res
 	if err != nil {
 		return nil, false
 	}
-	var rep statusReply
+	var rep v1.StatusReply
 	if json.Unmarshal(msg.Data, &rep) != nil {
 		return nil, true
 	}

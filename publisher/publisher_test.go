@@ -122,7 +122,7 @@ func TestWaitAndWatch(t *testing.T) {
 		b, _ := jsonMarshal(ev)
 		// As a worker publishes it: into BUILDQ_RESULTS, which stores
 		// and publishes it on its result subject.
-		m := nats.NewMsg(worker.ResultsIngestPrefix + "." + tenant + "." + name)
+		m := nats.NewMsg(v1.ResultsIngestPrefix + "." + tenant + "." + name)
 		m.Header.Set(v1.MsgIDHeader, id)
 		m.Data = b
 		if _, err := js.PublishMsg(ctx, m); err != nil {
@@ -137,9 +137,9 @@ func TestWaitAndWatch(t *testing.T) {
 	if _, err := nc.Subscribe(v1.APIStatusSubject("acme"), func(m *nats.Msg) {
 		asked.Add(1)
 		id := string(m.Data)
-		rep := worker.StatusReply{Error: "no request " + id}
+		rep := v1.StatusReply{Error: "no request " + id}
 		if d, ok := decided[id]; ok {
-			rep = worker.StatusReply{Key: d.Key, Request: &worker.RequestEntry{RequestID: id, Tenant: d.Tenant, Name: d.Name,
+			rep = v1.StatusReply{Key: d.Key, Request: &v1.RequestEntry{RequestID: id, Tenant: d.Tenant, Name: d.Name,
 				State: string(d.Status), Worker: "w1", Result: &d, Published: true}}
 		}
 		b, _ := json.Marshal(rep)
@@ -264,9 +264,9 @@ func TestTenantPermissions(t *testing.T) {
 	// result.
 	var decided atomic.Pointer[v1.ResultData]
 	if _, err := admin.Subscribe(v1.APIStatusSubject("acme"), func(m *nats.Msg) {
-		rep := worker.StatusReply{Error: "unknown"}
+		rep := v1.StatusReply{Error: "unknown"}
 		if d := decided.Load(); d != nil && d.RequestID == string(m.Data) {
-			rep = worker.StatusReply{Request: &worker.RequestEntry{RequestID: d.RequestID, Tenant: "acme", Name: d.Name, State: string(d.Status), Result: d}}
+			rep = v1.StatusReply{Request: &v1.RequestEntry{RequestID: d.RequestID, Tenant: "acme", Name: d.Name, State: string(d.Status), Result: d}}
 		}
 		b, _ := json.Marshal(rep)
 		_ = m.Respond(b)
@@ -277,7 +277,7 @@ func TestTenantPermissions(t *testing.T) {
 		d := v1.ResultData{RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, Status: v1.StatusSucceeded, Digest: "sha256:" + req.RequestID}
 		decided.Store(&d)
 		b, _ := json.Marshal(v1.NewResult("/test", d, time.Now()))
-		m := nats.NewMsg(worker.ResultsIngestPrefix + "." + req.Tenant + "." + req.Name)
+		m := nats.NewMsg(v1.ResultsIngestPrefix + "." + req.Tenant + "." + req.Name)
 		m.Header.Set(v1.MsgIDHeader, v1.MsgID(req.Tenant, req.RequestID))
 		m.Data = b
 		if _, err := ajs.PublishMsg(ctx, m); err != nil {

@@ -22,27 +22,6 @@ import (
 // cancels only its own requests. The tenant is the subject's last token,
 // which NATS permissions guard.
 
-// CancelReply answers a cancel request.
-type CancelReply struct {
-	Key      string `json:"key,omitempty"`
-	Canceled bool   `json:"canceled"`
-	// Requests is how many of the tenant's requests were canceled.
-	Requests int `json:"requests"`
-	// Stopped: no other request waited, so the build itself was stopped.
-	Stopped bool   `json:"stopped"`
-	Message string `json:"message"`
-}
-
-// StatusReply answers a status request: the tenant's request (with its
-// result once decided) and the build of the key, when the tenant's own
-// request claimed it.
-type StatusReply struct {
-	Key     string        `json:"key,omitempty"`
-	Request *RequestEntry `json:"request,omitempty"`
-	Build   *Record       `json:"build,omitempty"`
-	Error   string        `json:"error,omitempty"`
-}
-
 // apiConcurrency bounds the status and cancel requests a worker answers at
 // once.
 const apiConcurrency = 32
@@ -219,29 +198,29 @@ func truncate(s string, n int) string {
 
 // status is what tenant may know of target: one of its request ids, or a
 // build key.
-func (w *Worker) status(ctx context.Context, tenant, target string) StatusReply {
+func (w *Worker) status(ctx context.Context, tenant, target string) v1.StatusReply {
 	if target == "" || len(target) > v1.MaxRequestIDLen {
-		return StatusReply{Error: "send a build key (64 hex digits) or a request id"}
+		return v1.StatusReply{Error: "send a build key (64 hex digits) or a request id"}
 	}
-	rep := StatusReply{Key: target}
+	rep := v1.StatusReply{Key: target}
 	// A request id first: an id may look like a build key.
 	le, err := w.ledgerGet(ctx, tenant, target)
 	switch {
 	case err != nil:
-		return StatusReply{Error: err.Error()}
+		return v1.StatusReply{Error: err.Error()}
 	case le != nil:
 		e := le.e
 		e.RequeueToken = "" // the worker's secret: it authenticates a requeue
 		rep.Request, rep.Key = &e, e.Key
 	case !IsBuildKey(target):
-		return StatusReply{Error: fmt.Sprintf("no request %s of tenant %s is known (still queued, or older than the results' max age)", target, tenant)}
+		return v1.StatusReply{Error: fmt.Sprintf("no request %s of tenant %s is known (still queued, or older than the results' max age)", target, tenant)}
 	}
 	if rep.Key == "" {
 		return rep
 	}
 	rec, _, err := w.claims.get(ctx, rep.Key)
 	if err != nil {
-		return StatusReply{Error: err.Error()}
+		return v1.StatusReply{Error: err.Error()}
 	}
 	// A build is shown to the tenant whose request claimed it; another
 	// tenant that joined sees its own request's state only.
@@ -249,7 +228,7 @@ func (w *Worker) status(ctx context.Context, tenant, target string) StatusReply 
 		rep.Build = rec
 	}
 	if rep.Request == nil && rep.Build == nil {
-		return StatusReply{Key: rep.Key, Error: fmt.Sprintf("no build of tenant %s is known for key %s", tenant, rep.Key)}
+		return v1.StatusReply{Key: rep.Key, Error: fmt.Sprintf("no build of tenant %s is known for key %s", tenant, rep.Key)}
 	}
 	return rep
 }
@@ -259,9 +238,9 @@ func (w *Worker) status(ctx context.Context, tenant, target string) StatusReply 
 // build itself is stopped — its run ended as Canceled and its Job deleted
 // — only when no other request, of any tenant, still waits on it;
 // otherwise it goes on for them (a canceled owner hands its run over).
-func (w *Worker) cancel(ctx context.Context, tenant, target string) CancelReply {
+func (w *Worker) cancel(ctx context.Context, tenant, target string) v1.CancelReply {
 	if target == "" || len(target) > v1.MaxRequestIDLen {
-		return CancelReply{Message: "send a build key (64 hex digits) or a request id"}
+		return v1.CancelReply{Message: "send a build key (64 hex digits) or a request id"}
 	}
 	var (
 		key  string
@@ -276,13 +255,13 @@ func (w *Worker) cancel(ctx context.Context, tenant, target string) CancelReply 
 	// A request id first: an id may look like a build key.
 	byID, err := w.ledgerGet(ctx, tenant, target)
 	if err != nil {
-		return CancelReply{Message: err.Error()}
+		return v1.CancelReply{Message: err.Error()}
 	}
 	if byID == nil && IsBuildKey(target) {
 		key = target
 		ws, err := w.waiters(ctx, key)
 		if err != nil {
-			return CancelReply{Key: key, Message: err.Error()}
+			return v1.CancelReply{Key: key, Message: err.Error()}
 		}
 		for _, le := range ws {
 			if le.e.Tenant == tenant || mutant("cancel-other-tenants") {
@@ -294,20 +273,20 @@ func (w *Worker) cancel(ctx context.Context, tenant, target string) CancelReply 
 		le := byID
 		switch {
 		case le == nil:
-			return CancelReply{Message: fmt.Sprintf("no request %q of tenant %s is known", target, tenant)}
+			return v1.CancelReply{Message: fmt.Sprintf("no request %q of tenant %s is known", target, tenant)}
 		case le.e.Result != nil:
-			return CancelReply{Key: le.e.Key, Message: "the request already has its result: " + le.e.State}
+			return v1.CancelReply{Key: le.e.Key, Message: "the request already has its result: " + le.e.State}
 		}
 		key, mine = le.e.Key, []*ledgerEntry{le}
 		if before, err = w.waiters(ctx, key); err != nil {
-			return CancelReply{Key: key, Message: err.Error()}
+			return v1.CancelReply{Key: key, Message: err.Error()}
 		}
 	}
 	n := 0
 	for _, le := range mine {
 		ok, err := w.markCanceled(ctx, le)
 		if err != nil {
-			return CancelReply{Key: key, Requests: n, Canceled: n > 0, Message: err.Error()}
+			return v1.CancelReply{Key: key, Requests: n, Canceled: n > 0, Message: err.Error()}
 		}
 		if ok {
 			n++
@@ -321,7 +300,7 @@ func (w *Worker) cancel(ctx context.Context, tenant, target string) CancelReply 
 	// Does anyone else still wait on the build?
 	ws, err := w.waiters(ctx, key)
 	if err != nil {
-		return CancelReply{Key: key, Requests: n, Canceled: n > 0, Message: err.Error()}
+		return v1.CancelReply{Key: key, Requests: n, Canceled: n > 0, Message: err.Error()}
 	}
 	canceled := map[string]bool{}
 	for _, le := range mine {
@@ -336,21 +315,21 @@ func (w *Worker) cancel(ctx context.Context, tenant, target string) CancelReply 
 	others := len(waiting)
 	if others > 0 {
 		if n == 0 {
-			return CancelReply{Key: key, Message: fmt.Sprintf("no request of tenant %s waits on key %s", tenant, key)}
+			return v1.CancelReply{Key: key, Message: fmt.Sprintf("no request of tenant %s waits on key %s", tenant, key)}
 		}
-		return CancelReply{Key: key, Canceled: true, Requests: n,
+		return v1.CancelReply{Key: key, Canceled: true, Requests: n,
 			Message: fmt.Sprintf("canceled %d request(s); the build goes on for %d other request(s)", n, others)}
 	}
 	stopped, msg := w.stopBuild(ctx, tenant, key, n > 0)
 	if n == 0 && !stopped {
-		return CancelReply{Key: key, Message: msg}
+		return v1.CancelReply{Key: key, Message: msg}
 	}
 	if stopped {
 		msg = fmt.Sprintf("canceled %d request(s) and stopped the build", n)
 	} else {
 		msg = fmt.Sprintf("canceled %d request(s)", n)
 	}
-	return CancelReply{Key: key, Canceled: true, Requests: n, Stopped: stopped, Message: msg}
+	return v1.CancelReply{Key: key, Canceled: true, Requests: n, Stopped: stopped, Message: msg}
 }
 
 // stopBuild ends key's current run as Canceled and deletes its Job, when
@@ -372,7 +351,7 @@ func (w *Worker) stopBuild(ctx context.Context, tenant, key string, hadRequests 
 			return false, "the build already finished: " + cur.State
 		}
 		final := *cur
-		final.State, final.Reason, final.Message = StateFailed, v1.ReasonCanceled, "canceled on request"
+		final.State, final.Reason, final.Message = v1.StateFailed, v1.ReasonCanceled, "canceled on request"
 		final.Owner, final.LeaseUntil, final.FinishedAt = "", time.Time{}, w.cfg.Now().UTC()
 		final.Digest, final.LogTail = "", ""
 		_, ok, err := w.claims.update(ctx, &final, rev)
@@ -406,7 +385,7 @@ func (w *Worker) ledgerGet(ctx context.Context, tenant, id string) (*ledgerEntry
 	if err != nil {
 		return nil, fmt.Errorf("request ledger: %w", err)
 	}
-	var e RequestEntry
+	var e v1.RequestEntry
 	if err := json.Unmarshal(got.Value(), &e); err != nil {
 		return nil, fmt.Errorf("request ledger: unreadable entry for %s: %w", id, err)
 	}

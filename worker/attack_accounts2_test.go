@@ -256,7 +256,7 @@ func TestAttackCanceledRequestFailsItsTenantsSharedPossessionRead(t *testing.T) 
 	if err != nil {
 		t.Fatal(err)
 	}
-	var cr CancelReply
+	var cr v1.CancelReply
 	if err := json.Unmarshal(m.Data, &cr); err != nil || !cr.Canceled {
 		t.Fatalf("cancel a1: %s", m.Data)
 	}
@@ -461,7 +461,7 @@ func TestForeignKeyStatusAndCancelTellNothing(t *testing.T) {
 			t.Errorf("%s: acme's request id %s, an unknown id %s", subject, byAcmeID, unknownID)
 		}
 	}
-	if rec := e.claim(key); rec == nil || rec.State != StateBuilding {
+	if rec := e.claim(key); rec == nil || rec.State != v1.StateBuilding {
 		t.Fatalf("acme's build after mallory's cancels: %+v", rec)
 	}
 	e.kubelet(job, 0, digestOf("acme built"))
@@ -584,15 +584,15 @@ func TestParkRecheckOnANewForeignRunAcrossAWorkerStop(t *testing.T) {
 	if _, err := e.pub.Publish(ctx, g); err != nil {
 		t.Fatal(err)
 	}
-	var r2 *Record
+	var r2 *v1.BuildRecord
 	eventually(t, 10*time.Second, "globex's run", func() bool {
 		r2 = e.claim(key)
-		return r2 != nil && r2.State == StateBuilding && r2.Tenant == "globex" && r2.Run != r1.Run
+		return r2 != nil && r2.State == v1.StateBuilding && r2.Tenant == "globex" && r2.Run != r1.Run
 	})
 	j2 := e.acctRunJob(key, r2.Run)
 	pause.open()
 	eventually(t, 10*time.Second, "a2 parked on globex's run", func() bool {
-		kv, err := e.js.KeyValue(ctx, RequestsBucket)
+		kv, err := e.js.KeyValue(ctx, v1.RequestsBucket)
 		if err != nil {
 			return false
 		}

@@ -130,7 +130,7 @@ func (e *env) acctRunJob(key, run string) *batchv1.Job {
 // acctParked reports whether tenant's request id is parked on key.
 func (e *env) acctParked(key, tenant, id string) bool {
 	ctx := context.Background()
-	kv, err := e.js.KeyValue(ctx, RequestsBucket)
+	kv, err := e.js.KeyValue(ctx, v1.RequestsBucket)
 	if err != nil {
 		return false
 	}
@@ -143,10 +143,10 @@ func (e *env) acctParked(key, tenant, id string) bool {
 }
 
 // acctLedger reads tenant's request id's ledger entry (nil: none).
-func (e *env) acctLedger(tenant, id string) *RequestEntry {
+func (e *env) acctLedger(tenant, id string) *v1.RequestEntry {
 	e.t.Helper()
 	ctx := context.Background()
-	kv, err := e.js.KeyValue(ctx, RequestsBucket)
+	kv, err := e.js.KeyValue(ctx, v1.RequestsBucket)
 	if err != nil {
 		return nil
 	}
@@ -154,7 +154,7 @@ func (e *env) acctLedger(tenant, id string) *RequestEntry {
 	if err != nil {
 		return nil
 	}
-	var le RequestEntry
+	var le v1.RequestEntry
 	if err := json.Unmarshal(ent.Value(), &le); err != nil {
 		e.t.Fatal(err)
 	}
@@ -320,10 +320,10 @@ func TestAttackParkOnAnotherRunBypassesPossession(t *testing.T) {
 	if _, err := e.pub.Publish(ctx, a); err != nil {
 		t.Fatal(err)
 	}
-	var r2 *Record
+	var r2 *v1.BuildRecord
 	eventually(t, 10*time.Second, "acme's run", func() bool {
 		r2 = e.claim(key)
-		return r2 != nil && r2.State == StateBuilding && r2.Tenant == "acme" && r2.Run != r1.Run
+		return r2 != nil && r2.State == v1.StateBuilding && r2.Tenant == "acme" && r2.Run != r1.Run
 	})
 	j2 := e.acctRunJob(key, r2.Run)
 
@@ -411,10 +411,10 @@ func TestAttackSettleAnswersParkedRequestFromAnotherRun(t *testing.T) {
 	if _, err := e.pub.Publish(ctx, a); err != nil {
 		t.Fatal(err)
 	}
-	var r2 *Record
+	var r2 *v1.BuildRecord
 	eventually(t, 10*time.Second, "acme's run", func() bool {
 		r2 = e.claim(key)
-		return r2 != nil && r2.State == StateBuilding && r2.Tenant == "acme" && r2.Run != r1.Run
+		return r2 != nil && r2.State == v1.StateBuilding && r2.Tenant == "acme" && r2.Run != r1.Run
 	})
 	j2 := e.acctRunJob(key, r2.Run)
 	unlock()
@@ -599,10 +599,10 @@ func TestAttackExpectedLastMsgIDReadsAnotherTenantsMsgID(t *testing.T) {
 		if got := probe(t); token != "" && strings.Contains(got, token) {
 			t.Errorf("mallory's probe reads the requeue token of acme's parked request (%s): %s", token, got)
 		}
-		var r2 *Record
+		var r2 *v1.BuildRecord
 		eventually(t, 10*time.Second, "acme's own run", func() bool {
 			r2 = e.claim(key)
-			return r2 != nil && r2.Tenant == "acme" && r2.State == StateBuilding
+			return r2 != nil && r2.Tenant == "acme" && r2.State == v1.StateBuilding
 		})
 		e.kubelet(e.acctRunJob(key, r2.Run), 0, digestOf("acme2"))
 		if r := acctResult(t, results, a.RequestID); r.Data.Status != v1.StatusSucceeded {
@@ -760,7 +760,7 @@ func TestAttackClaimersCredentialFailureFailsTheJoiner(t *testing.T) {
 		if len(byID(results.snapshot())[a.RequestID]) > 0 {
 			return true
 		}
-		if rec := e.claim(key); rec != nil && rec.State == StateBuilding && rec.Tenant == "acme" && rec.Run != r1.Run {
+		if rec := e.claim(key); rec != nil && rec.State == v1.StateBuilding && rec.Tenant == "acme" && rec.Run != r1.Run {
 			if j, err := e.kube.BatchV1().Jobs(testNamespace).Get(ctx, kaniko.JobName(key), metav1.GetOptions{}); err == nil &&
 				j.Annotations[kaniko.AnnotationRun] == rec.Run && j.Status.Succeeded == 0 {
 				e.kubelet(j, 0, tr.push(t, destination(j)))
@@ -792,7 +792,7 @@ func TestTenantlessRecordNeedsPossession(t *testing.T) {
 	key := v1.BuildKey(m, kanikoID)
 	img := tr.host + "/acme/web:" + v1.DefaultTag(key)
 	d := tr.push(t, img)
-	rec := Record{Key: key, State: StateSucceeded, Run: "old-run", Repository: tr.host + "/acme/web", Image: img,
+	rec := v1.BuildRecord{Key: key, State: v1.StateSucceeded, Run: "old-run", Repository: tr.host + "/acme/web", Image: img,
 		Pushed: []string{img}, Destinations: []string{img}, Digest: d, StartedAt: time.Now().UTC(), FinishedAt: time.Now().UTC()}
 	b, _ := json.Marshal(rec)
 	kv, err := e.js.KeyValue(ctx, v1.BuildsBucket)
@@ -881,7 +881,7 @@ func TestReleasedForeignRunIsNotTakenOverWithoutPossession(t *testing.T) {
 	store.put(a.Source.S3.Key, archive)
 	key := v1.BuildKey(a, kanikoID)
 	// acme's run, let go by its owner (as at shutdown).
-	rec := Record{Key: key, State: StateBuilding, Run: "acme-run", Tenant: "acme", Name: "web", RequestID: "acme-req",
+	rec := v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "acme-run", Tenant: "acme", Name: "web", RequestID: "acme-req",
 		Seq: 1, Holder: RequestIndexKey("acme", "acme-req"), LeaseMs: 2000, Repository: "registry.test:5000/acme/web",
 		Destinations: []string{"registry.test:5000/acme/web:" + v1.DefaultTag(key)}, Source: &a.Source, StartedAt: time.Now().UTC()}
 	b, _ := json.Marshal(rec)

@@ -406,7 +406,7 @@ func TestTakerIsNotAnsweredWithTheClaimersOwnFailure(t *testing.T) {
 	results.waitFor(t, 1, 10*time.Second)
 	eventually(t, 10*time.Second, "the take-over", func() bool {
 		r := e.claim(key)
-		return r != nil && r.State == StateBuilding && r.Owner != "" && r.Tenant == "mallory"
+		return r != nil && r.State == v1.StateBuilding && r.Owner != "" && r.Tenant == "mallory"
 	})
 	e.kubelet(job, 1, "error retrieving context: NoSuchKey: contexts/mallory/... does not exist")
 	// acme builds with its own context: a second Job, which succeeds.

@@ -401,7 +401,7 @@ func TestAttackCancelIsUndoneByARequestThatTookTheRunOver(t *testing.T) {
 	key := v1.BuildKey(req, kanikoID)
 	w := e.startWorker("w1", nil)
 	results := e.collect()
-	rec, _ := json.Marshal(Record{Key: key, State: StateBuilding, Run: "dead-run", Owner: "dead", LeaseMs: 2000,
+	rec, _ := json.Marshal(v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "dead-run", Owner: "dead", LeaseMs: 2000,
 		RequestID: "gone", Seq: 999, Tenant: "acme", Name: "web",
 		Repository: "registry.test:5000/acme/web", Destinations: []string{"registry.test:5000/acme/web:" + v1.DefaultTag(key)}})
 	if _, err := w.w.claims.kv.Put(context.Background(), key, rec); err != nil {
@@ -471,7 +471,7 @@ func TestAttackCancelOfAFinishedRequestCancelsTheNextRun(t *testing.T) {
 	}
 	eventually(t, 10*time.Second, "R2's build", func() bool {
 		rec := e.claim(key)
-		return rec != nil && rec.State == StateBuilding && rec.RequestID == r2.RequestID
+		return rec != nil && rec.State == v1.StateBuilding && rec.RequestID == r2.RequestID
 	})
 	rep := cancelRequest(t, e.nc, v1.CancelSubject("acme", "web"), r1.RequestID)
 	if rep.Canceled {
@@ -555,8 +555,8 @@ func TestAttackRenewalThatLandedMakesTheOwnerAbandonItsClaim(t *testing.T) {
 	var armed, fired atomic.Bool
 	e.startWorkerHooked("w1", nil, nil, func(w *Worker) {
 		w.claims.kv = &faultyKV{KeyValue: w.claims.kv, onUpdate: func(_ string, value []byte) string {
-			var r Record
-			if armed.Load() && json.Unmarshal(value, &r) == nil && r.State == StateBuilding && r.Owner == "w1" && fired.CompareAndSwap(false, true) {
+			var r v1.BuildRecord
+			if armed.Load() && json.Unmarshal(value, &r) == nil && r.State == v1.StateBuilding && r.Owner == "w1" && fired.CompareAndSwap(false, true) {
 				return writeLanded
 			}
 			return writePasses

@@ -58,7 +58,7 @@ func BenchmarkCacheHit(b *testing.B) {
 	req := request("bench")
 	key := v1.BuildKey(req, backend.Identity())
 	repo, _ := w.cfg.Naming.Repository(req)
-	rec, _ := json.Marshal(Record{Key: key, State: StateSucceeded, RequestID: "seed", Repository: repo,
+	rec, _ := json.Marshal(v1.BuildRecord{Key: key, State: v1.StateSucceeded, RequestID: "seed", Repository: repo,
 		Image: repo + ":" + v1.DefaultTag(key), Digest: digestOf("bench")})
 	if _, err := w.claims.kv.Put(ctx, key, rec); err != nil {
 		b.Fatal(err)

@@ -811,11 +811,11 @@ func duBytes(dir string) int64 {
 // scaleStreams are the streams P9 reports, with their short names.
 var scaleStreams = []struct{ stream, label string }{
 	{v1.RequestsStream, v1.RequestsStream},
-	{QueueStream, QueueStream},
+	{v1.QueueStream, v1.QueueStream},
 	{v1.ResultsStream, v1.ResultsStream},
 	{"KV_" + v1.BuildsBucket, "KV " + v1.BuildsBucket},
-	{"KV_" + RequestsBucket, "KV " + RequestsBucket + " (ledger)"},
-	{"KV_" + SlotsBucket, "KV " + SlotsBucket},
+	{"KV_" + v1.RequestsBucket, "KV " + v1.RequestsBucket + " (ledger)"},
+	{"KV_" + v1.SlotsBucket, "KV " + v1.SlotsBucket},
 }
 
 type streamSize struct {
@@ -1080,8 +1080,8 @@ func runScale(t *testing.T, s scaleSettings, topo scaleTopology) scaleOutcome {
 			busy0, total0 = busy1, total1
 			t.Logf("%s: %6.0fs  answered %7d  %6.0f results/s  machine %3.0f%% busy  queued %d  ledger %d msgs %.1f MiB  builds %d msgs",
 				topo.label, now.Sub(start).Seconds(), n, rate, cpu,
-				sz[v1.RequestsStream].msgs+sz[QueueStream].msgs, sz["KV_"+RequestsBucket].msgs,
-				float64(sz["KV_"+RequestsBucket].bytes)/(1<<20), sz["KV_"+v1.BuildsBucket].msgs)
+				sz[v1.RequestsStream].msgs+sz[v1.QueueStream].msgs, sz["KV_"+v1.RequestsBucket].msgs,
+				float64(sz["KV_"+v1.RequestsBucket].bytes)/(1<<20), sz["KV_"+v1.BuildsBucket].msgs)
 			lastCount, lastAt = n, now
 		}
 		if !complete && now.After(deadline) {
@@ -1130,7 +1130,7 @@ func runScale(t *testing.T, s scaleSettings, topo scaleTopology) scaleOutcome {
 		time.Sleep(200 * time.Millisecond)
 	}
 	waitersLeft := 0
-	if kv, err := js.KeyValue(ctx, RequestsBucket); err == nil {
+	if kv, err := js.KeyValue(ctx, v1.RequestsBucket); err == nil {
 		if l, err := kv.ListKeysFiltered(ctx, "w.>"); err == nil {
 			for range l.Keys() {
 				waitersLeft++
@@ -1377,7 +1377,7 @@ func runScale(t *testing.T, s scaleSettings, topo scaleTopology) scaleOutcome {
 	}
 	row("messages into the NATS servers per request (clients and routes)", "messages", natsMetrics["in_msgs"]/float64(max(n, 1)))
 	row("messages out of the NATS servers per request", "messages", natsMetrics["out_msgs"]/float64(max(n, 1)))
-	ledger := after["KV_"+RequestsBucket]
+	ledger := after["KV_"+v1.RequestsBucket]
 	row("ledger bytes per request", "B", float64(ledger.bytes)/float64(max(n, 1)))
 	row("CPU, NATS (all nodes)", "CPU-s", sum(natsCPU))
 	row("CPU, workers (all)", "CPU-s", sum(wcpu))

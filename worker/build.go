@@ -31,8 +31,8 @@ var errLostClaim = errors.New("build claim taken over by another worker")
 // seq is the request message's stream sequence: with the request id it
 // tells a redelivery of the request that made a record (its own build)
 // from another request that reuses the id.
-func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, dests []string, seq uint64, wr *waiterReg) (rec *Record, origin v1.Origin, owned bool, err error) {
-	mine := func(r *Record) bool { return r.RequestID == req.RequestID && r.Seq == seq }
+func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, dests []string, seq uint64, wr *waiterReg) (rec *v1.BuildRecord, origin v1.Origin, owned bool, err error) {
+	mine := func(r *v1.BuildRecord) bool { return r.RequestID == req.RequestID && r.Seq == seq }
 	// A request that is not answered from the index waits on a build:
 	// index it, so a cancel of the key finds it.
 	waits := func() { wr.add(ctx, w, key, req.Tenant, req.RequestID) }
@@ -80,7 +80,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 				return nil, "", false, err
 			}
 		}
-		fresh := cur == nil || (cur.State == StateFailed && !mine(cur))
+		fresh := cur == nil || (cur.State == v1.StateFailed && !mine(cur))
 		if fresh {
 			// Before claiming: the requester's own first tag may already
 			// hold an image (an index lost, a tag pushed by hand). It
@@ -90,7 +90,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 				return found, v1.OriginCache, false, err
 			}
 		}
-		if cur == nil || cur.State == StateBuilding || (cur.State == StateFailed && !mine(cur)) {
+		if cur == nil || cur.State == v1.StateBuilding || (cur.State == v1.StateFailed && !mine(cur)) {
 			if err := answered(); err != nil {
 				return nil, "", false, err
 			}
@@ -108,7 +108,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 			waits()
 			return w.own(ctx, req, claim, rev, repo, dests, seq)
 
-		case cur.State == StateSucceeded:
+		case cur.State == v1.StateSucceeded:
 			if mine(cur) {
 				return cur, v1.OriginBuild, true, nil // our own build, finished before a crash
 			}
@@ -139,10 +139,10 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 			}
 			return cur, v1.OriginCache, false, nil
 
-		case cur.State == StateFailed && mine(cur):
+		case cur.State == v1.StateFailed && mine(cur):
 			return cur, v1.OriginBuild, true, nil
 
-		case cur.State == StateFailed:
+		case cur.State == v1.StateFailed:
 			// A failed build is retried by the next request for its key,
 			// as a new run: nothing of the failed run is adopted.
 			claim := w.newClaim(req, key, repo, dests, seq)
@@ -213,7 +213,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 // — built from its claimer's inputs — failed for a reason of those inputs
 // that req does not share (the caller then looks again and builds with
 // req's own, exactly as a joiner of that run would).
-func (w *Worker) takeOver(ctx context.Context, req *v1.Request, cur *Record, rev uint64, repo string, dests []string, seq uint64) (*Record, v1.Origin, bool, bool, error) {
+func (w *Worker) takeOver(ctx context.Context, req *v1.Request, cur *v1.BuildRecord, rev uint64, repo string, dests []string, seq uint64) (*v1.BuildRecord, v1.Origin, bool, bool, error) {
 	claim := *cur
 	now := w.cfg.Now().UTC()
 	claim.Owner, claim.LeaseMs, claim.LeaseUntil = w.cfg.ID, w.cfg.Lease.Milliseconds(), now.Add(w.cfg.Lease)
@@ -242,11 +242,11 @@ func (w *Worker) takeOver(ctx context.Context, req *v1.Request, cur *Record, rev
 	return out, origin, owned, true, err
 }
 
-func (w *Worker) newClaim(req *v1.Request, key, repo string, dests []string, seq uint64) *Record {
+func (w *Worker) newClaim(req *v1.Request, key, repo string, dests []string, seq uint64) *v1.BuildRecord {
 	now := w.cfg.Now().UTC()
 	src := req.Source
-	return &Record{
-		Key: key, State: StateBuilding, Run: newRunID(), Owner: w.cfg.ID,
+	return &v1.BuildRecord{
+		Key: key, State: v1.StateBuilding, Run: newRunID(), Owner: w.cfg.ID,
 		LeaseMs: w.cfg.Lease.Milliseconds(), LeaseUntil: now.Add(w.cfg.Lease),
 		RequestID: req.RequestID, Seq: seq, Tenant: req.Tenant, Name: req.Name,
 		Holder:     RequestIndexKey(req.Tenant, req.RequestID),
@@ -258,8 +258,8 @@ func (w *Worker) newClaim(req *v1.Request, key, repo string, dests []string, seq
 // sharedFailure reports whether a failed run of another request answers
 // req too: a failure of the content does, one of the claimer's own
 // request-specific inputs does not unless req has the same.
-func sharedFailure(final *Record, req *v1.Request, repo string) bool {
-	if final.State != StateFailed {
+func sharedFailure(final *v1.BuildRecord, req *v1.Request, repo string) bool {
+	if final.State != v1.StateFailed {
 		return true
 	}
 	if final.Tenant != req.Tenant && !mutant("share-foreign-failure") {
@@ -296,7 +296,7 @@ func sharedFailure(final *Record, req *v1.Request, repo string) bool {
 // runRequest is the request a run's build is made from: the taker's, but
 // with the run's own source and timeout, so a take-over builds exactly
 // what the run's claimer asked for, whoever takes it over.
-func runRequest(req *v1.Request, claim *Record) *v1.Request {
+func runRequest(req *v1.Request, claim *v1.BuildRecord) *v1.Request {
 	r := *req
 	if claim.Source != nil {
 		r.Source, r.Timeout = *claim.Source, claim.Timeout
@@ -315,14 +315,14 @@ func runRequest(req *v1.Request, claim *Record) *v1.Request {
 // when the claim was released, removed or is gone (the caller looks
 // again). The lapse is measured on this worker's clock from when it saw
 // the revision, so clocks that disagree between workers do not matter.
-func (w *Worker) join(ctx context.Context, key string) (final, lapsed *Record, rev uint64, err error) {
+func (w *Worker) join(ctx context.Context, key string) (final, lapsed *v1.BuildRecord, rev uint64, err error) {
 	watcher, err := w.claims.kv.Watch(ctx, key)
 	if err != nil {
 		return nil, nil, 0, Transient(fmt.Errorf("watch claim %s: %w", key, err))
 	}
 	defer func() { _ = watcher.Stop() }()
 	var (
-		last    *Record
+		last    *v1.BuildRecord
 		lastRev uint64
 		timer   *time.Timer
 		expired <-chan time.Time
@@ -358,7 +358,7 @@ func (w *Worker) join(ctx context.Context, key string) (final, lapsed *Record, r
 			if timer != nil {
 				timer.Stop()
 			}
-			timer = time.NewTimer(r.lapseAfter())
+			timer = time.NewTimer(r.LapseAfter())
 			expired = timer.C
 		case <-expired:
 			return nil, last, lastRev, nil
@@ -372,7 +372,7 @@ func (w *Worker) join(ctx context.Context, key string) (final, lapsed *Record, r
 // its outcome. repo and dests are the request's own (build's), not the
 // run's: a run taken over pushes to its claimer's repository, and when the
 // record moves on the request follows it with its own inputs.
-func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev uint64, repo string, dests []string, seq uint64) (*Record, v1.Origin, bool, error) {
+func (w *Worker) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecord, rev uint64, repo string, dests []string, seq uint64) (*v1.BuildRecord, v1.Origin, bool, error) {
 	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: claim.Key, Phase: v1.PhaseClaimed, Message: "claimed build by " + w.cfg.ID})
 	origin := v1.OriginInflight
 	if claim.RequestID == req.RequestID && claim.Seq == seq {
@@ -525,7 +525,7 @@ func (w *Worker) own(ctx context.Context, req *v1.Request, claim *Record, rev ui
 }
 
 // finalRecord is the end of run claim with the backend's outcome.
-func finalRecord(claim *Record, out Outcome, now time.Time) *Record {
+func finalRecord(claim *v1.BuildRecord, out Outcome, now time.Time) *v1.BuildRecord {
 	final := *claim
 	final.Owner, final.LeaseUntil = "", time.Time{}
 	final.Job, final.JobUID = out.Job, out.JobUID
@@ -537,20 +537,20 @@ func finalRecord(claim *Record, out Outcome, now time.Time) *Record {
 		final.StartedAt = out.StartedAt.UTC()
 	}
 	if out.Succeeded {
-		final.State, final.Digest = StateSucceeded, out.Digest
+		final.State, final.Digest = v1.StateSucceeded, out.Digest
 		if len(final.Destinations) > 0 {
 			final.Image = final.Destinations[0]
 		}
 		final.Pushed = append([]string(nil), final.Destinations...)
 	} else {
-		final.State, final.Reason, final.Message, final.LogTail = StateFailed, out.Reason, out.Message, out.LogTail
+		final.State, final.Reason, final.Message, final.LogTail = v1.StateFailed, out.Reason, out.Message, out.LogTail
 	}
 	return &final
 }
 
 // releaseClaim lets go of a run this worker holds, so the next worker
 // takes it over at once.
-func (w *Worker) releaseClaim(ctx context.Context, claim *Record, rev uint64) {
+func (w *Worker) releaseClaim(ctx context.Context, claim *v1.BuildRecord, rev uint64) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
 	c := *claim
@@ -567,7 +567,7 @@ func (w *Worker) releaseClaim(ctx context.Context, claim *Record, rev uint64) {
 // request alone (found), and is never recorded as the key's build — a
 // tenant could have pushed anything under that tag. Registry trouble is
 // transient: the request is retried, no Job is created meanwhile.
-func (w *Worker) preflight(ctx context.Context, req *v1.Request, key, repo string, dests []string) (*Record, error) {
+func (w *Worker) preflight(ctx context.Context, req *v1.Request, key, repo string, dests []string) (*v1.BuildRecord, error) {
 	reg, err := w.tenantRegistry(req.Tenant)
 	if err != nil || reg == nil {
 		return nil, err
@@ -584,7 +584,7 @@ func (w *Worker) preflight(ctx context.Context, req *v1.Request, key, repo strin
 	switch {
 	case err == nil:
 		now := w.cfg.Now().UTC()
-		return &Record{Key: key, State: StateSucceeded, Repository: repo, Image: dests[0], Pushed: []string{dests[0]},
+		return &v1.BuildRecord{Key: key, State: v1.StateSucceeded, Repository: repo, Image: dests[0], Pushed: []string{dests[0]},
 			Digest: digest, Tenant: req.Tenant, Name: req.Name, StartedAt: now, FinishedAt: now}, nil
 	case errors.Is(err, registry.ErrNotFound):
 		return nil, nil
@@ -626,7 +626,7 @@ func (w *Worker) finishOrphan(ctx context.Context, key string, out Outcome) time
 			delete(o.seen, k)
 		}
 	}
-	if cur == nil || cur.State != StateBuilding || out.Run == "" || (cur.Run != out.Run && !mutant("reconcile-any-run")) {
+	if cur == nil || cur.State != v1.StateBuilding || out.Run == "" || (cur.Run != out.Run && !mutant("reconcile-any-run")) {
 		delete(o.seen, key)
 		o.mu.Unlock()
 		return 0
@@ -636,9 +636,9 @@ func (w *Worker) finishOrphan(ctx context.Context, key string, out Outcome) time
 		if !ok || seen.rev != rev {
 			o.seen[key] = observed{rev: rev, at: now}
 			o.mu.Unlock()
-			return cur.lapseAfter()
+			return cur.LapseAfter()
 		}
-		if wait := cur.lapseAfter() - now.Sub(seen.at); wait > 0 {
+		if wait := cur.LapseAfter() - now.Sub(seen.at); wait > 0 {
 			o.mu.Unlock()
 			return wait
 		}

@@ -102,7 +102,7 @@ func TestCancelDeletesOnlyItsRunsJob(t *testing.T) {
 	if m == nil {
 		t.FailNow()
 	}
-	var rep CancelReply
+	var rep v1.CancelReply
 	if err := json.Unmarshal(m.Data, &rep); err != nil || !rep.Canceled {
 		t.Fatalf("cancel: %s (%v)", m.Data, err)
 	}

@@ -7,7 +7,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
 
@@ -45,79 +44,8 @@ import (
 //
 // Leases are judged on the reader's own clock, never by comparing the
 // writer's timestamp with the reader's: a claim is lapsed when its reader
-// watched it unchanged for the owner's lease (Record.LeaseMs) plus slack.
+// watched it unchanged for the owner's lease (v1.BuildRecord.LeaseMs) plus slack.
 // The owner renews every lease/3, and every renewal is a new revision.
-
-// Record states in the buildq-builds bucket.
-const (
-	StateBuilding  = "building"
-	StateSucceeded = "succeeded"
-	StateFailed    = "failed"
-)
-
-// Record is the value stored under a build key: the claim while a build
-// runs, then the hash → digest index entry.
-type Record struct {
-	Key   string `json:"key"`
-	State string `json:"state"`
-	// Run identifies the current attempt to build the key.
-	Run string `json:"run,omitempty"`
-	// Owner is the worker that holds the claim; empty when it let it go
-	// (anyone may take the run over at once).
-	Owner string `json:"owner,omitempty"`
-	// LeaseMs is the owner's lease: the claim lapses when it stays
-	// unchanged for that long, measured by whoever watches it.
-	LeaseMs int64 `json:"leaseMs,omitempty"`
-	// LeaseUntil is the owner's own estimate of its lease's end, for
-	// people reading `buildq status`; no worker decides anything on it.
-	LeaseUntil time.Time `json:"leaseUntil,omitzero"`
-	// Tenant and Name of the request that claimed the key.
-	Tenant string `json:"tenant,omitempty"`
-	Name   string `json:"name,omitempty"`
-	// RequestID is the request whose build this is.
-	RequestID string `json:"requestId,omitempty"`
-	// Seq is the stream sequence of that request's message.
-	Seq uint64 `json:"seq,omitempty"`
-	// Holder is the ledger key of the request whose handler runs the run
-	// now (its claimer's, or a taker's): it never parks on the run.
-	Holder string `json:"holder,omitempty"`
-	Job    string `json:"job,omitempty"`
-	// JobUID is the UID of the Job the outcome came from.
-	JobUID     string `json:"jobUid,omitempty"`
-	Repository string `json:"repository,omitempty"`
-	// Destinations are the references the run pushes to; a take-over
-	// keeps them, since the run's Job may already be pushing there.
-	Destinations []string `json:"destinations,omitempty"`
-	// Source and Timeout are the run's claimer's: a take-over builds
-	// from them, not from the taking request's.
-	Source  *v1.Source  `json:"source,omitempty"`
-	Timeout v1.Duration `json:"timeout,omitzero"`
-	Image   string      `json:"image,omitempty"`
-	// Pushed lists every repo:tag known to point at Digest.
-	Pushed     []string  `json:"pushed,omitempty"`
-	Digest     string    `json:"digest,omitempty"`
-	Reason     string    `json:"reason,omitempty"`
-	Message    string    `json:"message,omitempty"`
-	LogTail    string    `json:"logTail,omitempty"`
-	StartedAt  time.Time `json:"startedAt,omitzero"`
-	FinishedAt time.Time `json:"finishedAt,omitzero"`
-}
-
-// Final reports whether the record holds a finished build.
-func (r *Record) Final() bool { return r.State == StateSucceeded || r.State == StateFailed }
-
-// lease is the owner's lease (a default for records without one).
-func (r *Record) lease() time.Duration {
-	if r.LeaseMs <= 0 {
-		return 30 * time.Second
-	}
-	return time.Duration(r.LeaseMs) * time.Millisecond
-}
-
-// lapseAfter is how long a reader must see the claim unchanged before it
-// counts as lapsed: the owner's lease and half again, so a renewal in
-// flight or a slow link is not mistaken for a dead owner.
-func (r *Record) lapseAfter() time.Duration { return r.lease() + r.lease()/2 }
 
 // newRunID returns a fresh run id.
 func newRunID() string {
@@ -136,7 +64,7 @@ type claims struct {
 }
 
 // get returns the record and its revision; (nil, 0, nil) when absent.
-func (c claims) get(ctx context.Context, key string) (*Record, uint64, error) {
+func (c claims) get(ctx context.Context, key string) (*v1.BuildRecord, uint64, error) {
 	e, err := c.kv.Get(ctx, key)
 	if errors.Is(err, jetstream.ErrKeyNotFound) {
 		return nil, 0, nil
@@ -150,17 +78,17 @@ func (c claims) get(ctx context.Context, key string) (*Record, uint64, error) {
 // decodeRecord reads a stored record. A record that cannot be read counts
 // as a failed build, so the next claim replaces it rather than blocking
 // the key forever.
-func decodeRecord(key string, b []byte) *Record {
-	var r Record
+func decodeRecord(key string, b []byte) *v1.BuildRecord {
+	var r v1.BuildRecord
 	if err := json.Unmarshal(b, &r); err != nil || r.State == "" {
-		return &Record{Key: key, State: StateFailed, Message: "unreadable record"}
+		return &v1.BuildRecord{Key: key, State: v1.StateFailed, Message: "unreadable record"}
 	}
 	return &r
 }
 
 // create stores r if the key is absent. ok is false when another worker got
 // there first.
-func (c claims) create(ctx context.Context, r *Record) (rev uint64, ok bool, err error) {
+func (c claims) create(ctx context.Context, r *v1.BuildRecord) (rev uint64, ok bool, err error) {
 	b, _ := json.Marshal(r)
 	rev, err = c.kv.Create(ctx, r.Key, b)
 	if errors.Is(err, jetstream.ErrKeyExists) {
@@ -174,7 +102,7 @@ func (c claims) create(ctx context.Context, r *Record) (rev uint64, ok bool, err
 
 // update replaces the record at revision rev. ok is false when the record
 // changed in between.
-func (c claims) update(ctx context.Context, r *Record, rev uint64) (uint64, bool, error) {
+func (c claims) update(ctx context.Context, r *v1.BuildRecord, rev uint64) (uint64, bool, error) {
 	b, _ := json.Marshal(r)
 	nrev, err := c.kv.Update(ctx, r.Key, b, rev)
 	if isWrongRevision(err) {
@@ -191,7 +119,7 @@ func (c claims) update(ctx context.Context, r *Record, rev uint64) (uint64, bool
 // the record has moved to another run it returns errSuperseded, and when
 // someone else already ended this run (a cancel, the reconciler) it
 // returns their record, which stands.
-func (c claims) finish(ctx context.Context, final *Record, rev uint64) (*Record, error) {
+func (c claims) finish(ctx context.Context, final *v1.BuildRecord, rev uint64) (*v1.BuildRecord, error) {
 	if mutant("end-run-put") {
 		b, _ := json.Marshal(final)
 		if _, err := c.kv.Put(ctx, final.Key, b); err != nil {

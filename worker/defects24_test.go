@@ -69,7 +69,7 @@ func (k *i24KV) Update(ctx context.Context, key string, value []byte, rev uint64
 func i24DeadRun(t *testing.T, w *Worker, tr *testRegistry, key string) {
 	t.Helper()
 	dest := tr.host + "/acme/web:" + v1.DefaultTag(key)
-	rec, _ := json.Marshal(Record{Key: key, State: StateBuilding, Run: "dead-run", Owner: "dead", LeaseMs: 2000,
+	rec, _ := json.Marshal(v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "dead-run", Owner: "dead", LeaseMs: 2000,
 		RequestID: "gone", Tenant: "acme", Name: "web", Holder: "gone",
 		Repository: tr.host + "/acme/web", Destinations: []string{dest}})
 	if _, err := w.claims.kv.Put(context.Background(), key, rec); err != nil {

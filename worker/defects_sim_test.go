@@ -112,18 +112,18 @@ func TestSimRunFollowedAfterATakeOverIsIndexedWhereItWasPushed(t *testing.T) {
 	}
 
 	// The claimer's run, let go by its owner: the taker takes it over.
-	put := func(r Record) {
+	put := func(r v1.BuildRecord) {
 		t.Helper()
 		v, _ := json.Marshal(r)
 		if _, err := w.claims.kv.Put(ctx, key, v); err != nil {
 			t.Fatal(err)
 		}
 	}
-	put(Record{Key: key, State: StateBuilding, Run: "claimers-run", LeaseMs: 2000,
+	put(v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "claimers-run", LeaseMs: 2000,
 		RequestID: claimer.RequestID, Seq: 1, Tenant: "acme", Name: "web", Holder: RequestIndexKey("acme", claimer.RequestID),
 		Repository: claimerRepo, Destinations: claimerDests, Source: &claimer.Source, StartedAt: time.Now().UTC()})
 	b.moved = func() {
-		put(Record{Key: key, State: StateFailed, Run: "newer-run", RequestID: "someone-else", Seq: 2,
+		put(v1.BuildRecord{Key: key, State: v1.StateFailed, Run: "newer-run", RequestID: "someone-else", Seq: 2,
 			Tenant: "acme", Name: "web", Repository: claimerRepo, Destinations: claimerDests,
 			Reason: v1.ReasonBuildFailed, Message: "RUN make: exit status 2", FinishedAt: time.Now().UTC()})
 	}
@@ -132,7 +132,7 @@ func TestSimRunFollowedAfterATakeOverIsIndexedWhereItWasPushed(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if rec.State != StateSucceeded || origin != v1.OriginBuild {
+	if rec.State != v1.StateSucceeded || origin != v1.OriginBuild {
 		t.Fatalf("the taker got %s/%s, want its own build", rec.State, origin)
 	}
 	if runs := b.built(); len(runs) != 2 || runs[1].Destinations[0] != takerDests[0] {
@@ -207,13 +207,13 @@ func TestSimOracleReportsAnIndexWhereTheImageIsNot(t *testing.T) {
 	const repo, other, digest = "registry.test/acme/api", "registry.test/acme/web", "sha256:d1"
 	judge := func(indexedRepo string, rebuild bool) *simOutcome {
 		recs := []simRecordRev{
-			{at: 1 * time.Second, key: "k", rev: 1, rec: Record{Key: "k", State: StateBuilding, Run: "r1", Repository: indexedRepo}},
-			{at: 2 * time.Second, key: "k", rev: 2, rec: Record{Key: "k", State: StateSucceeded, Run: "r1", Repository: indexedRepo,
+			{at: 1 * time.Second, key: "k", rev: 1, rec: v1.BuildRecord{Key: "k", State: v1.StateBuilding, Run: "r1", Repository: indexedRepo}},
+			{at: 2 * time.Second, key: "k", rev: 2, rec: v1.BuildRecord{Key: "k", State: v1.StateSucceeded, Run: "r1", Repository: indexedRepo,
 				Digest: digest, Pushed: []string{repo + ":t"}}},
 		}
 		if rebuild {
 			recs = append(recs, simRecordRev{at: 2100 * time.Millisecond, key: "k", rev: 3,
-				rec: Record{Key: "k", State: StateBuilding, Run: "r2", Repository: repo}})
+				rec: v1.BuildRecord{Key: "k", State: v1.StateBuilding, Run: "r2", Repository: repo}})
 		}
 		w := &simWorld{node: &simNode{jobs: map[string]*simJob{}}, records: recs, indexed: map[string]error{
 			repo + "@" + digest:  nil,

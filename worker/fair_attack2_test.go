@@ -66,7 +66,7 @@ func TestAttack2HandedBackSlotAgesOutWhileBuildRuns(t *testing.T) {
 	}
 	e.waitAdmitted(3)
 	w1.stop(t)
-	kv, err := e.js.KeyValue(ctx, SlotsBucket)
+	kv, err := e.js.KeyValue(ctx, v1.SlotsBucket)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -144,7 +144,7 @@ func TestAttack2DispatchConsumerKeepsStaleAckWait(t *testing.T) {
 	deadline := time.Now().Add(5 * time.Second)
 	for time.Now().Before(deadline) {
 		if _, _, redelivered := e.streamState(); redelivered > 0 {
-			c, err := e.js.Consumer(ctx, QueueStream, dispatchConsumer("acme", v1.PriorityNormal))
+			c, err := e.js.Consumer(ctx, v1.QueueStream, dispatchConsumer("acme", v1.PriorityNormal))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -226,7 +226,7 @@ func TestAttack2FatHeadersHoldIntakeAndShutOthersOut(t *testing.T) {
 	if _, err := e.pub.Publish(ctx, g); err != nil {
 		t.Fatal(err)
 	}
-	qs, err := e.js.Stream(ctx, QueueStream)
+	qs, err := e.js.Stream(ctx, v1.QueueStream)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -51,7 +51,7 @@ func TestAttack3ConsumerAckWaitLoweredUnderRunningRequest(t *testing.T) {
 	}
 	deadline := time.Now().Add(6 * time.Second)
 	for time.Now().Before(deadline) {
-		c, err := e.js.Consumer(ctx, QueueStream, dispatchConsumer("acme", v1.PriorityNormal))
+		c, err := e.js.Consumer(ctx, v1.QueueStream, dispatchConsumer("acme", v1.PriorityNormal))
 		if err != nil {
 			t.Fatal(err)
 		}

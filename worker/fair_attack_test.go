@@ -82,7 +82,7 @@ func TestAttackJetStreamHeaderStrandsRequestInIntake(t *testing.T) {
 	msgs, _, redelivered := e.streamState()
 	t.Fatalf("request %s has neither a Job nor a result after 8s: it is stuck in intake "+
 		"(%d messages stored, %d redelivered; admit's publish to %s keeps failing on the tenant's Nats-Expected-Stream header)",
-		r.RequestID, msgs, redelivered, QueueStream)
+		r.RequestID, msgs, redelivered, v1.QueueStream)
 }
 
 // Worker killed between intake's publish to BUILDQ_QUEUE and its ack of
@@ -196,7 +196,7 @@ func TestAttackSlotRenewalLostReplyExceedsLimit(t *testing.T) {
 			e.waitJob(jobOf(r))
 		}
 	}
-	kv, err := e.js.KeyValue(ctx, SlotsBucket)
+	kv, err := e.js.KeyValue(ctx, v1.SlotsBucket)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -363,7 +363,7 @@ func TestAttackPoisonedIntakeShutsOtherTenantsOut(t *testing.T) {
 	}
 	// Admitted at once (every build slot is held by acme's builds, which
 	// never end here: it runs when one frees).
-	qs, err := e.js.Stream(ctx, QueueStream)
+	qs, err := e.js.Stream(ctx, v1.QueueStream)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -412,7 +412,7 @@ func TestAttackDispatchAckWaitNotTheHeartbeatsOne(t *testing.T) {
 	deadline := time.Now().Add(6 * time.Second)
 	for time.Now().Before(deadline) {
 		if _, _, redelivered := e.streamState(); redelivered > 0 {
-			c, err := e.js.Consumer(ctx, QueueStream, dispatchConsumer("acme", v1.PriorityNormal))
+			c, err := e.js.Consumer(ctx, v1.QueueStream, dispatchConsumer("acme", v1.PriorityNormal))
 			if err != nil {
 				t.Fatal(err)
 			}

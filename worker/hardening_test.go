@@ -168,7 +168,7 @@ func (e *env) streamMsgs(name string) []*jetstream.RawStreamMsg {
 }
 
 // claim reads the build record of key.
-func (e *env) claim(key string) *Record {
+func (e *env) claim(key string) *v1.BuildRecord {
 	e.t.Helper()
 	kv, err := e.js.KeyValue(context.Background(), v1.BuildsBucket)
 	if err != nil {
@@ -181,7 +181,7 @@ func (e *env) claim(key string) *Record {
 	if err != nil {
 		e.t.Fatal(err)
 	}
-	var r Record
+	var r v1.BuildRecord
 	if err := json.Unmarshal(ent.Value(), &r); err != nil {
 		e.t.Fatal(err)
 	}
@@ -512,7 +512,7 @@ func TestSecretsNeverLeak(t *testing.T) {
 		for n := range names.Name() {
 			streams = append(streams, n)
 		}
-		for _, want := range []string{v1.ResultsStream, "KV_" + v1.BuildsBucket, "KV_" + RequestsBucket} {
+		for _, want := range []string{v1.ResultsStream, "KV_" + v1.BuildsBucket, "KV_" + v1.RequestsBucket} {
 			if !slices.Contains(streams, want) {
 				t.Errorf("stream %s not found among %v", want, streams)
 			}
@@ -572,7 +572,7 @@ func (s *syncBuffer) String() string {
 
 // ---- cancel ----
 
-func cancelRequest(t *testing.T, nc *nats.Conn, subject, payload string) CancelReply {
+func cancelRequest(t *testing.T, nc *nats.Conn, subject, payload string) v1.CancelReply {
 	t.Helper()
 	// The worker subscribes when Run starts, which may be a moment after
 	// startWorker returned: wait for a responder.
@@ -585,7 +585,7 @@ func cancelRequest(t *testing.T, nc *nats.Conn, subject, payload string) CancelR
 	if err != nil {
 		t.Fatalf("cancel %q: %v", payload, err)
 	}
-	var rep CancelReply
+	var rep v1.CancelReply
 	if err := json.Unmarshal(m.Data, &rep); err != nil {
 		t.Fatalf("cancel reply %q: %v", m.Data, err)
 	}
@@ -606,7 +606,7 @@ func (e *env) runningWithWaiters(t *testing.T, seed string, events *eventLog) (k
 	job = e.waitJob(kaniko.JobName(key)).Name
 	eventually(t, 5*time.Second, "the claim names the job", func() bool {
 		r := e.claim(key)
-		return r != nil && r.Job == job && r.State == StateBuilding
+		return r != nil && r.Job == job && r.State == v1.StateBuilding
 	})
 	reqs = []*v1.Request{owner}
 	for range 2 {
@@ -668,7 +668,7 @@ func TestCancel(t *testing.T) {
 		}
 		eventually(t, 5*time.Second, "job deleted", e.jobGone(job))
 		assertAllCanceled(t, e, results, reqs)
-		if rec := e.claim(key); rec == nil || rec.State != StateFailed || rec.Reason != v1.ReasonCanceled {
+		if rec := e.claim(key); rec == nil || rec.State != v1.StateFailed || rec.Reason != v1.ReasonCanceled {
 			t.Errorf("record %+v, want failed/Canceled", rec)
 		}
 		// Once finished, a build cannot be canceled again.
@@ -704,7 +704,7 @@ func TestCancel(t *testing.T) {
 			}
 			eventually(t, 10*time.Second, "the build's claim to be held", func() bool {
 				r := e.claim(key)
-				return r != nil && r.State == StateBuilding && r.Owner != ""
+				return r != nil && r.State == v1.StateBuilding && r.Owner != ""
 			})
 			e.kubelet(e.waitJob(job), 0, digestOf("goes on"))
 			got := byID(results.waitFor(t, 3, 15*time.Second))
@@ -848,11 +848,11 @@ func TestTransientJobCreateErrors(t *testing.T) {
 		})
 		var dl []*jetstream.RawStreamMsg
 		eventually(t, 5*time.Second, "a dead letter", func() bool {
-			dl = e.streamMsgs(DeadLetterStream)
+			dl = e.streamMsgs(v1.DeadLetterStream)
 			return len(dl) > 0
 		})
 		time.Sleep(200 * time.Millisecond)
-		dl = e.streamMsgs(DeadLetterStream)
+		dl = e.streamMsgs(v1.DeadLetterStream)
 		if len(dl) != 1 {
 			t.Fatalf("%d dead letters, want 1", len(dl))
 		}
@@ -899,7 +899,7 @@ func TestTransientJobCreateErrors(t *testing.T) {
 			msgs, pending, _ := e.streamState()
 			return msgs == 0 && pending == 0
 		})
-		if dl := e.streamMsgs(DeadLetterStream); len(dl) != 0 {
+		if dl := e.streamMsgs(v1.DeadLetterStream); len(dl) != 0 {
 			t.Errorf("%d dead letters for a request that succeeded", len(dl))
 		}
 		if c := e.creates.total(); c != 1 {
@@ -1013,9 +1013,9 @@ func TestFinishedJobOfADeadOwnerIsReconciled(t *testing.T) {
 	}{
 		// The claim's own run finished while its owner was dead: the
 		// outcome is stored with no request around.
-		{"own run", "r1", "r1", StateSucceeded},
+		{"own run", "r1", "r1", v1.StateSucceeded},
 		// A Job of an earlier run says nothing about the current one.
-		{"stale run", "r0", "r1", StateBuilding},
+		{"stale run", "r0", "r1", v1.StateBuilding},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -1034,7 +1034,7 @@ func TestFinishedJobOfADeadOwnerIsReconciled(t *testing.T) {
 			r := e.startWorker("w1", nil)
 			// A dead worker's claim: it stays unchanged, whatever its
 			// (skewed) lease timestamp says — here one in the future.
-			rec, _ := json.Marshal(Record{Key: key, State: StateBuilding, Run: tc.claimRun, Owner: "dead", LeaseMs: 1000,
+			rec, _ := json.Marshal(v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: tc.claimRun, Owner: "dead", LeaseMs: 1000,
 				LeaseUntil: time.Now().Add(time.Hour), RequestID: "gone", Repository: "registry.test:5000/acme/web",
 				Destinations: []string{dest}, StartedAt: time.Now().Add(-time.Hour)})
 			if _, err := r.w.claims.kv.Put(context.Background(), key, rec); err != nil {
@@ -1047,16 +1047,16 @@ func TestFinishedJobOfADeadOwnerIsReconciled(t *testing.T) {
 			if _, err := e.kube.BatchV1().Jobs(testNamespace).Update(context.Background(), j, metav1.UpdateOptions{}); err != nil {
 				t.Fatal(err)
 			}
-			if tc.want == StateSucceeded {
+			if tc.want == v1.StateSucceeded {
 				eventually(t, 10*time.Second, "the record to be final", func() bool {
 					cur, _, err := r.w.claims.get(context.Background(), key)
-					return err == nil && cur != nil && cur.State == StateSucceeded && cur.Digest == digestOf("orphan") && cur.Run == "r1"
+					return err == nil && cur != nil && cur.State == v1.StateSucceeded && cur.Digest == digestOf("orphan") && cur.Run == "r1"
 				})
 				return
 			}
 			// Well past the claim's lapse (1.5 × 1 s) and a re-check.
 			time.Sleep(4 * time.Second)
-			if cur, _, err := r.w.claims.get(context.Background(), key); err != nil || cur.State != StateBuilding {
+			if cur, _, err := r.w.claims.get(context.Background(), key); err != nil || cur.State != v1.StateBuilding {
 				t.Fatalf("a stale run's Job ended the current run: %+v %v", cur, err)
 			}
 		})

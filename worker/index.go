@@ -17,54 +17,6 @@ import (
 	v1 "github.com/buildq/buildq/api/v1"
 )
 
-// RequestsBucket is the request ledger: one entry per tenant and request
-// id, holding the request's build key and state and, once decided, the
-// exact result it gets. A redelivered request finds its decision there and
-// publishes that again instead of deciding anew, so a request never gets
-// two different answers. It also serves `buildq status` and `buildq
-// cancel`. Entries expire with the results.
-const RequestsBucket = "buildq-requests"
-
-// RequestEntry is what the ledger knows of one request.
-type RequestEntry struct {
-	RequestID string    `json:"requestId"`
-	Tenant    string    `json:"tenant"`
-	Name      string    `json:"name"`
-	Key       string    `json:"key"`
-	State     string    `json:"state"` // building, then the result's status
-	Origin    v1.Origin `json:"origin,omitempty"`
-	Digest    string    `json:"digest,omitempty"`
-	Reason    string    `json:"reason,omitempty"`
-	Worker    string    `json:"worker,omitempty"`
-	UpdatedAt time.Time `json:"updatedAt"`
-	// Seq and MsgTime name the request message that holds the id: another
-	// message with the same id is a duplicate, not this request.
-	Seq     uint64    `json:"seq,omitempty"`
-	MsgTime time.Time `json:"msgTime,omitzero"`
-	// Result is the decided result, exactly as it is published; Term says
-	// the message is terminated rather than acked.
-	Result *v1.ResultData `json:"result,omitempty"`
-	Term   bool           `json:"term,omitempty"`
-	// Published is set once the result's PubAck came back.
-	Published bool `json:"published,omitempty"`
-	// TransientFailures counts the request's retries for transient
-	// trouble (bounded by --max-deliver).
-	TransientFailures int `json:"transientFailures,omitempty"`
-	// Canceled: the tenant canceled the request before it was decided;
-	// its decision is "canceled".
-	Canceled bool `json:"canceled,omitempty"`
-	// CleanupKey and CleanupRun name the run this request ended, whose Job
-	// it removes after publishing.
-	CleanupKey string `json:"cleanupKey,omitempty"`
-	CleanupRun string `json:"cleanupRun,omitempty"`
-	// RequeueToken is written when the request parks; a requeued message
-	// must carry it (never shown to tenants).
-	RequeueToken string `json:"requeueToken,omitempty"`
-}
-
-// StateBuildingRequest is a ledger entry's state before its decision.
-const StateBuildingRequest = "building"
-
 // RequestIndexKey is the ledger key of a tenant's request id. Request ids
 // may hold ':' which KV keys may not, so the key is a hash; the tenant is
 // part of it, so tenants' ids never meet.
@@ -80,7 +32,7 @@ func IsBuildKey(s string) bool { return buildKeyRe.MatchString(s) }
 
 func ensureRequestsBucket(ctx context.Context, js jetstream.JetStream, cfg Config) (jetstream.KeyValue, error) {
 	kv, err := js.CreateOrUpdateKeyValue(ctx, jetstream.KeyValueConfig{
-		Bucket:      RequestsBucket,
+		Bucket:      v1.RequestsBucket,
 		Description: "buildq request ledger: tenant and request id → build key, state and decided result",
 		History:     1,
 		TTL:         cfg.ResultsMaxAge,
@@ -88,14 +40,14 @@ func ensureRequestsBucket(ctx context.Context, js jetstream.JetStream, cfg Confi
 		Replicas:    cfg.Replicas,
 	})
 	if err != nil {
-		return nil, fmt.Errorf("create key-value bucket %s: %w", RequestsBucket, err)
+		return nil, fmt.Errorf("create key-value bucket %s: %w", v1.RequestsBucket, err)
 	}
 	return kv, nil
 }
 
 // ledgerEntry is an entry and its revision.
 type ledgerEntry struct {
-	e   RequestEntry
+	e   v1.RequestEntry
 	rev uint64
 }
 
@@ -110,7 +62,7 @@ func (w *Worker) openEntry(ctx context.Context, tenant, name, id, key string, se
 	for range 10 {
 		// Create first: a request is almost always new, and this is one
 		// round trip where reading first was two.
-		e := RequestEntry{RequestID: id, Tenant: tenant, Name: name, Key: key, State: StateBuildingRequest,
+		e := v1.RequestEntry{RequestID: id, Tenant: tenant, Name: name, Key: key, State: v1.RequestStateBuilding,
 			Seq: seq, MsgTime: at.UTC(), Worker: w.cfg.ID, UpdatedAt: w.cfg.Now().UTC()}
 		b, _ := json.Marshal(e)
 		rev, err := w.requests.Create(ctx, k, b)
@@ -127,7 +79,7 @@ func (w *Worker) openEntry(ctx context.Context, tenant, name, id, key string, se
 		if err != nil {
 			return nil, false, fmt.Errorf("request ledger: %w", err)
 		}
-		var cur RequestEntry
+		var cur v1.RequestEntry
 		if err := json.Unmarshal(got.Value(), &cur); err != nil {
 			return nil, false, fmt.Errorf("request ledger: unreadable entry for %s: %w", id, err)
 		}
@@ -169,7 +121,7 @@ func (w *Worker) record(ctx context.Context, le *ledgerEntry, v verdict) (verdic
 		if err != nil {
 			return v, fmt.Errorf("request ledger: %w", err)
 		}
-		var cur RequestEntry
+		var cur v1.RequestEntry
 		if err := json.Unmarshal(got.Value(), &cur); err != nil {
 			return v, fmt.Errorf("request ledger: %w", err)
 		}
@@ -333,7 +285,7 @@ func canceledVerdict(v verdict) verdict {
 }
 
 // verdictOf is the recorded decision of an entry.
-func verdictOf(e RequestEntry) verdict {
+func verdictOf(e v1.RequestEntry) verdict {
 	return verdict{tenant: e.Tenant, name: e.Name, data: *e.Result, term: e.Term,
 		cleanupKey: e.CleanupKey, cleanupRun: e.CleanupRun, recorded: true, publishedBefore: e.Published}
 }

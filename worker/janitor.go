@@ -8,6 +8,7 @@ import (
 	"go.uber.org/zap"
 	"k8s.io/apimachinery/pkg/types"
 
+	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
 	"github.com/buildq/buildq/internal/kube"
 )
@@ -88,7 +89,7 @@ func (w *Worker) sweepJobs(ctx context.Context) {
 		if err != nil {
 			continue // look again at the next sweep
 		}
-		if rec != nil && rec.Run == j.Run && rec.State == StateBuilding {
+		if rec != nil && rec.Run == j.Run && rec.State == v1.StateBuilding {
 			continue // its run builds: the owner (or a taker) minds it
 		}
 		seen[j.UID] = true

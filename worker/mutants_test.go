@@ -15,8 +15,9 @@ package worker
 //	BUILDQ_MUTANTS=end-run-put make mutants
 //
 // Variables: BUILDQ_MUTANTS (comma-separated names; default all),
-// BUILDQ_MUTANT_SEEDS (simulation seeds per mutant, default 40; the
-// simulation stops at the first violation), BUILDQ_SIM_FIRST,
+// BUILDQ_MUTANT_SEEDS (simulation seeds per mutant, default 120; the
+// simulation stops at the first violation, so a killed mutant costs the
+// seeds up to its first kill), BUILDQ_SIM_FIRST,
 // BUILDQ_SIM_PARALLEL.
 
 import (
@@ -51,7 +52,7 @@ var mutantCatalogue = []mutantCase{
 	{"end-run-put", "a run ends with a compare-and-swap on the revision its holder read", []string{"TestFinishingRunNeverOverwritesANewerClaim"}},
 	{"ignore-concurrency", "the dispatcher holds a tenant to its concurrency limit", nil},
 	{"cancel-by-name", "a cancel deletes the Job of the run it ended, by UID, never the key's Job by name", []string{"TestCancelDeletesOnlyItsRunsJob"}},
-	{"publish-unmarked-at-once", "another worker's unmarked decision is published only after it stayed unchanged for two leases", nil},
+	{"publish-unmarked-at-once", "another worker's unmarked decision is published only after it stayed unchanged for two leases", []string{"TestAnotherWorkersUnmarkedDecisionIsNotPublishedAtOnce"}},
 	{"no-job-cleanup", "the owner deletes its run's finished Job", nil},
 	{"reconcile-any-run", "the reconciler ends a run only with that run's own Job's outcome", []string{"TestReconcilerEndsOnlyTheJobsOwnRun"}},
 	{"cancel-other-tenants", "a cancel by key cancels the canceling tenant's waiting requests only", []string{"TestCancelOfASharedBuildSparesOtherTenants"}},
@@ -69,7 +70,7 @@ func TestMutants(t *testing.T) {
 	}
 	seeds := os.Getenv("BUILDQ_MUTANT_SEEDS")
 	if seeds == "" {
-		seeds = "40"
+		seeds = "120"
 	}
 	src := mutantSwitches(t)
 	// One test binary for every mutant: each picks its own at run time.

@@ -109,7 +109,7 @@ func (w *Worker) requeuedEntry(ctx context.Context, msg jetstream.Msg, tenant, i
 // holds reports whether the run of cur is handled by the request with
 // ledger key lk: that request never parks on it (it would wait for
 // itself); it waits actively and takes the run over when it lapses.
-func holds(cur *Record, lk string, req *v1.Request, seq uint64) bool {
+func holds(cur *v1.BuildRecord, lk string, req *v1.Request, seq uint64) bool {
 	if cur.Holder != "" {
 		return cur.Holder == lk
 	}
@@ -120,7 +120,7 @@ func holds(cur *Record, lk string, req *v1.Request, seq uint64) bool {
 // looks at the record again: a run that ended (or was let go) before the
 // entry was written may have had its waiters answered already, so the
 // request is unparked and handled on (parked false).
-func (w *Worker) park(ctx context.Context, wr *waiterReg, key string, cur *Record) (bool, error) {
+func (w *Worker) park(ctx context.Context, wr *waiterReg, key string, cur *v1.BuildRecord) (bool, error) {
 	v := *wr.park
 	v.Parked, v.Run, v.ParkedAt = true, cur.Run, w.cfg.Now().UTC()
 	tok, err := w.setRequeueToken(ctx, wr.le)
@@ -136,7 +136,7 @@ func (w *Worker) park(ctx context.Context, wr *waiterReg, key string, cur *Recor
 	wr.once.Do(func() {})
 	wr.added = true
 	now, _, err := w.claims.get(ctx, key)
-	if err == nil && now != nil && now.State == StateBuilding && now.Owner != "" && now.Run == cur.Run {
+	if err == nil && now != nil && now.State == v1.StateBuilding && now.Owner != "" && now.Run == cur.Run {
 		// Still the run the request was checked against and parked on
 		// (v.Run); a new run since is looked at again by the caller.
 		return true, nil
@@ -225,7 +225,7 @@ func (w *Worker) settleWaiters(ctx context.Context, key string, items []waiterIt
 	mu := &w.settling[h.Sum32()%uint32(len(w.settling))]
 	mu.Lock()
 	defer mu.Unlock()
-	var cur *Record
+	var cur *v1.BuildRecord
 	for _, it := range items {
 		if !it.v.Parked {
 			continue
@@ -236,7 +236,7 @@ func (w *Worker) settleWaiters(ctx context.Context, key string, items []waiterIt
 				return
 			}
 			if cur == nil {
-				cur = &Record{Key: key} // absent: requeue
+				cur = &v1.BuildRecord{Key: key} // absent: requeue
 			}
 		}
 		if err := w.settleWaiter(ctx, key, it, cur, lapsed); err != nil {
@@ -246,7 +246,7 @@ func (w *Worker) settleWaiters(ctx context.Context, key string, items []waiterIt
 	}
 }
 
-func (w *Worker) settleWaiter(ctx context.Context, key string, it waiterItem, cur *Record, lapsed bool) error {
+func (w *Worker) settleWaiter(ctx context.Context, key string, it waiterItem, cur *v1.BuildRecord, lapsed bool) error {
 	le, err := w.ledgerGet(ctx, it.v.Tenant, it.v.RequestID)
 	if err != nil {
 		return err
@@ -276,9 +276,9 @@ func (w *Worker) settleWaiter(ctx context.Context, key string, it waiterItem, cu
 		}
 		drop()
 		return nil
-	case cur.State == "" || (cur.State == StateBuilding && (cur.Owner == "" || lapsed)):
+	case cur.State == "" || (cur.State == v1.StateBuilding && (cur.Owner == "" || lapsed)):
 		return w.requeue(ctx, it)
-	case cur.State == StateBuilding:
+	case cur.State == v1.StateBuilding:
 		return nil // still building: stays parked
 	}
 	req, err := v1.DecodeRequest(it.v.Body)
@@ -453,12 +453,12 @@ func (w *Worker) sweepWaiters(ctx context.Context) {
 			continue
 		}
 		lapsed := false
-		if cur != nil && cur.State == StateBuilding && cur.Owner != "" {
+		if cur != nil && cur.State == v1.StateBuilding && cur.Owner != "" {
 			w.parked.mu.Lock()
 			seen, ok := w.parked.seen[key]
 			if !ok || seen.rev != rev {
 				w.parked.seen[key] = observed{rev: rev, at: now}
-			} else if now.Sub(seen.at) >= cur.lapseAfter() {
+			} else if now.Sub(seen.at) >= cur.LapseAfter() {
 				lapsed = true
 				delete(w.parked.seen, key)
 			}

@@ -250,7 +250,7 @@ func TestAttackParkOwnerWorkerStops(t *testing.T) {
 	ws[rec.Owner].stop(t)
 	eventually(t, 15*time.Second, "the run taken over", func() bool {
 		r := e.claim(key)
-		return r != nil && r.State == StateBuilding && r.Owner == other
+		return r != nil && r.State == v1.StateBuilding && r.Owner == other
 	})
 	e.kubelet(e.waitJob(job.Name), 0, tr.push(t, destination(job)))
 	assertEnd(t, e, results, reqs, 20*time.Second)
@@ -294,7 +294,7 @@ func TestAttackParkOtherTenantParksAndOwnerCancels(t *testing.T) {
 	}
 	eventually(t, 15*time.Second, "B took the run over", func() bool {
 		r := e.claim(key)
-		return r != nil && r.State == StateBuilding && r.Owner != "" && r.Holder == RequestIndexKey("mallory", b.RequestID)
+		return r != nil && r.State == v1.StateBuilding && r.Owner != "" && r.Holder == RequestIndexKey("mallory", b.RequestID)
 	})
 	e.kubelet(e.waitJob(job.Name), 0, tr.push(t, destination(job)))
 	assertEnd(t, e, results, []*v1.Request{a, b}, 20*time.Second)
@@ -601,8 +601,8 @@ type slowRelease struct {
 }
 
 func (s *slowRelease) Update(ctx context.Context, key string, value []byte, rev uint64) (uint64, error) {
-	var r Record
-	if s.armed.Load() && json.Unmarshal(value, &r) == nil && r.State == StateBuilding && r.Owner == "" {
+	var r v1.BuildRecord
+	if s.armed.Load() && json.Unmarshal(value, &r) == nil && r.State == v1.StateBuilding && r.Owner == "" {
 		time.Sleep(3 * time.Second)
 	}
 	return s.KeyValue.Update(ctx, key, value, rev)
@@ -634,7 +634,7 @@ func TestAttackParkOtherTenantsCancelAnswersAParkedRequest(t *testing.T) {
 	eventually(t, 5*time.Second, "the claim held", func() bool { r := e.claim(key); return r != nil && r.Owner == "w1" })
 	sl.armed.Store(true)
 	sr.armed.Store(true)
-	done := make(chan CancelReply, 1)
+	done := make(chan v1.CancelReply, 1)
 	go func() { done <- cancelRequest(t, e.nc, v1.APICancelSubject("acme"), a.RequestID) }()
 	time.Sleep(200 * time.Millisecond) // the cancel service is listing waiters
 	b := mallorys("cancel-race")

@@ -187,7 +187,7 @@ func TestParkedRequestsOutliveADeadOwner(t *testing.T) {
 	w := e.startWorker("w1", withRegistry(tr))
 	results := e.collect()
 	dest := tr.host + "/acme/web:" + v1.DefaultTag(key)
-	rec, _ := json.Marshal(Record{Key: key, State: StateBuilding, Run: "dead-run", Owner: "dead", LeaseMs: 2000,
+	rec, _ := json.Marshal(v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "dead-run", Owner: "dead", LeaseMs: 2000,
 		RequestID: "gone", Tenant: "acme", Name: "web", Holder: "gone",
 		Repository: tr.host + "/acme/web", Destinations: []string{dest}})
 	if _, err := w.w.claims.kv.Put(ctx, key, rec); err != nil {

@@ -100,8 +100,8 @@ type ContextVersions interface {
 // foreignRun reports whether rec is a run another tenant's request claimed
 // and that would answer req: succeeded (a cache hit) or building (a join,
 // a park, a take-over).
-func foreignRun(rec *Record, req *v1.Request) bool {
-	return rec != nil && rec.Tenant != req.Tenant && (rec.State == StateSucceeded || rec.State == StateBuilding)
+func foreignRun(rec *v1.BuildRecord, req *v1.Request) bool {
+	return rec != nil && rec.Tenant != req.Tenant && (rec.State == v1.StateSucceeded || rec.State == v1.StateBuilding)
 }
 
 // possessionPanic carries a panic of a shared read to each of its callers,

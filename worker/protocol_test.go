@@ -146,12 +146,12 @@ func TestFinishingRunNeverOverwritesANewerClaim(t *testing.T) {
 	}
 	eventually(t, 10*time.Second, "R3's claim", func() bool {
 		rec := e.claim(key)
-		return rec != nil && rec.State == StateBuilding && rec.RequestID == r3.RequestID
+		return rec != nil && rec.State == v1.StateBuilding && rec.RequestID == r3.RequestID
 	})
 	close(release) // the first owner writes its outcome now
 	// R3's run is still building: the stale outcome must not have ended it.
 	time.Sleep(300 * time.Millisecond)
-	if rec := e.claim(key); rec.State != StateBuilding || rec.RequestID != r3.RequestID {
+	if rec := e.claim(key); rec.State != v1.StateBuilding || rec.RequestID != r3.RequestID {
 		t.Fatalf("the newer claim was overwritten: %+v", rec)
 	}
 	eventually(t, 10*time.Second, "R3's job", func() bool {
@@ -288,7 +288,7 @@ func TestUnpublishableResultIsDeadLetteredAfterMaxDeliver(t *testing.T) {
 		msgs, pending, _ := e.streamState()
 		return msgs == 0 && pending == 0
 	})
-	dl := e.streamMsgs(DeadLetterStream)
+	dl := e.streamMsgs(v1.DeadLetterStream)
 	if len(dl) != 1 || dl[0].Header.Get("Buildq-Original-Msg-Id") != "unpublishable" {
 		t.Fatalf("dead letters: %d", len(dl))
 	}
@@ -412,7 +412,7 @@ func TestDeadOwnerWithAFastClockIsTakenOver(t *testing.T) {
 	key := v1.BuildKey(req, kanikoID)
 	w := e.startWorker("w1", nil)
 	results := e.collect()
-	rec, _ := json.Marshal(Record{Key: key, State: StateBuilding, Run: "dead-run", Owner: "dead", LeaseMs: 2000,
+	rec, _ := json.Marshal(v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "dead-run", Owner: "dead", LeaseMs: 2000,
 		LeaseUntil: time.Now().Add(time.Hour), RequestID: "gone", Tenant: "acme", Name: "web",
 		Repository: "registry.test:5000/acme/web", Destinations: []string{"registry.test:5000/acme/web:" + v1.DefaultTag(key)}})
 	if _, err := w.w.claims.kv.Put(context.Background(), key, rec); err != nil {

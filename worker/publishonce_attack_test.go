@@ -203,7 +203,7 @@ func TestWaitingForAnUnmarkedDecisionDoesNotSpendTheDeliveryBudget(t *testing.T)
 	for len(storedOf(results, "acme", req.RequestID)) == 0 {
 		if time.Now().After(deadline) {
 			dl := uint64(0)
-			if st, err := e.js.Stream(ctx, DeadLetterStream); err == nil {
+			if st, err := e.js.Stream(ctx, v1.DeadLetterStream); err == nil {
 				if info, err := st.Info(ctx); err == nil {
 					dl = info.State.Msgs
 				}

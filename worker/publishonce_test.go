@@ -186,7 +186,7 @@ func TestPanicInTheSharedHeadFailsTheRequestOnce(t *testing.T) {
 	})
 	results := e.collect()
 	ctx := context.Background()
-	rec, _ := json.Marshal(Record{Key: key, State: StateSucceeded, Run: "r0", RequestID: "earlier", Seq: 1,
+	rec, _ := json.Marshal(v1.BuildRecord{Key: key, State: v1.StateSucceeded, Run: "r0", RequestID: "earlier", Seq: 1,
 		Tenant: "acme", Name: "web", Repository: reg + "/acme/web", Digest: digestOf("po-image"),
 		Destinations: []string{reg + "/acme/web:" + v1.DefaultTag(key)}})
 	if _, err := w.w.claims.kv.Put(ctx, key, rec); err != nil {
@@ -269,7 +269,7 @@ func TestUnpublishedDecisionOfAStalledWorkerIsTakenOver(t *testing.T) {
 	if n := results.publishes(parked.RequestID); n != 1 {
 		t.Fatalf("the parked request's result was published %d times, want once", n)
 	}
-	kv, err := e.js.KeyValue(ctx, RequestsBucket)
+	kv, err := e.js.KeyValue(ctx, v1.RequestsBucket)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -277,7 +277,7 @@ func TestUnpublishedDecisionOfAStalledWorkerIsTakenOver(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var got RequestEntry
+	var got v1.RequestEntry
 	if err := json.Unmarshal(ent.Value(), &got); err != nil {
 		t.Fatal(err)
 	}
@@ -290,7 +290,7 @@ func TestUnpublishedDecisionOfAStalledWorkerIsTakenOver(t *testing.T) {
 // key.
 func (e *env) isParked(key, id string) bool {
 	ctx := context.Background()
-	kv, err := e.js.KeyValue(ctx, RequestsBucket)
+	kv, err := e.js.KeyValue(ctx, v1.RequestsBucket)
 	if err != nil {
 		return false
 	}

@@ -30,23 +30,6 @@ import (
 )
 
 const (
-	// QueueStream holds admitted requests until they are finished, one
-	// subject per tenant and priority (Limits retention: a finished
-	// request's message is deleted by the worker that finished it).
-	QueueStream = "BUILDQ_QUEUE"
-	// QueuePrefix is the subject prefix of QueueStream:
-	// buildq.queue.<tenant>.<high|normal|low>.
-	QueuePrefix = "buildq.queue"
-	// QueuedConsumer is never pulled: its pending count is the number of
-	// admitted requests not finished yet (waiting or running), the second
-	// autoscaling signal next to buildq-workers' pending count.
-	QueuedConsumer = "buildq-queued"
-	// SlotsBucket holds one entry per running request of a tenant with a
-	// concurrency limit: <tenant>.<n>, n below the limit. An entry whose
-	// holder stops renewing it lapses after 1.5 of the holder's leases,
-	// watched by other workers, and is freed then unless the request it
-	// names may still have a build running.
-	SlotsBucket = "buildq-slots"
 	// invalidTenant queues requests whose subject names no valid tenant
 	// (they are answered InvalidRequest); no tenant can be called this.
 	invalidTenant = "_invalid"
@@ -72,7 +55,7 @@ const (
 )
 
 // queueSubject is where intake puts a tenant's request of priority p.
-func queueSubject(tenant, p string) string { return QueuePrefix + "." + tenant + "." + p }
+func queueSubject(tenant, p string) string { return v1.QueuePrefix + "." + tenant + "." + p }
 
 // dispatchConsumer names the consumer of a tenant's priority p.
 func dispatchConsumer(tenant, p string) string { return dispatchConsumerPrefix + p + "-" + tenant }
@@ -137,27 +120,27 @@ func (f FairConfig) Validate() error {
 // and the slots bucket.
 func ensureQueue(ctx context.Context, js jetstream.JetStream, cfg Config) (jetstream.Stream, jetstream.KeyValue, error) {
 	st, err := js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
-		Name:        QueueStream,
+		Name:        v1.QueueStream,
 		Description: "buildq admitted requests, by tenant and priority, until finished",
-		Subjects:    []string{QueuePrefix + ".>"},
+		Subjects:    []string{v1.QueuePrefix + ".>"},
 		Retention:   jetstream.LimitsPolicy,
 		Storage:     cfg.Storage,
 		Replicas:    cfg.Replicas,
 		Duplicates:  cfg.DuplicateWindow,
 	})
 	if err != nil {
-		return nil, nil, fmt.Errorf("create stream %s: %w", QueueStream, err)
+		return nil, nil, fmt.Errorf("create stream %s: %w", v1.QueueStream, err)
 	}
-	if _, err := js.CreateOrUpdateConsumer(ctx, QueueStream, jetstream.ConsumerConfig{
-		Durable:       QueuedConsumer,
+	if _, err := js.CreateOrUpdateConsumer(ctx, v1.QueueStream, jetstream.ConsumerConfig{
+		Durable:       v1.QueuedConsumer,
 		Description:   "never pulled: its pending count is the requests admitted and not finished (autoscaling)",
 		AckPolicy:     jetstream.AckExplicitPolicy,
-		FilterSubject: QueuePrefix + ".>",
+		FilterSubject: v1.QueuePrefix + ".>",
 	}); err != nil {
-		return nil, nil, fmt.Errorf("create consumer %s: %w", QueuedConsumer, err)
+		return nil, nil, fmt.Errorf("create consumer %s: %w", v1.QueuedConsumer, err)
 	}
 	kv, err := js.CreateOrUpdateKeyValue(ctx, jetstream.KeyValueConfig{
-		Bucket:      SlotsBucket,
+		Bucket:      v1.SlotsBucket,
 		Description: "buildq per-tenant concurrency slots: <tenant>.<n> per running request",
 		History:     1,
 		// No TTL: a key's life is its holder's lease as the key records
@@ -169,7 +152,7 @@ func ensureQueue(ctx context.Context, js jetstream.JetStream, cfg Config) (jetst
 		Replicas: cfg.Replicas,
 	})
 	if err != nil {
-		return nil, nil, fmt.Errorf("create key-value bucket %s: %w", SlotsBucket, err)
+		return nil, nil, fmt.Errorf("create key-value bucket %s: %w", v1.SlotsBucket, err)
 	}
 	return st, kv, nil
 }
@@ -437,7 +420,7 @@ func (w *Worker) admitLock(tenant string) *sync.Mutex {
 
 // queuedOf counts tenant's admitted, unfinished requests.
 func (w *Worker) queuedOf(ctx context.Context, tenant string) (uint64, error) {
-	info, err := w.queue.Info(ctx, jetstream.WithSubjectFilter(QueuePrefix+"."+tenant+".>"))
+	info, err := w.queue.Info(ctx, jetstream.WithSubjectFilter(v1.QueuePrefix+"."+tenant+".>"))
 	if err != nil {
 		return 0, err
 	}
@@ -990,7 +973,7 @@ func (d *dispatcher) woken(m *nats.Msg) {
 func (d *dispatcher) look(ctx context.Context) {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	info, err := d.w.queue.Info(ctx, jetstream.WithSubjectFilter(QueuePrefix+".>"))
+	info, err := d.w.queue.Info(ctx, jetstream.WithSubjectFilter(v1.QueuePrefix+".>"))
 	if err != nil {
 		d.w.log.Debug("reading the queue failed", zap.Error(err))
 		return
@@ -1091,11 +1074,11 @@ func (d *dispatcher) consumer(ctx context.Context, tenant, prio string) (jetstre
 		return c, nil
 	}
 	// Another worker may have raised it further than this one knows.
-	if cur, err := d.w.js.Consumer(ctx, QueueStream, name); err == nil && cur.CachedInfo().Config.AckWait >= ackWait {
+	if cur, err := d.w.js.Consumer(ctx, v1.QueueStream, name); err == nil && cur.CachedInfo().Config.AckWait >= ackWait {
 		c = cur
 	} else {
 		var err error
-		c, err = d.w.js.CreateOrUpdateConsumer(ctx, QueueStream, jetstream.ConsumerConfig{
+		c, err = d.w.js.CreateOrUpdateConsumer(ctx, v1.QueueStream, jetstream.ConsumerConfig{
 			Durable:       name,
 			Description:   "buildq dispatch: tenant " + tenant + ", priority " + prio,
 			AckPolicy:     jetstream.AckExplicitPolicy,
@@ -1269,7 +1252,7 @@ func (d *dispatcher) tryTenant(ctx context.Context, tenant string, n int) []*tak
 // for a lapse, half a lease more).
 func (d *dispatcher) takeReserved(ctx context.Context, tenant string, s *slot) []*taken {
 	want := s.reservedFor
-	p, ok := v1.PriorityOf(strings.TrimPrefix(want.Subject, QueuePrefix+"."+tenant+"."))
+	p, ok := v1.PriorityOf(strings.TrimPrefix(want.Subject, v1.QueuePrefix+"."+tenant+"."))
 	if !ok || queueSubject(tenant, p) != want.Subject {
 		d.markFull(tenant) // not its queue: only keepSlots frees it, when its request is finished
 		return nil
@@ -1450,7 +1433,7 @@ func ReadQueueState(ctx context.Context, js jetstream.JetStream) (QueueState, er
 	q.Waiting = ci.NumPending
 	q.Held = ci.NumAckPending
 	q.Redelivered = ci.NumRedelivered
-	qs, err := js.Stream(ctx, QueueStream)
+	qs, err := js.Stream(ctx, v1.QueueStream)
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
 		return q, nil
 	}

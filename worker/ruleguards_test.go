@@ -56,7 +56,7 @@ func TestAnsweredRequestStartsNoBuild(t *testing.T) {
 
 	req := request("answered-elsewhere")
 	const seq = 7
-	entry := RequestEntry{RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, State: string(v1.StatusSucceeded),
+	entry := v1.RequestEntry{RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, State: string(v1.StatusSucceeded),
 		Seq: seq, UpdatedAt: time.Now().UTC(),
 		Result: &v1.ResultData{RequestID: req.RequestID, Tenant: req.Tenant, Status: v1.StatusSucceeded, Digest: digestOf("answered-elsewhere")}}
 	raw, _ := json.Marshal(entry)
@@ -96,7 +96,7 @@ func TestReconcilerEndsOnlyTheJobsOwnRun(t *testing.T) {
 	ctx := context.Background()
 
 	key := "reconcile-own-run"
-	current := Record{Key: key, State: StateBuilding, Run: "current-run", Owner: "", LeaseMs: 2000,
+	current := v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "current-run", Owner: "", LeaseMs: 2000,
 		RequestID: "r1", Seq: 1, Tenant: "acme", Name: "api", StartedAt: time.Now().UTC()}
 	raw, _ := json.Marshal(current)
 	if _, err := w.claims.kv.Put(ctx, key, raw); err != nil {
@@ -110,14 +110,48 @@ func TestReconcilerEndsOnlyTheJobsOwnRun(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got.State != StateBuilding || got.Run != "current-run" {
+	if got.State != v1.StateBuilding || got.Run != "current-run" {
 		t.Fatalf("the run building now was ended with another run's Job outcome: %+v", got)
 	}
 	// Its own Job's outcome ends it (the claim was released: no wait).
 	if again := w.finishOrphan(ctx, key, Outcome{Run: "current-run", Reason: v1.ReasonBuildFailed, Message: "RUN make: exit status 2"}); again != 0 {
 		t.Fatalf("finishOrphan of the run's own Job asked to look again in %s", again)
 	}
-	if got, _, err = w.claims.get(ctx, key); err != nil || got.State != StateFailed || got.Run != "current-run" {
+	if got, _, err = w.claims.get(ctx, key); err != nil || got.State != v1.StateFailed || got.Run != "current-run" {
 		t.Fatalf("the run's own Job outcome did not end it: %+v (%v)", got, err)
+	}
+}
+
+// Another worker's decision that is not marked published yet is that
+// worker's to publish: a worker that reads it publishes nothing at once
+// (the decider may only be slow), and takes it over only after it stayed
+// unchanged for the grace. The mutant "publish-unmarked-at-once" broke
+// this rule.
+func TestAnotherWorkersUnmarkedDecisionIsNotPublishedAtOnce(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	w := ruleWorker(t, e, countingBackend{runs: make(chan Build, 1)})
+	ctx := context.Background()
+
+	req := request("unmarked-elsewhere")
+	entry := v1.RequestEntry{RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, State: string(v1.StatusSucceeded),
+		Seq: 3, Worker: "w2", UpdatedAt: time.Now().UTC(),
+		Result: &v1.ResultData{RequestID: req.RequestID, Tenant: req.Tenant, Status: v1.StatusSucceeded, Digest: digestOf("unmarked-elsewhere")}}
+	raw, _ := json.Marshal(entry)
+	rev, err := w.requests.Put(ctx, RequestIndexKey(req.Tenant, req.RequestID), raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	le := &ledgerEntry{e: entry, rev: rev}
+	right, err := w.mayPublishDecision(ctx, le)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if right != publishLater {
+		t.Fatalf("w1 may publish w2's unmarked decision at once (right %d), want later", right)
+	}
+	got, err := w.ledgerGet(ctx, req.Tenant, req.RequestID)
+	if err != nil || got == nil || got.e.Worker != "w2" {
+		t.Fatalf("the decision changed hands at the first look: %+v (%v)", got, err)
 	}
 }

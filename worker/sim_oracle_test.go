@@ -30,7 +30,7 @@ type simRecordRev struct {
 	key     string
 	rev     uint64
 	deleted bool
-	rec     Record
+	rec     v1.BuildRecord
 }
 
 // simRecordsStream copies every write to buildq-builds (a mirror of the
@@ -149,7 +149,7 @@ func (w *simWorld) judgeRecords(out *simOutcome) {
 			if ks.run != "" {
 				ks.superseded[ks.run] = true
 			}
-			if ks.succeeded != "" && r.State == StateBuilding {
+			if ks.succeeded != "" && r.State == v1.StateBuilding {
 				// Nothing deletes an image here: a build after a success is
 				// never needed. Say whether the index pointed at the image
 				// (then the worker ignored it) or elsewhere (then the
@@ -166,7 +166,7 @@ func (w *simWorld) judgeRecords(out *simOutcome) {
 			}
 			ks.run = r.Run
 		}
-		if r.State == StateSucceeded {
+		if r.State == v1.StateSucceeded {
 			ref := r.Repository + "@" + r.Digest
 			if ks.succeeded != r.Run || ks.indexed != ref {
 				// A request answered from the index is sent to this
@@ -212,7 +212,7 @@ func (w *simWorld) judgeRecords(out *simOutcome) {
 				last = rv
 			}
 		}
-		if last != nil && !last.deleted && last.rec.Run == j.run && last.rec.State == StateBuilding && last.at < j.deleted &&
+		if last != nil && !last.deleted && last.rec.Run == j.run && last.rec.State == v1.StateBuilding && last.at < j.deleted &&
 			!w.restartedBetween(last.at, j.deleted) {
 			w.violate(out, "live-job-deleted", "%s: %s deleted Job %s of run %s at %.3fs while that run was still building (revision %d, seen at %.3fs; %d revisions seen, the last at %.3fs)",
 				w.keyName(j.key), j.deleteCause, j.uid, j.run, j.deleted.Seconds(), last.rev, last.at.Seconds(), len(w.records), w.records[len(w.records)-1].at.Seconds())
@@ -274,7 +274,7 @@ func (j *simJob) state() string {
 // judgeLimits checks the tenants' concurrency limits: whenever a Job is
 // created, and whenever a run's Job changes holder, the Jobs running then
 // that a tenant's requests run — the request holding the run
-// (Record.Holder), which is not always of the tenant whose request claimed
+// (v1.BuildRecord.Holder), which is not always of the tenant whose request claimed
 // it (a take-over by another tenant's request runs the claimer's Job) —
 // are at most its limit: each holds one of the tenant's slots.
 //
@@ -308,7 +308,7 @@ func (w *simWorld) judgeLimits(out *simOutcome) {
 		from           time.Duration
 		tenant, holder string
 	}
-	holdingOf := func(r *Record) (holding, bool) {
+	holdingOf := func(r *v1.BuildRecord) (holding, bool) {
 		if t, ok := tenantOf[r.Holder]; ok {
 			return holding{tenant: t, holder: idOf[r.Holder]}, true
 		}
@@ -561,15 +561,15 @@ func (w *simWorld) judgeOrder(out *simOutcome) {
 
 // readLedger reads every accepted request's ledger entry after the world
 // settled (id → entry; absent: none).
-func (w *simWorld) readLedger(ctx context.Context) (map[string]*RequestEntry, error) {
-	kv, err := w.js.KeyValue(ctx, RequestsBucket)
+func (w *simWorld) readLedger(ctx context.Context) (map[string]*v1.RequestEntry, error) {
+	kv, err := w.js.KeyValue(ctx, v1.RequestsBucket)
 	if err != nil {
 		return nil, err
 	}
 	w.mu.Lock()
 	subs := slices.Clone(w.subs)
 	w.mu.Unlock()
-	out := map[string]*RequestEntry{}
+	out := map[string]*v1.RequestEntry{}
 	for _, s := range subs {
 		if !s.accepted {
 			continue
@@ -581,7 +581,7 @@ func (w *simWorld) readLedger(ctx context.Context) (map[string]*RequestEntry, er
 		if err != nil {
 			return nil, err
 		}
-		var le RequestEntry
+		var le v1.RequestEntry
 		if err := json.Unmarshal(e.Value(), &le); err != nil {
 			return nil, err
 		}
@@ -661,7 +661,7 @@ type simIngest struct {
 
 // watchIngest records every publish of a result into the stream.
 func (w *simWorld) watchIngest() error {
-	_, err := w.obs.Subscribe(ResultsIngestPrefix+".>", func(m *nats.Msg) {
+	_, err := w.obs.Subscribe(v1.ResultsIngestPrefix+".>", func(m *nats.Msg) {
 		var r v1.Result
 		if json.Unmarshal(m.Data, &r) != nil {
 			return
@@ -761,7 +761,7 @@ func TestSimOracleCountsAJobForItsHolderFromTheTakeOver(t *testing.T) {
 			w.subs = append(w.subs, &simSub{id: id, req: &v1.Request{Tenant: tenant, RequestID: id}})
 		}
 		for i, wr := range writes {
-			w.records = append(w.records, simRecordRev{at: at(wr.at), key: wr.key, rev: uint64(i + 1), rec: Record{
+			w.records = append(w.records, simRecordRev{at: at(wr.at), key: wr.key, rev: uint64(i + 1), rec: v1.BuildRecord{
 				Key: wr.key, State: wr.state, Run: wr.run, Owner: wr.owner, Tenant: wr.claimTenant,
 				Holder: RequestIndexKey(tenants[wr.holder], wr.holder)}})
 		}
@@ -774,7 +774,7 @@ func TestSimOracleCountsAJobForItsHolderFromTheTakeOver(t *testing.T) {
 		return out.violations
 	}
 	b := func(at float64, key, run, owner, holder, claimTenant string) write {
-		return write{at: at, key: key, run: run, owner: owner, holder: holder, state: StateBuilding, claimTenant: claimTenant}
+		return write{at: at, key: key, run: run, owner: owner, holder: holder, state: v1.StateBuilding, claimTenant: claimTenant}
 	}
 
 	// Seed 217: acme runs K4 and K1 (its limit); globex's request r22

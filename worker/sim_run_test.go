@@ -615,7 +615,7 @@ func (w *simWorld) checkImages() {
 func (w *simWorld) checkIndexed(recs []simRecordRev) map[string]error {
 	out := map[string]error{}
 	for _, rv := range recs {
-		if rv.deleted || rv.rec.State != StateSucceeded || rv.rec.Repository == "" || rv.rec.Digest == "" {
+		if rv.deleted || rv.rec.State != v1.StateSucceeded || rv.rec.Repository == "" || rv.rec.Digest == "" {
 			continue
 		}
 		ref := rv.rec.Repository + "@" + rv.rec.Digest

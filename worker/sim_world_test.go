@@ -520,7 +520,7 @@ type simWorld struct {
 	events  []simEvent
 	ingest  []simIngest
 	// ledger: the accepted requests' ledger entries once settled.
-	ledger   map[string]*RequestEntry
+	ledger   map[string]*v1.RequestEntry
 	quiet    time.Duration
 	registry map[string]string // image → digest (or error) at the end
 	// indexed: every succeeded record's Repository@Digest → nil when the
@@ -975,7 +975,7 @@ func (w *simWorld) cancel(target, key, tenant, name string) *simCancel {
 	case err != nil:
 		c.canceled, c.reply = true, "unknown: "+err.Error()
 	default:
-		var rep CancelReply
+		var rep v1.CancelReply
 		_ = json.Unmarshal(m.Data, &rep)
 		c.done, c.canceled, c.reply = w.now(), rep.Canceled, rep.Message
 	}
@@ -1105,6 +1105,6 @@ func (w *simWorld) claimable(key string) bool {
 	if err != nil {
 		return false
 	}
-	var r Record
-	return json.Unmarshal(e.Value(), &r) == nil && r.State == StateFailed
+	var r v1.BuildRecord
+	return json.Unmarshal(e.Value(), &r) == nil && r.State == v1.StateFailed
 }

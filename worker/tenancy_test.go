@@ -330,7 +330,7 @@ func TestCancelOfASharedBuildSparesOtherTenants(t *testing.T) {
 	// Acme's request takes the run over and adopts the Job.
 	eventually(t, 10*time.Second, "the run to be taken over", func() bool {
 		r := e.claim(key)
-		return r != nil && r.State == StateBuilding && r.Owner != ""
+		return r != nil && r.State == v1.StateBuilding && r.Owner != ""
 	})
 	// The run pushes where its Job says (mallory's repository); acme's
 	// request gets the image copied into its own.
@@ -357,13 +357,13 @@ func TestStatusShowsOnlyTheTenantsOwn(t *testing.T) {
 	e.kubelet(e.waitJob(kaniko.JobName(key)), 0, digestOf("status"))
 	results.waitFor(t, 1, 10*time.Second)
 
-	ask := func(tenant, target string) StatusReply {
+	ask := func(tenant, target string) v1.StatusReply {
 		t.Helper()
 		m, err := tenantAPIRequest(e.nc, tenant, v1.APIStatusSubject(tenant), target, 5*time.Second)
 		if err != nil {
 			t.Fatal(err)
 		}
-		var rep StatusReply
+		var rep v1.StatusReply
 		if err := json.Unmarshal(m.Data, &rep); err != nil {
 			t.Fatal(err)
 		}
@@ -455,7 +455,7 @@ func TestAPIAnswersOnlyOnATenantsOwnReplies(t *testing.T) {
 	hostile := []string{
 		"$KV." + v1.BuildsBucket + "." + hex64("k"),
 		"$KV.buildq-requests.x",
-		"$KV." + SlotsBucket + ".acme.0",
+		"$KV." + v1.SlotsBucket + ".acme.0",
 		"_INBOX.abc.def",
 		v1.InboxPrefix("globex") + ".abc",
 		v1.InboxPrefix("acme"), // the prefix alone is no inbox

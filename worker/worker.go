@@ -186,11 +186,6 @@ func (w *Worker) setup(ctx context.Context) error {
 	return err
 }
 
-// ResultsIngestPrefix is where workers publish results: BUILDQ_RESULTS
-// takes them from buildq.internal.results.<tenant>.<name> and stores and
-// publishes them as buildq.results.<tenant>.<name> (v1.ResultSubject).
-const ResultsIngestPrefix = "buildq.internal.results"
-
 // EnsureStreams creates or updates everything of the wire contract
 // (DESIGN §3) on the server: BUILDQ_REQUESTS, BUILDQ_RESULTS, the dead-letter
 // stream, the buildq-workers consumer and the buildq-builds bucket.
@@ -217,8 +212,8 @@ func EnsureStreams(ctx context.Context, js jetstream.JetStream, cfg Config) (jet
 		// again: every subscriber sees a decision once, whoever published
 		// it how many times (a worker killed between its publish and its
 		// mark, a redelivery).
-		Subjects:         []string{ResultsIngestPrefix + ".>"},
-		SubjectTransform: &jetstream.SubjectTransformConfig{Source: ResultsIngestPrefix + ".>", Destination: v1.ResultsPrefix + ".>"},
+		Subjects:         []string{v1.ResultsIngestPrefix + ".>"},
+		SubjectTransform: &jetstream.SubjectTransformConfig{Source: v1.ResultsIngestPrefix + ".>", Destination: v1.ResultsPrefix + ".>"},
 		RePublish:        &jetstream.RePublish{Source: v1.ResultsPrefix + ".>", Destination: v1.ResultsPrefix + ".>"},
 		Retention:        jetstream.LimitsPolicy,
 		MaxAge:           cfg.ResultsMaxAge,
@@ -229,7 +224,7 @@ func EnsureStreams(ctx context.Context, js jetstream.JetStream, cfg Config) (jet
 		return nil, nil, fmt.Errorf("create stream %s: %w", v1.ResultsStream, err)
 	}
 	if _, err := js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
-		Name:        DeadLetterStream,
+		Name:        v1.DeadLetterStream,
 		Description: "buildq requests that exhausted their deliveries",
 		Subjects:    []string{v1.DeadLetterPrefix + ".>"},
 		Retention:   jetstream.LimitsPolicy,
@@ -238,7 +233,7 @@ func EnsureStreams(ctx context.Context, js jetstream.JetStream, cfg Config) (jet
 		Replicas:    cfg.Replicas,
 		Duplicates:  cfg.DuplicateWindow,
 	}); err != nil {
-		return nil, nil, fmt.Errorf("create stream %s: %w", DeadLetterStream, err)
+		return nil, nil, fmt.Errorf("create stream %s: %w", v1.DeadLetterStream, err)
 	}
 	cons, err := js.CreateOrUpdateConsumer(ctx, v1.RequestsStream, jetstream.ConsumerConfig{
 		Durable:     v1.WorkersConsumer,
@@ -273,9 +268,6 @@ func EnsureStreams(ctx context.Context, js jetstream.JetStream, cfg Config) (jet
 	}
 	return kv, cons, nil
 }
-
-// DeadLetterStream stores copies of requests that exhausted MaxDeliver.
-const DeadLetterStream = "BUILDQ_DEADLETTER"
 
 // fetchWait bounds one pull request; shorter means a faster stop.
 const fetchWait = 2 * time.Second
@@ -449,7 +441,7 @@ func (w *Worker) countQueued(ctx context.Context) {
 	ctx, cancel := context.WithTimeout(ctx, queueMetricsEvery)
 	defer cancel()
 	by := map[string]uint64{}
-	for _, src := range []struct{ stream, prefix string }{{v1.RequestsStream, v1.RequestsPrefix}, {QueueStream, QueuePrefix}} {
+	for _, src := range []struct{ stream, prefix string }{{v1.RequestsStream, v1.RequestsPrefix}, {v1.QueueStream, v1.QueuePrefix}} {
 		st, err := w.js.Stream(ctx, src.stream)
 		if err != nil {
 			return
@@ -461,7 +453,7 @@ func (w *Worker) countQueued(ctx context.Context) {
 		for subj, n := range info.State.Subjects {
 			parts := strings.Split(strings.TrimPrefix(subj, src.prefix+"."), ".")
 			tenant := "_invalid"
-			if (len(parts) == 1 || src.stream == QueueStream) && v1.DNSLabelProblem(parts[0]) == "" {
+			if (len(parts) == 1 || src.stream == v1.QueueStream) && v1.DNSLabelProblem(parts[0]) == "" {
 				tenant = parts[0]
 			}
 			by[tenant] += n
@@ -900,7 +892,7 @@ func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream
 }
 
 // resultVerdict completes v with the final record rec that answers req.
-func (w *Worker) resultVerdict(ctx context.Context, v verdict, req *v1.Request, rec *Record, origin v1.Origin, owned bool, repo string, dests []string) (verdict, error) {
+func (w *Worker) resultVerdict(ctx context.Context, v verdict, req *v1.Request, rec *v1.BuildRecord, origin v1.Origin, owned bool, repo string, dests []string) (verdict, error) {
 	v.data.Origin = origin
 	v.data.Job = rec.Job
 	if owned {
@@ -909,7 +901,7 @@ func (w *Worker) resultVerdict(ctx context.Context, v verdict, req *v1.Request, 
 	if origin != v1.OriginCache {
 		v.data.Timings.BuildMs = max(rec.FinishedAt.Sub(rec.StartedAt).Milliseconds(), 0)
 	}
-	if rec.State == StateSucceeded {
+	if rec.State == v1.StateSucceeded {
 		if err := w.ensureTags(ctx, req.Tenant, rec, dests); err != nil {
 			return v, err
 		}
@@ -1012,7 +1004,7 @@ func (w *Worker) invalidEntry(ctx context.Context, msg jetstream.Msg, req *v1.Re
 // ensureTags makes every destination of a request point at the built
 // image: a request for a known key but another repository or tag gets the
 // image copied or tagged there, not rebuilt.
-func (w *Worker) ensureTags(ctx context.Context, tenant string, rec *Record, dests []string) error {
+func (w *Worker) ensureTags(ctx context.Context, tenant string, rec *v1.BuildRecord, dests []string) error {
 	reg, err := w.tenantRegistry(tenant)
 	if err != nil {
 		return err
@@ -1091,7 +1083,7 @@ func (w *Worker) publishResult(ctx context.Context, tenant, name string, data v1
 	}
 	// Into the results stream, which stores it as
 	// v1.ResultSubject(tenant, name) and publishes it there once stored.
-	m := nats.NewMsg(ResultsIngestPrefix + "." + tenant + "." + name)
+	m := nats.NewMsg(v1.ResultsIngestPrefix + "." + tenant + "." + name)
 	m.Header.Set(v1.MsgIDHeader, v1.MsgID(tenant, data.RequestID))
 	m.Header.Set("Content-Type", v1.CloudEventsContentType)
 	m.Data = b

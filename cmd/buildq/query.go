@@ -12,7 +12,6 @@ import (
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/publisher"
-	"github.com/buildq/buildq/worker"
 )
 
 func newWatchCmd() *cobra.Command {
@@ -133,7 +132,7 @@ on buildq.api.status.<tenant> with that tenant's requests and builds only.`,
 				return err
 			}
 			defer nc.Close()
-			var view worker.StatusReply
+			var view v1.StatusReply
 			if err := apiRequest(cmd.Context(), nc, tenant, v1.APIStatusSubject(tenant), args[0], &view); err != nil {
 				return err
 			}
@@ -172,7 +171,7 @@ on buildq.api.status.<tenant> with that tenant's requests and builds only.`,
 				if b.Digest != "" {
 					fmt.Fprintf(out, "image    %s@%s\n", b.Repository, b.Digest)
 				}
-				if b.State == worker.StateBuilding && b.Owner != "" {
+				if b.State == v1.StateBuilding && b.Owner != "" {
 					fmt.Fprintf(out, "owner    %s\n", b.Owner)
 				}
 			}
@@ -233,7 +232,7 @@ answers on buildq.api.cancel.<tenant>.`,
 				return err
 			}
 			defer nc.Close()
-			var rep worker.CancelReply
+			var rep v1.CancelReply
 			if err := apiRequest(cmd.Context(), nc, tenant, v1.APICancelSubject(tenant), args[0], &rep); err != nil {
 				return err
 			}

@@ -408,9 +408,9 @@ func runRestart(t *testing.T, m restartMode) {
 		tenants[name] = &tenant{nc: nc, pub: pub, results: subscribeResults(t, nc, name)}
 	}
 	acme := tenants["acme"]
-	status := func(id string) worker.StatusReply {
+	status := func(id string) v1.StatusReply {
 		t.Helper()
-		var rep worker.StatusReply
+		var rep v1.StatusReply
 		tenantAPI(t, acme.pub, "acme", v1.APIStatusSubject("acme"), id, &rep)
 		return rep
 	}
@@ -435,7 +435,7 @@ func runRestart(t *testing.T, m restartMode) {
 	}
 	publishRetrying(t, globex.pub, g1)
 	eventually("globex's request waiting on acme's build", func() bool {
-		var rep worker.StatusReply
+		var rep v1.StatusReply
 		tenantAPI(t, globex.pub, "globex", v1.APIStatusSubject("globex"), g1.RequestID, &rep)
 		return rep.Request != nil && rep.Request.Result == nil && rep.Build == nil && rep.Request.Key != ""
 	})
@@ -450,7 +450,7 @@ func runRestart(t *testing.T, m restartMode) {
 	if rep := status(r1.RequestID); rep.Request == nil || rep.Request.Result != nil || rep.Request.Key == "" {
 		t.Fatalf("status of r1 after the restart: %+v", rep)
 	}
-	var cr worker.CancelReply
+	var cr v1.CancelReply
 	tenantAPI(t, acme.pub, "acme", v1.APICancelSubject("acme"), r2.RequestID, &cr)
 	if !cr.Canceled || cr.Requests != 1 {
 		t.Fatalf("cancel of r2 after the restart: %+v", cr)

@@ -278,7 +278,7 @@ func checkTenantsApart(t *testing.T, w world) {
 		// publishes each once stored; events directly.
 		for _, s := range []string{"buildq.results.globex.x", "buildq.events.globex.x", "buildq.results.acme.x", "buildq.events.acme.x"} {
 			if strings.HasPrefix(s, v1.ResultsPrefix+".") {
-				m := nats.NewMsg(worker.ResultsIngestPrefix + strings.TrimPrefix(s, v1.ResultsPrefix))
+				m := nats.NewMsg(v1.ResultsIngestPrefix + strings.TrimPrefix(s, v1.ResultsPrefix))
 				m.Header.Set(v1.MsgIDHeader, s)
 				m.Data = []byte(s)
 				if _, err := wjs.PublishMsg(ctx, m); err != nil {
