@@ -2,9 +2,11 @@ package v1
 
 import "time"
 
-// The workers' own JetStream resources and what they store. Producers and
-// subscribers need none of it; operators, the CLI's status and cancel, and
-// tools reading the buckets (the NATS CLI) do. Workers own every write.
+// The workers' own JetStream resources and what they store, and the tenant
+// API's replies. Producers need only the replies (a producer waiting on a
+// result asks the status service); operators, the CLI's status and cancel,
+// and tools reading the buckets (the NATS CLI) read the rest. Workers own
+// every write.
 
 const (
 	// QueueStream holds admitted requests until they are finished, one
