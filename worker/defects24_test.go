@@ -288,22 +288,7 @@ func TestIssue24KilledHoldersSlotOutlivesTheLeaseWhileItsJobRuns(t *testing.T) {
 	}
 	w1 := e.startWorker("w1", cfg)
 	results := e.collect()
-	ctx := context.Background()
-	names := map[string]string{}
-	r1 := tenantRequest("acme", "i24-killed-holder")
-	names[jobOf(r1)] = "acme"
-	if _, err := e.pub.Publish(ctx, r1); err != nil {
-		t.Fatal(err)
-	}
-	e.waitJob(jobOf(r1))
-	e.startWorker("w2", cfg)
-	r2 := tenantRequest("acme", "i24-next")
-	r2.Priority = v1.PriorityHigh
-	names[jobOf(r2)] = "acme"
-	if _, err := e.pub.Publish(ctx, r2); err != nil {
-		t.Fatal(err)
-	}
-	e.waitAdmitted(2)
+	r1, r2, names := i24HolderAndNext(t, e, "i24-killed-holder", "i24-next", func() { e.startWorker("w2", cfg) })
 	i24Kill(w1)
 	// Past the lease, past r1's redelivery and w2's take-over of its run.
 	i24NeverTwo(t, e, names, 12*time.Second, "the killed holder's slot was given to another request while its Job ran")
@@ -528,22 +513,7 @@ func TestIssue24SlotSurvivesANATSOutageLongerThanTheLease(t *testing.T) {
 			onCreate: func(string, []byte) error { return fail() },
 			onUpdate: func(string, []byte) error { return fail() }}
 	})
-	ctx := context.Background()
-	names := map[string]string{}
-	r1 := tenantRequest("acme", "i24-outage-holder")
-	names[jobOf(r1)] = "acme"
-	if _, err := e.pub.Publish(ctx, r1); err != nil {
-		t.Fatal(err)
-	}
-	e.waitJob(jobOf(r1))
-	e.startWorker("w2", limit)
-	r2 := tenantRequest("acme", "i24-outage-next")
-	r2.Priority = v1.PriorityHigh
-	names[jobOf(r2)] = "acme"
-	if _, err := e.pub.Publish(ctx, r2); err != nil {
-		t.Fatal(err)
-	}
-	e.waitAdmitted(2)
+	r1, _, names := i24HolderAndNext(t, e, "i24-outage-holder", "i24-outage-next", func() { e.startWorker("w2", limit) })
 	time.Sleep(500 * time.Millisecond)
 	blocked.Store(true)
 	i24RestartNATS(t, e, 3*time.Second)
@@ -650,4 +620,28 @@ func TestIssue24IndexTTLMustOutliveTheLease(t *testing.T) {
 	if _, err := New(nil, nil, cfg); err == nil || !strings.Contains(err.Error(), "index TTL") {
 		t.Fatalf("New with --lease 30m --index-ttl 1h = %v, want refused", err)
 	}
+}
+
+// i24HolderAndNext publishes acme's request id1, waits for its Job, runs
+// then (a second worker's start), and publishes acme's high-priority id2,
+// which waits on the tenant's one slot. names maps both Jobs to acme.
+func i24HolderAndNext(t *testing.T, e *env, id1, id2 string, then func()) (r1, r2 *v1.Request, names map[string]string) {
+	t.Helper()
+	ctx := context.Background()
+	names = map[string]string{}
+	r1 = tenantRequest("acme", id1)
+	names[jobOf(r1)] = "acme"
+	if _, err := e.pub.Publish(ctx, r1); err != nil {
+		t.Fatal(err)
+	}
+	e.waitJob(jobOf(r1))
+	then()
+	r2 = tenantRequest("acme", id2)
+	r2.Priority = v1.PriorityHigh
+	names[jobOf(r2)] = "acme"
+	if _, err := e.pub.Publish(ctx, r2); err != nil {
+		t.Fatal(err)
+	}
+	e.waitAdmitted(2)
+	return r1, r2, names
 }
