@@ -8,45 +8,26 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"time"
 
 	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 
 	"github.com/buildq/buildq/internal/contexttar"
 	"github.com/buildq/buildq/internal/devstack"
 	"github.com/buildq/buildq/internal/kaniko"
-	"github.com/buildq/buildq/internal/naming"
 	"github.com/buildq/buildq/internal/registry"
 	"github.com/buildq/buildq/internal/s3store"
 	"github.com/buildq/buildq/worker"
 )
 
-// devFlags configure `buildq dev`.
-type devFlags struct {
-	data         string
-	natsAddr     string
-	s3Addr       string
-	registryAddr string
-	inFlight     int
-	kubeconfig   string
-	jobTemplate  string
-	unsafeListen bool
-	kaniko       kaniko.Config
-	namingPol    naming.Policy
-	logLevel     string
-	logFormat    string
-	fair         worker.FairConfig
-}
-
 func newDevCmd() *cobra.Command {
-	var f devFlags
+	var c serveConfig
 	cmd := &cobra.Command{
 		Use:   "dev",
 		Short: "Run the whole stack in one process: NATS, S3, a registry and a worker",
@@ -86,22 +67,13 @@ In another terminal:
 			if err := bindEnv(cmd, nil); err != nil {
 				return err
 			}
-			return runDev(cmd.Context(), cmd.ErrOrStderr(), &f)
+			if err := c.Validate(); err != nil {
+				return err
+			}
+			return runDev(cmd.Context(), cmd.ErrOrStderr(), &c)
 		},
 	}
-	fs := cmd.Flags()
-	fs.StringVar(&f.data, "data", "", "directory for NATS, S3 and registry data (default: a temporary directory, removed at exit)")
-	fs.StringVar(&f.natsAddr, "nats-addr", "127.0.0.1:4222", "NATS listen address")
-	fs.StringVar(&f.s3Addr, "s3-addr", "127.0.0.1:9000", "S3 listen address")
-	fs.StringVar(&f.registryAddr, "registry-addr", "127.0.0.1:5000", "registry listen address")
-	fs.IntVar(&f.inFlight, "max-in-flight", 4, "builds run at once")
-	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "launch kaniko Jobs on this cluster instead of building in-process")
-	fs.StringVar(&f.jobTemplate, "job-template", "", "with --kubeconfig: "+jobTemplateHelp)
-	fs.BoolVar(&f.unsafeListen, "unsafe-listen", false, "let --s3-addr and --registry-addr be non-loopback addresses a cluster's Pods can reach; both have no authentication")
-	registerKaniko(fs, &f.kaniko, &f.namingPol)
-	registerFair(fs, &f.fair)
-	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn, error")
-	fs.StringVar(&f.logFormat, "log-format", "console", "log format: console or json")
+	c.registerDev(cmd.Flags())
 	return cmd
 }
 
@@ -109,11 +81,7 @@ In another terminal:
 const devS3Secret = "buildq-dev-s3"
 
 // ensureDevS3Secret creates or updates devS3Secret in the Jobs' namespace.
-func ensureDevS3Secret(ctx context.Context, kubeconfig, namespace string) error {
-	rc, err := restConfig(kubeconfig)
-	if err != nil {
-		return failed(fmt.Errorf("kubernetes config: %w", err))
-	}
+func ensureDevS3Secret(ctx context.Context, rc *rest.Config, namespace string) error {
 	client, err := kubernetes.NewForConfig(rc)
 	if err != nil {
 		return failed(fmt.Errorf("kubernetes client: %w", err))
@@ -146,17 +114,23 @@ func nonLoopback(addrs ...string) []string {
 	return out
 }
 
-func runDev(ctx context.Context, stderr io.Writer, f *devFlags) error {
-	log, err := newLogger(f.logLevel, f.logFormat)
+// runDev runs the stack and its worker from a validated configuration
+// until ctx ends.
+func runDev(ctx context.Context, stderr io.Writer, c *serveConfig) error {
+	log, err := newLogger(c.logLevel, c.logFormat)
 	if err != nil {
 		return err
 	}
 	defer func() { _ = log.Sync() }()
-	if f.jobTemplate != "" && f.kubeconfig == "" {
-		return usageErr("--job-template shapes kaniko Jobs: it needs --kubeconfig")
+	var rc *rest.Config
+	if c.kubeconfig != "" {
+		// Before anything starts: a bad --kubeconfig stops dev at once.
+		if rc, err = restConfig(c.kubeconfig); err != nil {
+			return err
+		}
 	}
 
-	dataDir, temporary := f.data, false
+	dataDir, temporary := c.dev.data, false
 	if dataDir == "" {
 		dataDir, err = os.MkdirTemp("", "buildq-dev-")
 		if err != nil {
@@ -169,8 +143,8 @@ func runDev(ctx context.Context, stderr io.Writer, f *devFlags) error {
 		return failed(err)
 	}
 	stack, err := devstack.Start(ctx, devstack.Options{
-		DataDir: dataDir, NATSAddr: f.natsAddr, S3Addr: f.s3Addr, RegistryAddr: f.registryAddr, Logger: log.Named("stack"),
-		UnsafeListen: f.unsafeListen,
+		DataDir: dataDir, NATSAddr: c.dev.natsAddr, S3Addr: c.dev.s3Addr, RegistryAddr: c.dev.registryAddr, Logger: log.Named("stack"),
+		UnsafeListen: c.dev.unsafeListen,
 	})
 	if err != nil {
 		return failed(err)
@@ -196,68 +170,63 @@ func runDev(ctx context.Context, stderr io.Writer, f *devFlags) error {
 
 	var backend worker.Backend
 	executor := "local (in-process; RUN needs --kubeconfig)"
-	if f.kubeconfig != "" {
-		kc := f.kaniko
-		if err := checkExecutorImage(kc.ExecutorImage); err != nil {
-			return err
-		}
-		if kc, err = applyJobTemplate(kc, f.jobTemplate); err != nil {
-			return err
-		}
+	if c.kubeconfig != "" {
+		kc := c.job
 		if kc.S3Endpoint == "" {
 			kc.S3Endpoint = stack.S3Endpoint
 		}
 		if kc.S3Secret == "" {
 			// kaniko's S3 client needs keys; the dev store's are fixed and
 			// public, so dev puts them in a Secret of its own.
-			if err := ensureDevS3Secret(ctx, f.kubeconfig, kc.Namespace); err != nil {
+			if err := ensureDevS3Secret(ctx, rc, kc.Namespace); err != nil {
 				return err
 			}
 			kc.S3Secret = devS3Secret
 		}
-		if len(kc.InsecureRegistries) == 0 && f.namingPol.Registry == "" {
+		var presign worker.Presigner
+		if kc.FetchImage != "" {
+			// The fetch-context init container reads the context
+			// through a URL signed with the dev store's keys.
+			presign = store.PresignGet
+		}
+		if len(kc.InsecureRegistries) == 0 && c.naming.Registry == "" {
 			// The dev registry speaks plain HTTP.
 			kc.InsecureRegistries = []string{stack.RegistryAddr}
 		}
-		kb, stopKube, err := kubeBackend(ctx, f.kubeconfig, defaultKubeQPS, defaultKubeBurst, kc, log)
+		kb, stopKube, err := kubeBackend(ctx, rc, float32(c.kubeQPS), c.kubeBurst, kc, log)
 		if err != nil {
 			return err
 		}
 		defer stopKube()
-		backend = kb.WithDigestResolver(reg.Head)
+		backend = kb.WithDigestResolver(reg.Head).WithPresigner(presign)
 		executor = "kaniko Jobs in namespace " + kc.Namespace
 	} else {
 		work := filepath.Join(dataDir, "work")
 		if err := os.MkdirAll(work, 0o755); err != nil {
 			return failed(err)
 		}
-		backend = worker.NewLocalBackend(store, reg, work, contexttar.DefaultMaxBytes).WithAllowedRegistries(f.namingPol.Registries)
+		backend = worker.NewLocalBackend(store, reg, work, contexttar.DefaultMaxBytes).WithAllowedRegistries(c.naming.Registries)
 	}
 
-	np := f.namingPol
-	if np.Registry == "" {
-		np.Registry = stack.RegistryAddr
-	}
+	cfg := c.worker
 	// The same destination policy as a worker's (np.AllowedPatterns): a
 	// tenant pushes only to its own part of the registry, by default
 	// {registry}/{tenant}/**, so the policy can be tried locally.
 	// --allowed-destination '{registry}/**' lets any tenant push anywhere.
+	cfg.Naming = c.naming
+	if cfg.Naming.Registry == "" {
+		cfg.Naming.Registry = stack.RegistryAddr
+	}
+	cfg.Registry = reg
+	// Tenants are answered from one another's builds only for content
+	// they hold, as with a worker.
+	cfg.Contexts = store
+	cfg.Logger = log.Named("worker")
 	nc, err := nats.Connect(stack.NATSURL, nats.Name("buildq-dev-worker"), nats.MaxReconnects(-1))
 	if err != nil {
 		return failed(err)
 	}
 	defer nc.Close()
-	cfg := worker.Config{
-		ID: "dev", MaxInFlight: f.inFlight, Storage: jetstream.FileStorage, Naming: np, Registry: reg,
-		ContextPrefix: "contexts/{tenant}/", Fair: f.fair,
-		// dev's NATS has no authentication: every client is trusted, and
-		// third-party tools (nats req) may use any inbox.
-		AnyReply: true,
-		// Tenants are answered from one another's builds only for content
-		// they hold, as with a worker.
-		Contexts: store,
-		Logger:   log.Named("worker"), ShutdownTimeout: 5 * time.Second,
-	}
 	w, err := worker.New(nc, backend, cfg)
 	if err != nil {
 		return usageErr("%v", err)

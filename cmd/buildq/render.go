@@ -15,13 +15,10 @@ import (
 
 func newRenderCmd() *cobra.Command {
 	var (
-		rf           requestFlags
-		kc           kaniko.Config
-		np           naming.Policy
-		output       string
-		reqID        string
-		jobTemplate  string
-		singleTenant bool
+		rf     requestFlags
+		c      serveConfig
+		output string
+		reqID  string
 	)
 	cmd := &cobra.Command{
 		Use:   "render DIR",
@@ -48,10 +45,11 @@ refuse, render refuses too (exit 2), with the same message.`,
 			if output != "yaml" && output != "json" {
 				return usageErr("-o must be yaml or json, got %q", output)
 			}
-			kc, err := checkJobConfig(kc, np, jobTemplate, singleTenant)
-			if err != nil {
+			// The checks a worker runs at start on the same flags.
+			if err := c.Validate(); err != nil {
 				return err
 			}
+			kc, np := c.job, c.naming
 			req, err := rf.request(args[0])
 			if err != nil {
 				return err
@@ -100,11 +98,9 @@ refuse, render refuses too (exit 2), with the same message.`,
 		},
 	}
 	rf.register(cmd.Flags())
-	registerKaniko(cmd.Flags(), &kc, &np)
+	c.registerRender(cmd.Flags())
 	cmd.Flags().StringVarP(&output, "output", "o", "yaml", "output format: yaml or json")
 	cmd.Flags().StringVar(&reqID, "request-id", "render", "request id recorded in the Job's annotations")
-	cmd.Flags().StringVar(&jobTemplate, "job-template", "", jobTemplateHelp)
-	registerSingleTenant(cmd.Flags(), &singleTenant)
 	return cmd
 }
 
