@@ -1,0 +1,334 @@
+//go:build integration && benche2e
+
+package integration
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	batchv1 "k8s.io/api/batch/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/buildq/buildq/internal/benchfmt"
+	"github.com/buildq/buildq/internal/kaniko"
+)
+
+// baselineJob is what the P1 baseline creates: buildq's own Job as the
+// API server stored it, renamed and without buildq's label (no worker or
+// emulator looks at it). The Job controller gives it a Pod like buildq's,
+// which stays Pending.
+func baselineJob(like *batchv1.Job, name string) *batchv1.Job {
+	j := like.DeepCopy()
+	strip := func(labels map[string]string) map[string]string {
+		out := map[string]string{"bench": "baseline"}
+		for k, v := range labels {
+			if k != kaniko.LabelManagedBy && k != "controller-uid" && k != "job-name" && !strings.HasPrefix(k, "batch.kubernetes.io/") {
+				out[k] = v
+			}
+		}
+		return out
+	}
+	annotations := maps.Clone(j.Annotations)
+	delete(annotations, kaniko.AnnotationRequestID)
+	j.ObjectMeta = metav1.ObjectMeta{Name: name, Labels: strip(j.Labels), Annotations: annotations}
+	j.Spec.Selector, j.Spec.ManualSelector = nil, nil
+	j.Spec.Template.Labels = strip(j.Spec.Template.Labels)
+	j.Status = batchv1.JobStatus{}
+	return j
+}
+
+// Why the goals P1, P2 and P3 are missed, measured with the traces and
+// message counts these benchmarks take (docs/benchmarks.md prints them).
+const (
+	p1Why = "Why buildq's path is longer (a trace of one worker's stages, and P3's count of messages): a second queue hop for fair queueing (intake moves the request to its tenant's queue, a dispatcher takes it from there: about 1.5–3 ms here), the request's ledger entry (one answer per request: a KV create), the build claim (one build per key: a KV read and a create), the preflight of the requester's tag in the registry (one HEAD), then the same Job create as the baseline. Each is a round trip to NATS or the registry on this shared 2-core machine, together about 5–9 ms on top of the baseline's. Each carries a guarantee (fair share, one answer per request, one build per key, no tag overwritten), so the 1.3× goal is not met by design. Cut while measuring: the preflight's ping and re-authentication before every HEAD, and the ledger's read before its create."
+	p2Why = "After its Job finishes buildq writes the build's final record (joiners and later requests read it), stores the request's decision in its ledger entry (a redelivery publishes the same result, never another), then publishes the result: three durable writes in sequence where the baseline makes one publish, 2–4 ms here. The baseline's p50 is below a millisecond, so the ratio is large while the overhead is a few milliseconds on builds of seconds to minutes; the goal is not met by design."
+	p3Why = "A cache hit asks the server for about 13 messages (listed above, the producer's publish included) where the baseline needs 5: intake's move into the tenant's queue (fetch, publish, ack, later the delete and the ack of the queued copy), the ledger entry (create, decision, published mark), the build record, the result and two progress events; the registry HEAD that checks the indexed image is still there comes on top. Dumps of the worker's goroutines during the run (BUILDQ_BENCH_PPROF) find the hits in flight spread about evenly over six waits, one after the other: the ledger entry's create, the build record's read, the registry HEAD, the decision, the result's publish, and the queue delete (the published mark goes beside it); the baseline waits on two, the read and the publish. Each wait also takes longer under the load of 13 messages per hit. The 0.5× goal cannot be met without dropping the fair queue, the exactly-once ledger or the registry check; hits scale with workers instead (P9: about 1,700 answers per second over 10 workers, bounded by the NATS server's CPU). Cut while measuring: concurrent hits on one image share one registry HEAD, and the published mark goes beside the ack instead of before it (together 644 → 1,461 hits/s on this machine, the goroutine dumps' finding); fetches (the dispatcher takes several queued requests per fetch: 0.43–0.76 fetch requests per hit, intake's included, from 2); the ping and re-authentication before each registry HEAD; and the ledger's read before its create."
+)
+
+// notMet returns why when a goal was missed.
+func notMet(met bool, why string) []string {
+	if met {
+		return nil
+	}
+	return []string{why}
+}
+
+// TestBenchE2ELatency measures P1 (publish → Job visible), P2 (Job
+// complete → result received) against bare programs at three loads, and
+// P4 (Kubernetes API requests per build) over the same builds.
+func TestBenchE2ELatency(t *testing.T) {
+	start := time.Now()
+	const buildTime = 300 * time.Millisecond
+	s := newSuite(t, options{faults: func(*corev1.Pod) fault { return fault{duration: buildTime} }})
+	w := s.startBenchWorker("bench-1")
+	src := s.benchSource()
+	results := s.resultClock()
+	jobs := s.jobClock()
+	ctx := context.Background()
+
+	// P1's baseline: publish → fetch → create a Job, nothing else.
+	js := s.js()
+	stream, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "BENCH_P1", Subjects: []string{"bench.p1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cons, err := stream.CreateOrUpdateConsumer(ctx, jetstream.ConsumerConfig{Durable: "bench", AckPolicy: jetstream.AckExplicitPolicy})
+	if err != nil {
+		t.Fatal(err)
+	}
+	baseKube := kubernetes.NewForConfigOrDie(benchRest())
+	// A warm-up build: connections, the first Job (the baseline's
+	// model), the caches.
+	warm := src.request("warm", "warm")
+	src.publish(warm)
+	results.wait(t, []string{warm.RequestID}, time.Minute)
+	jobs.mu.Lock()
+	like := jobs.first
+	jobs.mu.Unlock()
+	t.Cleanup(func() {
+		_ = shared.kube.BatchV1().Jobs(s.ns).DeleteCollection(context.Background(),
+			metav1.DeleteOptions{PropagationPolicy: ptr(metav1.DeletePropagationBackground)}, metav1.ListOptions{LabelSelector: "bench=baseline"})
+	})
+	it, err := cons.Messages()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(it.Stop)
+	go func() {
+		for {
+			m, err := it.Next()
+			if err != nil {
+				return
+			}
+			go func() {
+				if _, err := baseKube.BatchV1().Jobs(s.ns).Create(ctx, baselineJob(like, string(m.Data())), metav1.CreateOptions{}); err != nil {
+					t.Errorf("baseline create: %v", err)
+				}
+				_ = m.Ack()
+			}()
+		}
+	}()
+
+	// P2's baseline: an informer that publishes when a Job completes.
+	p2nc, err := nats.Connect(s.natsURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p2nc.Close)
+	p2js, _ := jetstream.New(p2nc)
+	if _, err := p2js.CreateStream(ctx, jetstream.StreamConfig{Name: "BENCH_P2", Subjects: []string{"bench.p2.>"}}); err != nil {
+		t.Fatal(err)
+	}
+	var p2mu sync.Mutex
+	p2at := map[string]time.Time{}
+	p2sub, err := s.nc.Subscribe("bench.p2.>", func(m *nats.Msg) {
+		now := time.Now()
+		p2mu.Lock()
+		defer p2mu.Unlock()
+		if _, ok := p2at[string(m.Data)]; !ok {
+			p2at[string(m.Data)] = now
+		}
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = p2sub.SetPendingLimits(-1, -1)
+	_ = s.nc.Flush()
+	var published sync.Map
+	factory := informers.NewSharedInformerFactoryWithOptions(kubernetes.NewForConfigOrDie(benchRest()), 0, informers.WithNamespace(s.ns),
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = kaniko.ManagedBySelector }))
+	onJob := func(obj any) {
+		j, ok := obj.(*batchv1.Job)
+		if !ok || !jobComplete(j) {
+			return
+		}
+		if _, dup := published.LoadOrStore(j.Name, true); dup {
+			return
+		}
+		if _, err := p2js.Publish(ctx, "bench.p2."+j.Name, []byte(j.Name)); err != nil {
+			t.Errorf("baseline publish: %v", err)
+		}
+	}
+	_, _ = factory.Batch().V1().Jobs().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: onJob, UpdateFunc: func(_, o any) { onJob(o) }})
+	stopInf := make(chan struct{})
+	factory.Start(stopInf)
+	factory.WaitForCacheSync(stopInf)
+	t.Cleanup(func() { close(stopInf); factory.Shutdown() })
+
+	if _, err := js.Publish(ctx, "bench.p1", []byte("baseline-warm")); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 30*time.Second, "the warm-up baseline Job", func() bool {
+		jobs.mu.Lock()
+		defer jobs.mu.Unlock()
+		_, ok := jobs.seen["baseline-warm"]
+		return ok
+	})
+	eventually(t, time.Minute, "the warm-up Job deleted", func() bool {
+		n, d := jobs.buildqJobs()
+		return n == 1 && d == 1
+	})
+	before := w.kubeRequests(t)
+
+	loads := []float64{2, 5, 10}
+	const perLoad = 30
+	var p1Series, p1Base, p1Series99, p1Base99, p2Series, p2Base, p2Series99, p2Base99 []benchfmt.Point
+	var rows []benchfmt.Row
+	var all []string
+	p1Met, p2Met := true, true
+	for li, load := range loads {
+		var ids []string
+		pubAt := map[string]time.Time{}
+		basePubAt := map[string]time.Time{}
+		tick := time.NewTicker(time.Duration(float64(time.Second) / load))
+		for i := range perLoad {
+			req := src.request("lat", fmt.Sprintf("%d-%d", li, i))
+			name := fmt.Sprintf("baseline-%d-%d", li, i)
+			pubBase := func() {
+				basePubAt[name] = time.Now()
+				if _, err := js.Publish(ctx, "bench.p1", []byte(name)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			// Alternate which goes first, so neither always waits for
+			// the other's publish.
+			if i%2 == 0 {
+				pubAt[req.RequestID] = src.publish(req)
+				pubBase()
+			} else {
+				pubBase()
+				pubAt[req.RequestID] = src.publish(req)
+			}
+			ids = append(ids, req.RequestID)
+			<-tick.C
+		}
+		tick.Stop()
+		results.wait(t, ids, 3*time.Minute)
+		results.check(t, ids)
+		all = append(all, ids...)
+		eventually(t, time.Minute, "the baseline Jobs and completions", func() bool {
+			jobs.mu.Lock()
+			defer jobs.mu.Unlock()
+			p2mu.Lock()
+			defer p2mu.Unlock()
+			for n := range basePubAt {
+				if _, ok := jobs.seen[n]; !ok {
+					return false
+				}
+			}
+			for _, id := range ids {
+				j := jobs.byReq[id]
+				if _, ok := p2at[j]; !ok || j == "" {
+					return false
+				}
+			}
+			return true
+		})
+		var p1, b1, p2, b2 []float64
+		jobs.mu.Lock()
+		p2mu.Lock()
+		for _, id := range ids {
+			j := jobs.byReq[id]
+			p1 = append(p1, ms(jobs.seen[j].Sub(pubAt[id])))
+			done, ok := jobs.complete[j]
+			if !ok {
+				t.Errorf("job %s of request %s: never seen complete", j, id)
+				continue
+			}
+			p2 = append(p2, ms(results.arrival(id).Sub(done)))
+			b2 = append(b2, ms(p2at[j].Sub(done)))
+		}
+		for n, at := range basePubAt {
+			b1 = append(b1, ms(jobs.seen[n].Sub(at)))
+		}
+		p2mu.Unlock()
+		jobs.mu.Unlock()
+		a50, a99 := pct(p1)
+		c50, c99 := pct(b1)
+		d50, d99 := pct(p2)
+		e50, e99 := pct(b2)
+		l := fmt.Sprintf("%g req/s", load)
+		rows = append(rows,
+			benchfmt.Compared("P1 publish → Job visible, p50 @ "+l, "ms", a50, c50),
+			benchfmt.Compared("P1 publish → Job visible, p99 @ "+l, "ms", a99, c99),
+			benchfmt.Compared("P2 Job complete → result, p50 @ "+l, "ms", d50, e50),
+			benchfmt.Compared("P2 Job complete → result, p99 @ "+l, "ms", d99, e99))
+		p1Met = p1Met && a50 <= 1.3*c50 && a99 <= 1.3*c99
+		p2Met = p2Met && d50 <= 1.3*e50 && d99 <= 1.3*e99
+		p1Series, p1Base = append(p1Series, benchfmt.Point{X: load, Y: a50}), append(p1Base, benchfmt.Point{X: load, Y: c50})
+		p1Series99, p1Base99 = append(p1Series99, benchfmt.Point{X: load, Y: a99}), append(p1Base99, benchfmt.Point{X: load, Y: c99})
+		p2Series, p2Base = append(p2Series, benchfmt.Point{X: load, Y: d50}), append(p2Base, benchfmt.Point{X: load, Y: e50})
+		p2Series99, p2Base99 = append(p2Series99, benchfmt.Point{X: load, Y: d99}), append(p2Base99, benchfmt.Point{X: load, Y: e99})
+	}
+
+	// P4: what those builds cost in API requests, once every Job is gone.
+	eventually(t, 2*time.Minute, "every Job deleted", func() bool {
+		n, d := jobs.buildqJobs()
+		return n == d
+	})
+	after := w.kubeRequests(t)
+	builds := float64(len(all))
+	var p4 []benchfmt.Row
+	mutating, gets := 0.0, 0.0
+	for _, k := range slices.Sorted(maps.Keys(after)) {
+		n := (after[k] - before[k]) / builds
+		if n == 0 {
+			continue
+		}
+		switch verb(k) {
+		case "get", "list":
+			gets += n
+		default:
+			mutating += n
+		}
+		p4 = append(p4, benchfmt.Compared("P4 "+k+" per build", "requests", n, map[string]float64{"create jobs": 1, "delete jobs": 1}[k]))
+	}
+	p4 = append(p4, benchfmt.Compared("P4 mutating requests per build", "requests", mutating, 2), benchfmt.Compared("P4 GET/LIST per build", "requests", gets, 0))
+	elapsed := time.Since(start).Seconds()
+
+	series := func(name, y string, pts []benchfmt.Point) benchfmt.Series {
+		return benchfmt.Series{Name: name, XLabel: "offered load (requests/s)", YLabel: y, Points: pts}
+	}
+	writeResult(t, benchfmt.Result{ID: "P1", Title: "publish → Job visible in the API",
+		Baseline: "a bare program in the same run, at the same rate: JetStream publish → fetch → Job create (client-go, same rate limit as the worker)",
+		Rows:     filterRows(rows, "P1"), Goal: "p50 and p99 within 1.3× the baseline", Met: benchfmt.Bool(p1Met), Seconds: elapsed, Notes: notMet(p1Met, p1Why),
+		Series: []benchfmt.Series{series("P1 buildq p50", "P1 latency (ms)", p1Series), series("P1 baseline p50", "P1 latency (ms)", p1Base),
+			series("P1 buildq p99", "P1 latency (ms)", p1Series99), series("P1 baseline p99", "P1 latency (ms)", p1Base99)}})
+	writeResult(t, benchfmt.Result{ID: "P2", Title: "Job complete → result event received",
+		Baseline: "a bare informer on the same Jobs that publishes to JetStream when one completes; both timed from a third informer seeing the Job complete",
+		Rows:     filterRows(rows, "P2"), Goal: "p50 and p99 within 1.3× the baseline", Met: benchfmt.Bool(p2Met), Seconds: elapsed, Notes: notMet(p2Met, p2Why),
+		Series: []benchfmt.Series{series("P2 buildq p50", "P2 latency (ms)", p2Series), series("P2 baseline p50", "P2 latency (ms)", p2Base),
+			series("P2 buildq p99", "P2 latency (ms)", p2Series99), series("P2 baseline p99", "P2 latency (ms)", p2Base99)}})
+	writeResult(t, benchfmt.Result{ID: "P4", Title: "Kubernetes API requests per build, by verb",
+		Baseline: "the minimum: one create and one delete of the Job",
+		Rows:     p4, Goal: "≤ 2 mutating requests and 0 GETs per build", Met: benchfmt.Bool(mutating <= 2 && gets == 0), Seconds: elapsed,
+		Notes: []string{fmt.Sprintf("%d builds; the worker's own client, counted by buildq_kube_requests_total; the informers' watches are not requests per build", len(all))}})
+}
+
+// verb is the verb of a "verb resource" key of kubeRequests.
+func verb(k string) string {
+	v, _, _ := strings.Cut(k, " ")
+	return v
+}
+
+func filterRows(rows []benchfmt.Row, prefix string) []benchfmt.Row {
+	var out []benchfmt.Row
+	for _, r := range rows {
+		if strings.HasPrefix(r.Metric, prefix) {
+			out = append(out, r)
+		}
+	}
+	return out
+}
