@@ -293,12 +293,12 @@ func RepositoryProblem(s string) string {
 	return ""
 }
 
-func relPathProblem(p string, max int) string {
+func relPathProblem(p string, maxLen int) string {
 	switch {
 	case p == "":
 		return "is required"
-	case len(p) > max:
-		return fmt.Sprintf("is longer than %d characters", max)
+	case len(p) > maxLen:
+		return fmt.Sprintf("is longer than %d characters", maxLen)
 	case strings.HasPrefix(p, "/"):
 		return fmt.Sprintf("%q must be a relative path", truncate(p, 80))
 	case strings.ContainsAny(p, "\x00\r\n\\"):

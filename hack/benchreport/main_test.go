@@ -218,7 +218,7 @@ func TestSVG(t *testing.T) {
 	dec := xml.NewDecoder(strings.NewReader(o.svg))
 	for {
 		tok, err := dec.Token()
-		if err == io.EOF {
+		if errors.Is(err, io.EOF) {
 			break
 		}
 		if err != nil {

@@ -305,7 +305,7 @@ func loopbackAddr(service, addr, def, flag string, unsafe bool) (string, error) 
 	}
 	host, port, err := net.SplitHostPort(addr)
 	if err != nil {
-		return "", fmt.Errorf("%s: bad address %q: %v (use %s host:port)", service, addr, err, flag)
+		return "", fmt.Errorf("%s: bad address %q: %w (use %s host:port)", service, addr, err, flag)
 	}
 	if p, err := strconv.Atoi(port); err != nil || p < 0 || p > 65535 {
 		return "", fmt.Errorf("%s: bad port in %q (use %s host:port)", service, addr, flag)
@@ -371,7 +371,7 @@ func waitHTTP(ctx context.Context, service, url string) error {
 		last = err
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("%s: not ready: %v", service, last)
+			return fmt.Errorf("%s: not ready: %w", service, last)
 		case <-time.After(50 * time.Millisecond):
 		}
 	}

@@ -179,7 +179,8 @@ func TestRestartKeepsState(t *testing.T) {
 	if err := s.Close(); err != nil {
 		t.Fatalf("second Close: %v", err)
 	}
-	if _, err := http.Get("http://" + s.RegistryAddr + "/v2/"); err == nil {
+	if resp, err := http.Get("http://" + s.RegistryAddr + "/v2/"); err == nil {
+		resp.Body.Close()
 		t.Fatalf("registry still answers after Close")
 	}
 

@@ -227,7 +227,7 @@ func (c *awsChunkedReader) expectCRLF() error {
 func (c *awsChunkedReader) Close() error { return c.body.Close() }
 
 func noEOF(err error) error {
-	if err == io.EOF {
+	if errors.Is(err, io.EOF) {
 		return io.ErrUnexpectedEOF
 	}
 	return err

@@ -56,7 +56,6 @@ const (
 	KeyPrefixLen = 32
 )
 
-// ManagedBySelector selects every object buildq manages.
 // Exit codes of `buildq fetch-context` that fail the Job at once (the pod
 // failure policy): the context's bytes do not match its digest, the
 // object is gone (or its URL expired), or the context the digest names is
@@ -68,6 +67,7 @@ const (
 	FetchExitBadContext = 5
 )
 
+// ManagedBySelector selects every object buildq manages.
 const ManagedBySelector = LabelManagedBy + "=" + ManagedByValue
 
 // Config is the part of the worker's configuration that shapes Jobs.

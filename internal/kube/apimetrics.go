@@ -44,7 +44,7 @@ func (m *RequestMetrics) Observe(_ context.Context, method string, u url.URL, _ 
 func Classify(method string, u url.URL) (verb, resource string) {
 	parts := strings.Split(strings.Trim(u.Path, "/"), "/")
 	// /api/v1/... or /apis/group/version/...
-	rest := parts
+	var rest []string
 	switch {
 	case len(parts) >= 2 && parts[0] == "api":
 		rest = parts[2:]

@@ -340,8 +340,11 @@ func LoadJWTSetup(files map[string][]byte) (*JWTSetup, error) {
 		return nil, err
 	}
 	oc, err := jwt.DecodeOperatorClaims(s.OperatorJWT)
-	if err != nil || oc.Subject != opPub {
-		return nil, fmt.Errorf("%s: not the JWT of the operator of keys/operator.nk (%v)", OperatorJWTFile, err)
+	if err != nil {
+		return nil, fmt.Errorf("%s: not an operator JWT: %w", OperatorJWTFile, err)
+	}
+	if oc.Subject != opPub {
+		return nil, fmt.Errorf("%s: not the JWT of the operator of keys/operator.nk", OperatorJWTFile)
 	}
 	load := func(name string) (Account, *jwt.AccountClaims, error) {
 		seed, err := get(path.Join(keysDir, name+".nk"))
