@@ -5,6 +5,7 @@ package integration
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -166,12 +167,16 @@ func startKCM(logPath string) (func(), error) {
 		return nil, fmt.Errorf("start kube-controller-manager: %w", err)
 	}
 	shared.kcm = cmd
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
+	var waitErr error // set before exited is closed
+	exited := make(chan struct{})
+	go func() { waitErr = cmd.Wait(); close(exited) }()
 	select {
-	case err := <-exited:
+	case <-exited:
 		b, _ := os.ReadFile(logPath)
-		return nil, fmt.Errorf("kube-controller-manager exited: %v\n%s", err, tail(string(b), 3000))
+		if waitErr == nil {
+			waitErr = errors.New("exit status 0")
+		}
+		return nil, fmt.Errorf("kube-controller-manager exited: %w\n%s", waitErr, tail(string(b), 3000))
 	case <-time.After(3 * time.Second):
 	}
 	return func() {
@@ -294,7 +299,7 @@ func waitHTTP(url string, status int, timeout time.Duration) error {
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
-	return fmt.Errorf("not ready after %s: %v", timeout, last)
+	return fmt.Errorf("not ready after %s: %w", timeout, last)
 }
 
 func tail(s string, n int) string {

@@ -341,7 +341,8 @@ func (k *kubelet) execute(ctx context.Context, pod *corev1.Pod, fetched string) 
 		return 1, "error retrieving context: " + err.Error()
 	}
 	dir := filepath.Join(work, "context")
-	if err := os.Mkdir(dir, 0o755); err == nil {
+	err = os.Mkdir(dir, 0o755)
+	if err == nil {
 		err = contexttar.Extract(ctx, rc, dir, 0)
 	}
 	rc.Close()

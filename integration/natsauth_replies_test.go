@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"math/big"
 	"regexp"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -142,6 +143,12 @@ func (e *natsAuthEnv) replyAttack(t *testing.T, attacker, victim string, held *v
 		landed = append(landed, fmt.Sprintf("%s received on %s: %s", who, m.Subject, tail(string(m.Data), 300)))
 	}
 	admin := s.nc
+	var subs []*nats.Subscription
+	defer func() {
+		for _, sub := range slices.Backward(subs) {
+			_ = sub.Unsubscribe()
+		}
+	}()
 	for _, h := range hostile {
 		sub, err := admin.Subscribe(h.subject, func(m *nats.Msg) {
 			if h.legit == nil || !h.legit(m.Data) {
@@ -151,7 +158,7 @@ func (e *natsAuthEnv) replyAttack(t *testing.T, attacker, victim string, held *v
 		if err != nil {
 			t.Fatal(err)
 		}
-		defer func() { _ = sub.Unsubscribe() }()
+		subs = append(subs, sub)
 	}
 	// Every PubAck and answer to a request that came through a service
 	// import is published on its _R_. reply in BUILDQ.

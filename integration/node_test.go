@@ -91,7 +91,7 @@ func startRealNode(t *testing.T) *realNode {
 	t.Cleanup(func() { lock.Close() })
 	sweepLeftovers(t)
 
-	dir, err := os.MkdirTemp("", "buildq-node-")
+	dir, err := os.MkdirTemp("", "buildq-node-") //nolint:usetesting // the buildq-node- name is how sweepLeftovers finds a crashed run's mounts and processes
 	if err != nil {
 		t.Fatal(err)
 	}

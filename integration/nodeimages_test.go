@@ -153,7 +153,7 @@ func buildqImage(ctx context.Context) (gcr.Image, error) {
 	cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-o", filepath.Join(dir, "buildq"), "github.com/buildq/buildq/cmd/buildq")
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if out, err := cmd.CombinedOutput(); err != nil {
-		return nil, fmt.Errorf("build static buildq: %v\n%s", err, out)
+		return nil, fmt.Errorf("build static buildq: %w\n%s", err, out)
 	}
 	bin, err := os.ReadFile(filepath.Join(dir, "buildq"))
 	if err != nil {

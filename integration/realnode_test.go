@@ -91,7 +91,7 @@ COPY hello.txt /srv/hello.txt
 			t.Fatalf("kaniko container terminated %+v, want exit 0 with message %s", term, r.Data.Digest)
 		}
 
-		files := imageFiles(t, node, r.Data.Image+"@"+r.Data.Digest)
+		files := imageFiles(t, r.Data.Image+"@"+r.Data.Digest)
 		want := map[string]struct {
 			uid     int
 			content string
@@ -471,7 +471,7 @@ type imageFile struct {
 }
 
 // imageFiles reads an image's flattened filesystem from the registry.
-func imageFiles(t *testing.T, node *realNode, ref string) map[string]imageFile {
+func imageFiles(t *testing.T, ref string) map[string]imageFile {
 	t.Helper()
 	r, err := name.ParseReference(ref, name.Insecure)
 	if err != nil {

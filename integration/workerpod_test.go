@@ -185,7 +185,7 @@ current-context: suite
 	if want := "/buildq/worker/" + pod.Name; r.Source != want {
 		t.Fatalf("result from %s, want %s", r.Source, want)
 	}
-	files := imageFiles(t, node, r.Data.Image+"@"+r.Data.Digest)
+	files := imageFiles(t, r.Data.Image+"@"+r.Data.Digest)
 	if f, ok := files["made"]; !ok || string(f.body) != "built-by-a-worker-pod\n" {
 		t.Fatalf("the built image's /made: %+v", f)
 	}

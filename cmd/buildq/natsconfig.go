@@ -9,6 +9,7 @@ import (
 	"os"
 	"path"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -287,7 +288,7 @@ func natsConfigJWT(ctx context.Context, stderr io.Writer, tenants []string, dir,
 				return usageErr("%v", err)
 			}
 		}
-		creds, pushing = append(missing, fresh...), tenants
+		creds, pushing = slices.Concat(missing, fresh), tenants
 		if resolverDir == "" {
 			resolverDir = configuredResolverDir(confPath)
 		}

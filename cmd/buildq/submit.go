@@ -223,11 +223,11 @@ func runSubmit(ctx context.Context, cmd *cobra.Command, dir string, rf *requestF
 		}
 		return failed(fmt.Errorf("wait for request %s: %w", req.RequestID, err))
 	}
-	return printResult(cmd.OutOrStdout(), stderr, res, asJSON)
+	return printResult(cmd.OutOrStdout(), res, asJSON)
 }
 
 // printResult prints a result and maps its status to the exit code.
-func printResult(stdout, stderr io.Writer, res *v1.Result, asJSON bool) error {
+func printResult(stdout io.Writer, res *v1.Result, asJSON bool) error {
 	d := res.Data
 	if asJSON {
 		if err := writeJSON(stdout, d); err != nil {

@@ -248,7 +248,7 @@ func (s *stack) runImage(ctx context.Context, t *testing.T, image string) string
 	err = kwait.PollUntilContextTimeout(ctx, 2*time.Second, 5*time.Minute, true, func(ctx context.Context) (bool, error) {
 		p, err := pods.Get(ctx, pod.Name, metav1.GetOptions{})
 		if err != nil {
-			return false, nil
+			return false, nil //nolint:nilerr // a failed Get is polled again until the timeout
 		}
 		last = p
 		return p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed, nil

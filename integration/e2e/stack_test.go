@@ -313,7 +313,7 @@ func teachCoreDNS(ctx context.Context, t *testing.T, client kubernetes.Interface
 	err := kwait.PollUntilContextTimeout(ctx, 2*time.Second, 3*time.Minute, true, func(ctx context.Context) (bool, error) {
 		d, err := deployments.Get(ctx, "coredns", metav1.GetOptions{})
 		if err != nil {
-			return false, nil
+			return false, nil //nolint:nilerr // a failed Get is polled again until the timeout
 		}
 		dep = d
 		return true, nil
@@ -370,7 +370,7 @@ func teachCoreDNS(ctx context.Context, t *testing.T, client kubernetes.Interface
 	err = kwait.PollUntilContextTimeout(ctx, 2*time.Second, 5*time.Minute, true, func(ctx context.Context) (bool, error) {
 		d, err := deployments.Get(ctx, "coredns", metav1.GetOptions{})
 		if err != nil {
-			return false, nil
+			return false, nil //nolint:nilerr // a failed Get is polled again until the timeout
 		}
 		want := int32(1)
 		if d.Spec.Replicas != nil {

@@ -77,6 +77,7 @@ func ExtractVerified(ctx context.Context, r io.Reader, dir string, maxBytes int6
 	if err != nil {
 		if want != "" {
 			// Whatever it is, it is not the gzip of the tar want names.
+			//nolint:errorlint // a verdict, the cause only text: wrapped, a short object's io.ErrUnexpectedEOF would make Fetch retry a mismatch
 			return fmt.Errorf("%w: the object is not gzip (%v)", ErrDigestMismatch, err)
 		}
 		return fmt.Errorf("contexttar: read gzip header: %w", err)
@@ -109,6 +110,7 @@ func ExtractVerified(ctx context.Context, r io.Reader, dir string, maxBytes int6
 			// succeed.
 			return fmt.Errorf("contexttar: read archive: %w", derr)
 		case n == maxBytes+(64<<20) || "sha256:"+hex.EncodeToString(h.Sum(nil)) != want:
+			//nolint:errorlint // someone else's bytes: wrapped, the refusal would also match ErrBadContext, ErrTooLarge or io.ErrUnexpectedEOF (Fetch retries that)
 			return fmt.Errorf("%w (%v)", ErrDigestMismatch, err)
 		}
 		return fmt.Errorf("%w: %w", ErrBadContext, err)
@@ -465,6 +467,7 @@ func ArchiveDigest(ctx context.Context, r io.Reader, maxBytes int64) (string, er
 	}
 	zr, err := gzip.NewReader(r)
 	if err != nil {
+		//nolint:errorlint // a verdict, the cause only text: wrapped, a short object's io.ErrUnexpectedEOF would also read as a broken stream
 		return "", fmt.Errorf("%w: the object is not gzip (%v)", ErrDigestMismatch, err)
 	}
 	defer zr.Close()
@@ -477,7 +480,7 @@ func ArchiveDigest(ctx context.Context, r io.Reader, maxBytes int64) (string, er
 	case ctx.Err() != nil:
 		return "", ctx.Err()
 	case errors.Is(err, gzip.ErrChecksum) || errors.Is(err, gzip.ErrHeader):
-		return "", fmt.Errorf("%w: the object is not a valid gzip stream (%v)", ErrDigestMismatch, err)
+		return "", fmt.Errorf("%w: the object is not a valid gzip stream (%w)", ErrDigestMismatch, err)
 	case err != nil:
 		return "", fmt.Errorf("contexttar: read archive: %w", err)
 	case n > bound:

@@ -85,9 +85,9 @@ func fetchOnce(ctx context.Context, client *http.Client, rawURL, shown, digest, 
 		return retryable{fmt.Errorf("contexttar: GET %s: %w", shown, err)}
 	}
 	defer resp.Body.Close()
-	switch {
-	case resp.StatusCode == http.StatusOK:
-	case resp.StatusCode == http.StatusNotFound || resp.StatusCode == http.StatusForbidden:
+	switch resp.StatusCode {
+	case http.StatusOK:
+	case http.StatusNotFound, http.StatusForbidden:
 		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
 		return fmt.Errorf("%w: GET %s answered %s (no such object, or the URL expired)", ErrFetchRefused, shown, resp.Status)
 	default:

@@ -124,7 +124,7 @@ func TestDigestMatchesWrite(t *testing.T) {
 		bytes int64
 		files int
 	}
-	run := func(dir string, opts Options, f func(Options) (Result, error)) (Result, []call, error) {
+	run := func(opts Options, f func(Options) (Result, error)) (Result, []call, error) {
 		var calls []call
 		opts.Progress = func(b int64, n int) { calls = append(calls, call{b, n}) }
 		res, err := f(opts)
@@ -134,10 +134,10 @@ func TestDigestMatchesWrite(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
 			dir := newTree(t, tt.tree, buildOpts{})
-			want, wantCalls, wantErr := run(dir, tt.opts, func(o Options) (Result, error) {
+			want, wantCalls, wantErr := run(tt.opts, func(o Options) (Result, error) {
 				return Write(context.Background(), dir, io.Discard, o)
 			})
-			got, gotCalls, err := run(dir, tt.opts, func(o Options) (Result, error) {
+			got, gotCalls, err := run(tt.opts, func(o Options) (Result, error) {
 				return Digest(context.Background(), dir, o)
 			})
 			if fmt.Sprint(err) != fmt.Sprint(wantErr) {

@@ -235,9 +235,9 @@ func TestWriteStoresHardLinksAsFiles(t *testing.T) {
 
 func TestWriteFollowsRootSymlinkOnly(t *testing.T) {
 	t.Parallel()
-	real := newTree(t, tree{"f": file("x"), "l": link("f")}, buildOpts{})
+	root := newTree(t, tree{"f": file("x"), "l": link("f")}, buildOpts{})
 	alias := filepath.Join(t.TempDir(), "alias")
-	if err := os.Symlink(real, alias); err != nil {
+	if err := os.Symlink(root, alias); err != nil {
 		t.Fatal(err)
 	}
 	_, tgz := pack(t, alias, Options{})

@@ -166,11 +166,11 @@ func glob(fsys fsView, pattern string) ([]string, error) {
 				next = append(next, joinPath(m, part))
 				continue
 			}
-			real, n, err := resolvePath(fsys, m, true)
+			resolved, n, err := resolvePath(fsys, m, true)
 			if err != nil || n == nil || n.typ != typeDir {
 				continue
 			}
-			names, err := fsys.readDir(real)
+			names, err := fsys.readDir(resolved)
 			if err != nil {
 				return nil, err
 			}

@@ -3,6 +3,7 @@ package localexec
 import (
 	"archive/tar"
 	"bytes"
+	"errors"
 	"io"
 	"path"
 	"sort"
@@ -122,7 +123,7 @@ func (b *builder) snapshot(img v1.Image, withContent bool) (*imageFS, error) {
 			return nil, err
 		}
 		hdr, err := tr.Next()
-		if err == io.EOF {
+		if errors.Is(err, io.EOF) {
 			// mutate.Extract writes the end-of-archive marker even when it
 			// stops on an error, which only surfaces when reading past it.
 			if _, err := io.Copy(io.Discard, rc); err != nil {

@@ -219,7 +219,6 @@ func makeTar(t *testing.T, gz bool, entries []tar.Header, contents map[string]st
 	}
 	tw := tar.NewWriter(w)
 	for _, h := range entries {
-		h := h
 		data := contents[h.Name]
 		if h.Typeflag == tar.TypeReg {
 			h.Size = int64(len(data))

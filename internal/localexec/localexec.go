@@ -220,7 +220,7 @@ func Build(ctx context.Context, opts Options) (v1.Image, error) {
 	if !filepath.IsLocal(filepath.FromSlash(dockerfile)) {
 		// The Dockerfile comes from the build request; it must not be a way
 		// to read files outside the context.
-		return nil, &BuildError{Err: fmt.Errorf("Dockerfile path %q must be inside the build context", dockerfile)}
+		return nil, &BuildError{Err: fmt.Errorf("path %q must be inside the build context", dockerfile)}
 	}
 	dfPath := filepath.Join(opts.ContextDir, filepath.FromSlash(dockerfile))
 	dt, err := os.ReadFile(dfPath)

@@ -192,7 +192,7 @@ func (b *builder) earlierStage(ref string, before int) (int, bool) {
 	if n, err := strconv.Atoi(ref); err == nil {
 		return n, n >= 0 && n < before
 	}
-	for j := 0; j < before; j++ {
+	for j := range before {
 		if b.stages[j].Name != "" && strings.EqualFold(b.stages[j].Name, ref) {
 			return j, true
 		}

@@ -316,7 +316,7 @@ func parsePorts(w string) ([]string, error) {
 	lo, hi, isRange := strings.Cut(spec, "-")
 	start, err := parsePort(lo)
 	if err != nil {
-		return nil, fmt.Errorf("invalid port %q: %v", w, err)
+		return nil, fmt.Errorf("invalid port %q: %w", w, err)
 	}
 	end := start
 	if isRange {

@@ -89,7 +89,7 @@ func IsTransient(err error) bool {
 		return true
 	}
 	var urlErr *url.Error
-	if errors.As(err, &urlErr) && (urlErr.Err == io.EOF || urlErr.Timeout()) {
+	if errors.As(err, &urlErr) && (errors.Is(urlErr.Err, io.EOF) || urlErr.Timeout()) {
 		// The server closed the connection before answering.
 		return true
 	}
