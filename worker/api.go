@@ -10,11 +10,13 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
+	"github.com/buildq/buildq/worker/internal/ledger"
+	"github.com/buildq/buildq/worker/internal/mutant"
+	"github.com/buildq/buildq/worker/internal/runs"
 )
 
 // The tenant API: status and cancel as NATS request/reply services, so a
@@ -33,6 +35,18 @@ const internalCancelSubject = "buildq.internal.cancel"
 
 // errRequestCanceled ends a held request's handling: its tenant canceled it.
 var errRequestCanceled = errors.New("canceled on request")
+
+// tenantAPI is the tenant API service: it answers status and cancel
+// requests, reading the ledger and the build records, and tells the
+// handlers of this worker when a request they hold was canceled.
+type tenantAPI struct {
+	// The worker, for its configuration, ledger, runs and backend.
+	*Worker
+	// held: the requests this worker's handlers hold, to cancel them.
+	held heldRequests
+	// sem bounds the requests answered at once (apiConcurrency).
+	sem chan struct{}
+}
 
 // heldRequests maps the ledger key of each request this worker handles to
 // the cancel of its handling.
@@ -64,7 +78,7 @@ func (h *heldRequests) cancel(lk string) {
 // serveAPI subscribes the tenant API (queue group buildq-api: one worker
 // answers each request), the legacy cancel subject, and the internal
 // cancel notifications (every worker).
-func (w *Worker) serveAPI(ctx context.Context) (func(), error) {
+func (w *tenantAPI) serve(ctx context.Context) (func(), error) {
 	var subs []*nats.Subscription
 	stop := func() {
 		for _, s := range subs {
@@ -105,8 +119,8 @@ func (w *Worker) serveAPI(ctx context.Context) (func(), error) {
 			// and the queue group sends work to the other workers).
 			fn := h.fn
 			s, err = w.nc.QueueSubscribe(h.subject, h.queue, func(m *nats.Msg) {
-				w.apiSem <- struct{}{}
-				go func() { defer func() { <-w.apiSem }(); fn(m) }()
+				w.sem <- struct{}{}
+				go func() { defer func() { <-w.sem }(); fn(m) }()
 			})
 		} else {
 			s, err = w.nc.Subscribe(h.subject, h.fn)
@@ -123,7 +137,7 @@ func (w *Worker) serveAPI(ctx context.Context) (func(), error) {
 // respond runs fn for the tenant of m's subject and sends its JSON reply
 // — only to a reply subject a tenant's request can legitimately carry
 // (replyAllowed); any other request is dropped unanswered and counted.
-func (w *Worker) respond(ctx context.Context, m *nats.Msg, fn func(ctx context.Context, tenant string) any) {
+func (w *tenantAPI) respond(ctx context.Context, m *nats.Msg, fn func(ctx context.Context, tenant string) any) {
 	if m.Reply == "" {
 		return
 	}
@@ -171,8 +185,8 @@ const ServiceReplyPrefix = "_R_."
 // of deploy/nats) or the tenant's own inbox prefix (_INBOX_<tenant>.,
 // which only that tenant may read), unless Config.AnyReply says every
 // client of the server is trusted (buildq dev).
-func (w *Worker) replyAllowed(tenant, reply string) bool {
-	if w.cfg.AnyReply || mutant("reply-anywhere") {
+func (w *tenantAPI) replyAllowed(tenant, reply string) bool {
+	if w.cfg.AnyReply || mutant.On("reply-anywhere") {
 		return true
 	}
 	if strings.ContainsAny(reply, "*> \t\r\n") {
@@ -198,18 +212,18 @@ func truncate(s string, n int) string {
 
 // status is what tenant may know of target: one of its request ids, or a
 // build key.
-func (w *Worker) status(ctx context.Context, tenant, target string) v1.StatusReply {
+func (w *tenantAPI) status(ctx context.Context, tenant, target string) v1.StatusReply {
 	if target == "" || len(target) > v1.MaxRequestIDLen {
 		return v1.StatusReply{Error: "send a build key (64 hex digits) or a request id"}
 	}
 	rep := v1.StatusReply{Key: target}
 	// A request id first: an id may look like a build key.
-	le, err := w.ledgerGet(ctx, tenant, target)
+	le, err := w.ledger.Get(ctx, tenant, target)
 	switch {
 	case err != nil:
 		return v1.StatusReply{Error: err.Error()}
 	case le != nil:
-		e := le.e
+		e := le.E
 		e.RequeueToken = "" // the worker's secret: it authenticates a requeue
 		rep.Request, rep.Key = &e, e.Key
 	case !IsBuildKey(target):
@@ -218,7 +232,7 @@ func (w *Worker) status(ctx context.Context, tenant, target string) v1.StatusRep
 	if rep.Key == "" {
 		return rep
 	}
-	rec, _, err := w.claims.get(ctx, rep.Key)
+	rec, _, err := w.runs.Get(ctx, rep.Key)
 	if err != nil {
 		return v1.StatusReply{Error: err.Error()}
 	}
@@ -238,33 +252,33 @@ func (w *Worker) status(ctx context.Context, tenant, target string) v1.StatusRep
 // build itself is stopped — its run ended as Canceled and its Job deleted
 // — only when no other request, of any tenant, still waits on it;
 // otherwise it goes on for them (a canceled owner hands its run over).
-func (w *Worker) cancel(ctx context.Context, tenant, target string) v1.CancelReply {
+func (w *tenantAPI) cancel(ctx context.Context, tenant, target string) v1.CancelReply {
 	if target == "" || len(target) > v1.MaxRequestIDLen {
 		return v1.CancelReply{Message: "send a build key (64 hex digits) or a request id"}
 	}
 	var (
 		key  string
-		mine []*ledgerEntry
+		mine []*ledger.Entry
 		// before: the key's waiters read before anything is canceled. A
 		// canceled owner lets its run go, and a waiter requeued to take
 		// it over is, for a moment, no waiter at all: read only after the
 		// cancel, it would not be counted, and its build would be
 		// stopped under it.
-		before []*ledgerEntry
+		before []*ledger.Entry
 	)
 	// A request id first: an id may look like a build key.
-	byID, err := w.ledgerGet(ctx, tenant, target)
+	byID, err := w.ledger.Get(ctx, tenant, target)
 	if err != nil {
 		return v1.CancelReply{Message: err.Error()}
 	}
 	if byID == nil && IsBuildKey(target) {
 		key = target
-		ws, err := w.waiters(ctx, key)
+		ws, err := w.ledger.Waiters(ctx, key)
 		if err != nil {
 			return v1.CancelReply{Key: key, Message: err.Error()}
 		}
 		for _, le := range ws {
-			if le.e.Tenant == tenant || mutant("cancel-other-tenants") {
+			if le.E.Tenant == tenant || mutant.On("cancel-other-tenants") {
 				mine = append(mine, le)
 			}
 		}
@@ -274,41 +288,41 @@ func (w *Worker) cancel(ctx context.Context, tenant, target string) v1.CancelRep
 		switch {
 		case le == nil:
 			return v1.CancelReply{Message: fmt.Sprintf("no request %q of tenant %s is known", target, tenant)}
-		case le.e.Result != nil:
-			return v1.CancelReply{Key: le.e.Key, Message: "the request already has its result: " + le.e.State}
+		case le.E.Result != nil:
+			return v1.CancelReply{Key: le.E.Key, Message: "the request already has its result: " + le.E.State}
 		}
-		key, mine = le.e.Key, []*ledgerEntry{le}
-		if before, err = w.waiters(ctx, key); err != nil {
+		key, mine = le.E.Key, []*ledger.Entry{le}
+		if before, err = w.ledger.Waiters(ctx, key); err != nil {
 			return v1.CancelReply{Key: key, Message: err.Error()}
 		}
 	}
 	n := 0
 	for _, le := range mine {
-		ok, err := w.markCanceled(ctx, le)
+		ok, err := w.ledger.MarkCanceled(ctx, le)
 		if err != nil {
 			return v1.CancelReply{Key: key, Requests: n, Canceled: n > 0, Message: err.Error()}
 		}
 		if ok {
 			n++
-			_ = w.nc.Publish(internalCancelSubject, []byte(RequestIndexKey(le.e.Tenant, le.e.RequestID)))
+			_ = w.nc.Publish(internalCancelSubject, []byte(ledger.Key(le.E.Tenant, le.E.RequestID)))
 		}
 	}
 	if n > 0 {
 		// Parked requests have no handler to tell: answer them here.
-		w.answerWaiters(ctx, key)
+		w.park.answerWaiters(ctx, key)
 	}
 	// Does anyone else still wait on the build?
-	ws, err := w.waiters(ctx, key)
+	ws, err := w.ledger.Waiters(ctx, key)
 	if err != nil {
 		return v1.CancelReply{Key: key, Requests: n, Canceled: n > 0, Message: err.Error()}
 	}
 	canceled := map[string]bool{}
 	for _, le := range mine {
-		canceled[RequestIndexKey(le.e.Tenant, le.e.RequestID)] = true
+		canceled[ledger.Key(le.E.Tenant, le.E.RequestID)] = true
 	}
 	waiting := map[string]bool{}
 	for _, le := range append(before, ws...) {
-		if k := RequestIndexKey(le.e.Tenant, le.e.RequestID); !le.e.Canceled && !canceled[k] {
+		if k := ledger.Key(le.E.Tenant, le.E.RequestID); !le.E.Canceled && !canceled[k] {
 			waiting[k] = true
 		}
 	}
@@ -335,9 +349,9 @@ func (w *Worker) cancel(ctx context.Context, tenant, target string) v1.CancelRep
 // stopBuild ends key's current run as Canceled and deletes its Job, when
 // the run is still building and tenant may stop it (it canceled requests
 // waiting on it, or its own request claimed it).
-func (w *Worker) stopBuild(ctx context.Context, tenant, key string, hadRequests bool) (bool, string) {
+func (w *tenantAPI) stopBuild(ctx context.Context, tenant, key string, hadRequests bool) (bool, string) {
 	for {
-		cur, rev, err := w.claims.get(ctx, key)
+		cur, rev, err := w.runs.Get(ctx, key)
 		switch {
 		case err != nil:
 			return false, err.Error()
@@ -350,11 +364,7 @@ func (w *Worker) stopBuild(ctx context.Context, tenant, key string, hadRequests 
 		case cur.Final():
 			return false, "the build already finished: " + cur.State
 		}
-		final := *cur
-		final.State, final.Reason, final.Message = v1.StateFailed, v1.ReasonCanceled, "canceled on request"
-		final.Owner, final.LeaseUntil, final.FinishedAt = "", time.Time{}, w.cfg.Now().UTC()
-		final.Digest, final.LogTail = "", ""
-		_, ok, err := w.claims.update(ctx, &final, rev)
+		ok, err := w.runs.EndAt(ctx, runs.Canceled(cur, w.cfg.Now()), rev)
 		if err != nil {
 			return false, err.Error()
 		}
@@ -364,67 +374,15 @@ func (w *Worker) stopBuild(ctx context.Context, tenant, key string, hadRequests 
 		// The owner notices at its next renewal; stop the build now so
 		// nothing is pushed after the cancel.
 		stop := func() error { return w.backend.Cleanup(ctx, key, cur.Run) }
-		if jj, ok := w.backend.(jobJanitor); ok && mutant("cancel-by-name") {
+		if jj, ok := w.backend.(jobJanitor); ok && mutant.On("cancel-by-name") {
 			stop = func() error { return jj.DeleteJob(ctx, kaniko.JobName(key), "") }
 		}
 		if err := stop(); err != nil && !errors.Is(err, context.Canceled) {
 			w.log.Warn("cancel: stopping the build failed", zap.String("key", key), zap.Error(err))
 		}
 		w.log.Info("build canceled", zap.String("key", key), zap.String("run", cur.Run))
-		w.answerWaiters(ctx, key)
 		return true, "stopped"
 	}
-}
-
-// ledgerGet reads tenant's request id; nil when unknown.
-func (w *Worker) ledgerGet(ctx context.Context, tenant, id string) (*ledgerEntry, error) {
-	got, err := w.requests.Get(ctx, RequestIndexKey(tenant, id))
-	if errors.Is(err, jetstream.ErrKeyNotFound) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("request ledger: %w", err)
-	}
-	var e v1.RequestEntry
-	if err := json.Unmarshal(got.Value(), &e); err != nil {
-		return nil, fmt.Errorf("request ledger: unreadable entry for %s: %w", id, err)
-	}
-	return &ledgerEntry{e: e, rev: got.Revision()}, nil
-}
-
-// markCanceled sets the Canceled mark of an undecided entry. ok is false
-// when it was decided (or canceled) meanwhile.
-func (w *Worker) markCanceled(ctx context.Context, le *ledgerEntry) (bool, error) {
-	k := RequestIndexKey(le.e.Tenant, le.e.RequestID)
-	for range 10 {
-		if le.e.Result != nil || le.e.Canceled {
-			return false, nil
-		}
-		e := le.e
-		e.Canceled, e.UpdatedAt = true, w.cfg.Now().UTC()
-		b, _ := json.Marshal(e)
-		rev, err := w.requests.Update(ctx, k, b, le.rev)
-		if err == nil {
-			le.e, le.rev = e, rev
-			return true, nil
-		}
-		if !isWrongRevision(err) {
-			return false, fmt.Errorf("request ledger: %w", err)
-		}
-		cur, err := w.ledgerGet(ctx, le.e.Tenant, le.e.RequestID)
-		if err != nil || cur == nil {
-			return false, err
-		}
-		*le = *cur
-	}
-	return false, errors.New("request ledger: entry keeps changing")
-}
-
-// waiterKey is the ledger bucket key that says a request waits on a build
-// key: "w.<build key>.<ledger key>", so a cancel lists a key's waiters
-// with one filtered listing.
-func waiterKey(key, tenant, id string) string {
-	return "w." + key + "." + RequestIndexKey(tenant, id)
 }
 
 // waiterReg remembers whether a request was indexed as a waiter.
@@ -433,54 +391,18 @@ type waiterReg struct {
 	added bool
 	// park, when set, lets the request park (park.go): the message it
 	// came in, for the waiter entry, and its ledger entry.
-	park *waiterValue
-	le   *ledgerEntry
+	park *ledger.Waiter
+	le   *ledger.Entry
 }
 
 // add indexes the request as a waiter of key, once. A nil reg does
 // nothing (the request is indexed already).
-func (r *waiterReg) add(ctx context.Context, w *Worker, key, tenant, id string) {
+func (r *waiterReg) add(ctx context.Context, l *ledger.Ledger, key, tenant, id string) {
 	if r == nil {
 		return
 	}
 	r.once.Do(func() {
-		w.addWaiter(ctx, key, tenant, id)
+		l.AddWaiter(ctx, key, tenant, id)
 		r.added = true
 	})
-}
-
-// addWaiter records that a request waits on key (best effort: a cancel
-// that misses it only stops a build one request still waited on, which
-// then answers canceled through the build record).
-func (w *Worker) addWaiter(ctx context.Context, key, tenant, id string) {
-	b, _ := json.Marshal(waiterValue{Tenant: tenant, RequestID: id})
-	if _, err := w.requests.Put(ctx, waiterKey(key, tenant, id), b); err != nil {
-		w.log.Debug("waiter index: put failed", zap.String("key", key), zap.Error(err))
-	}
-}
-
-func (w *Worker) dropWaiter(ctx context.Context, key, tenant, id string) {
-	if err := w.requests.Delete(ctx, waiterKey(key, tenant, id)); err != nil {
-		w.log.Debug("waiter index: delete failed", zap.String("key", key), zap.Error(err))
-	}
-}
-
-// waiters returns the undecided ledger entries of the requests waiting on
-// key, parked or held.
-func (w *Worker) waiters(ctx context.Context, key string) ([]*ledgerEntry, error) {
-	items, err := w.listWaiters(ctx, "w."+key+".*")
-	if err != nil {
-		return nil, err
-	}
-	var out []*ledgerEntry
-	for _, it := range items[key] {
-		le, err := w.ledgerGet(ctx, it.v.Tenant, it.v.RequestID)
-		if err != nil {
-			return nil, err
-		}
-		if le != nil && le.e.Result == nil {
-			out = append(out, le)
-		}
-	}
-	return out, nil
 }

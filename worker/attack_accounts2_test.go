@@ -21,6 +21,7 @@ import (
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
 	"github.com/buildq/buildq/internal/s3store"
+	"github.com/buildq/buildq/worker/internal/ledger"
 )
 
 // Second adversarial pass on the account-per-tenant and possession commit
@@ -98,12 +99,12 @@ func (c *countingBody) Read(p []byte) (int, error) {
 }
 
 // goroutinesIn counts the goroutines whose stack holds fn called on the
-// worker w (the receiver's address is the call's first argument) and not
-// notIn.
+// builder of worker w (the receiver's address is the call's first
+// argument) and not notIn.
 func goroutinesIn(w *Worker, fn, notIn string) int {
 	buf := make([]byte, 8<<20)
 	n := runtime.Stack(buf, true)
-	call := fmt.Sprintf("(*Worker).%s(%p", fn, w)
+	call := fmt.Sprintf("(*builder).%s(%p", fn, w.builds)
 	count := 0
 	for _, g := range strings.Split(string(buf[:n]), "\n\n") {
 		if strings.Contains(g, call) && (notIn == "" || !strings.Contains(g, notIn)) {
@@ -551,7 +552,7 @@ func TestParkRecheckOnANewForeignRunAcrossAWorkerStop(t *testing.T) {
 	e := setup(t)
 	tr := newTestRegistry(t)
 	store := newAcct2Store()
-	pause := newAcctPause(t, ".(*Worker).park")
+	pause := newAcctPause(t, ".(*parking).park")
 	w1 := e.startWorker("w1", func(c *Config) { withRegistry(tr)(c); c.Contexts = store; c.Now = pause.now })
 	results := e.collect()
 	ctx := context.Background()
@@ -596,11 +597,11 @@ func TestParkRecheckOnANewForeignRunAcrossAWorkerStop(t *testing.T) {
 		if err != nil {
 			return false
 		}
-		ent, err := kv.Get(ctx, waiterKey(key, "acme", a2.RequestID))
+		ent, err := kv.Get(ctx, ledger.WaiterKey(key, "acme", a2.RequestID))
 		if err != nil {
 			return false
 		}
-		v, ok := parseWaiter(ent.Value())
+		v, ok := ledger.ParseWaiter(ent.Value())
 		return ok && v.Parked && v.Run == r2.Run
 	})
 	// w1 stops now; w2 goes on.
@@ -646,13 +647,13 @@ func TestDuplicateRequeueIsOneRequest(t *testing.T) {
 		t.Fatal(err)
 	}
 	eventually(t, 10*time.Second, "parked", func() bool { return e.acctParked(key, "acme", parked.RequestID) })
-	items, err := rw.w.listWaiters(ctx, "w."+key+".*")
+	items, err := rw.w.ledger.ListWaiters(ctx, key)
 	if err != nil {
 		t.Fatal(err)
 	}
-	var it *waiterItem
+	var it *ledger.WaiterItem
 	for i := range items[key] {
-		if items[key][i].v.RequestID == parked.RequestID {
+		if items[key][i].V.RequestID == parked.RequestID {
 			it = &items[key][i]
 		}
 	}
@@ -660,12 +661,12 @@ func TestDuplicateRequeueIsOneRequest(t *testing.T) {
 		t.Fatal("no waiter entry")
 	}
 	// Two requeuers of the same revision: one message id.
-	id := requeueMsgID(it.v, it.rev)
+	id := requeueMsgID(it.V, it.Rev)
 	var dups atomic.Int32
 	var wg sync.WaitGroup
 	for range 2 {
 		wg.Go(func() {
-			m := newRequeueMsg(it.v, id)
+			m := newRequeueMsg(it.V, id)
 			ack, err := e.js.PublishMsg(ctx, m)
 			if err != nil {
 				t.Error(err)
@@ -694,11 +695,11 @@ func TestDuplicateRequeueIsOneRequest(t *testing.T) {
 }
 
 // newRequeueMsg is the message requeue publishes for p under id.
-func newRequeueMsg(p waiterValue, id string) *nats.Msg {
+func newRequeueMsg(p ledger.Waiter, id string) *nats.Msg {
 	m := nats.NewMsg(p.Subject)
 	m.Data = p.Body
 	m.Header.Set(v1.MsgIDHeader, id)
-	m.Header.Set(hdrRequeueToken, p.Token)
+	m.Header.Set(ledger.RequeueTokenHeader, p.Token)
 	return m
 }
 
@@ -727,8 +728,8 @@ func TestPossessionLostBeforeItsRecordIsReadAgain(t *testing.T) {
 	store := newAcct2Store()
 	lossy := &noProofKV{}
 	w1 := e.startWorkerHooked("w1", func(c *Config) { withRegistry(tr)(c); c.Contexts = store }, nil, func(w *Worker) {
-		lossy.KeyValue = w.requests
-		w.requests = lossy
+		lossy.KeyValue = w.ledger.Bucket()
+		w.ledger.UseBucket(lossy)
 	})
 	results := e.collect()
 	ctx := context.Background()

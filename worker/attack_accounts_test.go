@@ -21,6 +21,7 @@ import (
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
+	"github.com/buildq/buildq/worker/internal/ledger"
 )
 
 // Attacks of tenant "mallory" on tenant "acme" against the commit that put
@@ -111,7 +112,7 @@ func (e *env) acctTenantJob(tenant string) *batchv1.Job {
 	return job
 }
 
-// acctRunJob waits for the Job of key's run run (the Job name is the
+// acctRunJob waits for the Job of the given run of key (the Job name is the
 // key's; a new run replaces the Job of the one before).
 func (e *env) acctRunJob(key, run string) *batchv1.Job {
 	e.t.Helper()
@@ -134,11 +135,11 @@ func (e *env) acctParked(key, tenant, id string) bool {
 	if err != nil {
 		return false
 	}
-	ent, err := kv.Get(ctx, waiterKey(key, tenant, id))
+	ent, err := kv.Get(ctx, ledger.WaiterKey(key, tenant, id))
 	if err != nil {
 		return false
 	}
-	v, ok := parseWaiter(ent.Value())
+	v, ok := ledger.ParseWaiter(ent.Value())
 	return ok && v.Parked
 }
 
@@ -280,7 +281,7 @@ func TestAttackParkOnAnotherRunBypassesPossession(t *testing.T) {
 	e := setup(t)
 	tr := newTestRegistry(t)
 	store := newObjectStore()
-	pause := newAcctPause(t, ".(*Worker).park")
+	pause := newAcctPause(t, ".(*parking).park")
 	e.startWorker("w1", func(c *Config) { withRegistry(tr)(c); c.Contexts = store; c.Now = pause.now })
 	results := e.collect()
 	ctx := context.Background()
@@ -354,7 +355,7 @@ func TestAttackParkOnAnotherRunBypassesPossession(t *testing.T) {
 // pass that answers r1's parked waiters reads the record only after
 // listing them — and once a waiter is parked, settleWaiter answers it
 // from whatever final record the key has, never checking the run it
-// parked on (waiterValue.Run is written, park.go:115, and never read) nor
+// parked on (ledger.Waiter.Run is written, park.go:115, and never read) nor
 // possession.
 // If acme's request claims the key (run r2) before that pass reads the
 // record, M2 stays parked on acme's run and is answered from it. The pass
@@ -393,7 +394,7 @@ func TestAttackSettleAnswersParkedRequestFromAnotherRun(t *testing.T) {
 	// The settle pass of the key is slow.
 	h := fnv.New32a()
 	_, _ = h.Write([]byte(key))
-	mu := &rw.w.settling[h.Sum32()%uint32(len(rw.w.settling))]
+	mu := &rw.w.park.settling[h.Sum32()%uint32(len(rw.w.park.settling))]
 	mu.Lock()
 	locked := true
 	unlock := func() {
@@ -997,7 +998,7 @@ func TestServiceReplyPrefixCannotBeForged(t *testing.T) {
 		t.Fatalf("answered on a forged service reply %s: %s", m.Subject, m.Data)
 	}
 	// Inbox prefixes of tenants whose names share a prefix stay apart.
-	w := &Worker{}
+	w := &tenantAPI{Worker: &Worker{}}
 	for _, c := range []struct {
 		tenant, reply string
 		ok            bool

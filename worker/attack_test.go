@@ -404,7 +404,7 @@ func TestAttackCancelIsUndoneByARequestThatTookTheRunOver(t *testing.T) {
 	rec, _ := json.Marshal(v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "dead-run", Owner: "dead", LeaseMs: 2000,
 		RequestID: "gone", Seq: 999, Tenant: "acme", Name: "web",
 		Repository: "registry.test:5000/acme/web", Destinations: []string{"registry.test:5000/acme/web:" + v1.DefaultTag(key)}})
-	if _, err := w.w.claims.kv.Put(context.Background(), key, rec); err != nil {
+	if _, err := w.w.runs.Bucket().Put(context.Background(), key, rec); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := e.pub.Publish(context.Background(), req); err != nil {
@@ -554,13 +554,13 @@ func TestAttackRenewalThatLandedMakesTheOwnerAbandonItsClaim(t *testing.T) {
 	e := setup(t)
 	var armed, fired atomic.Bool
 	e.startWorkerHooked("w1", nil, nil, func(w *Worker) {
-		w.claims.kv = &faultyKV{KeyValue: w.claims.kv, onUpdate: func(_ string, value []byte) string {
+		w.runs.UseBucket(&faultyKV{KeyValue: w.runs.Bucket(), onUpdate: func(_ string, value []byte) string {
 			var r v1.BuildRecord
 			if armed.Load() && json.Unmarshal(value, &r) == nil && r.State == v1.StateBuilding && r.Owner == "w1" && fired.CompareAndSwap(false, true) {
 				return writeLanded
 			}
 			return writePasses
-		}}
+		}})
 	})
 	events := e.events()
 	req := request("renew-landed")
@@ -615,12 +615,12 @@ func TestPreflightHitStaysACacheAnswerAfterARetry(t *testing.T) {
 	reg.exists["registry.test:5000/acme/web:"+v1.DefaultTag(key)] = digestOf("already there")
 	var failed atomic.Bool
 	e.startWorkerHooked("w1", func(c *Config) { c.Registry = reg }, nil, func(w *Worker) {
-		w.requests = &faultyKV{KeyValue: w.requests, onUpdate: func(_ string, value []byte) string {
+		w.ledger.UseBucket(&faultyKV{KeyValue: w.ledger.Bucket(), onUpdate: func(_ string, value []byte) string {
 			if strings.Contains(string(value), `"result":`) && failed.CompareAndSwap(false, true) {
 				return writeLost
 			}
 			return writePasses
-		}}
+		}})
 	})
 	results := e.collect()
 	if _, err := e.pub.Publish(context.Background(), req); err != nil {

@@ -20,6 +20,7 @@ import (
 	"github.com/buildq/buildq/internal/kaniko"
 	"github.com/buildq/buildq/internal/kube"
 	"github.com/buildq/buildq/internal/registry"
+	"github.com/buildq/buildq/worker/internal/mutant"
 )
 
 // Build is one run of a build key: the request it runs for, the key, the
@@ -147,7 +148,7 @@ func NewKubeBackend(client kubernetes.Interface, watcher *kube.Watcher, cfg kani
 	k := &KubeBackend{client: client, watcher: watcher, cfg: cfg, identity: "kaniko@" + cfg.ExecutorImage,
 		digestGrace: 10 * time.Second}
 	k.finished = workqueue.NewTypedRateLimitingQueueWithConfig(
-		workqueue.NewTypedItemExponentialFailureRateLimiter[string](reconcileRetryMin, reconcileRetryMax),
+		workqueue.NewTypedItemExponentialFailureRateLimiter[string](reconcileRetryFloor, reconcileRetryMax),
 		workqueue.TypedRateLimitingQueueConfig[string]{Name: "buildq-finished-jobs"})
 	watcher.OnFinished(func(job *batchv1.Job) { k.finished.Add(job.Name) })
 	return k, nil
@@ -197,7 +198,16 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 
 	seen := false
 	jobUID := createdUID
-	var grace <-chan time.Time
+	// grace: how long a finished Job's Pod may lag behind it (once).
+	var (
+		grace      <-chan time.Time
+		graceTimer *time.Timer
+	)
+	defer func() {
+		if graceTimer != nil {
+			graceTimer.Stop()
+		}
+	}()
 	// A Job created and deleted while the informer's watch was broken never
 	// reaches the cache, and a relist does not report it either. While the
 	// Job has not been seen, ask the API server now and then whether it
@@ -236,9 +246,8 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 				return k.outcome(ctx, name, jobUID, b.Destinations[0], o)
 			}
 			if (o.Pending || podLag) && grace == nil {
-				t := time.NewTimer(k.digestGrace)
-				defer t.Stop()
-				grace = t.C
+				graceTimer = time.NewTimer(k.digestGrace)
+				grace = graceTimer.C
 			}
 		case seen, created && k.watcher.Deleted(k.cfg.Namespace, name, createdUID):
 			// Gone: seen and then not, or deleted before this goroutine
@@ -387,7 +396,7 @@ func (k *KubeBackend) removeStale(ctx context.Context, name string, b Build, sig
 	if err != nil || old == nil {
 		return false, err
 	}
-	if (old.Annotations[kaniko.AnnotationRun] == b.Run || mutant("adopt-any-run")) && old.DeletionTimestamp == nil {
+	if (old.Annotations[kaniko.AnnotationRun] == b.Run || mutant.On("adopt-any-run")) && old.DeletionTimestamp == nil {
 		return true, nil
 	}
 	// The Job seen is of another run. It is stale only if this run is
@@ -461,11 +470,11 @@ func (k *KubeBackend) Cleanup(ctx context.Context, key, run string) error {
 }
 
 // Backoff of a finished Job whose outcome could not be read (a transient
-// API error): retried from reconcileRetryMin, doubling up to
+// API error): retried from reconcileRetryFloor, doubling up to
 // reconcileRetryMax.
 const (
-	reconcileRetryMin = 500 * time.Millisecond
-	reconcileRetryMax = time.Minute
+	reconcileRetryFloor = 500 * time.Millisecond
+	reconcileRetryMax   = time.Minute
 )
 
 // Reconcile is level-triggered reconciliation: for every finished Job the

@@ -60,7 +60,7 @@ func BenchmarkCacheHit(b *testing.B) {
 	repo, _ := w.cfg.Naming.Repository(req)
 	rec, _ := json.Marshal(v1.BuildRecord{Key: key, State: v1.StateSucceeded, RequestID: "seed", Repository: repo,
 		Image: repo + ":" + v1.DefaultTag(key), Digest: digestOf("bench")})
-	if _, err := w.claims.kv.Put(ctx, key, rec); err != nil {
+	if _, err := w.runs.Bucket().Put(ctx, key, rec); err != nil {
 		b.Fatal(err)
 	}
 	go func() { _ = w.Run(ctx) }()

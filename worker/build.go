@@ -6,15 +6,33 @@ import (
 	"fmt"
 	"math"
 	"reflect"
-	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap"
+	"golang.org/x/sync/singleflight"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/registry"
+	"github.com/buildq/buildq/worker/internal/ledger"
+	"github.com/buildq/buildq/worker/internal/mutant"
+	"github.com/buildq/buildq/worker/internal/runs"
 )
+
+// builder answers a request with a build record: from the index, by
+// joining the run in flight, or by claiming the key (or taking a run
+// over) and running the build on the backend while it holds the run.
+type builder struct {
+	// The worker, for its configuration, ledger, runs, backend and
+	// registry.
+	*Worker
+	// heads shares concurrent registry checks of one indexed image.
+	heads singleflight.Group
+	// orphans: the reconciler's watch of runs whose Job finished.
+	orphans orphanWatch
+	// possessed: tenants shown to hold a context (possession.go).
+	possessed possessions
+}
 
 // errAnswered: the request was answered by another handler of its message
 // (a redelivery) while this one was still at work.
@@ -31,21 +49,21 @@ var errLostClaim = errors.New("build claim taken over by another worker")
 // seq is the request message's stream sequence: with the request id it
 // tells a redelivery of the request that made a record (its own build)
 // from another request that reuses the id.
-func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, dests []string, seq uint64, wr *waiterReg) (rec *v1.BuildRecord, origin v1.Origin, owned bool, err error) {
+func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, dests []string, seq uint64, wr *waiterReg) (rec *v1.BuildRecord, origin v1.Origin, owned bool, err error) {
 	mine := func(r *v1.BuildRecord) bool { return r.RequestID == req.RequestID && r.Seq == seq }
 	// A request that is not answered from the index waits on a build:
 	// index it, so a cancel of the key finds it.
-	waits := func() { wr.add(ctx, w, key, req.Tenant, req.RequestID) }
+	waits := func() { wr.add(ctx, w.ledger, key, req.Tenant, req.RequestID) }
 	// Before claiming, taking over or joining — work that outlives a
 	// handler — make sure the request is still unanswered: a handler that
 	// stalled (a NATS outage, a pause) while its redelivered copy was
 	// answered elsewhere must not start a build nobody waits for.
 	answered := func() error {
-		if mutant("answered-check-off") {
+		if mutant.On("answered-check-off") {
 			return nil
 		}
-		le, err := w.ledgerGet(ctx, req.Tenant, req.RequestID)
-		if err == nil && le != nil && le.e.Result != nil && le.e.Seq == seq {
+		le, err := w.ledger.Get(ctx, req.Tenant, req.RequestID)
+		if err == nil && le != nil && le.E.Result != nil && le.E.Seq == seq {
 			return errAnswered
 		}
 		return nil
@@ -66,7 +84,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 		if w.faults != nil && w.faults.beforeWalk != nil {
 			w.faults.beforeWalk(key)
 		}
-		cur, rev, err := w.claims.get(ctx, key)
+		cur, rev, err := w.runs.Get(ctx, key)
 		if err != nil {
 			return nil, "", false, Transient(err)
 		}
@@ -98,7 +116,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 		switch {
 		case cur == nil:
 			claim := w.newClaim(req, key, repo, dests, seq)
-			rev, ok, err := w.claims.create(ctx, claim)
+			rev, ok, err := w.runs.Claim(ctx, claim)
 			if err != nil {
 				return nil, "", false, Transient(err)
 			}
@@ -124,7 +142,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 						return found, v1.OriginCache, false, err
 					}
 					claim := w.newClaim(req, key, repo, dests, seq)
-					rev, ok, err := w.claims.update(ctx, claim, rev)
+					rev, ok, err := w.runs.Reclaim(ctx, claim, rev)
 					if err != nil {
 						return nil, "", false, Transient(err)
 					}
@@ -146,7 +164,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 			// A failed build is retried by the next request for its key,
 			// as a new run: nothing of the failed run is adopted.
 			claim := w.newClaim(req, key, repo, dests, seq)
-			rev, ok, err := w.claims.update(ctx, claim, rev)
+			rev, ok, err := w.runs.Reclaim(ctx, claim, rev)
 			if err != nil {
 				return nil, "", false, Transient(err)
 			}
@@ -167,7 +185,7 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 			if wr != nil && wr.park != nil && !holds(cur, RequestIndexKey(req.Tenant, req.RequestID), req, seq) {
 				// Another request's handler runs the build: wait
 				// without a slot, answered when the run ends.
-				parked, err := w.park(ctx, wr, key, cur)
+				parked, err := w.Worker.park.park(ctx, wr, key, cur)
 				if err != nil {
 					return nil, "", false, err
 				}
@@ -213,11 +231,11 @@ func (w *Worker) build(ctx context.Context, req *v1.Request, key, repo string, d
 // — built from its claimer's inputs — failed for a reason of those inputs
 // that req does not share (the caller then looks again and builds with
 // req's own, exactly as a joiner of that run would).
-func (w *Worker) takeOver(ctx context.Context, req *v1.Request, cur *v1.BuildRecord, rev uint64, repo string, dests []string, seq uint64) (*v1.BuildRecord, v1.Origin, bool, bool, error) {
+func (w *builder) takeOver(ctx context.Context, req *v1.Request, cur *v1.BuildRecord, rev uint64, repo string, dests []string, seq uint64) (*v1.BuildRecord, v1.Origin, bool, bool, error) {
 	claim := *cur
 	now := w.cfg.Now().UTC()
 	claim.Owner, claim.LeaseMs, claim.LeaseUntil = w.cfg.ID, w.cfg.Lease.Milliseconds(), now.Add(w.cfg.Lease)
-	claim.Holder = RequestIndexKey(req.Tenant, req.RequestID)
+	claim.Holder = ledger.Key(req.Tenant, req.RequestID)
 	if len(claim.Destinations) == 0 {
 		// A record written before runs kept their destinations.
 		claim.Repository, claim.Destinations = cur.Repository, dests
@@ -225,7 +243,7 @@ func (w *Worker) takeOver(ctx context.Context, req *v1.Request, cur *v1.BuildRec
 			claim.Repository = req.Image
 		}
 	}
-	nrev, ok, err := w.claims.update(ctx, &claim, rev)
+	nrev, ok, err := w.runs.TakeOver(ctx, &claim, rev)
 	if err != nil {
 		return nil, "", false, false, Transient(err)
 	}
@@ -242,14 +260,14 @@ func (w *Worker) takeOver(ctx context.Context, req *v1.Request, cur *v1.BuildRec
 	return out, origin, owned, true, err
 }
 
-func (w *Worker) newClaim(req *v1.Request, key, repo string, dests []string, seq uint64) *v1.BuildRecord {
+func (w *builder) newClaim(req *v1.Request, key, repo string, dests []string, seq uint64) *v1.BuildRecord {
 	now := w.cfg.Now().UTC()
 	src := req.Source
 	return &v1.BuildRecord{
-		Key: key, State: v1.StateBuilding, Run: newRunID(), Owner: w.cfg.ID,
+		Key: key, State: v1.StateBuilding, Run: runs.NewRunID(), Owner: w.cfg.ID,
 		LeaseMs: w.cfg.Lease.Milliseconds(), LeaseUntil: now.Add(w.cfg.Lease),
 		RequestID: req.RequestID, Seq: seq, Tenant: req.Tenant, Name: req.Name,
-		Holder:     RequestIndexKey(req.Tenant, req.RequestID),
+		Holder:     ledger.Key(req.Tenant, req.RequestID),
 		Repository: repo, Destinations: dests, StartedAt: now,
 		Source: &src, Timeout: req.Timeout,
 	}
@@ -262,7 +280,7 @@ func sharedFailure(final *v1.BuildRecord, req *v1.Request, repo string) bool {
 	if final.State != v1.StateFailed {
 		return true
 	}
-	if final.Tenant != req.Tenant && !mutant("share-foreign-failure") {
+	if final.Tenant != req.Tenant && !mutant.On("share-foreign-failure") {
 		// A run builds with its claimer's tenant's credentials (base
 		// images, the push) and quota: its failure may be of those, not
 		// of the content, and another tenant's request builds with its
@@ -315,8 +333,8 @@ func runRequest(req *v1.Request, claim *v1.BuildRecord) *v1.Request {
 // when the claim was released, removed or is gone (the caller looks
 // again). The lapse is measured on this worker's clock from when it saw
 // the revision, so clocks that disagree between workers do not matter.
-func (w *Worker) join(ctx context.Context, key string) (final, lapsed *v1.BuildRecord, rev uint64, err error) {
-	watcher, err := w.claims.kv.Watch(ctx, key)
+func (w *builder) join(ctx context.Context, key string) (final, lapsed *v1.BuildRecord, rev uint64, err error) {
+	watcher, err := w.runs.Watch(ctx, key)
 	if err != nil {
 		return nil, nil, 0, Transient(fmt.Errorf("watch claim %s: %w", key, err))
 	}
@@ -347,7 +365,7 @@ func (w *Worker) join(ctx context.Context, key string) (final, lapsed *v1.BuildR
 			if e.Operation() != jetstream.KeyValuePut {
 				return nil, nil, 0, nil
 			}
-			r := decodeRecord(key, e.Value())
+			r := runs.Decode(key, e.Value())
 			if r.Final() {
 				return r, nil, 0, nil
 			}
@@ -367,334 +385,3 @@ func (w *Worker) join(ctx context.Context, key string) (final, lapsed *v1.BuildR
 		}
 	}
 }
-
-// own runs the claimed run while renewing its lease, and ends the run with
-// its outcome. repo and dests are the request's own (build's), not the
-// run's: a run taken over pushes to its claimer's repository, and when the
-// record moves on the request follows it with its own inputs.
-func (w *Worker) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecord, rev uint64, repo string, dests []string, seq uint64) (*v1.BuildRecord, v1.Origin, bool, error) {
-	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: claim.Key, Phase: v1.PhaseClaimed, Message: "claimed build by " + w.cfg.ID})
-	origin := v1.OriginInflight
-	if claim.RequestID == req.RequestID && claim.Seq == seq {
-		origin = v1.OriginBuild
-	}
-	runCtx, cancelRun := context.WithCancelCause(ctx)
-	defer cancelRun(nil)
-
-	var mu sync.Mutex // guards claim and rev against the renewer
-	renewDone := make(chan struct{})
-	renewStopped := make(chan struct{})
-	go func() {
-		defer close(renewStopped)
-		t := time.NewTicker(w.cfg.Lease / 3)
-		defer t.Stop()
-		for {
-			select {
-			case <-t.C:
-				if w.faults != nil && w.faults.beforeRenew != nil {
-					w.faults.beforeRenew(claim.Key)
-				}
-				mu.Lock()
-				c, crev := *claim, rev
-				mu.Unlock()
-				c.LeaseUntil = w.cfg.Now().UTC().Add(w.cfg.Lease)
-				nrev, ok, err := w.claims.update(runCtx, &c, crev)
-				if !ok && err == nil {
-					// Someone wrote the record — or our own earlier write
-					// landed although its reply was lost. Only another run
-					// or another owner means the claim is lost.
-					cur, rrev, gerr := w.claims.get(runCtx, c.Key)
-					if gerr == nil && cur != nil && cur.Run == c.Run && cur.Owner == w.cfg.ID && !cur.Final() {
-						nrev, ok = rrev, true
-					}
-				}
-				switch {
-				case err != nil:
-					w.log.Warn("lease renewal failed", zap.String("key", c.Key), zap.Error(err))
-				case !ok:
-					cancelRun(errLostClaim)
-					return
-				default:
-					mu.Lock()
-					claim.LeaseUntil, rev = c.LeaseUntil, nrev
-					mu.Unlock()
-				}
-			case <-renewDone:
-				return
-			case <-runCtx.Done():
-				return
-			}
-		}
-	}()
-	var stopOnce sync.Once
-	stopRenew := func() { stopOnce.Do(func() { close(renewDone); <-renewStopped }) }
-	defer stopRenew() // also when the backend panics
-
-	current := func(ctx context.Context) bool {
-		cur, _, err := w.claims.get(ctx, claim.Key)
-		return err == nil && cur != nil && cur.Run == claim.Run && !cur.Final()
-	}
-	defer func() {
-		// A backend that panics leaves the run to the next worker at once
-		// instead of after a lapse; the panic goes on to the handler.
-		if p := recover(); p != nil {
-			mu.Lock()
-			held, heldRev := *claim, rev
-			mu.Unlock()
-			w.releaseClaim(ctx, &held, heldRev)
-			panic(p)
-		}
-	}()
-	w.cfg.Metrics.buildStarted(claim.Tenant)
-	defer w.cfg.Metrics.buildEnded(claim.Tenant)
-	out, err := w.backend.Run(runCtx, Build{Request: runRequest(req, claim), Key: claim.Key, Run: claim.Run, Destinations: claim.Destinations, Current: current}, func(job string, created bool, creator string) {
-		mu.Lock()
-		claim.Job = job
-		mu.Unlock()
-		msg := "created job " + job
-		phase := v1.PhaseJobCreated
-		if !created {
-			msg = "adopted job " + job + " of a build in progress"
-			phase = v1.PhaseRunning
-		}
-		w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: claim.Key, Phase: phase, Job: job, Message: msg})
-		// A cancel that came while the Job was being created found nothing
-		// to delete: look at the claim once now rather than at the next
-		// renewal, so the build stops before it can push.
-		if cur, _, err := w.claims.get(runCtx, claim.Key); err == nil && cur != nil && (cur.Final() || cur.Run != claim.Run || cur.Owner != w.cfg.ID) {
-			cancelRun(errLostClaim)
-		}
-	})
-	stopRenew()
-	mu.Lock()
-	held, heldRev := *claim, rev
-	mu.Unlock()
-
-	if err != nil {
-		if ctx.Err() == nil {
-			// A cancel or a take-over ends a build from outside: the
-			// record then says what happened.
-			cur, _, gerr := w.claims.get(ctx, held.Key)
-			if gerr == nil && cur != nil && cur.Run == held.Run && cur.Final() {
-				// The run this request held was ended from outside (a
-				// cancel, the reconciler): that end is its answer — never
-				// a retry that would undo a cancel.
-				return cur, origin, true, nil
-			}
-			if errors.Is(err, errNotCurrent) || errors.Is(context.Cause(runCtx), errLostClaim) || (gerr == nil && cur != nil && (cur.Final() || cur.Run != held.Run || cur.Owner != w.cfg.ID)) {
-				w.log.Info("the build claim changed hands; following the record", zap.String("key", held.Key), zap.String("run", held.Run))
-				// With the request's own repository, not the run's: a run
-				// taken over is its claimer's, and a new run claimed from
-				// here pushes to dests — its record must name their
-				// repository, or the index points where the image is not.
-				return w.build(ctx, req, held.Key, repo, dests, seq, nil)
-			}
-		}
-		// Shutdown or trouble: let the claim go so another worker takes
-		// the run over now rather than after the lease; parked requests
-		// are requeued, and one of them takes it over.
-		w.releaseClaim(ctx, &held, heldRev)
-		w.answerWaiters(ctx, held.Key)
-		if ctx.Err() != nil || IsTransient(err) {
-			return nil, "", false, err
-		}
-		return nil, "", false, fmt.Errorf("run build: %w", err)
-	}
-
-	final := finalRecord(&held, out, w.cfg.Now())
-	if w.faults != nil && w.faults.beforeFinalize != nil {
-		w.faults.beforeFinalize(held.Key)
-	}
-	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
-	defer cancel()
-	stored, err := w.claims.finish(fctx, final, heldRev)
-	if errors.Is(err, errSuperseded) {
-		// The run ended (a cancel) and a newer run holds the key: this
-		// outcome answers nobody. Follow the record.
-		w.log.Info("the build run was superseded; following the record", zap.String("key", held.Key), zap.String("run", held.Run))
-		if !w.cfg.KeepJobs {
-			_ = w.backend.Cleanup(fctx, held.Key, held.Run)
-		}
-		return w.build(ctx, req, held.Key, repo, dests, seq, nil)
-	}
-	if err != nil {
-		return nil, "", false, Transient(err)
-	}
-	w.answerWaiters(ctx, held.Key)
-	return stored, origin, true, nil
-}
-
-// finalRecord is the end of run claim with the backend's outcome.
-func finalRecord(claim *v1.BuildRecord, out Outcome, now time.Time) *v1.BuildRecord {
-	final := *claim
-	final.Owner, final.LeaseUntil = "", time.Time{}
-	final.Job, final.JobUID = out.Job, out.JobUID
-	final.FinishedAt = now.UTC()
-	if !out.FinishedAt.IsZero() {
-		final.FinishedAt = out.FinishedAt.UTC()
-	}
-	if !out.StartedAt.IsZero() && (final.StartedAt.IsZero() || out.StartedAt.Before(final.StartedAt)) {
-		final.StartedAt = out.StartedAt.UTC()
-	}
-	if out.Succeeded {
-		final.State, final.Digest = v1.StateSucceeded, out.Digest
-		if len(final.Destinations) > 0 {
-			final.Image = final.Destinations[0]
-		}
-		final.Pushed = append([]string(nil), final.Destinations...)
-	} else {
-		final.State, final.Reason, final.Message, final.LogTail = v1.StateFailed, out.Reason, out.Message, out.LogTail
-	}
-	return &final
-}
-
-// releaseClaim lets go of a run this worker holds, so the next worker
-// takes it over at once.
-func (w *Worker) releaseClaim(ctx context.Context, claim *v1.BuildRecord, rev uint64) {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-	defer cancel()
-	c := *claim
-	c.LeaseUntil = time.Time{}
-	c.Owner = ""
-	if _, _, err := w.claims.update(ctx, &c, rev); err != nil {
-		w.log.Warn("release claim failed; it lapses after the lease", zap.String("key", c.Key), zap.Error(err))
-	}
-}
-
-// preflight runs before a request claims its key. It creates the
-// tenant's Harbor project when needed, and asks the registry for the
-// request's own first destination: an image already there answers this
-// request alone (found), and is never recorded as the key's build — a
-// tenant could have pushed anything under that tag. Registry trouble is
-// transient: the request is retried, no Job is created meanwhile.
-func (w *Worker) preflight(ctx context.Context, req *v1.Request, key, repo string, dests []string) (*v1.BuildRecord, error) {
-	reg, err := w.tenantRegistry(req.Tenant)
-	if err != nil || reg == nil {
-		return nil, err
-	}
-	// Harbor answers 401, not 404, for a repository of a missing project:
-	// create the project before asking for the tag (with the worker's
-	// credentials: a tenant's own cannot create projects).
-	if project, ok := w.cfg.Naming.HarborProject(req.Tenant, repo); ok && w.registry != nil {
-		if err := w.registry.EnsureHarborProject(ctx, w.cfg.Naming.Registry, project); err != nil {
-			return nil, Transient(fmt.Errorf("harbor project %s: %w", project, err))
-		}
-	}
-	digest, err := reg.Head(ctx, dests[0])
-	switch {
-	case err == nil:
-		now := w.cfg.Now().UTC()
-		return &v1.BuildRecord{Key: key, State: v1.StateSucceeded, Repository: repo, Image: dests[0], Pushed: []string{dests[0]},
-			Digest: digest, Tenant: req.Tenant, Name: req.Name, StartedAt: now, FinishedAt: now}, nil
-	case errors.Is(err, registry.ErrNotFound):
-		return nil, nil
-	default:
-		return nil, Transient(fmt.Errorf("check %s in the registry: %w", dests[0], err))
-	}
-}
-
-// orphanWatch remembers, per key, the revision of a claim whose run's Job
-// has finished and when this worker first saw that revision: the
-// reconciler ends the run only once the claim sat unchanged for its lease.
-type orphanWatch struct {
-	mu   sync.Mutex
-	seen map[string]observed
-}
-
-type observed struct {
-	rev uint64
-	at  time.Time
-}
-
-// finishOrphan ends a run whose Job finished but whose owner is gone (it
-// died before storing the outcome): joiners get their results now instead
-// of after a take-over, and the owner's redelivered request finds the
-// outcome. Only the record's current run is ended, only with its own
-// Job's outcome, and only when the claim was released or sat unchanged
-// for its lease on this worker's clock. It returns when to look again
-// (0: done).
-func (w *Worker) finishOrphan(ctx context.Context, key string, out Outcome) time.Duration {
-	cur, rev, err := w.claims.get(ctx, key)
-	if err != nil {
-		return w.cfg.Lease
-	}
-	o := &w.orphans
-	o.mu.Lock()
-	now := w.cfg.Now()
-	for k, v := range o.seen {
-		if now.Sub(v.at) > 10*time.Minute {
-			delete(o.seen, k)
-		}
-	}
-	if cur == nil || cur.State != v1.StateBuilding || out.Run == "" || (cur.Run != out.Run && !mutant("reconcile-any-run")) {
-		delete(o.seen, key)
-		o.mu.Unlock()
-		return 0
-	}
-	if cur.Owner != "" {
-		seen, ok := o.seen[key]
-		if !ok || seen.rev != rev {
-			o.seen[key] = observed{rev: rev, at: now}
-			o.mu.Unlock()
-			return cur.LapseAfter()
-		}
-		if wait := cur.LapseAfter() - now.Sub(seen.at); wait > 0 {
-			o.mu.Unlock()
-			return wait
-		}
-	}
-	delete(o.seen, key)
-	o.mu.Unlock()
-	// One compare-and-swap: a claim that changed meanwhile has a live
-	// owner again, and is left to it.
-	final := finalRecord(cur, out, now)
-	if _, ok, err := w.claims.update(ctx, final, rev); err == nil && ok {
-		w.log.Info("stored the outcome of a build whose owner is gone", zap.String("key", key), zap.String("run", cur.Run), zap.String("state", final.State))
-		w.answerWaiters(ctx, key)
-	}
-	return 0
-}
-
-// indexCheckTimeout bounds one shared HEAD of checkIndexed.
-const indexCheckTimeout = time.Minute
-
-// checkIndexed asks the registry whether ref, an indexed image
-// (repo@digest), is still there: nil, or an error matching
-// registry.ErrNotFound, or another error. Concurrent checks of one image
-// share a single HEAD: cache hits on a popular key arrive together, and
-// each would otherwise wait for a round trip of its own. A check joins
-// only a HEAD still in flight, so its answer is never older than the
-// start of that HEAD; nothing is remembered after it returns. The shared
-// HEAD runs apart from any one caller's context (bounded by
-// indexCheckTimeout), so a caller that gives up does not fail the others.
-func (w *Worker) checkIndexed(ctx context.Context, ref string) error {
-	ch := w.heads.DoChan(ref, func() (_ any, err error) {
-		// singleflight re-raises a panic of this function where nothing
-		// can recover it: carry it to each caller instead, whose handler
-		// turns it into one failed result (safeProcess), as before the
-		// HEAD was shared.
-		defer func() {
-			if p := recover(); p != nil {
-				err = headPanic{p}
-			}
-		}()
-		hctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), indexCheckTimeout)
-		defer cancel()
-		_, err = w.registry.Head(hctx, ref)
-		return nil, err
-	})
-	select {
-	case r := <-ch:
-		if p, ok := r.Err.(headPanic); ok {
-			panic(p.v)
-		}
-		return r.Err
-	case <-ctx.Done():
-		return context.Cause(ctx)
-	}
-}
-
-// headPanic carries a panic of a shared HEAD to its callers.
-type headPanic struct{ v any }
-
-func (p headPanic) Error() string { return fmt.Sprintf("panic in a registry HEAD: %v", p.v) }

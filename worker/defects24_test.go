@@ -72,7 +72,7 @@ func i24DeadRun(t *testing.T, w *Worker, tr *testRegistry, key string) {
 	rec, _ := json.Marshal(v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "dead-run", Owner: "dead", LeaseMs: 2000,
 		RequestID: "gone", Tenant: "acme", Name: "web", Holder: "gone",
 		Repository: tr.host + "/acme/web", Destinations: []string{dest}})
-	if _, err := w.claims.kv.Put(context.Background(), key, rec); err != nil {
+	if _, err := w.runs.Bucket().Put(context.Background(), key, rec); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -81,12 +81,12 @@ func i24DeadRun(t *testing.T, w *Worker, tr *testRegistry, key string) {
 func i24Parked(t *testing.T, w *Worker, key, id string) {
 	t.Helper()
 	eventually(t, 10*time.Second, "request "+id+" parked", func() bool {
-		items, err := w.listWaiters(context.Background(), "w."+key+".*")
+		items, err := w.ledger.ListWaiters(context.Background(), key)
 		if err != nil {
 			return false
 		}
 		for _, it := range items[key] {
-			if it.v.Parked && it.v.RequestID == id {
+			if it.V.Parked && it.V.RequestID == id {
 				return true
 			}
 		}
@@ -140,12 +140,12 @@ func TestIssue24RequeuedRequestSurvivesALedgerReadError(t *testing.T) {
 	e, tr, req, key, lk := i24Requeue(t, "i24-requeue-read-error")
 	var armed, fired atomic.Bool
 	r := e.startWorkerHooked("w1", withRegistry(tr), nil, func(w *Worker) {
-		w.requests = &i24KV{KeyValue: w.requests, onGet: func(_ context.Context, k string) error {
-			if k == lk && armed.Load() && calledFrom("requeuedEntry") && fired.CompareAndSwap(false, true) {
+		w.ledger.UseBucket(&i24KV{KeyValue: w.ledger.Bucket(), onGet: func(_ context.Context, k string) error {
+			if k == lk && armed.Load() && calledFrom(".ByRequeueToken") && fired.CompareAndSwap(false, true) {
 				return nats.ErrTimeout
 			}
 			return nil
-		}}
+		}})
 	})
 	results := e.collect()
 	i24DeadRun(t, r.w, tr, key)
@@ -175,14 +175,14 @@ func TestIssue24RequeuedRequestHandedBackAtShutdown(t *testing.T) {
 	entered := make(chan struct{})
 	var once atomic.Bool
 	r := e.startWorkerHooked("w1", withRegistry(tr), nil, func(w *Worker) {
-		w.requests = &i24KV{KeyValue: w.requests, onGet: func(ctx context.Context, k string) error {
-			if k == lk && armed.Load() && calledFrom("requeuedEntry") && once.CompareAndSwap(false, true) {
+		w.ledger.UseBucket(&i24KV{KeyValue: w.ledger.Bucket(), onGet: func(ctx context.Context, k string) error {
+			if k == lk && armed.Load() && calledFrom(".ByRequeueToken") && once.CompareAndSwap(false, true) {
 				close(entered)
 				<-ctx.Done() // held until the worker stops
 				return ctx.Err()
 			}
 			return nil
-		}}
+		}})
 	})
 	results := e.collect()
 	i24DeadRun(t, r.w, tr, key)
@@ -218,12 +218,12 @@ func TestIssue24RequeueAtTheQueueLimitSurvivesALedgerReadError(t *testing.T) {
 		withRegistry(tr)(c)
 		c.Fair.QueueLimit = map[string]int{"acme": 1}
 	}, nil, func(w *Worker) {
-		w.requests = &i24KV{KeyValue: w.requests, onGet: func(_ context.Context, k string) error {
-			if k == lk && armed.Load() && calledFrom("requeuedEntry") && calledFrom(".admit") && fired.CompareAndSwap(false, true) {
+		w.ledger.UseBucket(&i24KV{KeyValue: w.ledger.Bucket(), onGet: func(_ context.Context, k string) error {
+			if k == lk && armed.Load() && calledFrom(".ByRequeueToken") && calledFrom(".admit") && fired.CompareAndSwap(false, true) {
 				return nats.ErrTimeout
 			}
 			return nil
-		}}
+		}})
 	})
 	results := e.collect()
 	i24DeadRun(t, r.w, tr, key)
@@ -508,7 +508,7 @@ func TestIssue24SlotSurvivesANATSOutageLongerThanTheLease(t *testing.T) {
 		c.Fair.Concurrency = map[string]int{"acme": 1}
 	}
 	e.startWorkerHooked("w1", limit, nil, func(w *Worker) {
-		w.slots = &i24KV{KeyValue: w.slots,
+		w.fq.slots = &i24KV{KeyValue: w.fq.slots,
 			onGet:    func(context.Context, string) error { return fail() },
 			onCreate: func(string, []byte) error { return fail() },
 			onUpdate: func(string, []byte) error { return fail() }}
@@ -546,7 +546,7 @@ func TestIssue24RefusalWhoseRecordFailsIsNotAdmitted(t *testing.T) {
 		withRegistry(tr)(c)
 		c.Fair.QueueLimit = map[string]int{"acme": 1}
 	}, nil, func(w *Worker) {
-		w.requests = &i24KV{KeyValue: w.requests,
+		w.ledger.UseBucket(&i24KV{KeyValue: w.ledger.Bucket(),
 			onCreate: func(k string, _ []byte) error {
 				if k == lk && createFailed.CompareAndSwap(false, true) {
 					return nats.ErrTimeout
@@ -558,7 +558,7 @@ func TestIssue24RefusalWhoseRecordFailsIsNotAdmitted(t *testing.T) {
 					return nats.ErrTimeout
 				}
 				return nil
-			}}
+			}})
 	})
 	results := e.collect()
 	ctx := context.Background()

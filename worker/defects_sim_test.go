@@ -94,8 +94,8 @@ func TestSimRunFollowedAfterATakeOverIsIndexedWhereItWasPushed(t *testing.T) {
 	taker.RequestID, taker.Name = "sim-follow-taker", "api"
 	later := request("sim-follow")
 	later.RequestID = "sim-follow-later"
-	key := w.keyOf(taker)
-	if w.keyOf(claimer) != key || w.keyOf(later) != key {
+	key := w.builds.keyOf(taker)
+	if w.builds.keyOf(claimer) != key || w.builds.keyOf(later) != key {
 		t.Fatal("premise: the requests do not share a build key")
 	}
 	repoOf := func(r *v1.Request) (string, []string) {
@@ -115,7 +115,7 @@ func TestSimRunFollowedAfterATakeOverIsIndexedWhereItWasPushed(t *testing.T) {
 	put := func(r v1.BuildRecord) {
 		t.Helper()
 		v, _ := json.Marshal(r)
-		if _, err := w.claims.kv.Put(ctx, key, v); err != nil {
+		if _, err := w.runs.Bucket().Put(ctx, key, v); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -128,7 +128,7 @@ func TestSimRunFollowedAfterATakeOverIsIndexedWhereItWasPushed(t *testing.T) {
 			Reason: v1.ReasonBuildFailed, Message: "RUN make: exit status 2", FinishedAt: time.Now().UTC()})
 	}
 
-	rec, origin, _, err := w.build(ctx, taker, key, takerRepo, takerDests, 3, nil)
+	rec, origin, _, err := w.builds.build(ctx, taker, key, takerRepo, takerDests, 3, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -138,7 +138,7 @@ func TestSimRunFollowedAfterATakeOverIsIndexedWhereItWasPushed(t *testing.T) {
 	if runs := b.built(); len(runs) != 2 || runs[1].Destinations[0] != takerDests[0] {
 		t.Fatalf("premise: the taker's new run should push to %s; runs %+v", takerDests[0], runs)
 	}
-	stored, _, err := w.claims.get(ctx, key)
+	stored, _, err := w.runs.Get(ctx, key)
 	if err != nil || stored == nil {
 		t.Fatal(stored, err)
 	}
@@ -152,7 +152,7 @@ func TestSimRunFollowedAfterATakeOverIsIndexedWhereItWasPushed(t *testing.T) {
 	// The next request of the key is answered from the index, not built
 	// again.
 	laterRepo, laterDests := repoOf(later)
-	rec, origin, _, err = w.build(ctx, later, key, laterRepo, laterDests, 4, nil)
+	rec, origin, _, err = w.builds.build(ctx, later, key, laterRepo, laterDests, 4, nil)
 	if err != nil && !errors.Is(err, errParked) {
 		t.Fatal(err)
 	}

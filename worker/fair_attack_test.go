@@ -184,10 +184,8 @@ func TestAttackSlotRenewalLostReplyExceedsLimit(t *testing.T) {
 	})
 	ctx := context.Background()
 	names := map[string]string{}
-	var reqs []*v1.Request
 	for i := range 2 {
 		r := tenantRequest("acme", fmt.Sprint("renew-", i))
-		reqs = append(reqs, r)
 		names[jobOf(r)] = "acme"
 		if _, err := e.pub.Publish(ctx, r); err != nil {
 			t.Fatal(err)

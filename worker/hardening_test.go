@@ -1037,7 +1037,7 @@ func TestFinishedJobOfADeadOwnerIsReconciled(t *testing.T) {
 			rec, _ := json.Marshal(v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: tc.claimRun, Owner: "dead", LeaseMs: 1000,
 				LeaseUntil: time.Now().Add(time.Hour), RequestID: "gone", Repository: "registry.test:5000/acme/web",
 				Destinations: []string{dest}, StartedAt: time.Now().Add(-time.Hour)})
-			if _, err := r.w.claims.kv.Put(context.Background(), key, rec); err != nil {
+			if _, err := r.w.runs.Bucket().Put(context.Background(), key, rec); err != nil {
 				t.Fatal(err)
 			}
 			// Level-triggered: the next event for the finished Job (here, a
@@ -1049,14 +1049,14 @@ func TestFinishedJobOfADeadOwnerIsReconciled(t *testing.T) {
 			}
 			if tc.want == v1.StateSucceeded {
 				eventually(t, 10*time.Second, "the record to be final", func() bool {
-					cur, _, err := r.w.claims.get(context.Background(), key)
+					cur, _, err := r.w.runs.Get(context.Background(), key)
 					return err == nil && cur != nil && cur.State == v1.StateSucceeded && cur.Digest == digestOf("orphan") && cur.Run == "r1"
 				})
 				return
 			}
 			// Well past the claim's lapse (1.5 × 1 s) and a re-check.
 			time.Sleep(4 * time.Second)
-			if cur, _, err := r.w.claims.get(context.Background(), key); err != nil || cur.State != v1.StateBuilding {
+			if cur, _, err := r.w.runs.Get(context.Background(), key); err != nil || cur.State != v1.StateBuilding {
 				t.Fatalf("a stale run's Job ended the current run: %+v %v", cur, err)
 			}
 		})

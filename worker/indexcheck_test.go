@@ -19,7 +19,7 @@ func TestCheckIndexedSharesOneHead(t *testing.T) {
 		const ref = "registry.test/acme/app@sha256:0123"
 		reg := newGateRegistry(true)
 		reg.exists[ref] = "sha256:0123"
-		w := &Worker{registry: reg}
+		w := &builder{Worker: &Worker{registry: reg}}
 
 		// The first check starts the HEAD, which the registry holds; its
 		// caller then gives up.

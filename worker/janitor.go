@@ -85,7 +85,7 @@ func (w *Worker) sweepJobs(ctx context.Context) {
 		if j.Key == "" || j.Run == "" || (w.cfg.KeepJobs && j.Finished) {
 			continue
 		}
-		rec, _, err := w.claims.get(ctx, j.Key)
+		rec, _, err := w.runs.Get(ctx, j.Key)
 		if err != nil {
 			continue // look again at the next sweep
 		}

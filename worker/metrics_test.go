@@ -66,7 +66,7 @@ func TestMetricsPerTenant(t *testing.T) {
 		t.Fatal(err)
 	}
 	eventually(t, 10*time.Second, "acme's build running, one request parked", func() bool {
-		w.w.sweepWaiters(ctx)
+		w.w.park.sweepWaiters(ctx)
 		return testutil.ToFloat64(m.running.WithLabelValues("acme")) == 1 && testutil.ToFloat64(m.parkedNow) == 1
 	})
 	globex := request("metrics-globex")
@@ -86,7 +86,7 @@ func TestMetricsPerTenant(t *testing.T) {
 	e.kubelet(gjob, 0, digestOf("metrics-globex"))
 	results.waitFor(t, 3, 10*time.Second)
 	eventually(t, 10*time.Second, "the builds ended, nothing parked or queued", func() bool {
-		w.w.sweepWaiters(ctx)
+		w.w.park.sweepWaiters(ctx)
 		w.w.countQueued(ctx)
 		return testutil.ToFloat64(m.running.WithLabelValues("acme")) == 0 && testutil.ToFloat64(m.parkedNow) == 0 &&
 			testutil.CollectAndCount(m.queued) == 0

@@ -24,6 +24,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -85,7 +86,7 @@ func TestMutants(t *testing.T) {
 			continue
 		}
 		if !src[m.name] {
-			t.Errorf("mutant %s: no mutant(%q) switch in the worker's code", m.name, m.name)
+			t.Errorf("mutant %s: no mutant.On(%q) switch in the worker's code", m.name, m.name)
 			continue
 		}
 		began := time.Now()
@@ -154,11 +155,17 @@ func mutantKillers(out string) string {
 
 // mutantSwitches lists the names the worker's code switches on.
 func mutantSwitches(t *testing.T) map[string]bool {
-	files, err := filepath.Glob("*.go")
+	var files []string
+	err := filepath.WalkDir(".", func(path string, d fs.DirEntry, err error) error {
+		if err == nil && !d.IsDir() && strings.HasSuffix(path, ".go") {
+			files = append(files, path)
+		}
+		return err
+	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	re := regexp.MustCompile(`mutant\("([a-z-]+)"\)`)
+	re := regexp.MustCompile(`mutant\.On\("([a-z-]+)"\)`)
 	found := map[string]bool{}
 	for _, f := range files {
 		if strings.HasSuffix(f, "_test.go") {

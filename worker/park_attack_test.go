@@ -17,6 +17,7 @@ import (
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
+	"github.com/buildq/buildq/worker/internal/ledger"
 )
 
 // Adversarial tests of parking (docs/design.md §2c).
@@ -40,14 +41,14 @@ func storedOf(c *resultCollector, tenant, id string) []v1.Result {
 }
 
 // parkedCount counts the parked waiter entries of key.
-func parkedCount(t *testing.T, w *Worker, key string) int {
-	items, err := w.listWaiters(context.Background(), "w."+key+".*")
+func parkedCount(_ *testing.T, w *Worker, key string) int {
+	items, err := w.ledger.ListWaiters(context.Background(), key)
 	if err != nil {
 		return -1
 	}
 	n := 0
 	for _, it := range items[key] {
-		if it.v.Parked {
+		if it.V.Parked {
 			n++
 		}
 	}
@@ -163,9 +164,9 @@ func TestAttackParkForgedRequeueIDStrandsAnotherTenant(t *testing.T) {
 		time.Sleep(100 * time.Millisecond)
 	}
 	if len(storedOf(results, "acme", victim.RequestID)) == 0 {
-		le, _ := w.w.ledgerGet(ctx, "acme", victim.RequestID)
+		le, _ := w.w.ledger.Get(ctx, "acme", victim.RequestID)
 		t.Fatalf("STRANDED: acme's parked request %s has no result; ledger %+v, parked waiters %d, queue empty",
-			victim.RequestID, le.e, parkedCount(t, w.w, key))
+			victim.RequestID, le.E, parkedCount(t, w.w, key))
 	}
 }
 
@@ -434,13 +435,13 @@ func TestAttackParkRequeuedRequestsOwnBuildFails(t *testing.T) {
 	// handled after the run failed would build again, as a new run).
 	eventually(t, 20*time.Second, "2 parked on the new run", func() bool {
 		run := e.claim(key)
-		items, err := w.w.listWaiters(ctx, "w."+key+".*")
+		items, err := w.w.ledger.ListWaiters(ctx, key)
 		if run == nil || err != nil {
 			return false
 		}
 		n := 0
 		for _, it := range items[key] {
-			if it.v.Parked && it.v.Run == run.Run {
+			if it.V.Parked && it.V.Run == run.Run {
 				n++
 			}
 		}
@@ -505,7 +506,7 @@ func TestAttackParkForgedRequeueSeqTakesAnotherTenantsFailure(t *testing.T) {
 	msg.Header.Set(v1.MsgIDHeader, v1.MsgID("mallory", m.RequestID)+"/requeue-1")
 	// The token is the worker's secret: mallory can only guess one (and
 	// the sequence she would have claimed is no header any more).
-	msg.Header.Set(hdrRequeueToken, fmt.Sprintf("%032d", guess))
+	msg.Header.Set(ledger.RequeueTokenHeader, fmt.Sprintf("%032d", guess))
 	msg.Data = body
 	if _, err := e.js.PublishMsg(ctx, msg); err != nil {
 		t.Fatal(err)
@@ -622,8 +623,10 @@ func TestAttackParkOtherTenantsCancelAnswersAParkedRequest(t *testing.T) {
 	sl := &slowList{filter: "w." + key + ".*", delay: 1500 * time.Millisecond}
 	sr := &slowRelease{}
 	e.startWorkerHooked("w1", withRegistry(tr), nil, func(w *Worker) {
-		sl.KeyValue, w.requests = w.requests, sl
-		sr.KeyValue, w.claims.kv = w.claims.kv, sr
+		sl.KeyValue = w.ledger.Bucket()
+		w.ledger.UseBucket(sl)
+		sr.KeyValue = w.runs.Bucket()
+		w.runs.UseBucket(sr)
 	})
 	results := e.collect()
 	ctx := context.Background()

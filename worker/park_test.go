@@ -138,7 +138,7 @@ func TestCancelOfAParkedRequest(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
-	e.startWorker("w1", withRegistry(tr))
+	r := e.startWorker("w1", withRegistry(tr))
 	results := e.collect()
 	ctx := context.Background()
 	owner := request("cancel-parked")
@@ -150,9 +150,11 @@ func TestCancelOfAParkedRequest(t *testing.T) {
 	if _, err := e.pub.Publish(ctx, parked); err != nil {
 		t.Fatal(err)
 	}
+	// Parked: its waiter entry says so (a look at the stream alone may
+	// come before the request was taken at all).
 	eventually(t, 10*time.Second, "the second request parked", func() bool {
 		_, ackPending, _ := e.streamState()
-		return ackPending == 1
+		return ackPending == 1 && parkedCount(t, r.w, v1.BuildKey(owner, "kaniko@"+testKaniko.ExecutorImage)) == 1
 	})
 	rep := cancelRequest(t, e.nc, v1.APICancelSubject("acme"), parked.RequestID)
 	if !rep.Canceled || rep.Stopped {
@@ -190,7 +192,7 @@ func TestParkedRequestsOutliveADeadOwner(t *testing.T) {
 	rec, _ := json.Marshal(v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "dead-run", Owner: "dead", LeaseMs: 2000,
 		RequestID: "gone", Tenant: "acme", Name: "web", Holder: "gone",
 		Repository: tr.host + "/acme/web", Destinations: []string{dest}})
-	if _, err := w.w.claims.kv.Put(ctx, key, rec); err != nil {
+	if _, err := w.w.runs.Bucket().Put(ctx, key, rec); err != nil {
 		t.Fatal(err)
 	}
 	for range 3 {
@@ -199,10 +201,10 @@ func TestParkedRequestsOutliveADeadOwner(t *testing.T) {
 		}
 	}
 	eventually(t, 10*time.Second, "three requests parked", func() bool {
-		items, err := w.w.listWaiters(ctx, "w."+key+".*")
+		items, err := w.w.ledger.ListWaiters(ctx, key)
 		n := 0
 		for _, it := range items[key] {
-			if it.v.Parked {
+			if it.V.Parked {
 				n++
 			}
 		}

@@ -10,13 +10,13 @@ import (
 	"sync"
 	"time"
 
-	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap"
 	"golang.org/x/sync/singleflight"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/contexttar"
 	"github.com/buildq/buildq/internal/s3store"
+	"github.com/buildq/buildq/worker/internal/mutant"
 )
 
 // Possession, not knowledge. A request whose build key another tenant's
@@ -115,8 +115,8 @@ func (p possessionPanic) Error() string { return fmt.Sprintf("panic in a context
 // object), a *notHeldError when it does not, and a transient error when
 // that cannot be told now. Without Config.Contexts (a worker of one
 // trusted tenant, --single-tenant without S3 keys) nothing is checked.
-func (w *Worker) checkPossession(ctx context.Context, req *v1.Request) error {
-	if w.cfg.Contexts == nil || mutant("skip-possession") {
+func (w *builder) checkPossession(ctx context.Context, req *v1.Request) error {
+	if w.cfg.Contexts == nil || mutant.On("skip-possession") {
 		return nil
 	}
 	s3 := req.Source.S3
@@ -161,7 +161,7 @@ func (w *Worker) checkPossession(ctx context.Context, req *v1.Request) error {
 	})
 	select {
 	case r := <-ch:
-		if pp, ok := r.Err.(possessionPanic); ok {
+		if pp, ok := errors.AsType[possessionPanic](r.Err); ok {
 			panic(pp.v)
 		}
 		return r.Err
@@ -173,7 +173,7 @@ func (w *Worker) checkPossession(ctx context.Context, req *v1.Request) error {
 // objectDigest returns the digest of the bytes of bucket/key: remembered
 // for the object's version when the source tells versions, read and hashed
 // otherwise. "" with a nil error: the object is no context archive.
-func (w *Worker) objectDigest(ctx context.Context, bucket, key string) (string, error) {
+func (w *builder) objectDigest(ctx context.Context, bucket, key string) (string, error) {
 	p := &w.possessed
 	version := ""
 	if vs, ok := w.cfg.Contexts.(ContextVersions); ok {
@@ -216,13 +216,11 @@ func (w *Worker) objectDigest(ctx context.Context, bucket, key string) (string, 
 
 // provePossession looks the proof up in the ledger bucket, and without one
 // reads the tenant's context object and records the proof.
-func (w *Worker) provePossession(ctx context.Context, req *v1.Request, pk string) error {
-	if w.requests != nil {
-		if _, err := w.requests.Get(ctx, pk); err == nil {
-			return nil
-		} else if !errors.Is(err, jetstream.ErrKeyNotFound) {
-			return Transient(fmt.Errorf("read the possession proof: %w", err))
-		}
+func (w *builder) provePossession(ctx context.Context, req *v1.Request, pk string) error {
+	if ok, err := w.ledger.HasProof(ctx, pk); err != nil {
+		return Transient(fmt.Errorf("read the possession proof: %w", err))
+	} else if ok {
+		return nil
 	}
 	s3 := req.Source.S3
 	object := s3.Bucket + "/" + s3.Key
@@ -239,13 +237,11 @@ func (w *Worker) provePossession(ctx context.Context, req *v1.Request, pk string
 		return &notHeldError{v1.ReasonContextMismatch, fmt.Sprintf(
 			"the context object %s does not hold the bytes of %s (the contextDigest): it was replaced, or the request names a digest of other content", object, req.ContextDigest)}
 	}
-	if w.requests != nil {
-		b, _ := json.Marshal(possessionProof{Tenant: req.Tenant, Digest: req.ContextDigest, Object: object,
-			Worker: w.cfg.ID, VerifiedAt: w.cfg.Now().UTC()})
-		// Another worker may have recorded the same proof meanwhile.
-		if _, err := w.requests.Create(ctx, pk, b); err != nil && !errors.Is(err, jetstream.ErrKeyExists) {
-			w.log.Debug("recording a possession proof failed; it is read again next time", zap.Error(err))
-		}
+	b, _ := json.Marshal(possessionProof{Tenant: req.Tenant, Digest: req.ContextDigest, Object: object,
+		Worker: w.cfg.ID, VerifiedAt: w.cfg.Now().UTC()})
+	// Another worker may have recorded the same proof meanwhile.
+	if err := w.ledger.RecordProof(ctx, pk, b); err != nil {
+		w.log.Debug("recording a possession proof failed; it is read again next time", zap.Error(err))
 	}
 	w.log.Info("tenant shown to hold a context",
 		zap.String("tenant", req.Tenant), zap.String("digest", req.ContextDigest), zap.String("object", object))
@@ -273,7 +269,7 @@ func KeyIdentity(executor string, req *v1.Request, perTenantCache, checked bool)
 }
 
 // keyOf is req's build key on this worker.
-func (w *Worker) keyOf(req *v1.Request) string {
+func (w *builder) keyOf(req *v1.Request) string {
 	pt, _ := w.backend.(interface{ PerTenantCache() bool })
 	return v1.BuildKey(req, KeyIdentity(w.backend.Identity(), req, pt != nil && pt.PerTenantCache(), w.cfg.Contexts != nil))
 }

@@ -415,7 +415,7 @@ func TestDeadOwnerWithAFastClockIsTakenOver(t *testing.T) {
 	rec, _ := json.Marshal(v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "dead-run", Owner: "dead", LeaseMs: 2000,
 		LeaseUntil: time.Now().Add(time.Hour), RequestID: "gone", Tenant: "acme", Name: "web",
 		Repository: "registry.test:5000/acme/web", Destinations: []string{"registry.test:5000/acme/web:" + v1.DefaultTag(key)}})
-	if _, err := w.w.claims.kv.Put(context.Background(), key, rec); err != nil {
+	if _, err := w.w.runs.Bucket().Put(context.Background(), key, rec); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := e.pub.Publish(context.Background(), req); err != nil {
@@ -511,19 +511,18 @@ func TestRetryBudgetCountsTransientFailuresNotDeliveries(t *testing.T) {
 	e := setup(t)
 	r := e.startWorker("w1", func(c *Config) { c.MaxDeliver = 3 })
 	w := r.w
-	le, _, err := w.openEntry(context.Background(), "acme", "web", "budget", "", 1, time.Unix(1e9, 0))
+	le, _, err := w.ledger.Open(context.Background(), "acme", "web", "budget", "", 1, time.Unix(1e9, 0))
 	if err != nil {
 		t.Fatal(err)
 	}
 	// The tenth delivery, after nine hand-backs: still the first failure.
-	meta := &jetstream.MsgMetadata{NumDelivered: 10}
 	for i, want := range []bool{true, true, false} {
-		if got := w.retryBudgetLeft(context.Background(), le, meta); got != want {
+		if got := w.ledger.SpendRetry(context.Background(), le, 10, w.cfg.MaxDeliver); got != want {
 			t.Fatalf("transient failure %d: retry = %v, want %v", i+1, got, want)
 		}
 	}
-	if le.e.TransientFailures != 3 {
-		t.Fatalf("ledger counts %d failures", le.e.TransientFailures)
+	if le.E.TransientFailures != 3 {
+		t.Fatalf("ledger counts %d failures", le.E.TransientFailures)
 	}
 }
 

@@ -18,6 +18,7 @@ import (
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
+	"github.com/buildq/buildq/worker/internal/ledger"
 )
 
 // lateRead is a ledger whose first read of one entry that finds its
@@ -95,8 +96,8 @@ func TestStaleReadOfOwnDecisionIsNotPublishedAgain(t *testing.T) {
 		c.AckWait = 2 * time.Second
 		c.Lease = 10 * time.Second
 	}, nil, func(w *Worker) {
-		lr.KeyValue = w.requests
-		w.requests = lr
+		lr.KeyValue = w.ledger.Bucket()
+		w.ledger.UseBucket(lr)
 		w.faults = &faultHooks{loseAck: func(id string) bool {
 			return id == parked.RequestID && lost.CompareAndSwap(false, true) // the park's ack only
 		}}
@@ -165,7 +166,7 @@ func TestWaitingForAnUnmarkedDecisionDoesNotSpendTheDeliveryBudget(t *testing.T)
 	var decisionWrites atomic.Int32
 	landed := make(chan struct{})
 	w1 := e.startWorkerHooked("w1", withRegistry(tr), nil, func(w *Worker) {
-		w.requests = &faultyKV{KeyValue: w.requests, onUpdate: func(k string, value []byte) string {
+		w.ledger.UseBucket(&faultyKV{KeyValue: w.ledger.Bucket(), onUpdate: func(k string, value []byte) string {
 			if k != lk || !bytes.Contains(value, []byte(`"result":`)) || bytes.Contains(value, []byte(`"published":true`)) {
 				return writePasses
 			}
@@ -177,7 +178,7 @@ func TestWaitingForAnUnmarkedDecisionDoesNotSpendTheDeliveryBudget(t *testing.T)
 				return writeLanded
 			}
 			return writePasses
-		}}
+		}})
 	})
 	results := e.collect()
 	ctx := context.Background()
@@ -272,13 +273,13 @@ func TestBudgetCountBetweenRecordAndMarkDoesNotRepublish(t *testing.T) {
 	e := setup(t)
 	tr := newTestRegistry(t)
 	owner, parked, key := ownerAndParked("poa-bump", "poa-owner-b", "poa-parked-b")
-	pr := &parkRace{lk: RequestIndexKey("acme", parked.RequestID), wk: waiterKey(key, "acme", parked.RequestID),
+	pr := &parkRace{lk: RequestIndexKey("acme", parked.RequestID), wk: ledger.WaiterKey(key, "acme", parked.RequestID),
 		held: make(chan struct{}), recorded: make(chan struct{})}
 	pr.markArmed.Store(true)
 	var lost atomic.Bool
 	e.startWorkerHooked("w1", withRegistry(tr), nil, func(w *Worker) {
-		pr.KeyValue = w.requests
-		w.requests = pr
+		pr.KeyValue = w.ledger.Bucket()
+		w.ledger.UseBucket(pr)
 		w.faults = &faultHooks{loseAck: func(id string) bool {
 			return id == parked.RequestID && lost.CompareAndSwap(false, true) // the park's ack only
 		}}

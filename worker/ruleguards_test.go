@@ -11,6 +11,7 @@ import (
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/naming"
+	"github.com/buildq/buildq/worker/internal/ledger"
 )
 
 // ruleWorker is a worker set up (buckets and streams) but not running,
@@ -60,10 +61,10 @@ func TestAnsweredRequestStartsNoBuild(t *testing.T) {
 		Seq: seq, UpdatedAt: time.Now().UTC(),
 		Result: &v1.ResultData{RequestID: req.RequestID, Tenant: req.Tenant, Status: v1.StatusSucceeded, Digest: digestOf("answered-elsewhere")}}
 	raw, _ := json.Marshal(entry)
-	if _, err := w.requests.Put(ctx, RequestIndexKey(req.Tenant, req.RequestID), raw); err != nil {
+	if _, err := w.ledger.Bucket().Put(ctx, RequestIndexKey(req.Tenant, req.RequestID), raw); err != nil {
 		t.Fatal(err)
 	}
-	key := w.keyOf(req)
+	key := w.builds.keyOf(req)
 	repo, err := w.cfg.Naming.Repository(req)
 	if err != nil {
 		t.Fatal(err)
@@ -71,11 +72,11 @@ func TestAnsweredRequestStartsNoBuild(t *testing.T) {
 	// Bounded: a build started by mistake would wait on the backend.
 	bctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	_, _, _, err = w.build(bctx, req, key, repo, naming.Destinations(repo, key, req.Tags), seq, nil)
+	_, _, _, err = w.builds.build(bctx, req, key, repo, naming.Destinations(repo, key, req.Tags), seq, nil)
 	if !errors.Is(err, errAnswered) {
 		t.Fatalf("build of an answered request: %v, want errAnswered", err)
 	}
-	if cur, _, err := w.claims.get(ctx, key); err != nil || cur != nil {
+	if cur, _, err := w.runs.Get(ctx, key); err != nil || cur != nil {
 		t.Fatalf("an answered request claimed its key: %+v (%v)", cur, err)
 	}
 	select {
@@ -99,14 +100,14 @@ func TestReconcilerEndsOnlyTheJobsOwnRun(t *testing.T) {
 	current := v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "current-run", Owner: "", LeaseMs: 2000,
 		RequestID: "r1", Seq: 1, Tenant: "acme", Name: "api", StartedAt: time.Now().UTC()}
 	raw, _ := json.Marshal(current)
-	if _, err := w.claims.kv.Put(ctx, key, raw); err != nil {
+	if _, err := w.runs.Bucket().Put(ctx, key, raw); err != nil {
 		t.Fatal(err)
 	}
 	// A failed Job of an earlier run, its owner gone.
-	if again := w.finishOrphan(ctx, key, Outcome{Run: "earlier-run", Reason: v1.ReasonBuildFailed, Message: "RUN make: exit status 2"}); again != 0 {
+	if again := w.builds.finishOrphan(ctx, key, Outcome{Run: "earlier-run", Reason: v1.ReasonBuildFailed, Message: "RUN make: exit status 2"}); again != 0 {
 		t.Fatalf("finishOrphan asked to look again in %s at another run's Job", again)
 	}
-	got, _, err := w.claims.get(ctx, key)
+	got, _, err := w.runs.Get(ctx, key)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -114,10 +115,10 @@ func TestReconcilerEndsOnlyTheJobsOwnRun(t *testing.T) {
 		t.Fatalf("the run building now was ended with another run's Job outcome: %+v", got)
 	}
 	// Its own Job's outcome ends it (the claim was released: no wait).
-	if again := w.finishOrphan(ctx, key, Outcome{Run: "current-run", Reason: v1.ReasonBuildFailed, Message: "RUN make: exit status 2"}); again != 0 {
+	if again := w.builds.finishOrphan(ctx, key, Outcome{Run: "current-run", Reason: v1.ReasonBuildFailed, Message: "RUN make: exit status 2"}); again != 0 {
 		t.Fatalf("finishOrphan of the run's own Job asked to look again in %s", again)
 	}
-	if got, _, err = w.claims.get(ctx, key); err != nil || got.State != v1.StateFailed || got.Run != "current-run" {
+	if got, _, err = w.runs.Get(ctx, key); err != nil || got.State != v1.StateFailed || got.Run != "current-run" {
 		t.Fatalf("the run's own Job outcome did not end it: %+v (%v)", got, err)
 	}
 }
@@ -138,20 +139,24 @@ func TestAnotherWorkersUnmarkedDecisionIsNotPublishedAtOnce(t *testing.T) {
 		Seq: 3, Worker: "w2", UpdatedAt: time.Now().UTC(),
 		Result: &v1.ResultData{RequestID: req.RequestID, Tenant: req.Tenant, Status: v1.StatusSucceeded, Digest: digestOf("unmarked-elsewhere")}}
 	raw, _ := json.Marshal(entry)
-	rev, err := w.requests.Put(ctx, RequestIndexKey(req.Tenant, req.RequestID), raw)
+	rev, err := w.ledger.Bucket().Put(ctx, RequestIndexKey(req.Tenant, req.RequestID), raw)
 	if err != nil {
 		t.Fatal(err)
 	}
-	le := &ledgerEntry{e: entry, rev: rev}
-	right, err := w.mayPublishDecision(ctx, le)
+	le := &ledger.Entry{E: entry, Rev: rev}
+	published := 0
+	res, err := w.ledger.Deliver(ctx, le, ledger.DecisionOf(entry), ledger.Delivery{Publish: func(context.Context, ledger.Decision) error {
+		published++
+		return nil
+	}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if right != publishLater {
-		t.Fatalf("w1 may publish w2's unmarked decision at once (right %d), want later", right)
+	if res.Status != ledger.Later || published != 0 {
+		t.Fatalf("w1 delivered w2's unmarked decision at once (status %d, %d publishes), want later and none", res.Status, published)
 	}
-	got, err := w.ledgerGet(ctx, req.Tenant, req.RequestID)
-	if err != nil || got == nil || got.e.Worker != "w2" {
+	got, err := w.ledger.Get(ctx, req.Tenant, req.RequestID)
+	if err != nil || got == nil || got.E.Worker != "w2" {
 		t.Fatalf("the decision changed hands at the first look: %+v (%v)", got, err)
 	}
 }

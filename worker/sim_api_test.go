@@ -470,12 +470,12 @@ func (c *simClient) setFault(f *simAPIFault) {
 }
 
 // injected decides whether this call fails, and how.
-func (c *simClient) injected(verb string) (err error, committed bool) {
+func (c *simClient) injected(verb string) (committed bool, err error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	f := c.fault
 	if f == nil || time.Now().After(f.until) || f.p == 0 || c.rnd() >= f.p {
-		return nil, false
+		return false, nil
 	}
 	gr := simJobsGVR.GroupResource()
 	switch x := c.rnd(); {
@@ -487,11 +487,11 @@ func (c *simClient) injected(verb string) (err error, committed bool) {
 		err = apierrors.NewConflict(gr, "", errors.New("injected conflict"))
 	default:
 		if verb == "create" && f.committed {
-			return apierrors.NewServerTimeout(gr, "create", 1), true
+			return true, apierrors.NewServerTimeout(gr, "create", 1)
 		}
 		err = apierrors.NewInternalError(errors.New("injected"))
 	}
-	return err, false
+	return false, err
 }
 
 // delay holds a call for the injected lag, if any: the request reaches
@@ -524,7 +524,7 @@ func (c *simClient) react(act k8stesting.Action) (bool, runtime.Object, error) {
 		return true, &corev1.Pod{}, nil
 	}
 	if gvr == simJobsGVR && (verb == "create" || verb == "delete") {
-		if err, committed := c.injected(verb); err != nil {
+		if committed, err := c.injected(verb); err != nil {
 			if committed {
 				a.mu.Lock()
 				_, cerr := a.createLocked(gvr, act.(k8stesting.CreateAction).GetObject(), act.GetNamespace(), c.name)

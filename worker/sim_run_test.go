@@ -33,7 +33,7 @@ import (
 var (
 	simResultsTimeout = 80 * time.Second
 	simQueueTimeout   = 30 * time.Second
-	simJobsTimeout    = simTTL + simBuildMin + simBuildSpan + 15*time.Second
+	simJobsTimeout    = simTTL + simBuildFloor + simBuildSpan + 15*time.Second
 )
 
 type simViolation struct {
@@ -141,11 +141,7 @@ func runSim(t *testing.T, sc *simSchedule) simOutcome {
 	out := simOutcome{seed: seed, kinds: sc.kinds}
 
 	var err error
-	w.dir, err = os.MkdirTemp("", "buildq-sim-*")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer os.RemoveAll(w.dir)
+	w.dir = t.TempDir()
 	if w.port, err = simFreePort(); err != nil {
 		t.Fatal(err)
 	}
@@ -188,10 +184,14 @@ func runSim(t *testing.T, sc *simSchedule) simOutcome {
 		if s.proxy, err = newSimProxy(func() string { return fmt.Sprintf("127.0.0.1:%d", w.port) }, w.runtimeRand()); err != nil {
 			t.Fatal(err)
 		}
-		defer s.proxy.close()
 		w.slots = append(w.slots, s)
 		w.start(s)
 	}
+	defer func() {
+		for _, s := range w.slots {
+			s.proxy.close()
+		}
+	}()
 	defer w.shutdown()
 	// The workers create the streams; the schedule starts once they exist.
 	if !simPoll(30*time.Second, func() bool {

@@ -50,7 +50,7 @@ const (
 	simAckWait    = time.Second
 	simMaxDeliver = 20
 	simTTL        = 4 * time.Second // the fake TTL controller
-	simBuildMin   = 200 * time.Millisecond
+	simBuildFloor = 200 * time.Millisecond
 	simBuildSpan  = 1800 * time.Millisecond
 )
 
@@ -172,7 +172,7 @@ func (n *simNode) onChange(ev simAPIEvent, cause string) {
 		n.runs[key]++
 		h := simHash(w.seed, key, run)
 		ok := float64(h%1000)/1000 >= w.sc.failProb
-		d := simBuildMin + time.Duration(h/1000%uint64(simBuildSpan/time.Millisecond))*time.Millisecond
+		d := simBuildFloor + time.Duration(h/1000%uint64(simBuildSpan/time.Millisecond))*time.Millisecond
 		w.trace.add("job   %s %s %s created by %s (run %d: will %s after %s)", w.keyName(key), j.name[:14], j.uid, cause, run,
 			map[bool]string{true: "succeed", false: "fail"}[ok], d)
 		if !n.closed {
@@ -537,8 +537,7 @@ type simSub struct {
 	label    string
 	start    time.Duration // publish started
 	accepted bool          // a PubAck came back (stored once)
-	dup      bool
-	reacc    int // duplicate publishes the stream stored again
+	reacc    int           // duplicate publishes the stream stored again
 }
 
 // simCancel is a cancel request and what came of it.
@@ -912,7 +911,7 @@ func (w *simWorld) submit(s *simSub) {
 	s.start = w.now()
 	w.mu.Unlock()
 	ctx := context.Background()
-	for attempt := 0; attempt < 40; attempt++ {
+	for attempt := range 40 {
 		pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		req := *s.req
 		ack, err := w.pub.Publish(pctx, &req)

@@ -219,7 +219,7 @@ func TestBodyNeverChoosesTheResultTenant(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer sub.Unsubscribe()
+	defer func() { _ = sub.Unsubscribe() }()
 	r := request("forged")
 	r.APIVersion, r.RequestID = v1.APIVersion, "acme-real-id"
 	body, _ := json.Marshal(r)
@@ -387,7 +387,7 @@ func TestStatusShowsOnlyTheTenantsOwn(t *testing.T) {
 func TestTakeOverBuildsAsTheClaimer(t *testing.T) {
 	t.Parallel()
 	acme := request("takeover")
-	w := &Worker{cfg: Config{Now: time.Now}}
+	w := &builder{Worker: &Worker{cfg: Config{Now: time.Now}}}
 	claim := w.newClaim(acme, "k", "registry.test/acme/takeover", []string{"registry.test/acme/takeover:abc"}, 1)
 	taker := request("takeover")
 	taker.Tenant, taker.Name = "mallory", "other-name"
@@ -512,7 +512,7 @@ func TestAPIAnswersOnlyOnATenantsOwnReplies(t *testing.T) {
 // to carry (a trailing dot, wildcards).
 func TestReplyAllowed(t *testing.T) {
 	t.Parallel()
-	w := &Worker{}
+	w := &tenantAPI{Worker: &Worker{}}
 	for reply, ok := range map[string]bool{
 		"_R_.abc.def":         true,
 		"_R_.":                false,
@@ -535,7 +535,7 @@ func TestReplyAllowed(t *testing.T) {
 	if w.replyAllowed("_invalid", "_INBOX__invalid.x") {
 		t.Error("a subject without a valid tenant has no inbox")
 	}
-	if !(&Worker{cfg: Config{AnyReply: true}}).replyAllowed("acme", "_INBOX.x") {
+	if !(&tenantAPI{Worker: &Worker{cfg: Config{AnyReply: true}}}).replyAllowed("acme", "_INBOX.x") {
 		t.Error("AnyReply answers any reply")
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"go.uber.org/zap"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/worker/internal/ledger"
 )
 
 // expired reports whether a request waited in the queue longer than
@@ -25,24 +26,18 @@ import (
 // and is redelivered later (a transient failure, a worker handing it back
 // at shutdown, a crash) may have a build running or others waiting on it,
 // and expiring it then would abandon work already started.
-func (w *Worker) expired(ctx context.Context, meta *jetstream.MsgMetadata, le *ledgerEntry) (string, bool) {
+func (w *Worker) expired(ctx context.Context, meta *jetstream.MsgMetadata, le *ledger.Entry) (string, bool) {
 	ttl := w.cfg.QueueTTL
 	if ttl <= 0 || meta.NumDelivered > 1 || le == nil {
 		return "", false
 	}
-	k := RequestIndexKey(le.e.Tenant, le.e.RequestID)
-	e, err := w.requests.GetRevision(ctx, k, le.rev)
-	if err != nil {
-		// Written again meanwhile (a cancel): the latest write is later
-		// still, and as much the server's time.
-		e, err = w.requests.Get(ctx, k)
-	}
+	written, err := w.ledger.WrittenAt(ctx, le)
 	if err != nil {
 		w.log.Warn("reading the server's time of the request's ledger entry failed; the queue TTL is not applied",
-			zap.String("requestId", le.e.RequestID), zap.Error(err))
+			zap.String("requestId", le.E.RequestID), zap.Error(err))
 		return "", false
 	}
-	waited := e.Created().Sub(meta.Timestamp)
+	waited := written.Sub(meta.Timestamp)
 	if waited <= ttl {
 		return "", false
 	}
@@ -53,7 +48,7 @@ func (w *Worker) expired(ctx context.Context, meta *jetstream.MsgMetadata, le *l
 // expiredVerdict is the result of a request that expired in the queue: no
 // build, no claim, terminated.
 func expiredVerdict(v verdict, message string) verdict {
-	v.data.Status, v.data.Reason, v.data.Message = v1.StatusFailed, v1.ReasonExpired, message
-	v.term = true
+	v.Data.Status, v.Data.Reason, v.Data.Message = v1.StatusFailed, v1.ReasonExpired, message
+	v.Term = true
 	return v
 }

@@ -175,11 +175,11 @@ var badRequests = []badRequest{
 
 var listAll = metav1.ListOptions{}
 
-func replaceJSON(b []byte, old, new string) []byte {
+func replaceJSON(b []byte, old, repl string) []byte {
 	if !bytes.Contains(b, []byte(old)) {
 		panic("replaceJSON: " + old + " not in " + string(b))
 	}
-	return bytes.Replace(b, []byte(old), []byte(new), 1)
+	return bytes.Replace(b, []byte(old), []byte(repl), 1)
 }
 
 func TestInvalidRequestsFailWithoutJobs(t *testing.T) {

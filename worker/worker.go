@@ -9,12 +9,9 @@
 package worker
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -23,10 +20,10 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap"
-	"golang.org/x/sync/singleflight"
 
 	v1 "github.com/buildq/buildq/api/v1"
-	"github.com/buildq/buildq/internal/naming"
+	"github.com/buildq/buildq/worker/internal/ledger"
+	"github.com/buildq/buildq/worker/internal/runs"
 )
 
 // Worker consumes build requests. Create it with New and call Run.
@@ -37,23 +34,16 @@ type Worker struct {
 	js       jetstream.JetStream
 	backend  Backend
 	log      *zap.Logger
-	// settling serializes settleWaiters per build key (park.go), by a
-	// hash of the key: bounded, whatever the number of keys.
-	settling [64]sync.Mutex
-	// heads shares concurrent registry checks of one indexed image.
-	heads singleflight.Group
-	// publishing: the requests whose decision a goroutine of this worker
-	// is recording and publishing; unmarked: decisions of other workers
-	// seen recorded and not marked published (index.go).
-	publishing keyLocks
-	unmarked   unmarkedWatch
-	claims     claims
-	requests   jetstream.KeyValue
-	orphans    orphanWatch
-	parked     parkWatch
-	held       heldRequests
-	// possessed: tenants shown to hold a context (possession.go).
-	possessed possessions
+	// ledger owns buildq-requests (internal/ledger).
+	ledger *ledger.Ledger
+	// runs owns buildq-builds (internal/runs).
+	runs *runs.Store
+	// The worker's components, each with its own state: the fair queue
+	// (queue.go), the tenant API (api.go), parking (park.go) and the
+	// builder (build.go).
+	api    *tenantAPI
+	park   *parking
+	builds *builder
 	// jobs: the janitor's view of Jobs left behind (janitor.go).
 	jobs janitor
 	// life is Run's work context: it ends when the worker stops. Work
@@ -61,21 +51,15 @@ type Worker struct {
 	// any one request's context.
 	life atomic.Pointer[context.Context]
 	// bg counts background work (answering parked requests).
-	bg     sync.WaitGroup
-	apiSem chan struct{}
+	bg sync.WaitGroup
 	// ackWait is the consumer's AckWait as the server has it (nanoseconds):
 	// another worker may have set it lower than this one's.
 	ackWait atomic.Int64
 	cons    jetstream.Consumer
-	// queue is BUILDQ_QUEUE; slots the per-tenant concurrency slots.
-	queue jetstream.Stream
-	slots jetstream.KeyValue
-	// slotSeen: how long this worker has seen each slot key unchanged.
-	slotSeen slotWatch
-	// admitMu: per tenant, its queue-limit checks in this worker.
-	admitMu sync.Map
-	sem     chan struct{}
-	source  string
+	// fq is the fair queue (queue.go): BUILDQ_QUEUE, buildq-slots,
+	// intake, the dispatcher and the in-flight semaphore.
+	fq     *fairQueue
+	source string
 
 	setupMu   sync.Mutex
 	setupDone bool
@@ -97,20 +81,25 @@ func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 	if err != nil {
 		return nil, fmt.Errorf("jetstream: %w", err)
 	}
-	return &Worker{
+	log := cfg.Logger.With(zap.String("worker", cfg.ID))
+	w := &Worker{
+		runs:     runs.New(),
+		ledger:   ledger.New(ledger.Config{Worker: cfg.ID, Now: cfg.Now, PublishGrace: publishGrace(cfg.Lease), Log: log}),
 		cfg:      cfg,
 		registry: cfg.Registry,
 		nc:       nc,
 		js:       js,
 		backend:  backend,
-		log:      cfg.Logger.With(zap.String("worker", cfg.ID)),
-		sem:      make(chan struct{}, cfg.MaxInFlight),
+		log:      log,
 		source:   "/buildq/worker/" + cfg.ID,
-		orphans:  orphanWatch{seen: map[string]observed{}},
-		parked:   parkWatch{seen: map[string]observed{}},
-		held:     heldRequests{m: map[string]context.CancelCauseFunc{}},
-		apiSem:   make(chan struct{}, apiConcurrency),
-	}, nil
+	}
+	w.fq = &fairQueue{Worker: w, sem: make(chan struct{}, cfg.MaxInFlight)}
+	w.api = &tenantAPI{Worker: w, held: heldRequests{m: map[string]context.CancelCauseFunc{}}, sem: make(chan struct{}, apiConcurrency)}
+	w.park = &parking{Worker: w, parked: parkWatch{seen: map[string]observed{}}}
+	w.builds = &builder{Worker: w, orphans: orphanWatch{seen: map[string]observed{}}}
+	// Every write that ends or lets go a run answers its parked requests.
+	w.runs.OnEnded(w.park.answerWaiters)
+	return w, nil
 }
 
 // Setup creates or updates the streams, the shared consumer and the KV
@@ -176,14 +165,18 @@ func (w *Worker) setup(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	w.claims = claims{kv: kv}
+	w.runs.UseBucket(kv)
 	w.cons = cons
 	w.ackWait.Store(int64(cons.CachedInfo().Config.AckWait))
-	if w.queue, w.slots, err = ensureQueue(ctx, w.js, w.cfg); err != nil {
+	if w.fq.queue, w.fq.slots, err = ensureQueue(ctx, w.js, w.cfg); err != nil {
 		return err
 	}
-	w.requests, err = ensureRequestsBucket(ctx, w.js, w.cfg)
-	return err
+	kv, err = ledger.EnsureBucket(ctx, w.js, ledger.BucketConfig{TTL: w.cfg.ResultsMaxAge, Storage: w.cfg.Storage, Replicas: w.cfg.Replicas})
+	if err != nil {
+		return err
+	}
+	w.ledger.UseBucket(kv)
+	return nil
 }
 
 // EnsureStreams creates or updates everything of the wire contract
@@ -284,7 +277,7 @@ func (w *Worker) Run(ctx context.Context) error {
 	workCtx, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelWork()
 	w.life.Store(&workCtx)
-	stopAPI, err := w.serveAPI(workCtx)
+	stopAPI, err := w.api.serve(workCtx)
 	if err != nil {
 		return fmt.Errorf("subscribe the status and cancel services: %w", err)
 	}
@@ -294,7 +287,7 @@ func (w *Worker) Run(ctx context.Context) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			r.Reconcile(workCtx, w.finishOrphan)
+			r.Reconcile(workCtx, w.builds.finishOrphan)
 		}()
 	}
 	w.log.Info("worker started", zap.Int("maxInFlight", w.cfg.MaxInFlight), zap.String("executor", w.backend.Identity()))
@@ -329,7 +322,7 @@ func (w *Worker) Run(ctx context.Context) error {
 			select {
 			case <-t.C:
 				sctx, cancel := context.WithTimeout(workCtx, w.cfg.Lease)
-				w.sweepWaiters(sctx)
+				w.park.sweepWaiters(sctx)
 				cancel()
 			case <-workCtx.Done():
 				return
@@ -369,7 +362,7 @@ func (w *Worker) Run(ctx context.Context) error {
 				select {
 				case <-t.C:
 					kctx, cancel := context.WithTimeout(workCtx, w.cfg.Lease/3+time.Second)
-					w.keepSlots(kctx)
+					w.fq.keepSlots(kctx)
 					cancel()
 				case <-workCtx.Done():
 					return
@@ -400,9 +393,9 @@ func (w *Worker) Run(ctx context.Context) error {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		w.intakeLoop(ctx, workCtx, &wg)
+		w.fq.intakeLoop(ctx, workCtx, &wg)
 	}()
-	w.dispatchLoop(ctx, workCtx, &wg)
+	w.fq.dispatchLoop(ctx, workCtx, &wg)
 
 	w.running.Store(false)
 	w.cfg.Metrics.setReady(false)
@@ -460,685 +453,4 @@ func (w *Worker) countQueued(ctx context.Context) {
 		}
 	}
 	w.cfg.Metrics.setQueued(by)
-}
-
-func (w *Worker) release(n int) {
-	for range n {
-		<-w.sem
-	}
-}
-
-// verdict is what happens to a request message once it is handled.
-type verdict struct {
-	tenant, name string
-	data         v1.ResultData
-	// term: terminate the message instead of acking it (bad input).
-	term bool
-	// cleanupKey, cleanupRun: this request ended the build's run; remove
-	// that run's Job after the result is stored.
-	cleanupKey string
-	cleanupRun string
-	// recorded: the decision is in the request ledger (or the request has
-	// no ledger entry); publishedBefore: its result was stored already.
-	recorded        bool
-	publishedBefore bool
-	// duplicate: another message holds this request id; this one gets no
-	// result of its own and is terminated.
-	duplicate bool
-	// waiter: the request was indexed as waiting on its build key.
-	waiter bool
-	// parked: the request waits on a build without holding its message;
-	// the message is acked without a result (the build's end brings it).
-	parked bool
-}
-
-func (w *Worker) handle(ctx context.Context, msg jetstream.Msg) {
-	meta, err := msg.Metadata()
-	if err != nil {
-		w.log.Error("message without JetStream metadata; terminating it", zap.Error(err))
-		_ = msg.TermWithReason("no metadata")
-		return
-	}
-	log := w.log.With(zap.Uint64("seq", meta.Sequence.Stream), zap.Uint64("delivery", meta.NumDelivered))
-
-	stop := w.heartbeat(msg)
-	defer stop()
-
-	// The tenant's cancel ends hctx with errRequestCanceled.
-	hctx, hcancel := context.WithCancelCause(ctx)
-	defer hcancel(nil)
-	v, le, err := w.safeProcess(hctx, msg, meta, hcancel)
-	// Whatever comes now must not be cut short by shutdown: publishing a
-	// result and acking are quick and keep the request from being redone.
-	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
-	defer cancel()
-	switch {
-	case err != nil && ctx.Err() == nil && errors.Is(context.Cause(hctx), errRequestCanceled):
-		v, err = canceledVerdict(v), nil
-	case err != nil && ctx.Err() != nil:
-		log.Info("handing request back", zap.String("reason", "shutdown"))
-		_ = msg.Nak()
-		return
-	case err != nil && IsTransient(err) && w.retryBudgetLeft(actx, le, meta):
-		delay := retryDelayOf(le, meta)
-		log.Warn("transient failure; retrying later", zap.Error(err), zap.Duration("delay", delay))
-		w.cfg.Metrics.retried()
-		_ = msg.NakWithDelay(delay)
-		return
-	case err != nil:
-		// Terminal, or out of deliveries: the request still gets its one
-		// result, and its payload is kept on the dead-letter subject.
-		v.data.Status = v1.StatusFailed
-		v.data.Reason = v1.ReasonInfrastructureError
-		v.data.Message = err.Error()
-		v.data.Digest, v.data.Image, v.data.ImageRef, v.data.LogTail = "", "", "", ""
-		v.cleanupKey, v.cleanupRun = "", ""
-		if IsTransient(err) {
-			v.data.Message = fmt.Sprintf("gave up after %d transient failures: %v", w.cfg.MaxDeliver, err)
-			w.deadLetter(actx, v.tenant, msg, err)
-		}
-		v.term = true
-	}
-	if v.duplicate {
-		log.Warn("request id already held by another message; terminating this one without a result",
-			zap.String("requestId", v.data.RequestID), zap.String("tenant", v.tenant))
-		w.event(v.tenant, v.name, v1.Event{RequestID: v.data.RequestID, Key: v.data.Key, Phase: v1.PhaseFinished,
-			Message: "duplicate: request id " + v.data.RequestID + " belongs to an earlier message; its result is that request's"})
-		w.cfg.Metrics.duplicate()
-		w.settle(actx, log, msg, v.data.RequestID, true, "duplicate request id")
-		return
-	}
-	if v.parked {
-		log.Info("request parked on a build in progress", zap.String("requestId", v.data.RequestID), zap.String("key", v.data.Key))
-		w.cfg.Metrics.parkedRequest()
-		w.settle(actx, log, msg, v.data.RequestID, false, "parked")
-		return
-	}
-	if v.data.Timings.FinishedAt.IsZero() {
-		v.data.Timings.FinishedAt = w.cfg.Now().UTC()
-	}
-	if le != nil {
-		// One handler or settling pass of this worker decides and
-		// publishes a request at a time: another that found the decision
-		// recorded and not yet marked published would publish it again.
-		release, ok := w.publishing.acquire(RequestIndexKey(le.e.Tenant, le.e.RequestID))
-		if !ok {
-			log.Info("this worker is publishing the request's result already; looking again later", zap.String("requestId", v.data.RequestID))
-			_ = msg.NakWithDelay(time.Second)
-			return
-		}
-		defer release()
-	}
-	if le != nil && !v.recorded && !mutant("publish-before-record") {
-		// The decision is stored before it is published: a redelivery
-		// publishes this same result, never a second, different one.
-		rv, err := w.record(actx, le, v)
-		if err != nil && w.retryBudgetLeft(actx, le, meta) {
-			log.Warn("recording the decision failed; retrying the request", zap.Error(err))
-			_ = msg.NakWithDelay(retryDelayOf(le, meta))
-			return
-		}
-		if err != nil {
-			log.Error("recording the decision failed on the last delivery; publishing it unrecorded", zap.Error(err))
-		}
-		v = rv
-	}
-	if le != nil && v.recorded && !v.publishedBefore {
-		// Decided before this handler, and not marked published: by
-		// this worker (its publish failed), or by another party that may
-		// be publishing it right now.
-		right, err := w.mayPublishDecision(actx, le)
-		if err != nil {
-			log.Warn("reading who publishes the request's result failed; looking again later", zap.Error(err))
-		}
-		switch right {
-		case publishDone:
-			v.publishedBefore = true
-		case publishLater:
-			log.Info("the request's result was decided by another worker and is not marked published yet; looking again later",
-				zap.String("requestId", v.data.RequestID), zap.String("decidedBy", le.e.Worker))
-			_ = msg.NakWithDelay(w.publishGrace() / 2)
-			return
-		}
-	}
-	if v.waiter && le != nil {
-		w.dropWaiter(actx, le.e.Key, le.e.Tenant, le.e.RequestID)
-	}
-	var marking sync.WaitGroup
-	if !v.publishedBefore {
-		// Progress first: a client waiting for the result sees the last
-		// step before the result ends its wait.
-		w.event(v.tenant, v.name, v1.Event{RequestID: v.data.RequestID, Key: v.data.Key, Phase: v1.PhaseFinished,
-			Message: finishedMessage(v.data), Job: v.data.Job})
-		if err := w.publishResult(actx, v.tenant, v.name, v.data); err != nil {
-			// Counted in the ledger, like every transient failure: a
-			// request's deliveries also count hand-backs and waits for
-			// another worker's publish.
-			if w.retryBudgetLeft(actx, le, meta) {
-				log.Error("publish result failed; retrying the request", zap.Error(err), zap.String("requestId", v.data.RequestID))
-				_ = msg.NakWithDelay(retryDelayOf(le, meta))
-				return
-			}
-			log.Error("publish result failed on the last delivery; the request goes to the dead-letter stream",
-				zap.Error(err), zap.String("requestId", v.data.RequestID))
-			w.deadLetter(actx, v.tenant, msg, err)
-			w.settle(actx, log, msg, v.data.RequestID, true, "result publish failed")
-			return
-		}
-		if le != nil {
-			// The mark only spares a redelivery a second publish (which
-			// the stream would drop as a duplicate), and a redelivery
-			// comes only if the ack below is lost: the two go together.
-			marking.Go(func() { w.published(actx, le) })
-		}
-		w.cfg.Metrics.published(v.data)
-	}
-	w.settle(actx, log, msg, v.data.RequestID, v.term, v.data.Reason)
-	marking.Wait()
-	log.Info("request done", zap.String("requestId", v.data.RequestID), zap.String("status", string(v.data.Status)),
-		zap.String("origin", string(v.data.Origin)), zap.String("reason", v.data.Reason), zap.String("digest", v.data.Digest))
-	if v.cleanupKey != "" && !w.cfg.KeepJobs && !mutant("no-job-cleanup") {
-		if err := w.backend.Cleanup(actx, v.cleanupKey, v.cleanupRun); err != nil {
-			log.Warn("cleanup failed; ttlSecondsAfterFinished will remove the job", zap.Error(err))
-		}
-	}
-}
-
-// retryBudgetLeft counts one transient failure of a request and reports
-// whether it may be retried: --max-deliver bounds transient failures, not
-// deliveries, so hand-backs at shutdown and crashes (which also redeliver)
-// never use up a request's budget. The count lives in the request's ledger
-// entry; without one, deliveries are counted.
-func (w *Worker) retryBudgetLeft(ctx context.Context, le *ledgerEntry, meta *jetstream.MsgMetadata) bool {
-	if le == nil {
-		return int(meta.NumDelivered) < w.cfg.MaxDeliver
-	}
-	k := RequestIndexKey(le.e.Tenant, le.e.RequestID)
-	for range 5 {
-		e := le.e
-		e.TransientFailures++
-		b, _ := json.Marshal(e)
-		rev, err := w.requests.Update(ctx, k, b, le.rev)
-		if err == nil {
-			le.e, le.rev = e, rev
-			return e.TransientFailures < w.cfg.MaxDeliver
-		}
-		if !isWrongRevision(err) {
-			break
-		}
-		cur, gerr := w.ledgerGet(ctx, le.e.Tenant, le.e.RequestID)
-		if gerr != nil || cur == nil {
-			break
-		}
-		*le = *cur
-	}
-	// The ledger is unreachable: fall back to counting deliveries.
-	return int(meta.NumDelivered) < w.cfg.MaxDeliver
-}
-
-// settle acks (or terminates) a handled message.
-func (w *Worker) settle(ctx context.Context, log *zap.Logger, msg jetstream.Msg, id string, term bool, reason string) {
-	var err error
-	switch {
-	case w.faults != nil && w.faults.loseAck != nil && w.faults.loseAck(id):
-		err = errors.New("ack lost (fault injection)")
-	case term:
-		err = msg.TermWithReason(reason)
-	default:
-		err = msg.DoubleAck(ctx)
-	}
-	if err != nil {
-		log.Warn("ack failed; the decision is recorded and a redelivery publishes the same result", zap.Error(err))
-	}
-}
-
-// safeProcess is process with a panic turned into a terminal error: a
-// request that crashes the handler gets a failed result once instead of
-// crashing every worker that takes it, forever.
-func (w *Worker) safeProcess(ctx context.Context, msg jetstream.Msg, meta *jetstream.MsgMetadata, cancel context.CancelCauseFunc) (v verdict, le *ledgerEntry, err error) {
-	var (
-		base   verdict // what process knows of the request when it panics
-		baseLE *ledgerEntry
-	)
-	defer func() {
-		if r := recover(); r != nil {
-			w.log.Error("panic while handling a request", zap.Any("panic", r), zap.Stack("stack"))
-			// The failure is recorded in the ledger like any decision, so
-			// a redelivery publishes it again instead of deciding anew.
-			v, le, err = base, baseLE, fmt.Errorf("internal error while handling the request: %v", r)
-			if v.tenant == "" {
-				v = w.invalid(msg, nil, err, v1.Timings{}, meta)
-			}
-		}
-	}()
-	return w.process(ctx, msg, meta, &base, &baseLE, cancel)
-}
-
-func finishedMessage(d v1.ResultData) string {
-	if d.Status == v1.StatusSucceeded {
-		return fmt.Sprintf("succeeded (%s): %s", d.Origin, d.ImageRef)
-	}
-	return fmt.Sprintf("%s: %s", d.Status, d.Reason)
-}
-
-// retryDelayOf is the delay before a request's next try: by its count
-// of transient failures in the ledger (retryBudgetLeft), or without an
-// entry by its deliveries (which also count hand-backs and waits).
-func retryDelayOf(le *ledgerEntry, meta *jetstream.MsgMetadata) time.Duration {
-	if le != nil {
-		return retryDelay(uint64(max(le.e.TransientFailures, 1)))
-	}
-	return retryDelay(meta.NumDelivered)
-}
-
-func retryDelay(delivered uint64) time.Duration {
-	d := time.Second << min(delivered, 6)
-	return min(d, time.Minute)
-}
-
-// heartbeatEvery is a third of the shorter of this worker's AckWait and
-// the consumer's as the server last reported it: workers started with
-// different --ack-wait values share one consumer, and the last to start
-// set its AckWait.
-func (w *Worker) heartbeatEvery() time.Duration {
-	d := w.cfg.AckWait
-	if s := time.Duration(w.ackWait.Load()); s > 0 && s < d {
-		d = s
-	}
-	return max(d/3, 100*time.Millisecond)
-}
-
-// ackWaitRefresh is how often a worker re-reads the consumer's AckWait.
-const ackWaitRefresh = 2 * time.Second
-
-// refreshAckWait re-reads the consumer's AckWait.
-func (w *Worker) refreshAckWait(ctx context.Context) {
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	if info, err := w.cons.Info(ctx); err == nil {
-		w.ackWait.Store(int64(info.Config.AckWait))
-	}
-}
-
-// heartbeat tells JetStream the request is still being worked on, so a
-// build longer than AckWait is not redelivered.
-func (w *Worker) heartbeat(msg jetstream.Msg) func() {
-	done := make(chan struct{})
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		every := w.heartbeatEvery()
-		if q, ok := msg.(*queuedMsg); ok && q.ackWait > 0 {
-			every = min(every, max(q.ackWait/3, 100*time.Millisecond))
-		}
-		t := time.NewTicker(every)
-		defer t.Stop()
-		for {
-			select {
-			case <-t.C:
-				if err := msg.InProgress(); err != nil {
-					w.log.Debug("heartbeat failed", zap.Error(err))
-				}
-			case <-done:
-				return
-			}
-		}
-	}()
-	return func() { close(done); wg.Wait() }
-}
-
-// process decides a request's result. An error means no result yet: the
-// caller retries (transient), hands back (shutdown) or fails the request.
-// le is the request's ledger entry (nil for input too broken to have one).
-func (w *Worker) process(ctx context.Context, msg jetstream.Msg, meta *jetstream.MsgMetadata, base *verdict, baseLE **ledgerEntry, cancel context.CancelCauseFunc) (verdict, *ledgerEntry, error) {
-	started := w.cfg.Now().UTC()
-	seq, at := meta.Sequence.Stream, meta.Timestamp
-	timings := v1.Timings{QueuedAt: at.UTC(), StartedAt: started, QueueWaitMs: started.Sub(at).Milliseconds()}
-	req, err := w.decode(msg)
-	if err != nil {
-		return w.invalidEntry(ctx, msg, req, err, timings, meta)
-	}
-	v := verdict{tenant: req.Tenant, name: req.Name, data: v1.ResultData{
-		RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, Attempts: int(meta.NumDelivered), Timings: timings,
-	}}
-	key := w.keyOf(req)
-	v.data.Key = key
-	*base = v
-	le, fresh, err := w.openEntry(ctx, req.Tenant, req.Name, req.RequestID, key, seq, at)
-	if errors.Is(err, errDuplicateID) {
-		// A parked request published again carries the token its
-		// ledger entry holds: it is that request, not a duplicate. A
-		// failed read (KV trouble, or the worker stopping) decides
-		// nothing: the message is retried or handed back, never
-		// terminated as a duplicate (its waiter entry is gone).
-		rq, rerr := w.requeuedEntry(ctx, msg, req.Tenant, req.RequestID)
-		if rerr != nil {
-			return v, nil, Transient(rerr)
-		}
-		if rq != nil {
-			le, fresh, err = rq, false, nil
-			seq, at = rq.e.Seq, rq.e.MsgTime
-			v.data.Timings = v1.Timings{QueuedAt: at.UTC(), StartedAt: started, QueueWaitMs: started.Sub(at).Milliseconds()}
-		}
-	}
-	switch {
-	case errors.Is(err, errDuplicateID):
-		v.duplicate = true
-		return v, nil, nil
-	case err != nil:
-		return v, nil, Transient(err)
-	case le.e.Result != nil && !mutant("ignore-recorded-decision"):
-		return verdictOf(le.e), le, nil // decided before: publish that again
-	case le.e.Canceled:
-		return canceledVerdict(v), le, nil // canceled while it was not held
-	}
-	if r, ok := ctx.Value(refuseKey{}).(refusal); ok {
-		v.data.Status, v.data.Reason, v.data.Message = v1.StatusFailed, r.reason, r.message
-		return v, le, nil
-	}
-	*baseLE = le
-	defer w.held.hold(RequestIndexKey(req.Tenant, req.RequestID), cancel)()
-	if fresh { // only its first handler: a redelivery is never expired
-		if message, ok := w.expired(ctx, meta, le); ok {
-			return expiredVerdict(v, message), le, nil
-		}
-	}
-	repo, err := w.cfg.Naming.Repository(req)
-	if err == nil {
-		// Every destination is in one repository: the tenant must be
-		// allowed to push there. Checked before anything is created
-		// (no claim, no Job, no copy, no Harbor project).
-		err = w.cfg.Naming.CheckDestination(req.Tenant, repo)
-	}
-	if err == nil && w.cfg.RegistryFor != nil {
-		_, err = w.cfg.RegistryFor(req.Tenant)
-	}
-	if err != nil {
-		v.data.Status, v.data.Reason, v.data.Message = v1.StatusFailed, v1.ReasonInvalidRequest, err.Error()
-		v.term = true
-		return v, le, nil
-	}
-	dests := naming.Destinations(repo, key, req.Tags)
-	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: key, Phase: v1.PhaseQueued,
-		Message: fmt.Sprintf("taken by %s after %s in the queue", w.cfg.ID, time.Duration(timings.QueueWaitMs)*time.Millisecond)})
-
-	wr := &waiterReg{le: le, park: &waiterValue{Tenant: req.Tenant, RequestID: req.RequestID, Subject: msg.Subject(),
-		MsgID: msg.Headers().Get(v1.MsgIDHeader), Seq: seq, MsgTime: at.UTC(), Body: msg.Data()}}
-	rec, origin, owned, err := w.build(ctx, req, key, repo, dests, seq, wr)
-	v.waiter = wr.added
-	if errors.Is(err, errParked) {
-		v.parked, v.waiter = true, false
-		return v, le, nil
-	}
-	if errors.Is(err, errAnswered) {
-		if cur, gerr := w.ledgerGet(ctx, req.Tenant, req.RequestID); gerr == nil && cur != nil && cur.e.Result != nil {
-			return verdictOf(cur.e), cur, nil // publish that answer again, and ack
-		}
-		err = Transient(err) // the ledger could not be read back: try again
-	}
-	if nh := (*notHeldError)(nil); errors.As(err, &nh) {
-		// Its tenant does not hold the content another tenant's build
-		// was made of: refused, nothing of that build given.
-		v.data.Status, v.data.Reason, v.data.Message = v1.StatusFailed, nh.reason, nh.message
-		v.term = true
-		return v, le, nil
-	}
-	if err != nil {
-		return v, le, err
-	}
-	v, err = w.resultVerdict(ctx, v, req, rec, origin, owned, repo, dests)
-	return v, le, err
-}
-
-// resultVerdict completes v with the final record rec that answers req.
-func (w *Worker) resultVerdict(ctx context.Context, v verdict, req *v1.Request, rec *v1.BuildRecord, origin v1.Origin, owned bool, repo string, dests []string) (verdict, error) {
-	v.data.Origin = origin
-	v.data.Job = rec.Job
-	if owned {
-		v.cleanupKey, v.cleanupRun = rec.Key, rec.Run
-	}
-	if origin != v1.OriginCache {
-		v.data.Timings.BuildMs = max(rec.FinishedAt.Sub(rec.StartedAt).Milliseconds(), 0)
-	}
-	if rec.State == v1.StateSucceeded {
-		if err := w.ensureTags(ctx, req.Tenant, rec, dests); err != nil {
-			return v, err
-		}
-		v.data.Status = v1.StatusSucceeded
-		v.data.Image = dests[0]
-		v.data.Digest = rec.Digest
-		v.data.ImageRef = repo + "@" + rec.Digest
-		return v, nil
-	}
-	v.data.Status = v1.StatusFailed
-	if rec.Reason == v1.ReasonCanceled {
-		v.data.Status = v1.StatusCanceled
-	}
-	v.data.Reason, v.data.Message, v.data.LogTail = rec.Reason, rec.Message, rec.LogTail
-	return v, nil
-}
-
-// decode reads and validates a request message. The body's tenant must be
-// the subject's, and its requestId the Nats-Msg-Id header's: the subject is
-// what NATS permissions guard, and the header is what JetStream dedupes
-// on, so a body may not speak for another tenant or another id.
-func (w *Worker) decode(msg jetstream.Msg) (*v1.Request, error) {
-	if len(bytes.TrimSpace(msg.Data())) == 0 {
-		return nil, &v1.DecodeError{Err: errors.New("the request body is empty")}
-	}
-	req, err := v1.DecodeRequest(msg.Data())
-	if err != nil {
-		return req, err
-	}
-	var fields []v1.FieldError
-	if msg.Subject() != v1.RequestSubject(req.Tenant) {
-		fields = append(fields, v1.FieldError{Field: "tenant", Detail: fmt.Sprintf(
-			"%q does not match the subject %s; a request of tenant %q goes on %s",
-			req.Tenant, msg.Subject(), req.Tenant, v1.RequestSubject(req.Tenant))})
-	}
-	if h := msg.Headers().Get(v1.MsgIDHeader); !v1.MsgIDMatches(h, req.Tenant, req.RequestID) {
-		if len(h) > 2*v1.MaxRequestIDLen {
-			h = h[:2*v1.MaxRequestIDLen] + "…"
-		}
-		detail := fmt.Sprintf("the %s header is %q but the body says tenant %q, requestId %q; the header must be %q (JetStream dedupes on it)",
-			v1.MsgIDHeader, h, req.Tenant, req.RequestID, v1.MsgID(req.Tenant, req.RequestID))
-		if h == "" {
-			detail = fmt.Sprintf("the %s header is missing; set it to %q", v1.MsgIDHeader, v1.MsgID(req.Tenant, req.RequestID))
-		}
-		fields = append(fields, v1.FieldError{Field: "requestId", Detail: detail})
-	}
-	if s3 := req.Source.S3; s3 != nil && w.cfg.ContextPrefix != "" {
-		// A request names only its own tenant's contexts: another
-		// tenant's object is neither built nor probed.
-		if prefix := strings.ReplaceAll(w.cfg.ContextPrefix, "{tenant}", req.Tenant); !strings.HasPrefix(s3.Key, prefix) || strings.Contains(s3.Key, "..") {
-			fields = append(fields, v1.FieldError{Field: "source.s3.key", Detail: fmt.Sprintf(
-				"a context of tenant %q must be under %s (the CLI and SDK upload there)", req.Tenant, prefix)})
-		}
-	}
-	if s3 := req.Source.S3; s3 != nil && w.cfg.ContextBucket != "" && s3.Bucket != w.cfg.ContextBucket {
-		fields = append(fields, v1.FieldError{Field: "source.s3.bucket", Detail: fmt.Sprintf(
-			"contexts must be in bucket %q, not %q", w.cfg.ContextBucket, s3.Bucket)})
-	}
-	if len(fields) > 0 {
-		return req, &v1.ValidationError{Fields: fields}
-	}
-	return req, nil
-}
-
-// invalidEntry is the verdict of a request that cannot be decoded or
-// validated, with the ledger entry of its id when it has a usable one.
-func (w *Worker) invalidEntry(ctx context.Context, msg jetstream.Msg, req *v1.Request, err error, timings v1.Timings, meta *jetstream.MsgMetadata) (verdict, *ledgerEntry, error) {
-	v := w.invalid(msg, req, err, timings, meta)
-	if w.requests != nil && msg.Headers().Get(v1.MsgIDHeader) == "" && !strings.HasPrefix(v.tenant, "_") &&
-		!strings.HasPrefix(v.data.RequestID, "invalid-") {
-		// No header: the id is the body's. An id the ledger already
-		// holds belongs to another message; this one gets no result
-		// (a second, different one would follow the first).
-		if le, err := w.ledgerGet(ctx, v.tenant, v.data.RequestID); err != nil {
-			return v, nil, Transient(err)
-		} else if le != nil {
-			v.duplicate = true
-			return v, nil, nil
-		}
-	}
-	if w.requests == nil || strings.HasPrefix(v.tenant, "_") || strings.HasPrefix(v.data.RequestID, "invalid-") ||
-		msg.Headers().Get(v1.MsgIDHeader) == "" {
-		// No ledger entry for an id the message does not hold by its
-		// header: it must not block a real request of that id.
-		return v, nil, nil
-	}
-	le, _, lerr := w.openEntry(ctx, v.tenant, v.name, v.data.RequestID, "", meta.Sequence.Stream, meta.Timestamp)
-	switch {
-	case errors.Is(lerr, errDuplicateID):
-		v.duplicate = true
-		return v, nil, nil
-	case lerr != nil:
-		return v, nil, Transient(lerr)
-	case le.e.Result != nil:
-		return verdictOf(le.e), le, nil
-	}
-	return v, le, nil
-}
-
-// ensureTags makes every destination of a request point at the built
-// image: a request for a known key but another repository or tag gets the
-// image copied or tagged there, not rebuilt.
-func (w *Worker) ensureTags(ctx context.Context, tenant string, rec *v1.BuildRecord, dests []string) error {
-	reg, err := w.tenantRegistry(tenant)
-	if err != nil {
-		return err
-	}
-	for _, d := range dests {
-		if slices.Contains(rec.Pushed, d) || d == rec.Image {
-			continue
-		}
-		if reg == nil {
-			return fmt.Errorf("cannot tag %s: the worker has no registry client", d)
-		}
-		src := rec.Repository + "@" + rec.Digest
-		if _, err := reg.Copy(ctx, src, d); err != nil {
-			return Transient(fmt.Errorf("copy %s to %s: %w", src, d, err))
-		}
-	}
-	return nil
-}
-
-// invalid builds the failed result of a request that cannot be decoded or
-// validated. It is still addressed as well as the input allows: tenant
-// from the subject, name "_invalid" when the name itself is bad.
-func (w *Worker) invalid(msg jetstream.Msg, req *v1.Request, err error, timings v1.Timings, meta *jetstream.MsgMetadata) verdict {
-	tenant, name, id := "", "", ""
-	if req != nil {
-		tenant, name, id = req.Tenant, req.Name, req.RequestID
-	} else {
-		// Not decodable strictly: recover what addressing the input has.
-		var loose struct{ RequestID, Tenant, Name string }
-		if json.Unmarshal(msg.Data(), &loose) == nil {
-			tenant, name, id = loose.Tenant, loose.Name, loose.RequestID
-		}
-	}
-	// The subject's tenant is the only one: it is the one NATS let the
-	// producer publish as, and so the one whose results it reads. A body
-	// never picks whose result subject a refusal lands on.
-	tenant = "_invalid"
-	if parts := strings.Split(msg.Subject(), "."); len(parts) >= 3 && v1.DNSLabelProblem(parts[2]) == "" {
-		tenant = parts[2]
-	}
-	if v1.DNSLabelProblem(name) != "" {
-		name = "_invalid"
-	}
-	// The id is the body's when the header — what JetStream deduped the
-	// message on — names it (in any of its forms: the SDK's
-	// <tenant>/<id>/<nonce>, <tenant>/<id>, bare), so the producer that
-	// waits on its request id gets the refusal. Otherwise it is the id the
-	// header names: a broken or forged body must not take (and so block)
-	// an id another message of the tenant holds.
-	switch h := msg.Headers().Get(v1.MsgIDHeader); {
-	case h != "" && usableID(id) && v1.MsgIDMatches(h, tenant, id):
-	case h != "" && usableID(v1.RequestIDOfMsgID(h, tenant)):
-		id = v1.RequestIDOfMsgID(h, tenant)
-	case h == "" && usableID(id):
-	default:
-		id = fmt.Sprintf("invalid-%d", meta.Sequence.Stream)
-	}
-	w.log.Info("invalid request", zap.String("requestId", id), zap.Error(err))
-	return verdict{tenant: tenant, name: name, term: true, data: v1.ResultData{
-		RequestID: id, Tenant: tenant, Name: name, Status: v1.StatusFailed, Reason: v1.ReasonInvalidRequest,
-		Message: err.Error(), Attempts: int(meta.NumDelivered), Timings: timings,
-	}}
-}
-
-// usableID reports whether an id from bad input can still serve as the
-// result's message id and CloudEvents id.
-func usableID(id string) bool {
-	return id != "" && len(id) <= v1.MaxRequestIDLen && !strings.ContainsAny(id, " \t\r\n\x00")
-}
-
-func (w *Worker) publishResult(ctx context.Context, tenant, name string, data v1.ResultData) error {
-	ev := v1.NewResult(w.source, data, w.cfg.Now())
-	b, err := json.Marshal(ev)
-	if err != nil {
-		return err
-	}
-	// Into the results stream, which stores it as
-	// v1.ResultSubject(tenant, name) and publishes it there once stored.
-	m := nats.NewMsg(v1.ResultsIngestPrefix + "." + tenant + "." + name)
-	m.Header.Set(v1.MsgIDHeader, v1.MsgID(tenant, data.RequestID))
-	m.Header.Set("Content-Type", v1.CloudEventsContentType)
-	m.Data = b
-	if _, err := w.js.PublishMsg(ctx, m); err != nil {
-		return fmt.Errorf("publish result %s: %w", data.RequestID, err)
-	}
-	return nil
-}
-
-func (w *Worker) deadLetter(ctx context.Context, tenant string, msg jetstream.Msg, cause error) {
-	m := nats.NewMsg(v1.DeadLetterSubject(tenant))
-	for k, vs := range msg.Headers() {
-		m.Header[k] = vs
-	}
-	// The copy is stored under its own id: a producer's header must not
-	// shadow another message in the dead-letter stream's dedupe window.
-	m.Header.Set("Buildq-Original-Msg-Id", msg.Headers().Get(v1.MsgIDHeader))
-	if meta, err := msg.Metadata(); err == nil {
-		m.Header.Set(v1.MsgIDHeader, fmt.Sprintf("deadletter/%d", meta.Sequence.Stream))
-	} else {
-		m.Header.Del(v1.MsgIDHeader)
-	}
-	m.Header.Set("Buildq-Error", cause.Error())
-	m.Header.Set("Buildq-Original-Subject", msg.Subject())
-	m.Data = msg.Data()
-	w.cfg.Metrics.deadLettered()
-	if _, err := w.js.PublishMsg(ctx, m); err != nil {
-		w.log.Error("dead-letter publish failed", zap.Error(err))
-	}
-}
-
-// event publishes a progress event; progress is best effort.
-func (w *Worker) event(tenant, name string, e v1.Event) {
-	if tenant == "" || name == "" || strings.HasPrefix(tenant, "_") || strings.HasPrefix(name, "_") {
-		return
-	}
-	e.Tenant, e.Name, e.Worker, e.Time = tenant, name, w.cfg.ID, w.cfg.Now().UTC()
-	b, err := json.Marshal(e)
-	if err != nil {
-		return
-	}
-	_ = w.nc.Publish(v1.EventSubject(tenant, name), b)
-}
-
-// tenantRegistry is the registry client for a tenant's own repositories:
-// its own credentials (Config.RegistryFor) or the worker's.
-func (w *Worker) tenantRegistry(tenant string) (Registry, error) {
-	if w.cfg.RegistryFor == nil {
-		return w.registry, nil
-	}
-	reg, err := w.cfg.RegistryFor(tenant)
-	if err != nil {
-		// Checked before the request claimed anything; gone since (a
-		// Secret removed): try again later.
-		return nil, Transient(err)
-	}
-	return reg, nil
 }

@@ -1,0 +1,502 @@
+package worker
+
+// Fair queueing (docs/design.md §2d). Requests arrive on BUILDQ_REQUESTS,
+// the contract's work queue, and are admitted from it by intake: a cheap
+// step that applies the tenant's queue-length limit and moves each request
+// to BUILDQ_QUEUE under buildq.queue.<tenant>.<priority>. Build slots are
+// filled from there by each worker's dispatcher, which picks the tenant
+// with the fewest running requests per weight among those with work and
+// below their concurrency limit, and within the tenant the highest
+// priority first.
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/worker/internal/mutant"
+)
+
+// ---- the dispatcher ----
+
+// dispatcher fills this worker's free build slots from the queue.
+type dispatcher struct {
+	w *fairQueue
+
+	mu     sync.Mutex
+	view   map[string]map[string]uint64 // tenant → priority → queued
+	viewAt time.Time
+	dry    map[string]bool // fetched nothing since the last look
+	// full: tenants found at their concurrency limit, until when they are
+	// skipped without asking the slots bucket again (a freed slot's
+	// announcement clears it sooner).
+	full    map[string]time.Time
+	running map[string]int // this worker's requests per tenant
+	vtime   map[string]float64
+	vnow    float64
+	cons    map[string]jetstream.Consumer
+	wake    chan struct{}
+}
+
+func newDispatcher(w *fairQueue) *dispatcher {
+	return &dispatcher{w: w, view: map[string]map[string]uint64{}, dry: map[string]bool{}, full: map[string]time.Time{}, running: map[string]int{},
+		vtime: map[string]float64{}, cons: map[string]jetstream.Consumer{}, wake: make(chan struct{}, 1)}
+}
+
+// woken records an admitted request ("<tenant> <priority>") or a freed
+// concurrency slot ("<tenant>") announced on wakeSubject.
+func (d *dispatcher) woken(m *nats.Msg) {
+	tenant, prio, admitted := strings.Cut(string(m.Data), " ")
+	if _, ok := v1.PriorityOf(prio); !ok || tenant == "" {
+		return
+	}
+	d.mu.Lock()
+	if admitted {
+		if d.view[tenant] == nil {
+			d.view[tenant] = map[string]uint64{}
+		}
+		d.view[tenant][prio]++
+	}
+	delete(d.dry, tenant)
+	delete(d.full, tenant)
+	d.mu.Unlock()
+	select {
+	case d.wake <- struct{}{}:
+	default:
+	}
+}
+
+// look reads the queue's per-subject counts.
+func (d *dispatcher) look(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	info, err := d.w.queue.Info(ctx, jetstream.WithSubjectFilter(v1.QueuePrefix+".>"))
+	if err != nil {
+		d.w.log.Debug("reading the queue failed", zap.Error(err))
+		return
+	}
+	view := map[string]map[string]uint64{}
+	for subj, n := range info.State.Subjects {
+		parts := strings.Split(subj, ".")
+		if len(parts) != 4 || n == 0 {
+			continue
+		}
+		if view[parts[2]] == nil {
+			view[parts[2]] = map[string]uint64{}
+		}
+		view[parts[2]][parts[3]] = n
+	}
+	d.mu.Lock()
+	d.view, d.viewAt, d.dry = view, time.Now(), map[string]bool{}
+	d.mu.Unlock()
+}
+
+// order returns the tenants with queued work, the one most owed a slot
+// first: fewest running per weight, then least served lately.
+func (d *dispatcher) order() []string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	var ts []string
+	for t, ps := range d.view {
+		if d.dry[t] || time.Now().Before(d.full[t]) {
+			continue
+		}
+		for _, n := range ps {
+			if n > 0 {
+				ts = append(ts, t)
+				break
+			}
+		}
+	}
+	share := func(t string) float64 { return float64(d.running[t]) / float64(d.w.cfg.Fair.Weight(t)) }
+	vt := func(t string) float64 {
+		if v, ok := d.vtime[t]; ok && v > d.vnow {
+			return v
+		}
+		return d.vnow
+	}
+	slices.SortFunc(ts, func(a, b string) int {
+		if mutant.On("ignore-shares") {
+			return strings.Compare(a, b)
+		}
+		if c := cmp.Compare(share(a), share(b)); c != 0 {
+			return c
+		}
+		if c := cmp.Compare(vt(a), vt(b)); c != 0 {
+			return c
+		}
+		return strings.Compare(a, b)
+	})
+	return ts
+}
+
+// started counts a request of tenant taken by this worker; finished undoes it.
+func (d *dispatcher) started(tenant, prio string) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.running[tenant]++
+	v := max(d.vtime[tenant], d.vnow)
+	d.vnow = v
+	d.vtime[tenant] = v + 1/float64(d.w.cfg.Fair.Weight(tenant))
+	if n := d.view[tenant][prio]; n > 0 {
+		d.view[tenant][prio] = n - 1
+	}
+}
+
+func (d *dispatcher) finished(tenant string) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.running[tenant]--; d.running[tenant] <= 0 {
+		delete(d.running, tenant)
+	}
+}
+
+// consumer returns (creating it if needed) the consumer of tenant's prio.
+func (d *dispatcher) consumer(ctx context.Context, tenant, prio string) (jetstream.Consumer, error) {
+	name := dispatchConsumer(tenant, prio)
+	// At least the AckWait every worker's heartbeats follow now:
+	// buildq-workers' as the server has it (workers with different
+	// --ack-wait share both). A dispatch consumer's AckWait is only ever
+	// raised, never lowered: a request taken under AckWait X is
+	// heartbeaten every X/3 for as long as it runs, which a lower AckWait
+	// set under it would outrun.
+	ackWait := d.w.cfg.AckWait
+	if a := time.Duration(d.w.ackWait.Load()); a > 0 {
+		ackWait = a
+	}
+	d.mu.Lock()
+	c := d.cons[name]
+	d.mu.Unlock()
+	if c != nil && c.CachedInfo().Config.AckWait >= ackWait {
+		return c, nil
+	}
+	// Another worker may have raised it further than this one knows.
+	if cur, err := d.w.js.Consumer(ctx, v1.QueueStream, name); err == nil && cur.CachedInfo().Config.AckWait >= ackWait {
+		c = cur
+	} else {
+		var err error
+		c, err = d.w.js.CreateOrUpdateConsumer(ctx, v1.QueueStream, jetstream.ConsumerConfig{
+			Durable:       name,
+			Description:   "buildq dispatch: tenant " + tenant + ", priority " + prio,
+			AckPolicy:     jetstream.AckExplicitPolicy,
+			AckWait:       ackWait,
+			MaxDeliver:    -1,
+			FilterSubject: queueSubject(tenant, prio),
+		})
+		if err != nil {
+			return nil, err
+		}
+	}
+	d.mu.Lock()
+	d.cons[name] = c
+	d.mu.Unlock()
+	return c, nil
+}
+
+func (d *dispatcher) forget(tenant, prio string) {
+	d.mu.Lock()
+	delete(d.cons, dispatchConsumer(tenant, prio))
+	d.mu.Unlock()
+}
+
+// taken is a request the dispatcher took from the queue.
+type taken struct {
+	msg     jetstream.Msg
+	tenant  string
+	prio    string
+	slot    *slot
+	ackWait time.Duration
+}
+
+// next waits for requests to run on n free slots of this worker. It
+// returns at least one and at most n, all of one tenant: the first in
+// fair order, up to its weight's share of the n slots (one when the
+// tenant has a concurrency limit). Taking several in one fetch keeps the
+// dispatcher from being the bottleneck when requests are short (cache
+// hits) — one fetch per request would cap a worker at one request per
+// round trip to the server — while the share keeps a burst of free slots
+// from going to one tenant.
+func (d *dispatcher) next(ctx context.Context, n int) ([]*taken, bool) {
+	for ctx.Err() == nil {
+		d.mu.Lock()
+		stale := time.Since(d.viewAt) > viewMaxAge
+		d.mu.Unlock()
+		if stale {
+			d.look(ctx)
+		}
+		order := d.order()
+		total := 0
+		for _, t := range order {
+			total += d.w.cfg.Fair.Weight(t)
+		}
+		for _, t := range order {
+			share := max(1, n*d.w.cfg.Fair.Weight(t)/max(total, 1))
+			if tks := d.tryTenant(ctx, t, share); len(tks) > 0 {
+				return tks, true
+			}
+		}
+		select {
+		case <-d.wake:
+		case <-time.After(idlePoll):
+			d.mu.Lock()
+			d.viewAt = time.Time{}
+			d.mu.Unlock()
+		case <-ctx.Done():
+		}
+	}
+	return nil, false
+}
+
+// tryTenant takes up to n of tenant's next requests, highest priority
+// first, if the tenant is below its concurrency limit (then one, with its
+// slot, recorded in the slot before it is handled); otherwise it marks it
+// full.
+func (d *dispatcher) tryTenant(ctx context.Context, tenant string, n int) []*taken {
+	var s *slot
+	if limit := d.w.cfg.Fair.ConcurrencyOf(tenant); limit > 0 && !mutant.On("ignore-concurrency") {
+		var ok bool
+		if s, ok = d.w.acquireSlot(ctx, tenant, limit); !ok {
+			// At its limit: it waits, nothing is fetched, and its slots
+			// are not scanned again until one is freed (announced) or a
+			// holder could have lapsed.
+			d.markFull(tenant)
+			return nil
+		}
+		if s.reserved {
+			return d.takeReserved(ctx, tenant, s)
+		}
+		n = 1 // one slot, one request
+	}
+	var out []*taken
+	prios := v1.Priorities
+	if mutant.On("ignore-priority") {
+		prios = slices.Clone(prios)
+		slices.Reverse(prios)
+	}
+	for _, p := range prios {
+		if len(out) >= n {
+			break
+		}
+		d.mu.Lock()
+		queued := d.view[tenant][p]
+		d.mu.Unlock()
+		if queued == 0 {
+			continue
+		}
+		c, err := d.consumer(ctx, tenant, p)
+		if err != nil {
+			d.w.log.Warn("creating a dispatch consumer failed", zap.String("tenant", tenant), zap.String("priority", p), zap.Error(err))
+			continue
+		}
+		want := n - len(out)
+		if uint64(want) > queued {
+			want = int(queued)
+		}
+		batch, err := c.FetchNoWait(want)
+		if err != nil {
+			d.forget(tenant, p)
+			continue
+		}
+		got := 0
+		for m := range batch.Messages() {
+			got++
+			out = append(out, &taken{msg: m, tenant: tenant, prio: p, slot: s, ackWait: c.CachedInfo().Config.AckWait})
+		}
+		if err := batch.Error(); err != nil && errors.Is(err, jetstream.ErrConsumerNotFound) {
+			d.forget(tenant, p)
+		}
+		if got < want {
+			d.mu.Lock()
+			if d.view[tenant] != nil {
+				d.view[tenant][p] = 0 // nothing more deliverable now (held, or waiting to be retried)
+			}
+			d.mu.Unlock()
+		}
+	}
+	if len(out) > 0 && s != nil {
+		tk := out[0]
+		meta, err := tk.msg.Metadata()
+		if err == nil {
+			err = s.hold(ctx, tk.msg.Subject(), meta.Sequence.Stream)
+		}
+		if err != nil {
+			// Unrecorded, the slot would not be kept for the request
+			// were this worker to die while its build runs: it is not
+			// run now, and goes back at once.
+			d.w.log.Warn("recording a request in its concurrency slot failed; handing it back", zap.String("tenant", tenant), zap.Error(err))
+			_ = tk.msg.Nak()
+			s.release()
+			d.markFull(tenant)
+			return nil
+		}
+	}
+	if len(out) > 0 {
+		return out
+	}
+	s.release()
+	d.markDry(tenant)
+	return nil
+}
+
+// takeReserved takes a kept slot with the request it is kept for, and
+// with no other: it fetches the next message of that request's subject
+// and takes the slot if it is that request (redelivered: handed back, its
+// retry delay over, or its holder's AckWait passed). Any other message
+// goes back at once (Nak) and the tenant waits. A lapsed holder's request
+// is redelivered only once its consumer's AckWait has passed since the
+// holder's last heartbeat, a retried one after its delay: nothing is
+// fetched before this worker watched the slot unchanged that long (and,
+// for a lapse, half a lease more).
+func (d *dispatcher) takeReserved(ctx context.Context, tenant string, s *slot) []*taken {
+	want := s.reservedFor
+	p, ok := v1.PriorityOf(strings.TrimPrefix(want.Subject, v1.QueuePrefix+"."+tenant+"."))
+	if !ok || queueSubject(tenant, p) != want.Subject {
+		d.markFull(tenant) // not its queue: only keepSlots frees it, when its request is finished
+		return nil
+	}
+	c, err := d.consumer(ctx, tenant, p)
+	if err != nil {
+		d.markFull(tenant)
+		return nil
+	}
+	ackWait := c.CachedInfo().Config.AckWait
+	if (!want.HandedBack && s.watched < ackWait+want.lease(d.w.cfg.Lease)/2) ||
+		(want.HandedBack && s.watched < time.Duration(want.RetryMs)*time.Millisecond) {
+		d.markFull(tenant)
+		return nil
+	}
+	batch, err := c.FetchNoWait(1)
+	if err != nil {
+		d.forget(tenant, p)
+		d.markFull(tenant)
+		return nil
+	}
+	var m jetstream.Msg
+	for x := range batch.Messages() {
+		m = x
+	}
+	if m == nil {
+		d.markFull(tenant)
+		return nil
+	}
+	meta, err := m.Metadata()
+	if err != nil || meta.Sequence.Stream != want.QueueSeq {
+		// Not redelivered yet, or still held by a holder whose renewals
+		// fail: another request must not run on its slot.
+		_ = m.Nak()
+		d.markFull(tenant)
+		return nil
+	}
+	if err := s.take(ctx); err != nil {
+		_ = m.Nak()
+		d.markFull(tenant)
+		return nil
+	}
+	return []*taken{{msg: m, tenant: tenant, prio: p, slot: s, ackWait: ackWait}}
+}
+
+// markFull skips tenant, at its limit, for a third of the lease (or until
+// a freed slot is announced).
+func (d *dispatcher) markFull(tenant string) {
+	d.mu.Lock()
+	d.full[tenant] = time.Now().Add(d.w.cfg.Lease / 3)
+	d.mu.Unlock()
+}
+
+func (d *dispatcher) markDry(tenant string) {
+	d.mu.Lock()
+	d.dry[tenant] = true
+	d.mu.Unlock()
+}
+
+// dispatchLoop runs requests from the queue on this worker's free slots
+// until ctx ends.
+func (w *fairQueue) dispatchLoop(ctx, workCtx context.Context, wg *sync.WaitGroup) {
+	d := newDispatcher(w)
+	sub, err := w.nc.Subscribe(wakeSubject, d.woken)
+	if err != nil {
+		w.log.Warn("subscribing to queue announcements failed; the queue is polled", zap.Error(err))
+	} else {
+		defer func() { _ = sub.Unsubscribe() }()
+	}
+	for {
+		select {
+		case w.sem <- struct{}{}:
+		case <-ctx.Done():
+			return
+		}
+		n := 1
+	more:
+		for n < cap(w.sem) {
+			select {
+			case w.sem <- struct{}{}:
+				n++
+			default:
+				break more
+			}
+		}
+		tks, ok := d.next(ctx, n)
+		if !ok {
+			w.release(n)
+			return
+		}
+		w.release(n - len(tks))
+		for _, tk := range tks {
+			d.started(tk.tenant, tk.prio)
+			wg.Add(1)
+			go w.dispatched(ctx, workCtx, wg, d, tk)
+		}
+	}
+}
+
+// dispatched runs one request taken from the queue on its slot.
+func (w *fairQueue) dispatched(ctx, workCtx context.Context, wg *sync.WaitGroup, d *dispatcher, tk *taken) {
+	defer wg.Done()
+	defer w.release(1)
+	defer d.finished(tk.tenant)
+	w.cfg.Metrics.taken()
+	defer w.cfg.Metrics.released()
+	m, err := asRequest(tk.msg, w.queue)
+	if err != nil {
+		// Not put there by intake (only possible without NATS
+		// permissions): nothing to answer it with.
+		w.log.Error("dropping a queued message that did not come through intake", zap.Error(err))
+		if meta, merr := tk.msg.Metadata(); merr == nil {
+			_ = w.queue.DeleteMsg(context.WithoutCancel(ctx), meta.Sequence.Stream)
+		}
+		_ = tk.msg.Term()
+		tk.slot.release()
+		return
+	}
+	act := w.handle(workCtx, incoming{msg: m, ackWait: tk.ackWait})
+	if act.kind == retry || act.kind == later {
+		// Retried after transient trouble (or a wait for another
+		// worker's publish): the run it let go may have a Job running
+		// on, which its retry takes over. The slot is kept for it.
+		tk.slot.handBack(queueSubject(tk.tenant, tk.prio), m.qseq, max(act.delay, time.Millisecond))
+		return
+	}
+	if act.kind != handBack {
+		tk.slot.release()
+		return
+	}
+	if ctx.Err() != nil {
+		// Stopping: the request's build goes on and another worker
+		// takes the request on; the slot goes with it.
+		tk.slot.handBack(queueSubject(tk.tenant, tk.prio), m.qseq, 0)
+	} else {
+		tk.slot.release()
+	}
+	// Other workers' dispatchers take the handed-back request now, not
+	// at their next look at the queue.
+	_ = w.nc.Publish(wakeSubject, []byte(tk.tenant+" "+tk.prio))
+}

@@ -1,0 +1,440 @@
+package worker
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/worker/internal/ledger"
+	"github.com/buildq/buildq/worker/internal/mutant"
+)
+
+// The handler: one request message in, one action on it out. process
+// decides the request's result; decide turns that outcome (or the error
+// that left it undecided) into what happens to the message, delivering
+// the result through the ledger (record, then publish, then mark); apply
+// is the one place that acts on the message.
+
+// incoming is a request message to handle, and what its deliverer knows
+// of it.
+type incoming struct {
+	msg jetstream.Msg
+	// ackWait is the AckWait of the consumer the message came from, as
+	// the deliverer last knew it (0: the shared consumer's): heartbeats
+	// go at least every third of it.
+	ackWait time.Duration
+	// refused: intake refuses the request; it is answered with this
+	// instead of being built.
+	refused *refusal
+}
+
+// refusal is why intake refused a request.
+type refusal struct{ reason, message string }
+
+// verdict is a request's decision and how it was reached.
+type verdict struct {
+	ledger.Decision
+	// duplicate: another message holds this request id; this one gets no
+	// result of its own and is terminated.
+	duplicate bool
+	// waiter: the request was indexed as waiting on its build key.
+	waiter bool
+	// parked: the request waits on a build without holding its message;
+	// the message is acked without a result (the build's end brings it).
+	parked bool
+}
+
+// actionKind is what happens to a handled message.
+type actionKind int
+
+const (
+	// settle: acked, or terminated (term) — the request is answered.
+	settle actionKind = iota
+	// handBack: given back at once (Nak): the worker stops.
+	handBack
+	// retry: asked for again after delay, the request's retry budget
+	// spent for it (transient trouble).
+	retry
+	// later: asked for again after delay without spending the budget
+	// (another handler publishes its result for now).
+	later
+)
+
+// action is the handler's one decision about its message.
+type action struct {
+	kind      actionKind
+	delay     time.Duration
+	term      bool
+	reason    string
+	requestID string
+	// after runs once the message is settled: the ledger's mark, the
+	// request's log line, its Job's cleanup.
+	after func()
+}
+
+// handle handles one request message and settles it; it returns what it
+// did, for the dispatcher's slot.
+func (w *Worker) handle(ctx context.Context, in incoming) action {
+	act := w.decide(ctx, in)
+	w.apply(in.msg, act)
+	if act.after != nil {
+		act.after()
+	}
+	return act
+}
+
+// apply acts on the message as decided: the only place the handler
+// settles, retries or hands back a message.
+func (w *Worker) apply(msg jetstream.Msg, act action) {
+	var err error
+	switch act.kind {
+	case handBack:
+		err = msg.Nak()
+	case retry, later:
+		err = msg.NakWithDelay(act.delay)
+	case settle:
+		ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+		defer cancel()
+		switch {
+		case w.faults != nil && w.faults.loseAck != nil && w.faults.loseAck(act.requestID):
+			err = errors.New("ack lost (fault injection)")
+		case act.term:
+			err = msg.TermWithReason(act.reason)
+		default:
+			err = msg.DoubleAck(ctx)
+		}
+		if err != nil {
+			w.log.Warn("ack failed; the decision is recorded and a redelivery publishes the same result",
+				zap.String("requestId", act.requestID), zap.Error(err))
+		}
+		return
+	}
+	if err != nil {
+		w.log.Debug("handing the request back failed; it is redelivered after AckWait", zap.Error(err))
+	}
+}
+
+// decide handles the message up to its action: the result decided,
+// recorded and published when there is one.
+func (w *Worker) decide(ctx context.Context, in incoming) action {
+	msg := in.msg
+	meta, err := msg.Metadata()
+	if err != nil {
+		w.log.Error("message without JetStream metadata; terminating it", zap.Error(err))
+		return action{kind: settle, term: true, reason: "no metadata"}
+	}
+	log := w.log.With(zap.Uint64("seq", meta.Sequence.Stream), zap.Uint64("delivery", meta.NumDelivered))
+
+	stop := w.heartbeat(msg, in.ackWait)
+	defer stop()
+
+	// The tenant's cancel ends hctx with errRequestCanceled.
+	hctx, hcancel := context.WithCancelCause(ctx)
+	defer hcancel(nil)
+	h := &handling{in: in, meta: meta, cancel: hcancel}
+	err = w.safeProcess(hctx, h)
+	v, le := h.v, h.le
+	// Whatever comes now must not be cut short by shutdown: publishing a
+	// result and acking are quick and keep the request from being redone.
+	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
+	// spend counts a transient failure; retryIn is the retry it buys.
+	spend := func() bool { return w.ledger.SpendRetry(actx, le, meta.NumDelivered, w.cfg.MaxDeliver) }
+	retryIn := func() action {
+		cancel()
+		return action{kind: retry, delay: ledger.RetryDelay(le, meta.NumDelivered), requestID: v.Data.RequestID}
+	}
+	done := func(term bool, reason string) action {
+		cancel()
+		return action{kind: settle, term: term, reason: reason, requestID: v.Data.RequestID}
+	}
+	switch {
+	case err != nil && ctx.Err() == nil && errors.Is(context.Cause(hctx), errRequestCanceled):
+		v.Decision = v.Canceled()
+	case err != nil && ctx.Err() != nil:
+		log.Info("handing request back", zap.String("reason", "shutdown"))
+		cancel()
+		return action{kind: handBack, requestID: v.Data.RequestID}
+	case err != nil && IsTransient(err) && spend():
+		a := retryIn()
+		log.Warn("transient failure; retrying later", zap.Error(err), zap.Duration("delay", a.delay))
+		w.cfg.Metrics.retried()
+		return a
+	case err != nil:
+		// Terminal, or out of deliveries: the request still gets its one
+		// result, and its payload is kept on the dead-letter subject.
+		v.Data.Status = v1.StatusFailed
+		v.Data.Reason = v1.ReasonInfrastructureError
+		v.Data.Message = err.Error()
+		v.Data.Digest, v.Data.Image, v.Data.ImageRef, v.Data.LogTail = "", "", "", ""
+		v.CleanupKey, v.CleanupRun = "", ""
+		if IsTransient(err) {
+			v.Data.Message = fmt.Sprintf("gave up after %d transient failures: %v", w.cfg.MaxDeliver, err)
+			w.deadLetter(actx, v.Tenant, msg, err)
+		}
+		v.Term = true
+	}
+	if v.duplicate {
+		log.Warn("request id already held by another message; terminating this one without a result",
+			zap.String("requestId", v.Data.RequestID), zap.String("tenant", v.Tenant))
+		w.event(v.Tenant, v.Name, v1.Event{RequestID: v.Data.RequestID, Key: v.Data.Key, Phase: v1.PhaseFinished,
+			Message: "duplicate: request id " + v.Data.RequestID + " belongs to an earlier message; its result is that request's"})
+		w.cfg.Metrics.duplicate()
+		return done(true, "duplicate request id")
+	}
+	if v.parked {
+		log.Info("request parked on a build in progress", zap.String("requestId", v.Data.RequestID), zap.String("key", v.Data.Key))
+		w.cfg.Metrics.parkedRequest()
+		return done(false, "parked")
+	}
+	// The entry's identity, read now: once delivered, the entry is the
+	// ledger's to mark while the message is settled.
+	var waiterKey, tenant, id string
+	if le != nil {
+		waiterKey, tenant, id = le.E.Key, le.E.Tenant, le.E.RequestID
+	}
+	res, err := w.ledger.Deliver(actx, le, v.Decision, ledger.Delivery{
+		Publish: w.publish,
+		Unrecorded: func(err error) bool {
+			if spend() {
+				log.Warn("recording the decision failed; retrying the request", zap.Error(err))
+				return false
+			}
+			return true
+		},
+		Async: true,
+	})
+	var pe *ledger.PublishError
+	switch {
+	case errors.As(err, &pe):
+		// Counted in the ledger, like every transient failure: a
+		// request's deliveries also count hand-backs and waits for
+		// another worker's publish.
+		if spend() {
+			log.Error("publish result failed; retrying the request", zap.Error(pe.Err), zap.String("requestId", v.Data.RequestID))
+			return retryIn()
+		}
+		log.Error("publish result failed on the last delivery; the request goes to the dead-letter stream",
+			zap.Error(pe.Err), zap.String("requestId", v.Data.RequestID))
+		w.deadLetter(actx, v.Tenant, msg, pe.Err)
+		return done(true, "result publish failed")
+	case res.Status == ledger.Busy:
+		// One handler or settling pass of this worker decides and
+		// publishes a request at a time.
+		log.Info("this worker is publishing the request's result already; looking again later", zap.String("requestId", v.Data.RequestID))
+		cancel()
+		return action{kind: later, delay: time.Second, requestID: v.Data.RequestID}
+	case res.Status == ledger.Later:
+		if err != nil {
+			log.Warn("reading who publishes the request's result failed; looking again later", zap.Error(err))
+		}
+		log.Info("the request's result was decided by another worker and is not marked published yet; looking again later",
+			zap.String("requestId", v.Data.RequestID), zap.String("decidedBy", le.E.Worker))
+		cancel()
+		return action{kind: later, delay: publishGrace(w.cfg.Lease) / 2, requestID: v.Data.RequestID}
+	case err != nil:
+		// Recording the decision failed, and the retry budget allows
+		// another try (Unrecorded said so).
+		return retryIn()
+	}
+	v.Decision = res.Decision
+	if v.waiter && le != nil {
+		w.ledger.DropWaiter(actx, waiterKey, tenant, id)
+	}
+	act := action{kind: settle, term: v.Term, reason: v.Data.Reason, requestID: v.Data.RequestID}
+	act.after = func() {
+		defer cancel()
+		res.WaitMarked()
+		log.Info("request done", zap.String("requestId", v.Data.RequestID), zap.String("status", string(v.Data.Status)),
+			zap.String("origin", string(v.Data.Origin)), zap.String("reason", v.Data.Reason), zap.String("digest", v.Data.Digest))
+		if v.CleanupKey != "" && !w.cfg.KeepJobs && !mutant.On("no-job-cleanup") {
+			if err := w.backend.Cleanup(actx, v.CleanupKey, v.CleanupRun); err != nil {
+				log.Warn("cleanup failed; ttlSecondsAfterFinished will remove the job", zap.Error(err))
+			}
+		}
+	}
+	return act
+}
+
+// publishGrace is how long a decision another worker recorded may stay
+// unmarked before this worker takes its publish over (the ledger's
+// PublishGrace): the decider publishes right after recording and marks
+// right after the PubAck, so a decision left unmarked this long is taken
+// to be a dead decider's.
+func publishGrace(lease time.Duration) time.Duration { return 2 * lease }
+
+// handling is one handling of a request message: what process knows of
+// the request so far, and what a panic's failure is recorded with.
+type handling struct {
+	in     incoming
+	meta   *jetstream.MsgMetadata
+	cancel context.CancelCauseFunc
+	// v and le are the outcome: the decision and the request's ledger
+	// entry (nil for input too broken to have one).
+	v  verdict
+	le *ledger.Entry
+	// known, knownLE: the request as far as it was read before a panic
+	// (its key, its entry once opened).
+	known   verdict
+	knownLE *ledger.Entry
+}
+
+// safeProcess is processRequest with a panic turned into a terminal error: a
+// request that crashes the handler gets a failed result once instead of
+// crashing every worker that takes it, forever.
+func (w *Worker) safeProcess(ctx context.Context, h *handling) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			w.log.Error("panic while handling a request", zap.Any("panic", r), zap.Stack("stack"))
+			// The failure is recorded in the ledger like any decision, so
+			// a redelivery publishes it again instead of deciding anew.
+			h.v, h.le, err = h.known, h.knownLE, fmt.Errorf("internal error while handling the request: %v", r)
+			if h.v.Tenant == "" {
+				h.v = w.invalid(h.in.msg, nil, err, v1.Timings{}, h.meta)
+			}
+		}
+	}()
+	h.v, h.le, err = w.processRequest(ctx, h)
+	return err
+}
+
+func finishedMessage(d v1.ResultData) string {
+	if d.Status == v1.StatusSucceeded {
+		return fmt.Sprintf("succeeded (%s): %s", d.Origin, d.ImageRef)
+	}
+	return fmt.Sprintf("%s: %s", d.Status, d.Reason)
+}
+
+// retryDelay is the delay before the next try of a message delivered
+// that many times.
+func retryDelay(delivered uint64) time.Duration { return ledger.RetryDelay(nil, delivered) }
+
+// heartbeatEvery is a third of the shorter of this worker's AckWait and
+// the consumer's as the server last reported it: workers started with
+// different --ack-wait values share one consumer, and the last to start
+// set its AckWait.
+func (w *Worker) heartbeatEvery() time.Duration {
+	d := w.cfg.AckWait
+	if s := time.Duration(w.ackWait.Load()); s > 0 && s < d {
+		d = s
+	}
+	return max(d/3, 100*time.Millisecond)
+}
+
+// ackWaitRefresh is how often a worker re-reads the consumer's AckWait.
+const ackWaitRefresh = 2 * time.Second
+
+// refreshAckWait re-reads the consumer's AckWait.
+func (w *Worker) refreshAckWait(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if info, err := w.cons.Info(ctx); err == nil {
+		w.ackWait.Store(int64(info.Config.AckWait))
+	}
+}
+
+// heartbeat tells JetStream the request is still being worked on, so a
+// build longer than AckWait is not redelivered; ackWait, when known, is
+// the AckWait of the message's own consumer.
+func (w *Worker) heartbeat(msg jetstream.Msg, ackWait time.Duration) func() {
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		every := w.heartbeatEvery()
+		if ackWait > 0 {
+			every = min(every, max(ackWait/3, 100*time.Millisecond))
+		}
+		t := time.NewTicker(every)
+		defer t.Stop()
+		for {
+			select {
+			case <-t.C:
+				if err := msg.InProgress(); err != nil {
+					w.log.Debug("heartbeat failed", zap.Error(err))
+				}
+			case <-done:
+				return
+			}
+		}
+	}()
+	return func() { close(done); wg.Wait() }
+}
+
+// publish publishes a decision's result, after its last progress event:
+// a client waiting for the result sees the last step before the result
+// ends its wait.
+func (w *Worker) publish(ctx context.Context, d ledger.Decision) error {
+	w.event(d.Tenant, d.Name, v1.Event{RequestID: d.Data.RequestID, Key: d.Data.Key, Phase: v1.PhaseFinished,
+		Message: finishedMessage(d.Data), Job: d.Data.Job})
+	ev := v1.NewResult(w.source, d.Data, w.cfg.Now())
+	b, err := json.Marshal(ev)
+	if err != nil {
+		return err
+	}
+	// Into the results stream, which stores it as
+	// v1.ResultSubject(tenant, name) and publishes it there once stored.
+	m := nats.NewMsg(v1.ResultsIngestPrefix + "." + d.Tenant + "." + d.Name)
+	m.Header.Set(v1.MsgIDHeader, v1.MsgID(d.Tenant, d.Data.RequestID))
+	m.Header.Set("Content-Type", v1.CloudEventsContentType)
+	m.Data = b
+	if _, err := w.js.PublishMsg(ctx, m); err != nil {
+		return fmt.Errorf("publish result %s: %w", d.Data.RequestID, err)
+	}
+	w.cfg.Metrics.published(d.Data)
+	return nil
+}
+
+func (w *Worker) deadLetter(ctx context.Context, tenant string, msg jetstream.Msg, cause error) {
+	m := nats.NewMsg(v1.DeadLetterSubject(tenant))
+	for k, vs := range msg.Headers() {
+		m.Header[k] = vs
+	}
+	// The copy is stored under its own id: a producer's header must not
+	// shadow another message in the dead-letter stream's dedupe window.
+	m.Header.Set("Buildq-Original-Msg-Id", msg.Headers().Get(v1.MsgIDHeader))
+	if meta, err := msg.Metadata(); err == nil {
+		m.Header.Set(v1.MsgIDHeader, fmt.Sprintf("deadletter/%d", meta.Sequence.Stream))
+	} else {
+		m.Header.Del(v1.MsgIDHeader)
+	}
+	m.Header.Set("Buildq-Error", cause.Error())
+	m.Header.Set("Buildq-Original-Subject", msg.Subject())
+	m.Data = msg.Data()
+	w.cfg.Metrics.deadLettered()
+	if _, err := w.js.PublishMsg(ctx, m); err != nil {
+		w.log.Error("dead-letter publish failed", zap.Error(err))
+	}
+}
+
+// event publishes a progress event; progress is best effort.
+func (w *Worker) event(tenant, name string, e v1.Event) {
+	if tenant == "" || name == "" || strings.HasPrefix(tenant, "_") || strings.HasPrefix(name, "_") {
+		return
+	}
+	e.Tenant, e.Name, e.Worker, e.Time = tenant, name, w.cfg.ID, w.cfg.Now().UTC()
+	b, err := json.Marshal(e)
+	if err != nil {
+		return
+	}
+	_ = w.nc.Publish(v1.EventSubject(tenant, name), b)
+}
+
+// verdictOf is the recorded decision of an entry.
+func verdictOf(e v1.RequestEntry) verdict { return verdict{Decision: ledger.DecisionOf(e)} }
+
+// canceled is v as the "canceled" result of a request its tenant
+// canceled.
+func (v verdict) canceled() verdict {
+	v.Decision = v.Decision.Canceled()
+	return v
+}

@@ -1,0 +1,285 @@
+package worker
+
+// Fair queueing (docs/design.md §2d). Requests arrive on BUILDQ_REQUESTS,
+// the contract's work queue, and are admitted from it by intake: a cheap
+// step that applies the tenant's queue-length limit and moves each request
+// to BUILDQ_QUEUE under buildq.queue.<tenant>.<priority>. Build slots are
+// filled from there by each worker's dispatcher, which picks the tenant
+// with the fewest running requests per weight among those with work and
+// below their concurrency limit, and within the tenant the highest
+// priority first.
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/worker/internal/ledger"
+)
+
+// ---- intake ----
+
+// intakeLoop admits requests from buildq-workers until ctx ends.
+func (w *fairQueue) intakeLoop(ctx, workCtx context.Context, wg *sync.WaitGroup) {
+	sem := make(chan struct{}, intakeConcurrency)
+	backoff := 100 * time.Millisecond
+	for ctx.Err() == nil {
+		select {
+		case sem <- struct{}{}:
+		case <-ctx.Done():
+			return
+		}
+		n := 1
+	more:
+		for n < cap(sem) {
+			select {
+			case sem <- struct{}{}:
+				n++
+			default:
+				break more
+			}
+		}
+		fctx, cancel := context.WithTimeout(ctx, fetchWait)
+		batch, err := w.cons.Fetch(n, jetstream.FetchContext(fctx))
+		if err != nil {
+			cancel()
+			for range n {
+				<-sem
+			}
+			if ctx.Err() != nil {
+				return
+			}
+			w.log.Warn("fetch of new requests failed; retrying", zap.Error(err), zap.Duration("backoff", backoff))
+			select {
+			case <-time.After(backoff):
+			case <-ctx.Done():
+				return
+			}
+			backoff = min(backoff*2, 5*time.Second)
+			continue
+		}
+		got := 0
+		for msg := range batch.Messages() {
+			got++
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer func() { <-sem }()
+				w.admit(workCtx, msg)
+			}()
+		}
+		cancel()
+		for range n - got {
+			<-sem
+		}
+		if err := batch.Error(); err == nil || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) || errors.Is(err, nats.ErrTimeout) {
+			backoff = 100 * time.Millisecond
+		} else if ctx.Err() == nil {
+			w.log.Warn("fetch of new requests ended with an error", zap.Error(err))
+		}
+	}
+}
+
+// intakeView is what intake reads of a request body: just enough to queue
+// it. Everything else is validated when it is taken from the queue.
+type intakeView struct {
+	RequestID string `json:"requestId"`
+	Priority  string `json:"priority"`
+}
+
+// admit moves one request from BUILDQ_REQUESTS to its tenant's queue, or
+// refuses it over the tenant's queue-length limit.
+func (w *fairQueue) admit(ctx context.Context, msg jetstream.Msg) {
+	meta, err := msg.Metadata()
+	if err != nil {
+		w.log.Error("message without JetStream metadata; terminating it", zap.Error(err))
+		_ = msg.TermWithReason("no metadata")
+		return
+	}
+	log := w.log.With(zap.Uint64("seq", meta.Sequence.Stream))
+	if len(msg.Data()) > v1.MaxRequestBytes {
+		// Refused as too large where it is: nothing worth queueing.
+		w.handle(ctx, incoming{msg: msg})
+		return
+	}
+	tenant := invalidTenant
+	if t, ok := strings.CutPrefix(msg.Subject(), v1.RequestsPrefix+"."); ok && v1.DNSLabelProblem(t) == "" {
+		tenant = t
+	}
+	var view intakeView
+	_ = json.Unmarshal(msg.Data(), &view) // a body that does not decode is refused when it is taken
+	prio, _ := v1.PriorityOf(view.Priority)
+
+	actx, cancel := context.WithTimeout(ctx, 15*time.Second)
+	defer cancel()
+	if n := headerBytes(msg.Headers()); n > maxRequestHeaderBytes {
+		// The queue's copy adds headers: a block near JetStream's 64 KiB
+		// limit would be refused there on every try, holding intake.
+		w.handle(ctx, incoming{msg: msg, refused: &refusal{v1.ReasonInvalidRequest, fmt.Sprintf(
+			"the request's headers are %d bytes, more than the %d allowed", n, maxRequestHeaderBytes)}})
+		return
+	}
+	// The limit is checked on the first delivery only: a redelivery may
+	// follow an admission whose ack was lost, and the count would then
+	// include the request itself (and the request may be running). So a
+	// request handed back by a stopping worker in the middle of its
+	// admission is admitted unchecked. Within a worker, a tenant's checks
+	// and admissions go one at a time, so a burst cannot pass the limit.
+	if limit := w.cfg.Fair.QueueLimitOf(tenant); limit > 0 && tenant != invalidTenant && meta.NumDelivered == 1 {
+		mu := w.admitLock(tenant)
+		mu.Lock()
+		locked := true
+		defer func() {
+			if locked {
+				mu.Unlock()
+			}
+		}()
+		n, err := w.queuedOf(actx, tenant)
+		if err != nil {
+			log.Warn("counting the tenant's queue failed; retrying the request", zap.Error(err))
+			_ = msg.NakWithDelay(time.Second)
+			return
+		}
+		if n >= uint64(limit) {
+			// A parked request published again was admitted before: it
+			// is never refused for the queue its own wait is part of.
+			// Whether it is one is unknown while its ledger entry cannot
+			// be read: it is retried then, not refused.
+			rq, err := w.ledger.ByRequeueToken(actx, tenant, view.RequestID, msg.Headers().Get(ledger.RequeueTokenHeader))
+			if err != nil {
+				log.Warn("reading the ledger for a requeue token failed; retrying the request", zap.Error(err))
+				_ = msg.NakWithDelay(time.Second)
+				return
+			}
+			if rq == nil {
+				// The refusal changes no count: others of the tenant
+				// need not wait for it.
+				mu.Unlock()
+				locked = false
+				w.refuse(ctx, msg, refusal{v1.ReasonQuotaExceeded, fmt.Sprintf(
+					"tenant %s already has %d requests queued, its limit is %d; submit again when some have finished", tenant, n, limit)})
+				return
+			}
+		}
+	}
+	out := nats.NewMsg(queueSubject(tenant, prio))
+	out.Data = msg.Data()
+	for k, vs := range msg.Headers() {
+		// Nats-* headers are JetStream's publish controls (expected
+		// stream, sequence, TTL, rollup, …): a tenant's must not act on
+		// the queue.
+		if l := strings.ToLower(k); strings.HasPrefix(l, "nats-") || strings.HasPrefix(l, "buildq-intake-") {
+			continue
+		}
+		out.Header[k] = vs
+	}
+	out.Header.Set(hdrIntakeSubject, msg.Subject())
+	out.Header.Set(hdrIntakeSeq, strconv.FormatUint(meta.Sequence.Stream, 10))
+	out.Header.Set(hdrIntakeTime, meta.Timestamp.UTC().Format(time.RFC3339Nano))
+	if id := msg.Headers().Get(v1.MsgIDHeader); id != "" {
+		out.Header.Set(hdrIntakeMsgID, id)
+	}
+	// The intake message's sequence and time name it: a redelivery after a
+	// lost ack is dropped by the queue's duplicate window.
+	qid := fmt.Sprintf("intake-%d-%d", meta.Sequence.Stream, meta.Timestamp.UnixNano())
+	if _, err := w.js.PublishMsg(actx, out, jetstream.WithMsgID(qid)); err != nil {
+		var apiErr *jetstream.APIError
+		if errors.As(err, &apiErr) && int(meta.NumDelivered) >= w.cfg.MaxDeliver {
+			// The server refuses this message every time: answer it
+			// rather than hold it (and an intake slot) forever.
+			log.Error("the queue refuses the request; failing it", zap.Error(err))
+			w.handle(ctx, incoming{msg: msg, refused: &refusal{v1.ReasonInfrastructureError,
+				"the request could not be queued: " + err.Error()}})
+			return
+		}
+		log.Warn("admitting the request failed; retrying it", zap.Error(err))
+		_ = msg.NakWithDelay(retryDelay(meta.NumDelivered))
+		return
+	}
+	_ = w.nc.Publish(wakeSubject, []byte(tenant+" "+prio))
+	if err := msg.DoubleAck(actx); err != nil {
+		log.Warn("ack of an admitted request failed; its redelivery is dropped as a duplicate", zap.Error(err))
+	}
+}
+
+// refuse answers a request intake refuses at its tenant's queue limit.
+// The limit is checked on a first delivery only (a redelivery may follow
+// an admission whose ack was lost), so a refusal the handler could not
+// settle — its ledger entry or its decision not written, its result not
+// published: the handler asks for a retry — must not be handed back, or
+// its redelivery would be admitted unchecked. It is retried here, holding
+// the message (heartbeaten), with the handler's delays; only a worker that
+// stops meanwhile, or --max-deliver tries that all failed, hands it back.
+func (w *fairQueue) refuse(ctx context.Context, msg jetstream.Msg, r refusal) {
+	in := incoming{msg: msg, refused: &r}
+	for try := 1; ; try++ {
+		act := w.decide(ctx, in)
+		if act.kind != retry && act.kind != later {
+			w.apply(msg, act)
+			if act.after != nil {
+				act.after()
+			}
+			return
+		}
+		if try >= w.cfg.MaxDeliver {
+			w.apply(msg, act)
+			return
+		}
+		w.log.Warn("the refusal of a request over its tenant's queue limit is not settled; retrying it in place",
+			zap.String("subject", msg.Subject()), zap.Duration("delay", act.delay))
+		stop := w.heartbeat(msg, 0)
+		select {
+		case <-time.After(act.delay):
+		case <-ctx.Done():
+		}
+		stop()
+		if ctx.Err() != nil {
+			w.apply(msg, action{kind: handBack})
+			return
+		}
+	}
+}
+
+// maxRequestHeaderBytes bounds a request message's headers (the SDK sends
+// one, Nats-Msg-Id).
+const maxRequestHeaderBytes = 16 << 10
+
+// headerBytes is the size of h as NATS sends it, near enough.
+func headerBytes(h nats.Header) int {
+	n := 0
+	for k, vs := range h {
+		for _, v := range vs {
+			n += len(k) + len(v) + 4
+		}
+	}
+	return n
+}
+
+// admitLock is the lock of tenant's queue-limit checks in this worker.
+func (w *fairQueue) admitLock(tenant string) *sync.Mutex {
+	mu, _ := w.admitMu.LoadOrStore(tenant, &sync.Mutex{})
+	return mu.(*sync.Mutex)
+}
+
+// queuedOf counts tenant's admitted, unfinished requests.
+func (w *fairQueue) queuedOf(ctx context.Context, tenant string) (uint64, error) {
+	info, err := w.queue.Info(ctx, jetstream.WithSubjectFilter(v1.QueuePrefix+"."+tenant+".>"))
+	if err != nil {
+		return 0, err
+	}
+	var n uint64
+	for _, c := range info.State.Subjects {
+		n += c
+	}
+	return n, nil
+}

@@ -1,0 +1,324 @@
+package worker
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/naming"
+	"github.com/buildq/buildq/worker/internal/ledger"
+	"github.com/buildq/buildq/worker/internal/mutant"
+)
+
+// processRequest decides a request's result, with the request's ledger
+// entry (nil for input too broken to have one). An error means no result
+// yet: the caller retries (transient), hands back (shutdown) or fails the
+// request.
+func (w *Worker) processRequest(ctx context.Context, h *handling) (verdict, *ledger.Entry, error) {
+	msg, meta := h.in.msg, h.meta
+	started := w.cfg.Now().UTC()
+	seq, at := meta.Sequence.Stream, meta.Timestamp
+	timings := v1.Timings{QueuedAt: at.UTC(), StartedAt: started, QueueWaitMs: started.Sub(at).Milliseconds()}
+	req, err := w.decode(msg)
+	if err != nil {
+		return w.invalidEntry(ctx, msg, req, err, timings, meta)
+	}
+	v := verdict{Decision: ledger.Decision{Tenant: req.Tenant, Name: req.Name, Data: v1.ResultData{
+		RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, Attempts: int(meta.NumDelivered), Timings: timings,
+	}}}
+	key := w.builds.keyOf(req)
+	v.Data.Key = key
+	h.known = v
+	le, fresh, err := w.ledger.Open(ctx, req.Tenant, req.Name, req.RequestID, key, seq, at)
+	if errors.Is(err, ledger.ErrDuplicateID) {
+		// A parked request published again carries the token its
+		// ledger entry holds: it is that request, not a duplicate. A
+		// failed read (KV trouble, or the worker stopping) decides
+		// nothing: the message is retried or handed back, never
+		// terminated as a duplicate (its waiter entry is gone).
+		rq, rerr := w.ledger.ByRequeueToken(ctx, req.Tenant, req.RequestID, msg.Headers().Get(ledger.RequeueTokenHeader))
+		if rerr != nil {
+			return v, nil, Transient(rerr)
+		}
+		if rq != nil {
+			le, fresh, err = rq, false, nil
+			seq, at = rq.E.Seq, rq.E.MsgTime
+			v.Data.Timings = v1.Timings{QueuedAt: at.UTC(), StartedAt: started, QueueWaitMs: started.Sub(at).Milliseconds()}
+		}
+	}
+	switch {
+	case errors.Is(err, ledger.ErrDuplicateID):
+		v.duplicate = true
+		return v, nil, nil
+	case err != nil:
+		return v, nil, Transient(err)
+	case le.E.Result != nil && !mutant.On("ignore-recorded-decision"):
+		return verdictOf(le.E), le, nil // decided before: publish that again
+	case le.E.Canceled:
+		return v.canceled(), le, nil // canceled while it was not held
+	}
+	if r := h.in.refused; r != nil {
+		v.Data.Status, v.Data.Reason, v.Data.Message = v1.StatusFailed, r.reason, r.message
+		return v, le, nil
+	}
+	h.knownLE = le
+	defer w.api.held.hold(ledger.Key(req.Tenant, req.RequestID), h.cancel)()
+	if fresh { // only its first handler: a redelivery is never expired
+		if message, ok := w.expired(ctx, meta, le); ok {
+			return expiredVerdict(v, message), le, nil
+		}
+	}
+	repo, err := w.cfg.Naming.Repository(req)
+	if err == nil {
+		// Every destination is in one repository: the tenant must be
+		// allowed to push there. Checked before anything is created
+		// (no claim, no Job, no copy, no Harbor project).
+		err = w.cfg.Naming.CheckDestination(req.Tenant, repo)
+	}
+	if err == nil && w.cfg.RegistryFor != nil {
+		_, err = w.cfg.RegistryFor(req.Tenant)
+	}
+	if err != nil {
+		v.Data.Status, v.Data.Reason, v.Data.Message = v1.StatusFailed, v1.ReasonInvalidRequest, err.Error()
+		v.Term = true
+		return v, le, nil
+	}
+	dests := naming.Destinations(repo, key, req.Tags)
+	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: key, Phase: v1.PhaseQueued,
+		Message: fmt.Sprintf("taken by %s after %s in the queue", w.cfg.ID, time.Duration(timings.QueueWaitMs)*time.Millisecond)})
+
+	wr := &waiterReg{le: le, park: &ledger.Waiter{Tenant: req.Tenant, RequestID: req.RequestID, Subject: msg.Subject(),
+		MsgID: msg.Headers().Get(v1.MsgIDHeader), Seq: seq, MsgTime: at.UTC(), Body: msg.Data()}}
+	rec, origin, owned, err := w.builds.build(ctx, req, key, repo, dests, seq, wr)
+	v.waiter = wr.added
+	if errors.Is(err, errParked) {
+		v.parked, v.waiter = true, false
+		return v, le, nil
+	}
+	if errors.Is(err, errAnswered) {
+		if cur, gerr := w.ledger.Get(ctx, req.Tenant, req.RequestID); gerr == nil && cur != nil && cur.E.Result != nil {
+			return verdictOf(cur.E), cur, nil // publish that answer again, and ack
+		}
+		err = Transient(err) // the ledger could not be read back: try again
+	}
+	if nh := (*notHeldError)(nil); errors.As(err, &nh) {
+		// Its tenant does not hold the content another tenant's build
+		// was made of: refused, nothing of that build given.
+		v.Data.Status, v.Data.Reason, v.Data.Message = v1.StatusFailed, nh.reason, nh.message
+		v.Term = true
+		return v, le, nil
+	}
+	if err != nil {
+		return v, le, err
+	}
+	v, err = w.resultVerdict(ctx, v, req, rec, origin, owned, repo, dests)
+	return v, le, err
+}
+
+// resultVerdict completes v with the final record rec that answers req.
+func (w *Worker) resultVerdict(ctx context.Context, v verdict, req *v1.Request, rec *v1.BuildRecord, origin v1.Origin, owned bool, repo string, dests []string) (verdict, error) {
+	v.Data.Origin = origin
+	v.Data.Job = rec.Job
+	if owned {
+		v.CleanupKey, v.CleanupRun = rec.Key, rec.Run
+	}
+	if origin != v1.OriginCache {
+		v.Data.Timings.BuildMs = max(rec.FinishedAt.Sub(rec.StartedAt).Milliseconds(), 0)
+	}
+	if rec.State == v1.StateSucceeded {
+		if err := w.ensureTags(ctx, req.Tenant, rec, dests); err != nil {
+			return v, err
+		}
+		v.Data.Status = v1.StatusSucceeded
+		v.Data.Image = dests[0]
+		v.Data.Digest = rec.Digest
+		v.Data.ImageRef = repo + "@" + rec.Digest
+		return v, nil
+	}
+	v.Data.Status = v1.StatusFailed
+	if rec.Reason == v1.ReasonCanceled {
+		v.Data.Status = v1.StatusCanceled
+	}
+	v.Data.Reason, v.Data.Message, v.Data.LogTail = rec.Reason, rec.Message, rec.LogTail
+	return v, nil
+}
+
+// decode reads and validates a request message. The body's tenant must be
+// the subject's, and its requestId the Nats-Msg-Id header's: the subject is
+// what NATS permissions guard, and the header is what JetStream dedupes
+// on, so a body may not speak for another tenant or another id.
+func (w *Worker) decode(msg jetstream.Msg) (*v1.Request, error) {
+	if len(bytes.TrimSpace(msg.Data())) == 0 {
+		return nil, &v1.DecodeError{Err: errors.New("the request body is empty")}
+	}
+	req, err := v1.DecodeRequest(msg.Data())
+	if err != nil {
+		return req, err
+	}
+	var fields []v1.FieldError
+	if msg.Subject() != v1.RequestSubject(req.Tenant) {
+		fields = append(fields, v1.FieldError{Field: "tenant", Detail: fmt.Sprintf(
+			"%q does not match the subject %s; a request of tenant %q goes on %s",
+			req.Tenant, msg.Subject(), req.Tenant, v1.RequestSubject(req.Tenant))})
+	}
+	if h := msg.Headers().Get(v1.MsgIDHeader); !v1.MsgIDMatches(h, req.Tenant, req.RequestID) {
+		if len(h) > 2*v1.MaxRequestIDLen {
+			h = h[:2*v1.MaxRequestIDLen] + "…"
+		}
+		detail := fmt.Sprintf("the %s header is %q but the body says tenant %q, requestId %q; the header must be %q (JetStream dedupes on it)",
+			v1.MsgIDHeader, h, req.Tenant, req.RequestID, v1.MsgID(req.Tenant, req.RequestID))
+		if h == "" {
+			detail = fmt.Sprintf("the %s header is missing; set it to %q", v1.MsgIDHeader, v1.MsgID(req.Tenant, req.RequestID))
+		}
+		fields = append(fields, v1.FieldError{Field: "requestId", Detail: detail})
+	}
+	if s3 := req.Source.S3; s3 != nil && w.cfg.ContextPrefix != "" {
+		// A request names only its own tenant's contexts: another
+		// tenant's object is neither built nor probed.
+		if prefix := strings.ReplaceAll(w.cfg.ContextPrefix, "{tenant}", req.Tenant); !strings.HasPrefix(s3.Key, prefix) || strings.Contains(s3.Key, "..") {
+			fields = append(fields, v1.FieldError{Field: "source.s3.key", Detail: fmt.Sprintf(
+				"a context of tenant %q must be under %s (the CLI and SDK upload there)", req.Tenant, prefix)})
+		}
+	}
+	if s3 := req.Source.S3; s3 != nil && w.cfg.ContextBucket != "" && s3.Bucket != w.cfg.ContextBucket {
+		fields = append(fields, v1.FieldError{Field: "source.s3.bucket", Detail: fmt.Sprintf(
+			"contexts must be in bucket %q, not %q", w.cfg.ContextBucket, s3.Bucket)})
+	}
+	if len(fields) > 0 {
+		return req, &v1.ValidationError{Fields: fields}
+	}
+	return req, nil
+}
+
+// invalidEntry is the verdict of a request that cannot be decoded or
+// validated, with the ledger entry of its id when it has a usable one.
+func (w *Worker) invalidEntry(ctx context.Context, msg jetstream.Msg, req *v1.Request, err error, timings v1.Timings, meta *jetstream.MsgMetadata) (verdict, *ledger.Entry, error) {
+	v := w.invalid(msg, req, err, timings, meta)
+	if w.ledger.Ready() && msg.Headers().Get(v1.MsgIDHeader) == "" && !strings.HasPrefix(v.Tenant, "_") &&
+		!strings.HasPrefix(v.Data.RequestID, "invalid-") {
+		// No header: the id is the body's. An id the ledger already
+		// holds belongs to another message; this one gets no result
+		// (a second, different one would follow the first).
+		if le, err := w.ledger.Get(ctx, v.Tenant, v.Data.RequestID); err != nil {
+			return v, nil, Transient(err)
+		} else if le != nil {
+			v.duplicate = true
+			return v, nil, nil
+		}
+	}
+	if !w.ledger.Ready() || strings.HasPrefix(v.Tenant, "_") || strings.HasPrefix(v.Data.RequestID, "invalid-") ||
+		msg.Headers().Get(v1.MsgIDHeader) == "" {
+		// No ledger entry for an id the message does not hold by its
+		// header: it must not block a real request of that id.
+		return v, nil, nil
+	}
+	le, _, lerr := w.ledger.Open(ctx, v.Tenant, v.Name, v.Data.RequestID, "", meta.Sequence.Stream, meta.Timestamp)
+	switch {
+	case errors.Is(lerr, ledger.ErrDuplicateID):
+		v.duplicate = true
+		return v, nil, nil
+	case lerr != nil:
+		return v, nil, Transient(lerr)
+	case le.E.Result != nil:
+		return verdictOf(le.E), le, nil
+	}
+	return v, le, nil
+}
+
+// ensureTags makes every destination of a request point at the built
+// image: a request for a known key but another repository or tag gets the
+// image copied or tagged there, not rebuilt.
+func (w *Worker) ensureTags(ctx context.Context, tenant string, rec *v1.BuildRecord, dests []string) error {
+	reg, err := w.tenantRegistry(tenant)
+	if err != nil {
+		return err
+	}
+	for _, d := range dests {
+		if slices.Contains(rec.Pushed, d) || d == rec.Image {
+			continue
+		}
+		if reg == nil {
+			return fmt.Errorf("cannot tag %s: the worker has no registry client", d)
+		}
+		src := rec.Repository + "@" + rec.Digest
+		if _, err := reg.Copy(ctx, src, d); err != nil {
+			return Transient(fmt.Errorf("copy %s to %s: %w", src, d, err))
+		}
+	}
+	return nil
+}
+
+// invalid builds the failed result of a request that cannot be decoded or
+// validated. It is still addressed as well as the input allows: tenant
+// from the subject, name "_invalid" when the name itself is bad.
+func (w *Worker) invalid(msg jetstream.Msg, req *v1.Request, err error, timings v1.Timings, meta *jetstream.MsgMetadata) verdict {
+	name, id := "", ""
+	if req != nil {
+		name, id = req.Name, req.RequestID
+	} else {
+		// Not decodable strictly: recover what addressing the input has.
+		var loose struct{ RequestID, Name string }
+		if json.Unmarshal(msg.Data(), &loose) == nil {
+			name, id = loose.Name, loose.RequestID
+		}
+	}
+	// The subject's tenant is the only one: it is the one NATS let the
+	// producer publish as, and so the one whose results it reads. A body
+	// never picks whose result subject a refusal lands on.
+	tenant := "_invalid"
+	if parts := strings.Split(msg.Subject(), "."); len(parts) >= 3 && v1.DNSLabelProblem(parts[2]) == "" {
+		tenant = parts[2]
+	}
+	if v1.DNSLabelProblem(name) != "" {
+		name = "_invalid"
+	}
+	// The id is the body's when the header — what JetStream deduped the
+	// message on — names it (in any of its forms: the SDK's
+	// <tenant>/<id>/<nonce>, <tenant>/<id>, bare), so the producer that
+	// waits on its request id gets the refusal. Otherwise it is the id the
+	// header names: a broken or forged body must not take (and so block)
+	// an id another message of the tenant holds.
+	switch h := msg.Headers().Get(v1.MsgIDHeader); {
+	case h != "" && usableID(id) && v1.MsgIDMatches(h, tenant, id):
+	case h != "" && usableID(v1.RequestIDOfMsgID(h, tenant)):
+		id = v1.RequestIDOfMsgID(h, tenant)
+	case h == "" && usableID(id):
+	default:
+		id = fmt.Sprintf("invalid-%d", meta.Sequence.Stream)
+	}
+	w.log.Info("invalid request", zap.String("requestId", id), zap.Error(err))
+	return verdict{Decision: ledger.Decision{Tenant: tenant, Name: name, Term: true, Data: v1.ResultData{
+		RequestID: id, Tenant: tenant, Name: name, Status: v1.StatusFailed, Reason: v1.ReasonInvalidRequest,
+		Message: err.Error(), Attempts: int(meta.NumDelivered), Timings: timings,
+	}}}
+}
+
+// usableID reports whether an id from bad input can still serve as the
+// result's message id and CloudEvents id.
+func usableID(id string) bool {
+	return id != "" && len(id) <= v1.MaxRequestIDLen && !strings.ContainsAny(id, " \t\r\n\x00")
+}
+
+// tenantRegistry is the registry client for a tenant's own repositories:
+// its own credentials (Config.RegistryFor) or the worker's.
+func (w *Worker) tenantRegistry(tenant string) (Registry, error) {
+	if w.cfg.RegistryFor == nil {
+		return w.registry, nil
+	}
+	reg, err := w.cfg.RegistryFor(tenant)
+	if err != nil {
+		// Checked before the request claimed anything; gone since (a
+		// Secret removed): try again later.
+		return nil, Transient(err)
+	}
+	return reg, nil
+}

@@ -1,0 +1,401 @@
+package worker
+
+// Fair queueing (docs/design.md §2d). Requests arrive on BUILDQ_REQUESTS,
+// the contract's work queue, and are admitted from it by intake: a cheap
+// step that applies the tenant's queue-length limit and moves each request
+// to BUILDQ_QUEUE under buildq.queue.<tenant>.<priority>. Build slots are
+// filled from there by each worker's dispatcher, which picks the tenant
+// with the fewest running requests per weight among those with work and
+// below their concurrency limit, and within the tenant the highest
+// priority first.
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
+
+	"github.com/buildq/buildq/worker/internal/runs"
+)
+
+// ---- concurrency slots ----
+
+// A tenant's concurrency slots are the keys <tenant>.<n>, n below its
+// limit, of the slots bucket (docs/design.md §2d): Create is atomic on the
+// server, so at most limit of them exist. A key counts for as long as the
+// request it was taken for may have a build running. It is
+//
+//   - live while its holder renews it, every third of the holder's own
+//     lease (LeaseMs in the value);
+//   - handed back when its holder stopped with the request handed back
+//     and its build running on, or retries the request after a delay
+//     (the run it let go may have a Job running on);
+//   - lapsed when a reader watched it unchanged, without a gap, for 1.5
+//     of its holder's leases on the reader's own clock (the holder died,
+//     or lost NATS).
+//
+// The bucket has no TTL, and no clock is compared with another: workers
+// with other leases or skewed clocks, and a NATS outage (which breaks
+// every reader's watch), leave a live holder its key. A handed-back or
+// lapsed key is free when it names no request, or its request is
+// finished (its message is gone from BUILDQ_QUEUE) or runs on a live key;
+// otherwise it is kept for its request, and a dispatcher takes it only
+// with that request (takeReserved). So a request whose build may be
+// running always holds a key, whatever the AckWait, the priorities or the
+// leases: the limit is exact.
+
+// slotValue is what a slot's key holds.
+type slotValue struct {
+	// Holder names the worker and this hold of the slot (unique).
+	Holder string `json:"holder"`
+	// LeaseMs is the holder's lease: it renews the key every third of
+	// it, and a reader counts the key lapsed once it watched it unchanged
+	// for 1.5 times it.
+	LeaseMs int64 `json:"leaseMs,omitempty"`
+	// HandedBack: the holder stopped with the request handed back, its
+	// build still running; or the request is retried after RetryMs
+	// (transient trouble: the run it let go may still have a Job).
+	HandedBack bool  `json:"handedBack,omitempty"`
+	RetryMs    int64 `json:"retryMs,omitempty"`
+	// Subject and QueueSeq name the request the slot was taken for: its
+	// queue subject and its message in BUILDQ_QUEUE. They are written
+	// before the request is handled; while that message is in the queue,
+	// a handed-back or lapsed key is kept for that request.
+	Subject  string `json:"subject,omitempty"`
+	QueueSeq uint64 `json:"queueSeq,omitempty"`
+}
+
+// lease is the holder's lease (def for a value without one).
+func (v slotValue) lease(def time.Duration) time.Duration {
+	if v.LeaseMs <= 0 {
+		return def
+	}
+	return time.Duration(v.LeaseMs) * time.Millisecond
+}
+
+// slotWatch remembers, per slot key, the revision this worker last read
+// and since when it has read it unchanged without a gap.
+type slotWatch struct {
+	mu sync.Mutex
+	m  map[string]slotSeen
+}
+
+type slotSeen struct {
+	rev         uint64
+	since, last time.Time
+}
+
+// watch records a read of key at rev and returns how long this worker has
+// seen the key unchanged. A gap of more than gap since its previous read
+// (this worker could not read: a NATS outage, a pause, during which the
+// holder could not renew either) starts the watch again.
+func (sw *slotWatch) watch(key string, rev uint64, gap time.Duration, now time.Time) time.Duration {
+	sw.mu.Lock()
+	defer sw.mu.Unlock()
+	if sw.m == nil {
+		sw.m = map[string]slotSeen{}
+	}
+	s, ok := sw.m[key]
+	if !ok || s.rev != rev || now.Sub(s.last) > gap || now.Before(s.last) {
+		sw.m[key] = slotSeen{rev: rev, since: now, last: now}
+		return 0
+	}
+	s.last = now
+	sw.m[key] = s
+	return now.Sub(s.since)
+}
+
+func (sw *slotWatch) forget(key string) {
+	sw.mu.Lock()
+	delete(sw.m, key)
+	sw.mu.Unlock()
+}
+
+// slotState is a slot key as this worker reads it now.
+type slotState struct {
+	key     string
+	rev     uint64
+	v       slotValue
+	watched time.Duration
+	// kept: handed back, or lapsed; no live holder renews it.
+	kept bool
+}
+
+// readSlot judges a slot key read at e.
+func (w *fairQueue) readSlot(key string, e jetstream.KeyValueEntry) slotState {
+	var v slotValue
+	if json.Unmarshal(e.Value(), &v) != nil {
+		v = slotValue{} // unreadable: judged by its lapse, naming no request
+	}
+	lease := v.lease(w.cfg.Lease)
+	// The watch tolerates gaps of this worker's own reading pace too (it
+	// reads every third of its lease).
+	watched := w.slotSeen.watch(key, e.Revision(), max(lease, w.cfg.Lease), w.cfg.Now())
+	return slotState{key: key, rev: e.Revision(), v: v, watched: watched, kept: v.HandedBack || watched >= lease+lease/2}
+}
+
+// slotFree reports whether a kept key is free: it names no request, its
+// request runs on a live key (held: the queue sequences live keys name),
+// or its request is finished (its message gone from the queue).
+func (w *fairQueue) slotFree(ctx context.Context, s slotState, held map[uint64]bool) (bool, error) {
+	if s.v.QueueSeq == 0 || held[s.v.QueueSeq] {
+		return true, nil
+	}
+	_, err := w.queue.GetMsg(ctx, s.v.QueueSeq)
+	switch {
+	case errors.Is(err, jetstream.ErrMsgNotFound):
+		return true, nil
+	case err != nil:
+		return false, err
+	}
+	return false, nil
+}
+
+// slot is one of a tenant's concurrency slots, held while its request runs.
+type slot struct {
+	w      *fairQueue
+	tenant string
+	key    string
+	val    slotValue
+	rev    uint64
+	// reserved: a kept key, not taken yet, for the request reservedFor
+	// names; watched is how long this worker saw it unchanged.
+	reserved    bool
+	reservedFor slotValue
+	watched     time.Duration
+	renewing    bool
+	stop        chan struct{}
+	done        chan struct{}
+}
+
+func (w *fairQueue) newSlot(tenant, key string, val slotValue, rev uint64) *slot {
+	return &slot{w: w, tenant: tenant, key: key, val: val, rev: rev, stop: make(chan struct{}), done: make(chan struct{})}
+}
+
+func (s *slot) bytes() []byte {
+	b, _ := json.Marshal(s.val)
+	return b
+}
+
+// acquireSlot takes a free slot of tenant's limit: a key nobody holds, or
+// a handed-back or lapsed one that is free (slotFree). Failing that, it
+// returns a kept key reserved for its request (s.reserved: not taken yet;
+// see takeReserved), or reports none.
+func (w *fairQueue) acquireSlot(ctx context.Context, tenant string, limit int) (*slot, bool) {
+	val := slotValue{Holder: w.cfg.ID + "/" + runs.NewRunID(), LeaseMs: w.cfg.Lease.Milliseconds()}
+	b, _ := json.Marshal(val)
+	var kept []slotState
+	held := map[uint64]bool{}
+	for i := range limit {
+		key := tenant + "." + strconv.Itoa(i)
+		rev, err := w.slots.Create(ctx, key, b)
+		if err == nil {
+			return w.newSlot(tenant, key, val, rev), true
+		}
+		if !isWrongRevision(err) {
+			w.log.Warn("taking a concurrency slot failed", zap.String("tenant", tenant), zap.Error(err))
+			return nil, false
+		}
+		e, err := w.slots.Get(ctx, key)
+		if err != nil {
+			continue // deleted meanwhile, or unreadable now: looked at again later
+		}
+		st := w.readSlot(key, e)
+		if !st.kept {
+			if st.v.QueueSeq > 0 {
+				held[st.v.QueueSeq] = true
+			}
+			continue
+		}
+		kept = append(kept, st)
+	}
+	var reserved *slotState
+	for i, st := range kept {
+		free, err := w.slotFree(ctx, st, held)
+		if err != nil {
+			continue
+		}
+		if !free {
+			if reserved == nil {
+				reserved = &kept[i]
+			}
+			continue
+		}
+		if rev, err := w.slots.Update(ctx, st.key, b, st.rev); err == nil {
+			w.slotSeen.forget(st.key)
+			return w.newSlot(tenant, st.key, val, rev), true
+		}
+	}
+	if reserved != nil {
+		s := w.newSlot(tenant, reserved.key, val, reserved.rev)
+		s.reserved, s.reservedFor, s.watched = true, reserved.v, reserved.watched
+		return s, true
+	}
+	return nil, false
+}
+
+// hold records the request a fresh slot was taken for — before the
+// request is handled: a slot that names no request is freed when its
+// holder lapses — and starts renewing the slot.
+func (s *slot) hold(ctx context.Context, subject string, qseq uint64) error {
+	s.val.Subject, s.val.QueueSeq = subject, qseq
+	rev, err := s.w.slots.Update(ctx, s.key, s.bytes(), s.rev)
+	if err != nil {
+		if rev, err = s.recover(ctx, err); err != nil {
+			return err
+		}
+	}
+	s.rev = rev
+	s.startRenew()
+	return nil
+}
+
+// take takes a reserved slot for its request, which the caller holds.
+func (s *slot) take(ctx context.Context) error {
+	s.val.Subject, s.val.QueueSeq = s.reservedFor.Subject, s.reservedFor.QueueSeq
+	rev, err := s.w.slots.Update(ctx, s.key, s.bytes(), s.rev)
+	if err != nil {
+		return err
+	}
+	s.rev, s.reserved = rev, false
+	s.w.slotSeen.forget(s.key)
+	s.startRenew()
+	return nil
+}
+
+func (s *slot) startRenew() {
+	s.renewing = true
+	go s.renew()
+}
+
+func (s *slot) stopRenew() {
+	if s.renewing {
+		s.renewing = false
+		close(s.stop)
+		<-s.done
+	}
+}
+
+// renew keeps s live until it is released. A renewal whose reply was lost
+// leaves the key a revision ahead: the key is read back, and if it is
+// still this hold's, renewing goes on from its revision.
+func (s *slot) renew() {
+	defer close(s.done)
+	lease := s.w.cfg.Lease
+	t := time.NewTicker(max(lease/3, 100*time.Millisecond))
+	defer t.Stop()
+	for {
+		select {
+		case <-s.stop:
+			return
+		case <-t.C:
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), lease/3+time.Second)
+		rev, err := s.w.slots.Update(ctx, s.key, s.bytes(), s.rev)
+		if err != nil {
+			rev, err = s.recover(ctx, err)
+		}
+		cancel()
+		if err != nil {
+			s.w.log.Warn("renewing a concurrency slot failed", zap.String("slot", s.key), zap.Error(err))
+			continue
+		}
+		s.rev = rev
+	}
+}
+
+func (s *slot) recover(ctx context.Context, cause error) (uint64, error) {
+	e, err := s.w.slots.Get(ctx, s.key)
+	switch {
+	case errors.Is(err, jetstream.ErrKeyNotFound) || errors.Is(err, jetstream.ErrKeyDeleted):
+		// Freed by a reader that saw it lapse: take it again if it is
+		// still free.
+		return s.w.slots.Create(ctx, s.key, s.bytes())
+	case err != nil:
+		return 0, cause
+	}
+	var cur slotValue
+	if json.Unmarshal(e.Value(), &cur) != nil || cur.Holder != s.val.Holder || cur.HandedBack {
+		return 0, fmt.Errorf("the slot was taken by another holder (this worker's renewals failed for longer than the lease): %w", cause)
+	}
+	return s.w.slots.Update(ctx, s.key, s.bytes(), e.Revision())
+}
+
+// release frees s.
+func (s *slot) release() {
+	if s == nil || s.reserved {
+		return
+	}
+	s.stopRenew()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if s.w.slots.Delete(ctx, s.key, jetstream.LastRevision(s.rev)) == nil {
+		s.w.slotSeen.forget(s.key)
+		// Dispatchers that skipped the tenant at its limit look again.
+		_ = s.w.nc.Publish(wakeSubject, []byte(s.tenant))
+	}
+	// Otherwise it lapses, and is freed once its request is finished.
+}
+
+// handBack keeps s for the handed-back request of subject: its build goes
+// on, and whoever takes the request on takes this slot with it — at once,
+// or for a request retried after a delay (retry), once the delay passed.
+func (s *slot) handBack(subject string, qseq uint64, retry time.Duration) {
+	if s == nil || s.reserved {
+		return
+	}
+	s.stopRenew()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	s.val.HandedBack, s.val.Subject, s.val.QueueSeq = true, subject, qseq
+	s.val.RetryMs = retry.Milliseconds()
+	if _, err := s.w.slots.Update(ctx, s.key, s.bytes(), s.rev); err == nil {
+		_ = s.w.nc.Publish(wakeSubject, []byte(s.tenant))
+	}
+	// Otherwise it lapses, and is kept for its request all the same.
+}
+
+// keepSlots frees the handed-back and lapsed keys that are free
+// (slotFree), announcing each: a key kept for a request whose message is
+// gone, or that runs on another key, or a lapsed key naming no request.
+// Reading every key every third of the lease is also what keeps this
+// worker's watch of them without gaps.
+func (w *fairQueue) keepSlots(ctx context.Context) {
+	keys, err := w.slots.ListKeys(ctx)
+	if err != nil {
+		return
+	}
+	var kept []slotState
+	held := map[uint64]bool{}
+	for k := range keys.Keys() {
+		e, err := w.slots.Get(ctx, k)
+		if err != nil {
+			continue
+		}
+		st := w.readSlot(k, e)
+		if !st.kept {
+			if st.v.QueueSeq > 0 {
+				held[st.v.QueueSeq] = true
+			}
+			continue
+		}
+		kept = append(kept, st)
+	}
+	for _, st := range kept {
+		if free, err := w.slotFree(ctx, st, held); err != nil || !free {
+			continue
+		}
+		if w.slots.Delete(ctx, st.key, jetstream.LastRevision(st.rev)) == nil {
+			w.slotSeen.forget(st.key)
+			tenant, _, _ := strings.Cut(st.key, ".")
+			_ = w.nc.Publish(wakeSubject, []byte(tenant))
+		}
+	}
+}
