@@ -1,0 +1,172 @@
+package ledger
+
+import (
+	"slices"
+	"testing"
+	"time"
+
+	v1 "github.com/buildq/buildq/api/v1"
+)
+
+const (
+	buildA = "aaaa0001"
+	buildB = "bbbb0002"
+)
+
+func TestParseWaiterReadsJSONAndTheFirstVersionsForm(t *testing.T) {
+	for _, c := range []struct {
+		in   string
+		want Waiter
+		ok   bool
+	}{
+		{`{"tenant":"acme","requestId":"r1","parked":true,"run":"run1","seq":9}`, Waiter{Tenant: "acme", RequestID: "r1", Parked: true, Run: "run1", Seq: 9}, true},
+		{"acme/r1", Waiter{Tenant: "acme", RequestID: "r1"}, true},
+		{"acme/r/1", Waiter{Tenant: "acme", RequestID: "r/1"}, true},
+		{`{"tenant":"acme"}`, Waiter{Tenant: "acme"}, false},
+		{`{"requestId":"r1"}`, Waiter{RequestID: "r1"}, false},
+		{`{"tenant":`, Waiter{}, false},
+		{"no slash", Waiter{Tenant: "no slash"}, false},
+		{"", Waiter{}, false},
+	} {
+		got, ok := ParseWaiter([]byte(c.in))
+		if ok != c.ok || (ok && (got.Tenant != c.want.Tenant || got.RequestID != c.want.RequestID ||
+			got.Parked != c.want.Parked || got.Run != c.want.Run || got.Seq != c.want.Seq)) {
+			t.Errorf("ParseWaiter(%q) = %+v, %v; want %+v, %v", c.in, got, ok, c.want, c.ok)
+		}
+	}
+}
+
+func TestWaiterKeyIsOneEntryPerBuildKeyAndRequest(t *testing.T) {
+	k := WaiterKey(buildA, "acme", "r:1")
+	if k != "w."+buildA+"."+Key("acme", "r:1") {
+		t.Fatalf("WaiterKey = %q", k)
+	}
+	if WaiterKey(buildA, "other", "r:1") == k || WaiterKey(buildB, "acme", "r:1") == k {
+		t.Fatal("two requests' (or two keys') waiter entries share a key")
+	}
+}
+
+func TestWaiterIndexListsEachBuildKeysWaiters(t *testing.T) {
+	w := newWorld(t)
+	l := w.ledger("w1", newClock(), time.Minute)
+	ctx := t.Context()
+
+	if got, err := l.ListWaiters(ctx, ""); err != nil || len(got) != 0 {
+		t.Fatalf("ListWaiters of an empty index = %v, %v", got, err)
+	}
+	l.AddWaiter(ctx, buildA, "acme", "r1")
+	parked := Waiter{Tenant: "acme", RequestID: "r2", Parked: true, Run: "run1", Subject: "buildq.requests.acme",
+		Seq: 42, MsgTime: msgTime, Body: []byte(`{"x":1}`), ParkedAt: msgTime.Add(time.Second), Token: "tok"}
+	if err := l.PutWaiter(ctx, buildA, parked); err != nil {
+		t.Fatal(err)
+	}
+	l.AddWaiter(ctx, buildB, "other", "r1")
+	// Not a waiter entry: neither listed nor in the way.
+	if _, err := w.kv.Put(ctx, Key("acme", "r1"), []byte("{}")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.kv.Put(ctx, "w."+buildA+".garbage", []byte("???")); err != nil {
+		t.Fatal(err)
+	}
+
+	byKey, err := l.ListWaiters(ctx, buildA)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(byKey) != 1 || len(byKey[buildA]) != 2 {
+		t.Fatalf("ListWaiters(%s) = %+v, want its two waiters only", buildA, byKey)
+	}
+	var got Waiter
+	for _, it := range byKey[buildA] {
+		if it.Rev == 0 || it.K != WaiterKey(buildA, it.V.Tenant, it.V.RequestID) {
+			t.Fatalf("waiter item = %+v", it)
+		}
+		if it.V.RequestID == "r2" {
+			got = it.V
+		}
+	}
+	if !got.Parked || got.Run != "run1" || got.Seq != 42 || !got.MsgTime.Equal(msgTime) || string(got.Body) != `{"x":1}` ||
+		got.Token != "tok" || got.Subject != parked.Subject || !got.ParkedAt.Equal(parked.ParkedAt) {
+		t.Fatalf("parked waiter read back = %+v, want %+v", got, parked)
+	}
+
+	all, err := l.ListWaiters(ctx, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(all) != 2 || len(all[buildA]) != 2 || len(all[buildB]) != 1 || all[buildB][0].V.Tenant != "other" {
+		t.Fatalf("ListWaiters(all) = %+v", all)
+	}
+
+	l.DropWaiter(ctx, buildA, "acme", "r1")
+	byKey, err = l.ListWaiters(ctx, buildA)
+	if err != nil || len(byKey[buildA]) != 1 || byKey[buildA][0].V.RequestID != "r2" {
+		t.Fatalf("ListWaiters after DropWaiter = %+v, %v", byKey, err)
+	}
+}
+
+// A waiter written again since it was read (parked anew) stays.
+func TestDropWaiterAtRemovesOnlyTheRevisionItRead(t *testing.T) {
+	w := newWorld(t)
+	l := w.ledger("w1", newClock(), time.Minute)
+	ctx := t.Context()
+	if err := l.PutWaiter(ctx, buildA, Waiter{Tenant: "acme", RequestID: "r1", Parked: true, Run: "run1"}); err != nil {
+		t.Fatal(err)
+	}
+	items, err := l.ListWaiters(ctx, buildA)
+	if err != nil || len(items[buildA]) != 1 {
+		t.Fatalf("ListWaiters = %v, %v", items, err)
+	}
+	old := items[buildA][0]
+	if err := l.PutWaiter(ctx, buildA, Waiter{Tenant: "acme", RequestID: "r1", Parked: true, Run: "run2"}); err != nil {
+		t.Fatal(err)
+	}
+	l.DropWaiterAt(ctx, old)
+	items, err = l.ListWaiters(ctx, buildA)
+	if err != nil || len(items[buildA]) != 1 || items[buildA][0].V.Run != "run2" {
+		t.Fatalf("after DropWaiterAt of the old revision: %+v, %v; want the new waiter kept", items, err)
+	}
+	l.DropWaiterAt(ctx, items[buildA][0])
+	items, err = l.ListWaiters(ctx, buildA)
+	if err != nil || len(items[buildA]) != 0 {
+		t.Fatalf("after DropWaiterAt of the current revision: %+v, %v; want none", items, err)
+	}
+}
+
+func TestWaitersAreTheUndecidedEntriesWaitingOnAKey(t *testing.T) {
+	w := newWorld(t)
+	l := w.ledger("w1", newClock(), time.Minute)
+	ctx := t.Context()
+	for _, id := range []string{"held", "parked", "decided"} {
+		open(t, l, "acme", id)
+		l.AddWaiter(ctx, buildA, "acme", id)
+	}
+	if err := l.PutWaiter(ctx, buildA, Waiter{Tenant: "acme", RequestID: "parked", Parked: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := l.Record(ctx, read(t, l, "acme", "decided"), decision("acme", "decided", v1.StatusSucceeded)); err != nil {
+		t.Fatal(err)
+	}
+	l.AddWaiter(ctx, buildA, "acme", "no-entry") // its entry aged out
+	open(t, l, "acme", "elsewhere")
+	l.AddWaiter(ctx, buildB, "acme", "elsewhere")
+
+	got, err := l.Waiters(ctx, buildA)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ids []string
+	for _, le := range got {
+		ids = append(ids, le.E.RequestID)
+		if le.Rev == 0 {
+			t.Fatalf("waiter %s without its revision", le.E.RequestID)
+		}
+	}
+	slices.Sort(ids)
+	if !slices.Equal(ids, []string{"held", "parked"}) {
+		t.Fatalf("Waiters(%s) = %v, want the undecided held and parked requests", buildA, ids)
+	}
+	if got, err := l.Waiters(ctx, "cccc0003"); err != nil || len(got) != 0 {
+		t.Fatalf("Waiters of a key nobody waits on = %v, %v", got, err)
+	}
+}
