@@ -518,7 +518,7 @@ func TestBenchScaleWorker(t *testing.T) {
 		for {
 			select {
 			case now := <-tick.C:
-				slots = append(slots, slotSample{At: now.UnixMilli(), Busy: len(w.fq.sem)})
+				slots = append(slots, slotSample{At: now.UnixMilli(), Busy: w.fq.InFlight()})
 			case <-ctx.Done():
 				return
 			}

@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/buildq/buildq/internal/naming"
+	"github.com/buildq/buildq/worker/internal/fairq"
 )
 
 // Config is the worker's validated configuration. Zero fields take the
@@ -213,4 +214,16 @@ func (c Config) Validate() error {
 		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
+}
+
+// FairConfig holds the fair-queueing rules (see internal/fairq).
+type FairConfig = fairq.Config
+
+// QueueState is where the requests are (see internal/fairq).
+type QueueState = fairq.QueueState
+
+// ReadQueueState reads the queue's state from the server (for tests,
+// benchmarks and operators' tools).
+func ReadQueueState(ctx context.Context, js jetstream.JetStream) (QueueState, error) {
+	return fairq.ReadQueueState(ctx, js)
 }

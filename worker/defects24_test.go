@@ -508,10 +508,10 @@ func TestIssue24SlotSurvivesANATSOutageLongerThanTheLease(t *testing.T) {
 		c.Fair.Concurrency = map[string]int{"acme": 1}
 	}
 	e.startWorkerHooked("w1", limit, nil, func(w *Worker) {
-		w.fq.slots = &i24KV{KeyValue: w.fq.slots,
+		w.fq.UseSlots(&i24KV{KeyValue: w.fq.Slots(),
 			onGet:    func(context.Context, string) error { return fail() },
 			onCreate: func(string, []byte) error { return fail() },
-			onUpdate: func(string, []byte) error { return fail() }}
+			onUpdate: func(string, []byte) error { return fail() }})
 	})
 	r1, _, names := i24HolderAndNext(t, e, "i24-outage-holder", "i24-outage-next", func() { e.startWorker("w2", limit) })
 	time.Sleep(500 * time.Millisecond)

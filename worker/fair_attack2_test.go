@@ -20,6 +20,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/worker/internal/fairq"
 )
 
 // Worker stopped while the cluster is busy (a rolling update under load,
@@ -144,12 +145,12 @@ func TestAttack2DispatchConsumerKeepsStaleAckWait(t *testing.T) {
 	deadline := time.Now().Add(5 * time.Second)
 	for time.Now().Before(deadline) {
 		if _, _, redelivered := e.streamState(); redelivered > 0 {
-			c, err := e.js.Consumer(ctx, v1.QueueStream, dispatchConsumer("acme", v1.PriorityNormal))
+			c, err := e.js.Consumer(ctx, v1.QueueStream, fairq.DispatchConsumer("acme", v1.PriorityNormal))
 			if err != nil {
 				t.Fatal(err)
 			}
 			t.Fatalf("acme's running request, heartbeated every 2 s by wC (buildq-workers' AckWait is 6 s), was redelivered: "+
-				"%s still has AckWait %s from when wC created it", dispatchConsumer("acme", v1.PriorityNormal), c.CachedInfo().Config.AckWait)
+				"%s still has AckWait %s from when wC created it", fairq.DispatchConsumer("acme", v1.PriorityNormal), c.CachedInfo().Config.AckWait)
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
@@ -232,8 +233,8 @@ func TestAttack2FatHeadersHoldIntakeAndShutOthersOut(t *testing.T) {
 	}
 	deadline := time.Now().Add(8 * time.Second)
 	for time.Now().Before(deadline) {
-		info, err := qs.Info(ctx, jetstream.WithSubjectFilter(queueSubject("globex", v1.PriorityNormal)))
-		if err == nil && info.State.Subjects[queueSubject("globex", v1.PriorityNormal)] == 1 {
+		info, err := qs.Info(ctx, jetstream.WithSubjectFilter(fairq.QueueSubject("globex", v1.PriorityNormal)))
+		if err == nil && info.State.Subjects[fairq.QueueSubject("globex", v1.PriorityNormal)] == 1 {
 			return
 		}
 		time.Sleep(50 * time.Millisecond)

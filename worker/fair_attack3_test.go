@@ -10,6 +10,7 @@ import (
 	"time"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/worker/internal/fairq"
 )
 
 // A worker with a shorter --ack-wait joins while a queued request runs.
@@ -51,14 +52,14 @@ func TestAttack3ConsumerAckWaitLoweredUnderRunningRequest(t *testing.T) {
 	}
 	deadline := time.Now().Add(6 * time.Second)
 	for time.Now().Before(deadline) {
-		c, err := e.js.Consumer(ctx, v1.QueueStream, dispatchConsumer("acme", v1.PriorityNormal))
+		c, err := e.js.Consumer(ctx, v1.QueueStream, fairq.DispatchConsumer("acme", v1.PriorityNormal))
 		if err != nil {
 			t.Fatal(err)
 		}
 		if c.CachedInfo().NumRedelivered > 0 {
 			t.Fatalf("acme's running r1, alive and heartbeated by wC, was redelivered: %s was updated to AckWait %s "+
 				"while r1's heartbeat ticker stayed at a third of the 6 s it was taken with",
-				dispatchConsumer("acme", v1.PriorityNormal), c.CachedInfo().Config.AckWait)
+				fairq.DispatchConsumer("acme", v1.PriorityNormal), c.CachedInfo().Config.AckWait)
 		}
 		time.Sleep(50 * time.Millisecond)
 	}

@@ -21,6 +21,7 @@ import (
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/publisher"
+	"github.com/buildq/buildq/worker/internal/fairq"
 )
 
 // rawRequest is what the publisher SDK sends for r, with extra headers.
@@ -129,17 +130,17 @@ func TestAttackLostIntakeAckAnswersAdmittedRequestQuotaExceeded(t *testing.T) {
 		t.Fatal("no request fetched")
 	}
 	meta, _ := msg.Metadata()
-	out := nats.NewMsg(queueSubject("acme", v1.PriorityNormal))
+	out := nats.NewMsg(fairq.QueueSubject("acme", v1.PriorityNormal))
 	out.Data = msg.Data()
 	for k, vs := range msg.Headers() {
 		if k != v1.MsgIDHeader {
 			out.Header[k] = vs
 		}
 	}
-	out.Header.Set(hdrIntakeSubject, msg.Subject())
-	out.Header.Set(hdrIntakeSeq, strconv.FormatUint(meta.Sequence.Stream, 10))
-	out.Header.Set(hdrIntakeTime, meta.Timestamp.UTC().Format(time.RFC3339Nano))
-	out.Header.Set(hdrIntakeMsgID, msg.Headers().Get(v1.MsgIDHeader))
+	out.Header.Set(fairq.HdrIntakeSubject, msg.Subject())
+	out.Header.Set(fairq.HdrIntakeSeq, strconv.FormatUint(meta.Sequence.Stream, 10))
+	out.Header.Set(fairq.HdrIntakeTime, meta.Timestamp.UTC().Format(time.RFC3339Nano))
+	out.Header.Set(fairq.HdrIntakeMsgID, msg.Headers().Get(v1.MsgIDHeader))
 	qid := fmt.Sprintf("intake-%d-%d", meta.Sequence.Stream, meta.Timestamp.UnixNano())
 	if _, err := e.js.PublishMsg(ctx, out, jetstream.WithMsgID(qid)); err != nil {
 		t.Fatal(err)
@@ -366,8 +367,8 @@ func TestAttackPoisonedIntakeShutsOtherTenantsOut(t *testing.T) {
 		t.Fatal(err)
 	}
 	eventually(t, 6*time.Second, "globex's request admitted to its queue", func() bool {
-		info, err := qs.Info(ctx, jetstream.WithSubjectFilter(queueSubject("globex", v1.PriorityNormal)))
-		return err == nil && info.State.Subjects[queueSubject("globex", v1.PriorityNormal)] == 1
+		info, err := qs.Info(ctx, jetstream.WithSubjectFilter(fairq.QueueSubject("globex", v1.PriorityNormal)))
+		return err == nil && info.State.Subjects[fairq.QueueSubject("globex", v1.PriorityNormal)] == 1
 	})
 	if n := len(results.snapshot()); n != 0 {
 		t.Fatalf("%d results, want none yet", n)
@@ -410,7 +411,7 @@ func TestAttackDispatchAckWaitNotTheHeartbeatsOne(t *testing.T) {
 	deadline := time.Now().Add(6 * time.Second)
 	for time.Now().Before(deadline) {
 		if _, _, redelivered := e.streamState(); redelivered > 0 {
-			c, err := e.js.Consumer(ctx, v1.QueueStream, dispatchConsumer("acme", v1.PriorityNormal))
+			c, err := e.js.Consumer(ctx, v1.QueueStream, fairq.DispatchConsumer("acme", v1.PriorityNormal))
 			if err != nil {
 				t.Fatal(err)
 			}

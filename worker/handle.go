@@ -14,8 +14,10 @@ import (
 	"go.uber.org/zap"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/worker/internal/fairq"
 	"github.com/buildq/buildq/worker/internal/ledger"
 	"github.com/buildq/buildq/worker/internal/mutant"
+	"github.com/buildq/buildq/worker/internal/tenantapi"
 )
 
 // The handler: one request message in, one action on it out. process
@@ -23,22 +25,6 @@ import (
 // that left it undecided) into what happens to the message, delivering
 // the result through the ledger (record, then publish, then mark); apply
 // is the one place that acts on the message.
-
-// incoming is a request message to handle, and what its deliverer knows
-// of it.
-type incoming struct {
-	msg jetstream.Msg
-	// ackWait is the AckWait of the consumer the message came from, as
-	// the deliverer last knew it (0: the shared consumer's): heartbeats
-	// go at least every third of it.
-	ackWait time.Duration
-	// refused: intake refuses the request; it is answered with this
-	// instead of being built.
-	refused *refusal
-}
-
-// refusal is why intake refused a request.
-type refusal struct{ reason, message string }
 
 // verdict is a request's decision and how it was reached.
 type verdict struct {
@@ -53,68 +39,46 @@ type verdict struct {
 	parked bool
 }
 
-// actionKind is what happens to a handled message.
-type actionKind int
+// queueHandler is the worker's handler as the fair queue sees it.
+type queueHandler struct{ w *Worker }
 
-const (
-	// settle: acked, or terminated (term) — the request is answered.
-	settle actionKind = iota
-	// handBack: given back at once (Nak): the worker stops.
-	handBack
-	// retry: asked for again after delay, the request's retry budget
-	// spent for it (transient trouble).
-	retry
-	// later: asked for again after delay without spending the budget
-	// (another handler publishes its result for now).
-	later
-)
-
-// action is the handler's one decision about its message.
-type action struct {
-	kind      actionKind
-	delay     time.Duration
-	term      bool
-	reason    string
-	requestID string
-	// after runs once the message is settled: the ledger's mark, the
-	// request's log line, its Job's cleanup.
-	after func()
+func (h queueHandler) Decide(ctx context.Context, in fairq.Incoming) fairq.Action {
+	return h.w.decide(ctx, in)
+}
+func (h queueHandler) Apply(msg jetstream.Msg, act fairq.Action) { h.w.apply(msg, act) }
+func (h queueHandler) Heartbeat(msg jetstream.Msg, ackWait time.Duration) func() {
+	return h.w.heartbeat(msg, ackWait)
 }
 
-// handle handles one request message and settles it; it returns what it
-// did, for the dispatcher's slot.
-func (w *Worker) handle(ctx context.Context, in incoming) action {
-	act := w.decide(ctx, in)
-	w.apply(in.msg, act)
-	if act.after != nil {
-		act.after()
-	}
-	return act
-}
+// queueMetrics counts the fair queue's requests in flight.
+type queueMetrics struct{ m *Metrics }
+
+func (q queueMetrics) Taken()    { q.m.taken() }
+func (q queueMetrics) Released() { q.m.released() }
 
 // apply acts on the message as decided: the only place the handler
 // settles, retries or hands back a message.
-func (w *Worker) apply(msg jetstream.Msg, act action) {
+func (w *Worker) apply(msg jetstream.Msg, act fairq.Action) {
 	var err error
-	switch act.kind {
-	case handBack:
+	switch act.Kind {
+	case fairq.HandBack:
 		err = msg.Nak()
-	case retry, later:
-		err = msg.NakWithDelay(act.delay)
-	case settle:
+	case fairq.Retry, fairq.Later:
+		err = msg.NakWithDelay(act.Delay)
+	case fairq.Settle:
 		ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 		defer cancel()
 		switch {
-		case w.faults != nil && w.faults.loseAck != nil && w.faults.loseAck(act.requestID):
+		case w.faults != nil && w.faults.loseAck != nil && w.faults.loseAck(act.RequestID):
 			err = errors.New("ack lost (fault injection)")
-		case act.term:
-			err = msg.TermWithReason(act.reason)
+		case act.Term:
+			err = msg.TermWithReason(act.Reason)
 		default:
 			err = msg.DoubleAck(ctx)
 		}
 		if err != nil {
 			w.log.Warn("ack failed; the decision is recorded and a redelivery publishes the same result",
-				zap.String("requestId", act.requestID), zap.Error(err))
+				zap.String("requestId", act.RequestID), zap.Error(err))
 		}
 		return
 	}
@@ -125,19 +89,19 @@ func (w *Worker) apply(msg jetstream.Msg, act action) {
 
 // decide handles the message up to its action: the result decided,
 // recorded and published when there is one.
-func (w *Worker) decide(ctx context.Context, in incoming) action {
-	msg := in.msg
+func (w *Worker) decide(ctx context.Context, in fairq.Incoming) fairq.Action {
+	msg := in.Msg
 	meta, err := msg.Metadata()
 	if err != nil {
 		w.log.Error("message without JetStream metadata; terminating it", zap.Error(err))
-		return action{kind: settle, term: true, reason: "no metadata"}
+		return fairq.Action{Kind: fairq.Settle, Term: true, Reason: "no metadata"}
 	}
 	log := w.log.With(zap.Uint64("seq", meta.Sequence.Stream), zap.Uint64("delivery", meta.NumDelivered))
 
-	stop := w.heartbeat(msg, in.ackWait)
+	stop := w.heartbeat(msg, in.AckWait)
 	defer stop()
 
-	// The tenant's cancel ends hctx with errRequestCanceled.
+	// The tenant's cancel ends hctx with tenantapi.ErrCanceled.
 	hctx, hcancel := context.WithCancelCause(ctx)
 	defer hcancel(nil)
 	h := &handling{in: in, meta: meta, cancel: hcancel}
@@ -148,24 +112,24 @@ func (w *Worker) decide(ctx context.Context, in incoming) action {
 	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
 	// spend counts a transient failure; retryIn is the retry it buys.
 	spend := func() bool { return w.ledger.SpendRetry(actx, le, meta.NumDelivered, w.cfg.MaxDeliver) }
-	retryIn := func() action {
+	retryIn := func() fairq.Action {
 		cancel()
-		return action{kind: retry, delay: ledger.RetryDelay(le, meta.NumDelivered), requestID: v.Data.RequestID}
+		return fairq.Action{Kind: fairq.Retry, Delay: ledger.RetryDelay(le, meta.NumDelivered), RequestID: v.Data.RequestID}
 	}
-	done := func(term bool, reason string) action {
+	done := func(term bool, reason string) fairq.Action {
 		cancel()
-		return action{kind: settle, term: term, reason: reason, requestID: v.Data.RequestID}
+		return fairq.Action{Kind: fairq.Settle, Term: term, Reason: reason, RequestID: v.Data.RequestID}
 	}
 	switch {
-	case err != nil && ctx.Err() == nil && errors.Is(context.Cause(hctx), errRequestCanceled):
+	case err != nil && ctx.Err() == nil && errors.Is(context.Cause(hctx), tenantapi.ErrCanceled):
 		v.Decision = v.Canceled()
 	case err != nil && ctx.Err() != nil:
 		log.Info("handing request back", zap.String("reason", "shutdown"))
 		cancel()
-		return action{kind: handBack, requestID: v.Data.RequestID}
+		return fairq.Action{Kind: fairq.HandBack, RequestID: v.Data.RequestID}
 	case err != nil && IsTransient(err) && spend():
 		a := retryIn()
-		log.Warn("transient failure; retrying later", zap.Error(err), zap.Duration("delay", a.delay))
+		log.Warn("transient failure; retrying later", zap.Error(err), zap.Duration("delay", a.Delay))
 		w.cfg.Metrics.retried()
 		return a
 	case err != nil:
@@ -231,7 +195,7 @@ func (w *Worker) decide(ctx context.Context, in incoming) action {
 		// publishes a request at a time.
 		log.Info("this worker is publishing the request's result already; looking again later", zap.String("requestId", v.Data.RequestID))
 		cancel()
-		return action{kind: later, delay: time.Second, requestID: v.Data.RequestID}
+		return fairq.Action{Kind: fairq.Later, Delay: time.Second, RequestID: v.Data.RequestID}
 	case res.Status == ledger.Later:
 		if err != nil {
 			log.Warn("reading who publishes the request's result failed; looking again later", zap.Error(err))
@@ -239,7 +203,7 @@ func (w *Worker) decide(ctx context.Context, in incoming) action {
 		log.Info("the request's result was decided by another worker and is not marked published yet; looking again later",
 			zap.String("requestId", v.Data.RequestID), zap.String("decidedBy", le.E.Worker))
 		cancel()
-		return action{kind: later, delay: publishGrace(w.cfg.Lease) / 2, requestID: v.Data.RequestID}
+		return fairq.Action{Kind: fairq.Later, Delay: publishGrace(w.cfg.Lease) / 2, RequestID: v.Data.RequestID}
 	case err != nil:
 		// Recording the decision failed, and the retry budget allows
 		// another try (Unrecorded said so).
@@ -249,8 +213,8 @@ func (w *Worker) decide(ctx context.Context, in incoming) action {
 	if v.waiter && le != nil {
 		w.ledger.DropWaiter(actx, waiterKey, tenant, id)
 	}
-	act := action{kind: settle, term: v.Term, reason: v.Data.Reason, requestID: v.Data.RequestID}
-	act.after = func() {
+	act := fairq.Action{Kind: fairq.Settle, Term: v.Term, Reason: v.Data.Reason, RequestID: v.Data.RequestID}
+	act.After = func() {
 		defer cancel()
 		res.WaitMarked()
 		log.Info("request done", zap.String("requestId", v.Data.RequestID), zap.String("status", string(v.Data.Status)),
@@ -274,7 +238,7 @@ func publishGrace(lease time.Duration) time.Duration { return 2 * lease }
 // handling is one handling of a request message: what process knows of
 // the request so far, and what a panic's failure is recorded with.
 type handling struct {
-	in     incoming
+	in     fairq.Incoming
 	meta   *jetstream.MsgMetadata
 	cancel context.CancelCauseFunc
 	// v and le are the outcome: the decision and the request's ledger
@@ -298,7 +262,7 @@ func (w *Worker) safeProcess(ctx context.Context, h *handling) (err error) {
 			// a redelivery publishes it again instead of deciding anew.
 			h.v, h.le, err = h.known, h.knownLE, fmt.Errorf("internal error while handling the request: %v", r)
 			if h.v.Tenant == "" {
-				h.v = w.invalid(h.in.msg, nil, err, v1.Timings{}, h.meta)
+				h.v = w.invalid(h.in.Msg, nil, err, v1.Timings{}, h.meta)
 			}
 		}
 	}()
@@ -312,10 +276,6 @@ func finishedMessage(d v1.ResultData) string {
 	}
 	return fmt.Sprintf("%s: %s", d.Status, d.Reason)
 }
-
-// retryDelay is the delay before the next try of a message delivered
-// that many times.
-func retryDelay(delivered uint64) time.Duration { return ledger.RetryDelay(nil, delivered) }
 
 // heartbeatEvery is a third of the shorter of this worker's AckWait and
 // the consumer's as the server last reported it: workers started with

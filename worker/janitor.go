@@ -11,6 +11,7 @@ import (
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
 	"github.com/buildq/buildq/internal/kube"
+	"github.com/buildq/buildq/worker/internal/mutant"
 )
 
 // The janitor: no Job is left behind. A run's owner deletes its run's Job
@@ -118,4 +119,12 @@ func (w *Worker) sweepJobs(ctx context.Context) {
 		}
 	}
 	w.jobs.mu.Unlock()
+}
+
+// stopBuild deletes the Job of a run the tenant API's cancel ended.
+func (w *Worker) stopBuild(ctx context.Context, key, run string) error {
+	if jj, ok := w.backend.(jobJanitor); ok && mutant.On("cancel-by-name") {
+		return jj.DeleteJob(ctx, kaniko.JobName(key), "")
+	}
+	return w.backend.Cleanup(ctx, key, run)
 }

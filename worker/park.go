@@ -364,3 +364,25 @@ func requeueMsgID(p ledger.Waiter, rev uint64) string {
 	m.Write([]byte(strconv.FormatUint(rev, 10)))
 	return v1.MsgID(p.Tenant, p.RequestID) + "/requeue-" + hex.EncodeToString(m.Sum(nil))[:32]
 }
+
+// waiterReg remembers whether a request was indexed as a waiter.
+type waiterReg struct {
+	once  sync.Once
+	added bool
+	// park, when set, lets the request park (park.go): the message it
+	// came in, for the waiter entry, and its ledger entry.
+	park *ledger.Waiter
+	le   *ledger.Entry
+}
+
+// add indexes the request as a waiter of key, once. A nil reg does
+// nothing (the request is indexed already).
+func (r *waiterReg) add(ctx context.Context, l *ledger.Ledger, key, tenant, id string) {
+	if r == nil {
+		return
+	}
+	r.once.Do(func() {
+		l.AddWaiter(ctx, key, tenant, id)
+		r.added = true
+	})
+}

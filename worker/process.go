@@ -24,7 +24,7 @@ import (
 // yet: the caller retries (transient), hands back (shutdown) or fails the
 // request.
 func (w *Worker) processRequest(ctx context.Context, h *handling) (verdict, *ledger.Entry, error) {
-	msg, meta := h.in.msg, h.meta
+	msg, meta := h.in.Msg, h.meta
 	started := w.cfg.Now().UTC()
 	seq, at := meta.Sequence.Stream, meta.Timestamp
 	timings := v1.Timings{QueuedAt: at.UTC(), StartedAt: started, QueueWaitMs: started.Sub(at).Milliseconds()}
@@ -66,12 +66,12 @@ func (w *Worker) processRequest(ctx context.Context, h *handling) (verdict, *led
 	case le.E.Canceled:
 		return v.canceled(), le, nil // canceled while it was not held
 	}
-	if r := h.in.refused; r != nil {
-		v.Data.Status, v.Data.Reason, v.Data.Message = v1.StatusFailed, r.reason, r.message
+	if r := h.in.Refused; r != nil {
+		v.Data.Status, v.Data.Reason, v.Data.Message = v1.StatusFailed, r.Reason, r.Message
 		return v, le, nil
 	}
 	h.knownLE = le
-	defer w.api.held.hold(ledger.Key(req.Tenant, req.RequestID), h.cancel)()
+	defer w.api.Hold(ledger.Key(req.Tenant, req.RequestID), h.cancel)()
 	if fresh { // only its first handler: a redelivery is never expired
 		if message, ok := w.expired(ctx, meta, le); ok {
 			return expiredVerdict(v, message), le, nil

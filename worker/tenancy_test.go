@@ -436,7 +436,7 @@ func TestContextPrefixNeedsATenantSegment(t *testing.T) {
 // tenant's inbox or a stream's subject is dropped unanswered and counted;
 // the tenant's own inbox is answered. (A service import's reply, _R_.…,
 // cannot be sent by a client at all — nats-server refuses it as reserved —
-// so the worker sees one only from an import: TestReplyAllowed, and
+// so the worker sees one only from an import: tenantapi's TestReplyAllowed, and
 // integration/natsauth_test.go on the account per tenant.)
 // (Issue 23: a tenant in the workers' account had the worker's answers
 // written into buildq-requests and buildq-builds.)
@@ -505,37 +505,5 @@ func TestAPIAnswersOnlyOnATenantsOwnReplies(t *testing.T) {
 	}
 	if got := testutil.ToFloat64(metrics.refused.WithLabelValues("acme")); got != want {
 		t.Errorf("refused replies: %v, want %v", got, want)
-	}
-}
-
-// replyAllowed's edge cases, including replies the server itself refuses
-// to carry (a trailing dot, wildcards).
-func TestReplyAllowed(t *testing.T) {
-	t.Parallel()
-	w := &tenantAPI{Worker: &Worker{}}
-	for reply, ok := range map[string]bool{
-		"_R_.abc.def":         true,
-		"_R_.":                false,
-		"_R_.*":               false,
-		"_R_.a >":             false,
-		"_INBOX_acme.x":       true,
-		"_INBOX_acme.x.y":     true,
-		"_INBOX_acme.":        false,
-		"_INBOX_acme":         false,
-		"_INBOX_acme.>":       false,
-		"_INBOX_acmex.y":      false,
-		"_INBOX_acme-corp.y":  false,
-		"_INBOX.x":            false,
-		"$KV.buildq-builds.k": false,
-	} {
-		if got := w.replyAllowed("acme", reply); got != ok {
-			t.Errorf("replyAllowed(acme, %q) = %v, want %v", reply, got, ok)
-		}
-	}
-	if w.replyAllowed("_invalid", "_INBOX__invalid.x") {
-		t.Error("a subject without a valid tenant has no inbox")
-	}
-	if !(&tenantAPI{Worker: &Worker{cfg: Config{AnyReply: true}}}).replyAllowed("acme", "_INBOX.x") {
-		t.Error("AnyReply answers any reply")
 	}
 }

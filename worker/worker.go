@@ -22,8 +22,10 @@ import (
 	"go.uber.org/zap"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/worker/internal/fairq"
 	"github.com/buildq/buildq/worker/internal/ledger"
 	"github.com/buildq/buildq/worker/internal/runs"
+	"github.com/buildq/buildq/worker/internal/tenantapi"
 )
 
 // Worker consumes build requests. Create it with New and call Run.
@@ -38,10 +40,9 @@ type Worker struct {
 	ledger *ledger.Ledger
 	// runs owns buildq-builds (internal/runs).
 	runs *runs.Store
-	// The worker's components, each with its own state: the fair queue
-	// (queue.go), the tenant API (api.go), parking (park.go) and the
-	// builder (build.go).
-	api    *tenantAPI
+	// The worker's components, each with its own state: the tenant API
+	// (internal/tenantapi), parking (park.go) and the builder (build.go).
+	api    *tenantapi.Service
 	park   *parking
 	builds *builder
 	// jobs: the janitor's view of Jobs left behind (janitor.go).
@@ -56,9 +57,9 @@ type Worker struct {
 	// another worker may have set it lower than this one's.
 	ackWait atomic.Int64
 	cons    jetstream.Consumer
-	// fq is the fair queue (queue.go): BUILDQ_QUEUE, buildq-slots,
+	// fq is the fair queue (internal/fairq): BUILDQ_QUEUE, buildq-slots,
 	// intake, the dispatcher and the in-flight semaphore.
-	fq     *fairQueue
+	fq     *fairq.Queue
 	source string
 
 	setupMu   sync.Mutex
@@ -93,9 +94,11 @@ func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 		log:      log,
 		source:   "/buildq/worker/" + cfg.ID,
 	}
-	w.fq = &fairQueue{Worker: w, sem: make(chan struct{}, cfg.MaxInFlight)}
-	w.api = &tenantAPI{Worker: w, held: heldRequests{m: map[string]context.CancelCauseFunc{}}, sem: make(chan struct{}, apiConcurrency)}
+	w.fq = fairq.New(js, nc, queueHandler{w}, fairq.Options{Fair: cfg.Fair, ID: cfg.ID, Lease: cfg.Lease, AckWait: cfg.AckWait,
+		MaxDeliver: cfg.MaxDeliver, MaxInFlight: cfg.MaxInFlight, Now: cfg.Now, Log: log, Metrics: queueMetrics{cfg.Metrics}, Ledger: w.ledger})
 	w.park = &parking{Worker: w, parked: parkWatch{seen: map[string]observed{}}}
+	w.api = tenantapi.New(tenantapi.Config{Ledger: w.ledger, Runs: w.runs, NC: nc, Log: log, Now: cfg.Now, AnyReply: cfg.AnyReply,
+		StopBuild: w.stopBuild, AnswerParked: w.park.answerWaiters, ReplyRefused: cfg.Metrics.replyRefused})
 	w.builds = &builder{Worker: w, orphans: orphanWatch{seen: map[string]observed{}}}
 	// Every write that ends or lets go a run answers its parked requests.
 	w.runs.OnEnded(w.park.answerWaiters)
@@ -168,7 +171,7 @@ func (w *Worker) setup(ctx context.Context) error {
 	w.runs.UseBucket(kv)
 	w.cons = cons
 	w.ackWait.Store(int64(cons.CachedInfo().Config.AckWait))
-	if w.fq.queue, w.fq.slots, err = ensureQueue(ctx, w.js, w.cfg); err != nil {
+	if err := w.fq.Setup(ctx, w.cfg.Storage, w.cfg.Replicas, w.cfg.DuplicateWindow); err != nil {
 		return err
 	}
 	kv, err = ledger.EnsureBucket(ctx, w.js, ledger.BucketConfig{TTL: w.cfg.ResultsMaxAge, Storage: w.cfg.Storage, Replicas: w.cfg.Replicas})
@@ -262,9 +265,6 @@ func EnsureStreams(ctx context.Context, js jetstream.JetStream, cfg Config) (jet
 	return kv, cons, nil
 }
 
-// fetchWait bounds one pull request; shorter means a faster stop.
-const fetchWait = 2 * time.Second
-
 // Run consumes requests until ctx ends. Then it stops fetching and hands
 // every held request back with Nak (releasing its claims), so another worker
 // adopts the builds at once; it waits up to ShutdownTimeout for that.
@@ -277,7 +277,7 @@ func (w *Worker) Run(ctx context.Context) error {
 	workCtx, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelWork()
 	w.life.Store(&workCtx)
-	stopAPI, err := w.api.serve(workCtx)
+	stopAPI, err := w.api.Serve(workCtx)
 	if err != nil {
 		return fmt.Errorf("subscribe the status and cancel services: %w", err)
 	}
@@ -362,7 +362,7 @@ func (w *Worker) Run(ctx context.Context) error {
 				select {
 				case <-t.C:
 					kctx, cancel := context.WithTimeout(workCtx, w.cfg.Lease/3+time.Second)
-					w.fq.keepSlots(kctx)
+					w.fq.KeepSlots(kctx)
 					cancel()
 				case <-workCtx.Done():
 					return
@@ -390,12 +390,7 @@ func (w *Worker) Run(ctx context.Context) error {
 
 	// Intake admits new requests to the tenants' queues; the dispatcher
 	// runs them on this worker's free slots, fairly between tenants.
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		w.fq.intakeLoop(ctx, workCtx, &wg)
-	}()
-	w.fq.dispatchLoop(ctx, workCtx, &wg)
+	w.fq.Run(ctx, workCtx, &wg, w.cons, func() time.Duration { return time.Duration(w.ackWait.Load()) })
 
 	w.running.Store(false)
 	w.cfg.Metrics.setReady(false)

@@ -4,6 +4,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"regexp"
 	"sort"
 )
 
@@ -89,3 +90,9 @@ func DefaultTag(key string) string {
 	}
 	return key[:12]
 }
+
+var buildKeyRe = regexp.MustCompile(`^[a-f0-9]{64}$`)
+
+// IsBuildKey reports whether s looks like a build key (64 hex digits), as
+// the tenant API tells a key from a request id.
+func IsBuildKey(s string) bool { return buildKeyRe.MatchString(s) }

@@ -1,4 +1,4 @@
-package worker
+package fairq
 
 // Fair queueing (docs/design.md §2d). Requests arrive on BUILDQ_REQUESTS,
 // the contract's work queue, and are admitted from it by intake: a cheap
@@ -22,6 +22,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap"
 
+	"github.com/buildq/buildq/worker/internal/ledger"
 	"github.com/buildq/buildq/worker/internal/runs"
 )
 
@@ -129,26 +130,26 @@ type slotState struct {
 }
 
 // readSlot judges a slot key read at e.
-func (w *fairQueue) readSlot(key string, e jetstream.KeyValueEntry) slotState {
+func (q *Queue) readSlot(key string, e jetstream.KeyValueEntry) slotState {
 	var v slotValue
 	if json.Unmarshal(e.Value(), &v) != nil {
 		v = slotValue{} // unreadable: judged by its lapse, naming no request
 	}
-	lease := v.lease(w.cfg.Lease)
+	lease := v.lease(q.cfg.Lease)
 	// The watch tolerates gaps of this worker's own reading pace too (it
 	// reads every third of its lease).
-	watched := w.slotSeen.watch(key, e.Revision(), max(lease, w.cfg.Lease), w.cfg.Now())
+	watched := q.slotSeen.watch(key, e.Revision(), max(lease, q.cfg.Lease), q.cfg.Now())
 	return slotState{key: key, rev: e.Revision(), v: v, watched: watched, kept: v.HandedBack || watched >= lease+lease/2}
 }
 
 // slotFree reports whether a kept key is free: it names no request, its
 // request runs on a live key (held: the queue sequences live keys name),
 // or its request is finished (its message gone from the queue).
-func (w *fairQueue) slotFree(ctx context.Context, s slotState, held map[uint64]bool) (bool, error) {
+func (q *Queue) slotFree(ctx context.Context, s slotState, held map[uint64]bool) (bool, error) {
 	if s.v.QueueSeq == 0 || held[s.v.QueueSeq] {
 		return true, nil
 	}
-	_, err := w.queue.GetMsg(ctx, s.v.QueueSeq)
+	_, err := q.queue.GetMsg(ctx, s.v.QueueSeq)
 	switch {
 	case errors.Is(err, jetstream.ErrMsgNotFound):
 		return true, nil
@@ -160,7 +161,7 @@ func (w *fairQueue) slotFree(ctx context.Context, s slotState, held map[uint64]b
 
 // slot is one of a tenant's concurrency slots, held while its request runs.
 type slot struct {
-	w      *fairQueue
+	q      *Queue
 	tenant string
 	key    string
 	val    slotValue
@@ -175,8 +176,8 @@ type slot struct {
 	done        chan struct{}
 }
 
-func (w *fairQueue) newSlot(tenant, key string, val slotValue, rev uint64) *slot {
-	return &slot{w: w, tenant: tenant, key: key, val: val, rev: rev, stop: make(chan struct{}), done: make(chan struct{})}
+func (q *Queue) newSlot(tenant, key string, val slotValue, rev uint64) *slot {
+	return &slot{q: q, tenant: tenant, key: key, val: val, rev: rev, stop: make(chan struct{}), done: make(chan struct{})}
 }
 
 func (s *slot) bytes() []byte {
@@ -188,26 +189,26 @@ func (s *slot) bytes() []byte {
 // a handed-back or lapsed one that is free (slotFree). Failing that, it
 // returns a kept key reserved for its request (s.reserved: not taken yet;
 // see takeReserved), or reports none.
-func (w *fairQueue) acquireSlot(ctx context.Context, tenant string, limit int) (*slot, bool) {
-	val := slotValue{Holder: w.cfg.ID + "/" + runs.NewRunID(), LeaseMs: w.cfg.Lease.Milliseconds()}
+func (q *Queue) acquireSlot(ctx context.Context, tenant string, limit int) (*slot, bool) {
+	val := slotValue{Holder: q.cfg.ID + "/" + runs.NewRunID(), LeaseMs: q.cfg.Lease.Milliseconds()}
 	b, _ := json.Marshal(val)
 	var kept []slotState
 	held := map[uint64]bool{}
 	for i := range limit {
 		key := tenant + "." + strconv.Itoa(i)
-		rev, err := w.slots.Create(ctx, key, b)
+		rev, err := q.slots.Create(ctx, key, b)
 		if err == nil {
-			return w.newSlot(tenant, key, val, rev), true
+			return q.newSlot(tenant, key, val, rev), true
 		}
-		if !isWrongRevision(err) {
-			w.log.Warn("taking a concurrency slot failed", zap.String("tenant", tenant), zap.Error(err))
+		if !ledger.IsWrongRevision(err) {
+			q.log.Warn("taking a concurrency slot failed", zap.String("tenant", tenant), zap.Error(err))
 			return nil, false
 		}
-		e, err := w.slots.Get(ctx, key)
+		e, err := q.slots.Get(ctx, key)
 		if err != nil {
 			continue // deleted meanwhile, or unreadable now: looked at again later
 		}
-		st := w.readSlot(key, e)
+		st := q.readSlot(key, e)
 		if !st.kept {
 			if st.v.QueueSeq > 0 {
 				held[st.v.QueueSeq] = true
@@ -218,7 +219,7 @@ func (w *fairQueue) acquireSlot(ctx context.Context, tenant string, limit int) (
 	}
 	var reserved *slotState
 	for i, st := range kept {
-		free, err := w.slotFree(ctx, st, held)
+		free, err := q.slotFree(ctx, st, held)
 		if err != nil {
 			continue
 		}
@@ -228,13 +229,13 @@ func (w *fairQueue) acquireSlot(ctx context.Context, tenant string, limit int) (
 			}
 			continue
 		}
-		if rev, err := w.slots.Update(ctx, st.key, b, st.rev); err == nil {
-			w.slotSeen.forget(st.key)
-			return w.newSlot(tenant, st.key, val, rev), true
+		if rev, err := q.slots.Update(ctx, st.key, b, st.rev); err == nil {
+			q.slotSeen.forget(st.key)
+			return q.newSlot(tenant, st.key, val, rev), true
 		}
 	}
 	if reserved != nil {
-		s := w.newSlot(tenant, reserved.key, val, reserved.rev)
+		s := q.newSlot(tenant, reserved.key, val, reserved.rev)
 		s.reserved, s.reservedFor, s.watched = true, reserved.v, reserved.watched
 		return s, true
 	}
@@ -246,7 +247,7 @@ func (w *fairQueue) acquireSlot(ctx context.Context, tenant string, limit int) (
 // holder lapses — and starts renewing the slot.
 func (s *slot) hold(ctx context.Context, subject string, qseq uint64) error {
 	s.val.Subject, s.val.QueueSeq = subject, qseq
-	rev, err := s.w.slots.Update(ctx, s.key, s.bytes(), s.rev)
+	rev, err := s.q.slots.Update(ctx, s.key, s.bytes(), s.rev)
 	if err != nil {
 		if rev, err = s.recover(ctx, err); err != nil {
 			return err
@@ -260,12 +261,12 @@ func (s *slot) hold(ctx context.Context, subject string, qseq uint64) error {
 // take takes a reserved slot for its request, which the caller holds.
 func (s *slot) take(ctx context.Context) error {
 	s.val.Subject, s.val.QueueSeq = s.reservedFor.Subject, s.reservedFor.QueueSeq
-	rev, err := s.w.slots.Update(ctx, s.key, s.bytes(), s.rev)
+	rev, err := s.q.slots.Update(ctx, s.key, s.bytes(), s.rev)
 	if err != nil {
 		return err
 	}
 	s.rev, s.reserved = rev, false
-	s.w.slotSeen.forget(s.key)
+	s.q.slotSeen.forget(s.key)
 	s.startRenew()
 	return nil
 }
@@ -288,7 +289,7 @@ func (s *slot) stopRenew() {
 // still this hold's, renewing goes on from its revision.
 func (s *slot) renew() {
 	defer close(s.done)
-	lease := s.w.cfg.Lease
+	lease := s.q.cfg.Lease
 	t := time.NewTicker(max(lease/3, 100*time.Millisecond))
 	defer t.Stop()
 	for {
@@ -298,13 +299,13 @@ func (s *slot) renew() {
 		case <-t.C:
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), lease/3+time.Second)
-		rev, err := s.w.slots.Update(ctx, s.key, s.bytes(), s.rev)
+		rev, err := s.q.slots.Update(ctx, s.key, s.bytes(), s.rev)
 		if err != nil {
 			rev, err = s.recover(ctx, err)
 		}
 		cancel()
 		if err != nil {
-			s.w.log.Warn("renewing a concurrency slot failed", zap.String("slot", s.key), zap.Error(err))
+			s.q.log.Warn("renewing a concurrency slot failed", zap.String("slot", s.key), zap.Error(err))
 			continue
 		}
 		s.rev = rev
@@ -312,12 +313,12 @@ func (s *slot) renew() {
 }
 
 func (s *slot) recover(ctx context.Context, cause error) (uint64, error) {
-	e, err := s.w.slots.Get(ctx, s.key)
+	e, err := s.q.slots.Get(ctx, s.key)
 	switch {
 	case errors.Is(err, jetstream.ErrKeyNotFound) || errors.Is(err, jetstream.ErrKeyDeleted):
 		// Freed by a reader that saw it lapse: take it again if it is
 		// still free.
-		return s.w.slots.Create(ctx, s.key, s.bytes())
+		return s.q.slots.Create(ctx, s.key, s.bytes())
 	case err != nil:
 		return 0, cause
 	}
@@ -325,7 +326,7 @@ func (s *slot) recover(ctx context.Context, cause error) (uint64, error) {
 	if json.Unmarshal(e.Value(), &cur) != nil || cur.Holder != s.val.Holder || cur.HandedBack {
 		return 0, fmt.Errorf("the slot was taken by another holder (this worker's renewals failed for longer than the lease): %w", cause)
 	}
-	return s.w.slots.Update(ctx, s.key, s.bytes(), e.Revision())
+	return s.q.slots.Update(ctx, s.key, s.bytes(), e.Revision())
 }
 
 // release frees s.
@@ -336,10 +337,10 @@ func (s *slot) release() {
 	s.stopRenew()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	if s.w.slots.Delete(ctx, s.key, jetstream.LastRevision(s.rev)) == nil {
-		s.w.slotSeen.forget(s.key)
+	if s.q.slots.Delete(ctx, s.key, jetstream.LastRevision(s.rev)) == nil {
+		s.q.slotSeen.forget(s.key)
 		// Dispatchers that skipped the tenant at its limit look again.
-		_ = s.w.nc.Publish(wakeSubject, []byte(s.tenant))
+		_ = s.q.nc.Publish(wakeSubject, []byte(s.tenant))
 	}
 	// Otherwise it lapses, and is freed once its request is finished.
 }
@@ -356,30 +357,30 @@ func (s *slot) handBack(subject string, qseq uint64, retry time.Duration) {
 	defer cancel()
 	s.val.HandedBack, s.val.Subject, s.val.QueueSeq = true, subject, qseq
 	s.val.RetryMs = retry.Milliseconds()
-	if _, err := s.w.slots.Update(ctx, s.key, s.bytes(), s.rev); err == nil {
-		_ = s.w.nc.Publish(wakeSubject, []byte(s.tenant))
+	if _, err := s.q.slots.Update(ctx, s.key, s.bytes(), s.rev); err == nil {
+		_ = s.q.nc.Publish(wakeSubject, []byte(s.tenant))
 	}
 	// Otherwise it lapses, and is kept for its request all the same.
 }
 
-// keepSlots frees the handed-back and lapsed keys that are free
+// KeepSlots frees the handed-back and lapsed keys that are free
 // (slotFree), announcing each: a key kept for a request whose message is
 // gone, or that runs on another key, or a lapsed key naming no request.
 // Reading every key every third of the lease is also what keeps this
 // worker's watch of them without gaps.
-func (w *fairQueue) keepSlots(ctx context.Context) {
-	keys, err := w.slots.ListKeys(ctx)
+func (q *Queue) KeepSlots(ctx context.Context) {
+	keys, err := q.slots.ListKeys(ctx)
 	if err != nil {
 		return
 	}
 	var kept []slotState
 	held := map[uint64]bool{}
 	for k := range keys.Keys() {
-		e, err := w.slots.Get(ctx, k)
+		e, err := q.slots.Get(ctx, k)
 		if err != nil {
 			continue
 		}
-		st := w.readSlot(k, e)
+		st := q.readSlot(k, e)
 		if !st.kept {
 			if st.v.QueueSeq > 0 {
 				held[st.v.QueueSeq] = true
@@ -389,13 +390,13 @@ func (w *fairQueue) keepSlots(ctx context.Context) {
 		kept = append(kept, st)
 	}
 	for _, st := range kept {
-		if free, err := w.slotFree(ctx, st, held); err != nil || !free {
+		if free, err := q.slotFree(ctx, st, held); err != nil || !free {
 			continue
 		}
-		if w.slots.Delete(ctx, st.key, jetstream.LastRevision(st.rev)) == nil {
-			w.slotSeen.forget(st.key)
+		if q.slots.Delete(ctx, st.key, jetstream.LastRevision(st.rev)) == nil {
+			q.slotSeen.forget(st.key)
 			tenant, _, _ := strings.Cut(st.key, ".")
-			_ = w.nc.Publish(wakeSubject, []byte(tenant))
+			_ = q.nc.Publish(wakeSubject, []byte(tenant))
 		}
 	}
 }

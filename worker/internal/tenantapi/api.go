@@ -1,4 +1,11 @@
-package worker
+// Package tenantapi is the tenant API service of a worker: status and
+// cancel as NATS request/reply services, so a tenant needs no access to
+// the KV buckets or the streams, and sees and cancels only its own
+// requests. The tenant is the subject's last token, which NATS
+// permissions guard. It reads the request ledger and the build records,
+// ends a canceled build's run, and tells the handlers of every worker
+// when a request they hold was canceled.
+package tenantapi
 
 import (
 	"context"
@@ -13,16 +20,10 @@ import (
 	"go.uber.org/zap"
 
 	v1 "github.com/buildq/buildq/api/v1"
-	"github.com/buildq/buildq/internal/kaniko"
 	"github.com/buildq/buildq/worker/internal/ledger"
 	"github.com/buildq/buildq/worker/internal/mutant"
 	"github.com/buildq/buildq/worker/internal/runs"
 )
-
-// The tenant API: status and cancel as NATS request/reply services, so a
-// tenant needs no access to the KV buckets or the streams, and sees and
-// cancels only its own requests. The tenant is the subject's last token,
-// which NATS permissions guard.
 
 // apiConcurrency bounds the status and cancel requests a worker answers at
 // once.
@@ -33,19 +34,55 @@ const apiConcurrency = 32
 // buildq.internal.>.
 const internalCancelSubject = "buildq.internal.cancel"
 
-// errRequestCanceled ends a held request's handling: its tenant canceled it.
-var errRequestCanceled = errors.New("canceled on request")
+// ErrCanceled ends a held request's handling: its tenant canceled it.
+var ErrCanceled = errors.New("canceled on request")
 
-// tenantAPI is the tenant API service: it answers status and cancel
-// requests, reading the ledger and the build records, and tells the
-// handlers of this worker when a request they hold was canceled.
-type tenantAPI struct {
-	// The worker, for its configuration, ledger, runs and backend.
-	*Worker
+// Config is what the service reads and acts with.
+type Config struct {
+	Ledger *ledger.Ledger
+	Runs   *runs.Store
+	NC     *nats.Conn
+	Log    *zap.Logger
+	Now    func() time.Time
+	// AnyReply: every client of the server is trusted (buildq dev), so a
+	// request is answered on any reply subject.
+	AnyReply bool
+	// StopBuild deletes the Job of the given run of key (the backend's
+	// cleanup), once the cancel ended the run.
+	StopBuild func(ctx context.Context, key, run string) error
+	// AnswerParked answers the requests parked on key (the worker's
+	// parking): a canceled parked request has no handler to tell.
+	AnswerParked func(ctx context.Context, key string)
+	// ReplyRefused counts a request left unanswered for its reply subject
+	// (may be nil).
+	ReplyRefused func(tenant string)
+}
+
+// Service is a worker's tenant API.
+type Service struct {
+	cfg Config
 	// held: the requests this worker's handlers hold, to cancel them.
 	held heldRequests
 	// sem bounds the requests answered at once (apiConcurrency).
 	sem chan struct{}
+}
+
+// New returns the service; Serve starts it.
+func New(cfg Config) *Service {
+	if cfg.Log == nil {
+		cfg.Log = zap.NewNop()
+	}
+	if cfg.ReplyRefused == nil {
+		cfg.ReplyRefused = func(string) {}
+	}
+	return &Service{cfg: cfg, held: heldRequests{m: map[string]context.CancelCauseFunc{}}, sem: make(chan struct{}, apiConcurrency)}
+}
+
+// Hold registers the handling of the request with ledger key lk, so a
+// cancel of it ends that handling (cancel's cause is ErrCanceled); the
+// returned release forgets it.
+func (w *Service) Hold(lk string, cancel context.CancelCauseFunc) (release func()) {
+	return w.held.hold(lk, cancel)
 }
 
 // heldRequests maps the ledger key of each request this worker handles to
@@ -71,14 +108,14 @@ func (h *heldRequests) cancel(lk string) {
 	c := h.m[lk]
 	h.mu.Unlock()
 	if c != nil {
-		c(errRequestCanceled)
+		c(ErrCanceled)
 	}
 }
 
-// serveAPI subscribes the tenant API (queue group buildq-api: one worker
+// Serve subscribes the tenant API (queue group buildq-api: one worker
 // answers each request), the legacy cancel subject, and the internal
-// cancel notifications (every worker).
-func (w *tenantAPI) serve(ctx context.Context) (func(), error) {
+// cancel notifications (every worker); the returned stop unsubscribes.
+func (w *Service) Serve(ctx context.Context) (func(), error) {
 	var subs []*nats.Subscription
 	stop := func() {
 		for _, s := range subs {
@@ -118,12 +155,12 @@ func (w *tenantAPI) serve(ctx context.Context) (func(), error) {
 			// up to apiConcurrency at once (then the subscription waits,
 			// and the queue group sends work to the other workers).
 			fn := h.fn
-			s, err = w.nc.QueueSubscribe(h.subject, h.queue, func(m *nats.Msg) {
+			s, err = w.cfg.NC.QueueSubscribe(h.subject, h.queue, func(m *nats.Msg) {
 				w.sem <- struct{}{}
 				go func() { defer func() { <-w.sem }(); fn(m) }()
 			})
 		} else {
-			s, err = w.nc.Subscribe(h.subject, h.fn)
+			s, err = w.cfg.NC.Subscribe(h.subject, h.fn)
 		}
 		if err != nil {
 			stop()
@@ -137,7 +174,7 @@ func (w *tenantAPI) serve(ctx context.Context) (func(), error) {
 // respond runs fn for the tenant of m's subject and sends its JSON reply
 // — only to a reply subject a tenant's request can legitimately carry
 // (replyAllowed); any other request is dropped unanswered and counted.
-func (w *tenantAPI) respond(ctx context.Context, m *nats.Msg, fn func(ctx context.Context, tenant string) any) {
+func (w *Service) respond(ctx context.Context, m *nats.Msg, fn func(ctx context.Context, tenant string) any) {
 	if m.Reply == "" {
 		return
 	}
@@ -151,8 +188,8 @@ func (w *tenantAPI) respond(ctx context.Context, m *nats.Msg, fn func(ctx contex
 		label = "_invalid"
 	}
 	if !w.replyAllowed(label, m.Reply) {
-		w.cfg.Metrics.replyRefused(label)
-		w.log.Warn("tenant API request with a reply subject no tenant may name: not answered",
+		w.cfg.ReplyRefused(label)
+		w.cfg.Log.Warn("tenant API request with a reply subject no tenant may name: not answered",
 			zap.String("subject", m.Subject), zap.String("reply", truncate(m.Reply, 200)))
 		return
 	}
@@ -185,8 +222,15 @@ const ServiceReplyPrefix = "_R_."
 // of deploy/nats) or the tenant's own inbox prefix (_INBOX_<tenant>.,
 // which only that tenant may read), unless Config.AnyReply says every
 // client of the server is trusted (buildq dev).
-func (w *tenantAPI) replyAllowed(tenant, reply string) bool {
-	if w.cfg.AnyReply || mutant.On("reply-anywhere") {
+func (w *Service) replyAllowed(tenant, reply string) bool {
+	return ReplyAllowed(w.cfg.AnyReply, tenant, reply)
+}
+
+// ReplyAllowed is the rule of replyAllowed: whether a tenant API request
+// of tenant may be answered on reply, with anyReply for a server whose
+// clients are all trusted.
+func ReplyAllowed(anyReply bool, tenant, reply string) bool {
+	if anyReply || mutant.On("reply-anywhere") {
 		return true
 	}
 	if strings.ContainsAny(reply, "*> \t\r\n") {
@@ -212,13 +256,13 @@ func truncate(s string, n int) string {
 
 // status is what tenant may know of target: one of its request ids, or a
 // build key.
-func (w *tenantAPI) status(ctx context.Context, tenant, target string) v1.StatusReply {
+func (w *Service) status(ctx context.Context, tenant, target string) v1.StatusReply {
 	if target == "" || len(target) > v1.MaxRequestIDLen {
 		return v1.StatusReply{Error: "send a build key (64 hex digits) or a request id"}
 	}
 	rep := v1.StatusReply{Key: target}
 	// A request id first: an id may look like a build key.
-	le, err := w.ledger.Get(ctx, tenant, target)
+	le, err := w.cfg.Ledger.Get(ctx, tenant, target)
 	switch {
 	case err != nil:
 		return v1.StatusReply{Error: err.Error()}
@@ -226,13 +270,13 @@ func (w *tenantAPI) status(ctx context.Context, tenant, target string) v1.Status
 		e := le.E
 		e.RequeueToken = "" // the worker's secret: it authenticates a requeue
 		rep.Request, rep.Key = &e, e.Key
-	case !IsBuildKey(target):
+	case !v1.IsBuildKey(target):
 		return v1.StatusReply{Error: fmt.Sprintf("no request %s of tenant %s is known (still queued, or older than the results' max age)", target, tenant)}
 	}
 	if rep.Key == "" {
 		return rep
 	}
-	rec, _, err := w.runs.Get(ctx, rep.Key)
+	rec, _, err := w.cfg.Runs.Get(ctx, rep.Key)
 	if err != nil {
 		return v1.StatusReply{Error: err.Error()}
 	}
@@ -252,7 +296,7 @@ func (w *tenantAPI) status(ctx context.Context, tenant, target string) v1.Status
 // build itself is stopped — its run ended as Canceled and its Job deleted
 // — only when no other request, of any tenant, still waits on it;
 // otherwise it goes on for them (a canceled owner hands its run over).
-func (w *tenantAPI) cancel(ctx context.Context, tenant, target string) v1.CancelReply {
+func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelReply {
 	if target == "" || len(target) > v1.MaxRequestIDLen {
 		return v1.CancelReply{Message: "send a build key (64 hex digits) or a request id"}
 	}
@@ -267,13 +311,13 @@ func (w *tenantAPI) cancel(ctx context.Context, tenant, target string) v1.Cancel
 		before []*ledger.Entry
 	)
 	// A request id first: an id may look like a build key.
-	byID, err := w.ledger.Get(ctx, tenant, target)
+	byID, err := w.cfg.Ledger.Get(ctx, tenant, target)
 	if err != nil {
 		return v1.CancelReply{Message: err.Error()}
 	}
-	if byID == nil && IsBuildKey(target) {
+	if byID == nil && v1.IsBuildKey(target) {
 		key = target
-		ws, err := w.ledger.Waiters(ctx, key)
+		ws, err := w.cfg.Ledger.Waiters(ctx, key)
 		if err != nil {
 			return v1.CancelReply{Key: key, Message: err.Error()}
 		}
@@ -292,27 +336,27 @@ func (w *tenantAPI) cancel(ctx context.Context, tenant, target string) v1.Cancel
 			return v1.CancelReply{Key: le.E.Key, Message: "the request already has its result: " + le.E.State}
 		}
 		key, mine = le.E.Key, []*ledger.Entry{le}
-		if before, err = w.ledger.Waiters(ctx, key); err != nil {
+		if before, err = w.cfg.Ledger.Waiters(ctx, key); err != nil {
 			return v1.CancelReply{Key: key, Message: err.Error()}
 		}
 	}
 	n := 0
 	for _, le := range mine {
-		ok, err := w.ledger.MarkCanceled(ctx, le)
+		ok, err := w.cfg.Ledger.MarkCanceled(ctx, le)
 		if err != nil {
 			return v1.CancelReply{Key: key, Requests: n, Canceled: n > 0, Message: err.Error()}
 		}
 		if ok {
 			n++
-			_ = w.nc.Publish(internalCancelSubject, []byte(ledger.Key(le.E.Tenant, le.E.RequestID)))
+			_ = w.cfg.NC.Publish(internalCancelSubject, []byte(ledger.Key(le.E.Tenant, le.E.RequestID)))
 		}
 	}
 	if n > 0 {
 		// Parked requests have no handler to tell: answer them here.
-		w.park.answerWaiters(ctx, key)
+		w.cfg.AnswerParked(ctx, key)
 	}
 	// Does anyone else still wait on the build?
-	ws, err := w.ledger.Waiters(ctx, key)
+	ws, err := w.cfg.Ledger.Waiters(ctx, key)
 	if err != nil {
 		return v1.CancelReply{Key: key, Requests: n, Canceled: n > 0, Message: err.Error()}
 	}
@@ -349,9 +393,9 @@ func (w *tenantAPI) cancel(ctx context.Context, tenant, target string) v1.Cancel
 // stopBuild ends key's current run as Canceled and deletes its Job, when
 // the run is still building and tenant may stop it (it canceled requests
 // waiting on it, or its own request claimed it).
-func (w *tenantAPI) stopBuild(ctx context.Context, tenant, key string, hadRequests bool) (bool, string) {
+func (w *Service) stopBuild(ctx context.Context, tenant, key string, hadRequests bool) (bool, string) {
 	for {
-		cur, rev, err := w.runs.Get(ctx, key)
+		cur, rev, err := w.cfg.Runs.Get(ctx, key)
 		switch {
 		case err != nil:
 			return false, err.Error()
@@ -364,7 +408,7 @@ func (w *tenantAPI) stopBuild(ctx context.Context, tenant, key string, hadReques
 		case cur.Final():
 			return false, "the build already finished: " + cur.State
 		}
-		ok, err := w.runs.EndAt(ctx, runs.Canceled(cur, w.cfg.Now()), rev)
+		ok, err := w.cfg.Runs.EndAt(ctx, runs.Canceled(cur, w.cfg.Now()), rev)
 		if err != nil {
 			return false, err.Error()
 		}
@@ -373,36 +417,10 @@ func (w *tenantAPI) stopBuild(ctx context.Context, tenant, key string, hadReques
 		}
 		// The owner notices at its next renewal; stop the build now so
 		// nothing is pushed after the cancel.
-		stop := func() error { return w.backend.Cleanup(ctx, key, cur.Run) }
-		if jj, ok := w.backend.(jobJanitor); ok && mutant.On("cancel-by-name") {
-			stop = func() error { return jj.DeleteJob(ctx, kaniko.JobName(key), "") }
+		if err := w.cfg.StopBuild(ctx, key, cur.Run); err != nil && !errors.Is(err, context.Canceled) {
+			w.cfg.Log.Warn("cancel: stopping the build failed", zap.String("key", key), zap.Error(err))
 		}
-		if err := stop(); err != nil && !errors.Is(err, context.Canceled) {
-			w.log.Warn("cancel: stopping the build failed", zap.String("key", key), zap.Error(err))
-		}
-		w.log.Info("build canceled", zap.String("key", key), zap.String("run", cur.Run))
+		w.cfg.Log.Info("build canceled", zap.String("key", key), zap.String("run", cur.Run))
 		return true, "stopped"
 	}
-}
-
-// waiterReg remembers whether a request was indexed as a waiter.
-type waiterReg struct {
-	once  sync.Once
-	added bool
-	// park, when set, lets the request park (park.go): the message it
-	// came in, for the waiter entry, and its ledger entry.
-	park *ledger.Waiter
-	le   *ledger.Entry
-}
-
-// add indexes the request as a waiter of key, once. A nil reg does
-// nothing (the request is indexed already).
-func (r *waiterReg) add(ctx context.Context, l *ledger.Ledger, key, tenant, id string) {
-	if r == nil {
-		return
-	}
-	r.once.Do(func() {
-		l.AddWaiter(ctx, key, tenant, id)
-		r.added = true
-	})
 }

@@ -1,4 +1,4 @@
-package worker
+package fairq
 
 // Fair queueing (docs/design.md §2d). Requests arrive on BUILDQ_REQUESTS,
 // the contract's work queue, and are admitted from it by intake: a cheap
@@ -45,15 +45,15 @@ func asRequest(m jetstream.Msg, queue jetstream.Stream) (*queuedMsg, error) {
 		return nil, err
 	}
 	h := m.Headers()
-	seq, err := strconv.ParseUint(h.Get(hdrIntakeSeq), 10, 64)
+	seq, err := strconv.ParseUint(h.Get(HdrIntakeSeq), 10, 64)
 	if err != nil {
 		return nil, fmt.Errorf("queued message %d has no intake sequence", qm.Sequence.Stream)
 	}
-	at, err := time.Parse(time.RFC3339Nano, h.Get(hdrIntakeTime))
+	at, err := time.Parse(time.RFC3339Nano, h.Get(HdrIntakeTime))
 	if err != nil {
 		return nil, fmt.Errorf("queued message %d has no intake time", qm.Sequence.Stream)
 	}
-	subj := h.Get(hdrIntakeSubject)
+	subj := h.Get(HdrIntakeSubject)
 	if subj == "" {
 		return nil, fmt.Errorf("queued message %d has no intake subject", qm.Sequence.Stream)
 	}
@@ -63,7 +63,7 @@ func asRequest(m jetstream.Msg, queue jetstream.Stream) (*queuedMsg, error) {
 			hdr[k] = vs
 		}
 	}
-	if id := h.Get(hdrIntakeMsgID); id != "" {
+	if id := h.Get(HdrIntakeMsgID); id != "" {
 		hdr.Set(v1.MsgIDHeader, id)
 	}
 	meta := *qm

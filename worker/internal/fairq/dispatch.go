@@ -1,4 +1,4 @@
-package worker
+package fairq
 
 // Fair queueing (docs/design.md §2d). Requests arrive on BUILDQ_REQUESTS,
 // the contract's work queue, and are admitted from it by intake: a cheap
@@ -30,7 +30,7 @@ import (
 
 // dispatcher fills this worker's free build slots from the queue.
 type dispatcher struct {
-	w *fairQueue
+	q *Queue
 
 	mu     sync.Mutex
 	view   map[string]map[string]uint64 // tenant → priority → queued
@@ -47,8 +47,8 @@ type dispatcher struct {
 	wake    chan struct{}
 }
 
-func newDispatcher(w *fairQueue) *dispatcher {
-	return &dispatcher{w: w, view: map[string]map[string]uint64{}, dry: map[string]bool{}, full: map[string]time.Time{}, running: map[string]int{},
+func newDispatcher(q *Queue) *dispatcher {
+	return &dispatcher{q: q, view: map[string]map[string]uint64{}, dry: map[string]bool{}, full: map[string]time.Time{}, running: map[string]int{},
 		vtime: map[string]float64{}, cons: map[string]jetstream.Consumer{}, wake: make(chan struct{}, 1)}
 }
 
@@ -79,9 +79,9 @@ func (d *dispatcher) woken(m *nats.Msg) {
 func (d *dispatcher) look(ctx context.Context) {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	info, err := d.w.queue.Info(ctx, jetstream.WithSubjectFilter(v1.QueuePrefix+".>"))
+	info, err := d.q.queue.Info(ctx, jetstream.WithSubjectFilter(v1.QueuePrefix+".>"))
 	if err != nil {
-		d.w.log.Debug("reading the queue failed", zap.Error(err))
+		d.q.log.Debug("reading the queue failed", zap.Error(err))
 		return
 	}
 	view := map[string]map[string]uint64{}
@@ -117,7 +117,7 @@ func (d *dispatcher) order() []string {
 			}
 		}
 	}
-	share := func(t string) float64 { return float64(d.running[t]) / float64(d.w.cfg.Fair.Weight(t)) }
+	share := func(t string) float64 { return float64(d.running[t]) / float64(d.q.cfg.Fair.Weight(t)) }
 	vt := func(t string) float64 {
 		if v, ok := d.vtime[t]; ok && v > d.vnow {
 			return v
@@ -146,7 +146,7 @@ func (d *dispatcher) started(tenant, prio string) {
 	d.running[tenant]++
 	v := max(d.vtime[tenant], d.vnow)
 	d.vnow = v
-	d.vtime[tenant] = v + 1/float64(d.w.cfg.Fair.Weight(tenant))
+	d.vtime[tenant] = v + 1/float64(d.q.cfg.Fair.Weight(tenant))
 	if n := d.view[tenant][prio]; n > 0 {
 		d.view[tenant][prio] = n - 1
 	}
@@ -162,15 +162,15 @@ func (d *dispatcher) finished(tenant string) {
 
 // consumer returns (creating it if needed) the consumer of tenant's prio.
 func (d *dispatcher) consumer(ctx context.Context, tenant, prio string) (jetstream.Consumer, error) {
-	name := dispatchConsumer(tenant, prio)
+	name := DispatchConsumer(tenant, prio)
 	// At least the AckWait every worker's heartbeats follow now:
 	// buildq-workers' as the server has it (workers with different
 	// --ack-wait share both). A dispatch consumer's AckWait is only ever
 	// raised, never lowered: a request taken under AckWait X is
 	// heartbeaten every X/3 for as long as it runs, which a lower AckWait
 	// set under it would outrun.
-	ackWait := d.w.cfg.AckWait
-	if a := time.Duration(d.w.ackWait.Load()); a > 0 {
+	ackWait := d.q.cfg.AckWait
+	if a := d.q.consumerAckWait(); a > 0 {
 		ackWait = a
 	}
 	d.mu.Lock()
@@ -180,17 +180,17 @@ func (d *dispatcher) consumer(ctx context.Context, tenant, prio string) (jetstre
 		return c, nil
 	}
 	// Another worker may have raised it further than this one knows.
-	if cur, err := d.w.js.Consumer(ctx, v1.QueueStream, name); err == nil && cur.CachedInfo().Config.AckWait >= ackWait {
+	if cur, err := d.q.js.Consumer(ctx, v1.QueueStream, name); err == nil && cur.CachedInfo().Config.AckWait >= ackWait {
 		c = cur
 	} else {
 		var err error
-		c, err = d.w.js.CreateOrUpdateConsumer(ctx, v1.QueueStream, jetstream.ConsumerConfig{
+		c, err = d.q.js.CreateOrUpdateConsumer(ctx, v1.QueueStream, jetstream.ConsumerConfig{
 			Durable:       name,
 			Description:   "buildq dispatch: tenant " + tenant + ", priority " + prio,
 			AckPolicy:     jetstream.AckExplicitPolicy,
 			AckWait:       ackWait,
 			MaxDeliver:    -1,
-			FilterSubject: queueSubject(tenant, prio),
+			FilterSubject: QueueSubject(tenant, prio),
 		})
 		if err != nil {
 			return nil, err
@@ -204,7 +204,7 @@ func (d *dispatcher) consumer(ctx context.Context, tenant, prio string) (jetstre
 
 func (d *dispatcher) forget(tenant, prio string) {
 	d.mu.Lock()
-	delete(d.cons, dispatchConsumer(tenant, prio))
+	delete(d.cons, DispatchConsumer(tenant, prio))
 	d.mu.Unlock()
 }
 
@@ -236,10 +236,10 @@ func (d *dispatcher) next(ctx context.Context, n int) ([]*taken, bool) {
 		order := d.order()
 		total := 0
 		for _, t := range order {
-			total += d.w.cfg.Fair.Weight(t)
+			total += d.q.cfg.Fair.Weight(t)
 		}
 		for _, t := range order {
-			share := max(1, n*d.w.cfg.Fair.Weight(t)/max(total, 1))
+			share := max(1, n*d.q.cfg.Fair.Weight(t)/max(total, 1))
 			if tks := d.tryTenant(ctx, t, share); len(tks) > 0 {
 				return tks, true
 			}
@@ -262,9 +262,9 @@ func (d *dispatcher) next(ctx context.Context, n int) ([]*taken, bool) {
 // full.
 func (d *dispatcher) tryTenant(ctx context.Context, tenant string, n int) []*taken {
 	var s *slot
-	if limit := d.w.cfg.Fair.ConcurrencyOf(tenant); limit > 0 && !mutant.On("ignore-concurrency") {
+	if limit := d.q.cfg.Fair.ConcurrencyOf(tenant); limit > 0 && !mutant.On("ignore-concurrency") {
 		var ok bool
-		if s, ok = d.w.acquireSlot(ctx, tenant, limit); !ok {
+		if s, ok = d.q.acquireSlot(ctx, tenant, limit); !ok {
 			// At its limit: it waits, nothing is fetched, and its slots
 			// are not scanned again until one is freed (announced) or a
 			// holder could have lapsed.
@@ -294,7 +294,7 @@ func (d *dispatcher) tryTenant(ctx context.Context, tenant string, n int) []*tak
 		}
 		c, err := d.consumer(ctx, tenant, p)
 		if err != nil {
-			d.w.log.Warn("creating a dispatch consumer failed", zap.String("tenant", tenant), zap.String("priority", p), zap.Error(err))
+			d.q.log.Warn("creating a dispatch consumer failed", zap.String("tenant", tenant), zap.String("priority", p), zap.Error(err))
 			continue
 		}
 		want := n - len(out)
@@ -332,7 +332,7 @@ func (d *dispatcher) tryTenant(ctx context.Context, tenant string, n int) []*tak
 			// Unrecorded, the slot would not be kept for the request
 			// were this worker to die while its build runs: it is not
 			// run now, and goes back at once.
-			d.w.log.Warn("recording a request in its concurrency slot failed; handing it back", zap.String("tenant", tenant), zap.Error(err))
+			d.q.log.Warn("recording a request in its concurrency slot failed; handing it back", zap.String("tenant", tenant), zap.Error(err))
 			_ = tk.msg.Nak()
 			s.release()
 			d.markFull(tenant)
@@ -359,8 +359,8 @@ func (d *dispatcher) tryTenant(ctx context.Context, tenant string, n int) []*tak
 func (d *dispatcher) takeReserved(ctx context.Context, tenant string, s *slot) []*taken {
 	want := s.reservedFor
 	p, ok := v1.PriorityOf(strings.TrimPrefix(want.Subject, v1.QueuePrefix+"."+tenant+"."))
-	if !ok || queueSubject(tenant, p) != want.Subject {
-		d.markFull(tenant) // not its queue: only keepSlots frees it, when its request is finished
+	if !ok || QueueSubject(tenant, p) != want.Subject {
+		d.markFull(tenant) // not its queue: only KeepSlots frees it, when its request is finished
 		return nil
 	}
 	c, err := d.consumer(ctx, tenant, p)
@@ -369,7 +369,7 @@ func (d *dispatcher) takeReserved(ctx context.Context, tenant string, s *slot) [
 		return nil
 	}
 	ackWait := c.CachedInfo().Config.AckWait
-	if (!want.HandedBack && s.watched < ackWait+want.lease(d.w.cfg.Lease)/2) ||
+	if (!want.HandedBack && s.watched < ackWait+want.lease(d.q.cfg.Lease)/2) ||
 		(want.HandedBack && s.watched < time.Duration(want.RetryMs)*time.Millisecond) {
 		d.markFull(tenant)
 		return nil
@@ -408,7 +408,7 @@ func (d *dispatcher) takeReserved(ctx context.Context, tenant string, s *slot) [
 // a freed slot is announced).
 func (d *dispatcher) markFull(tenant string) {
 	d.mu.Lock()
-	d.full[tenant] = time.Now().Add(d.w.cfg.Lease / 3)
+	d.full[tenant] = time.Now().Add(d.q.cfg.Lease / 3)
 	d.mu.Unlock()
 }
 
@@ -420,25 +420,25 @@ func (d *dispatcher) markDry(tenant string) {
 
 // dispatchLoop runs requests from the queue on this worker's free slots
 // until ctx ends.
-func (w *fairQueue) dispatchLoop(ctx, workCtx context.Context, wg *sync.WaitGroup) {
-	d := newDispatcher(w)
-	sub, err := w.nc.Subscribe(wakeSubject, d.woken)
+func (q *Queue) dispatchLoop(ctx, workCtx context.Context, wg *sync.WaitGroup) {
+	d := newDispatcher(q)
+	sub, err := q.nc.Subscribe(wakeSubject, d.woken)
 	if err != nil {
-		w.log.Warn("subscribing to queue announcements failed; the queue is polled", zap.Error(err))
+		q.log.Warn("subscribing to queue announcements failed; the queue is polled", zap.Error(err))
 	} else {
 		defer func() { _ = sub.Unsubscribe() }()
 	}
 	for {
 		select {
-		case w.sem <- struct{}{}:
+		case q.sem <- struct{}{}:
 		case <-ctx.Done():
 			return
 		}
 		n := 1
 	more:
-		for n < cap(w.sem) {
+		for n < cap(q.sem) {
 			select {
-			case w.sem <- struct{}{}:
+			case q.sem <- struct{}{}:
 				n++
 			default:
 				break more
@@ -446,57 +446,57 @@ func (w *fairQueue) dispatchLoop(ctx, workCtx context.Context, wg *sync.WaitGrou
 		}
 		tks, ok := d.next(ctx, n)
 		if !ok {
-			w.release(n)
+			q.release(n)
 			return
 		}
-		w.release(n - len(tks))
+		q.release(n - len(tks))
 		for _, tk := range tks {
 			d.started(tk.tenant, tk.prio)
 			wg.Add(1)
-			go w.dispatched(ctx, workCtx, wg, d, tk)
+			go q.dispatched(ctx, workCtx, wg, d, tk)
 		}
 	}
 }
 
 // dispatched runs one request taken from the queue on its slot.
-func (w *fairQueue) dispatched(ctx, workCtx context.Context, wg *sync.WaitGroup, d *dispatcher, tk *taken) {
+func (q *Queue) dispatched(ctx, workCtx context.Context, wg *sync.WaitGroup, d *dispatcher, tk *taken) {
 	defer wg.Done()
-	defer w.release(1)
+	defer q.release(1)
 	defer d.finished(tk.tenant)
-	w.cfg.Metrics.taken()
-	defer w.cfg.Metrics.released()
-	m, err := asRequest(tk.msg, w.queue)
+	q.cfg.Metrics.Taken()
+	defer q.cfg.Metrics.Released()
+	m, err := asRequest(tk.msg, q.queue)
 	if err != nil {
 		// Not put there by intake (only possible without NATS
 		// permissions): nothing to answer it with.
-		w.log.Error("dropping a queued message that did not come through intake", zap.Error(err))
+		q.log.Error("dropping a queued message that did not come through intake", zap.Error(err))
 		if meta, merr := tk.msg.Metadata(); merr == nil {
-			_ = w.queue.DeleteMsg(context.WithoutCancel(ctx), meta.Sequence.Stream)
+			_ = q.queue.DeleteMsg(context.WithoutCancel(ctx), meta.Sequence.Stream)
 		}
 		_ = tk.msg.Term()
 		tk.slot.release()
 		return
 	}
-	act := w.handle(workCtx, incoming{msg: m, ackWait: tk.ackWait})
-	if act.kind == retry || act.kind == later {
+	act := q.handle(workCtx, Incoming{Msg: m, AckWait: tk.ackWait})
+	if act.Kind == Retry || act.Kind == Later {
 		// Retried after transient trouble (or a wait for another
 		// worker's publish): the run it let go may have a Job running
 		// on, which its retry takes over. The slot is kept for it.
-		tk.slot.handBack(queueSubject(tk.tenant, tk.prio), m.qseq, max(act.delay, time.Millisecond))
+		tk.slot.handBack(QueueSubject(tk.tenant, tk.prio), m.qseq, max(act.Delay, time.Millisecond))
 		return
 	}
-	if act.kind != handBack {
+	if act.Kind != HandBack {
 		tk.slot.release()
 		return
 	}
 	if ctx.Err() != nil {
 		// Stopping: the request's build goes on and another worker
 		// takes the request on; the slot goes with it.
-		tk.slot.handBack(queueSubject(tk.tenant, tk.prio), m.qseq, 0)
+		tk.slot.handBack(QueueSubject(tk.tenant, tk.prio), m.qseq, 0)
 	} else {
 		tk.slot.release()
 	}
 	// Other workers' dispatchers take the handed-back request now, not
 	// at their next look at the queue.
-	_ = w.nc.Publish(wakeSubject, []byte(tk.tenant+" "+tk.prio))
+	_ = q.nc.Publish(wakeSubject, []byte(tk.tenant+" "+tk.prio))
 }

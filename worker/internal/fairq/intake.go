@@ -1,4 +1,4 @@
-package worker
+package fairq
 
 // Fair queueing (docs/design.md §2d). Requests arrive on BUILDQ_REQUESTS,
 // the contract's work queue, and are admitted from it by intake: a cheap
@@ -30,7 +30,7 @@ import (
 // ---- intake ----
 
 // intakeLoop admits requests from buildq-workers until ctx ends.
-func (w *fairQueue) intakeLoop(ctx, workCtx context.Context, wg *sync.WaitGroup) {
+func (q *Queue) intakeLoop(ctx, workCtx context.Context, wg *sync.WaitGroup) {
 	sem := make(chan struct{}, intakeConcurrency)
 	backoff := 100 * time.Millisecond
 	for ctx.Err() == nil {
@@ -50,7 +50,7 @@ func (w *fairQueue) intakeLoop(ctx, workCtx context.Context, wg *sync.WaitGroup)
 			}
 		}
 		fctx, cancel := context.WithTimeout(ctx, fetchWait)
-		batch, err := w.cons.Fetch(n, jetstream.FetchContext(fctx))
+		batch, err := q.intake.Fetch(n, jetstream.FetchContext(fctx))
 		if err != nil {
 			cancel()
 			for range n {
@@ -59,7 +59,7 @@ func (w *fairQueue) intakeLoop(ctx, workCtx context.Context, wg *sync.WaitGroup)
 			if ctx.Err() != nil {
 				return
 			}
-			w.log.Warn("fetch of new requests failed; retrying", zap.Error(err), zap.Duration("backoff", backoff))
+			q.log.Warn("fetch of new requests failed; retrying", zap.Error(err), zap.Duration("backoff", backoff))
 			select {
 			case <-time.After(backoff):
 			case <-ctx.Done():
@@ -75,7 +75,7 @@ func (w *fairQueue) intakeLoop(ctx, workCtx context.Context, wg *sync.WaitGroup)
 			go func() {
 				defer wg.Done()
 				defer func() { <-sem }()
-				w.admit(workCtx, msg)
+				q.admit(workCtx, msg)
 			}()
 		}
 		cancel()
@@ -85,7 +85,7 @@ func (w *fairQueue) intakeLoop(ctx, workCtx context.Context, wg *sync.WaitGroup)
 		if err := batch.Error(); err == nil || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) || errors.Is(err, nats.ErrTimeout) {
 			backoff = 100 * time.Millisecond
 		} else if ctx.Err() == nil {
-			w.log.Warn("fetch of new requests ended with an error", zap.Error(err))
+			q.log.Warn("fetch of new requests ended with an error", zap.Error(err))
 		}
 	}
 }
@@ -99,17 +99,17 @@ type intakeView struct {
 
 // admit moves one request from BUILDQ_REQUESTS to its tenant's queue, or
 // refuses it over the tenant's queue-length limit.
-func (w *fairQueue) admit(ctx context.Context, msg jetstream.Msg) {
+func (q *Queue) admit(ctx context.Context, msg jetstream.Msg) {
 	meta, err := msg.Metadata()
 	if err != nil {
-		w.log.Error("message without JetStream metadata; terminating it", zap.Error(err))
+		q.log.Error("message without JetStream metadata; terminating it", zap.Error(err))
 		_ = msg.TermWithReason("no metadata")
 		return
 	}
-	log := w.log.With(zap.Uint64("seq", meta.Sequence.Stream))
+	log := q.log.With(zap.Uint64("seq", meta.Sequence.Stream))
 	if len(msg.Data()) > v1.MaxRequestBytes {
 		// Refused as too large where it is: nothing worth queueing.
-		w.handle(ctx, incoming{msg: msg})
+		q.handle(ctx, Incoming{Msg: msg})
 		return
 	}
 	tenant := invalidTenant
@@ -125,7 +125,7 @@ func (w *fairQueue) admit(ctx context.Context, msg jetstream.Msg) {
 	if n := headerBytes(msg.Headers()); n > maxRequestHeaderBytes {
 		// The queue's copy adds headers: a block near JetStream's 64 KiB
 		// limit would be refused there on every try, holding intake.
-		w.handle(ctx, incoming{msg: msg, refused: &refusal{v1.ReasonInvalidRequest, fmt.Sprintf(
+		q.handle(ctx, Incoming{Msg: msg, Refused: &Refusal{v1.ReasonInvalidRequest, fmt.Sprintf(
 			"the request's headers are %d bytes, more than the %d allowed", n, maxRequestHeaderBytes)}})
 		return
 	}
@@ -135,8 +135,8 @@ func (w *fairQueue) admit(ctx context.Context, msg jetstream.Msg) {
 	// request handed back by a stopping worker in the middle of its
 	// admission is admitted unchecked. Within a worker, a tenant's checks
 	// and admissions go one at a time, so a burst cannot pass the limit.
-	if limit := w.cfg.Fair.QueueLimitOf(tenant); limit > 0 && tenant != invalidTenant && meta.NumDelivered == 1 {
-		mu := w.admitLock(tenant)
+	if limit := q.cfg.Fair.QueueLimitOf(tenant); limit > 0 && tenant != invalidTenant && meta.NumDelivered == 1 {
+		mu := q.admitLock(tenant)
 		mu.Lock()
 		locked := true
 		defer func() {
@@ -144,7 +144,7 @@ func (w *fairQueue) admit(ctx context.Context, msg jetstream.Msg) {
 				mu.Unlock()
 			}
 		}()
-		n, err := w.queuedOf(actx, tenant)
+		n, err := q.queuedOf(actx, tenant)
 		if err != nil {
 			log.Warn("counting the tenant's queue failed; retrying the request", zap.Error(err))
 			_ = msg.NakWithDelay(time.Second)
@@ -155,7 +155,7 @@ func (w *fairQueue) admit(ctx context.Context, msg jetstream.Msg) {
 			// is never refused for the queue its own wait is part of.
 			// Whether it is one is unknown while its ledger entry cannot
 			// be read: it is retried then, not refused.
-			rq, err := w.ledger.ByRequeueToken(actx, tenant, view.RequestID, msg.Headers().Get(ledger.RequeueTokenHeader))
+			rq, err := q.cfg.Ledger.ByRequeueToken(actx, tenant, view.RequestID, msg.Headers().Get(ledger.RequeueTokenHeader))
 			if err != nil {
 				log.Warn("reading the ledger for a requeue token failed; retrying the request", zap.Error(err))
 				_ = msg.NakWithDelay(time.Second)
@@ -166,13 +166,13 @@ func (w *fairQueue) admit(ctx context.Context, msg jetstream.Msg) {
 				// need not wait for it.
 				mu.Unlock()
 				locked = false
-				w.refuse(ctx, msg, refusal{v1.ReasonQuotaExceeded, fmt.Sprintf(
+				q.refuse(ctx, msg, Refusal{v1.ReasonQuotaExceeded, fmt.Sprintf(
 					"tenant %s already has %d requests queued, its limit is %d; submit again when some have finished", tenant, n, limit)})
 				return
 			}
 		}
 	}
-	out := nats.NewMsg(queueSubject(tenant, prio))
+	out := nats.NewMsg(QueueSubject(tenant, prio))
 	out.Data = msg.Data()
 	for k, vs := range msg.Headers() {
 		// Nats-* headers are JetStream's publish controls (expected
@@ -183,30 +183,30 @@ func (w *fairQueue) admit(ctx context.Context, msg jetstream.Msg) {
 		}
 		out.Header[k] = vs
 	}
-	out.Header.Set(hdrIntakeSubject, msg.Subject())
-	out.Header.Set(hdrIntakeSeq, strconv.FormatUint(meta.Sequence.Stream, 10))
-	out.Header.Set(hdrIntakeTime, meta.Timestamp.UTC().Format(time.RFC3339Nano))
+	out.Header.Set(HdrIntakeSubject, msg.Subject())
+	out.Header.Set(HdrIntakeSeq, strconv.FormatUint(meta.Sequence.Stream, 10))
+	out.Header.Set(HdrIntakeTime, meta.Timestamp.UTC().Format(time.RFC3339Nano))
 	if id := msg.Headers().Get(v1.MsgIDHeader); id != "" {
-		out.Header.Set(hdrIntakeMsgID, id)
+		out.Header.Set(HdrIntakeMsgID, id)
 	}
 	// The intake message's sequence and time name it: a redelivery after a
 	// lost ack is dropped by the queue's duplicate window.
 	qid := fmt.Sprintf("intake-%d-%d", meta.Sequence.Stream, meta.Timestamp.UnixNano())
-	if _, err := w.js.PublishMsg(actx, out, jetstream.WithMsgID(qid)); err != nil {
+	if _, err := q.js.PublishMsg(actx, out, jetstream.WithMsgID(qid)); err != nil {
 		var apiErr *jetstream.APIError
-		if errors.As(err, &apiErr) && int(meta.NumDelivered) >= w.cfg.MaxDeliver {
+		if errors.As(err, &apiErr) && int(meta.NumDelivered) >= q.cfg.MaxDeliver {
 			// The server refuses this message every time: answer it
 			// rather than hold it (and an intake slot) forever.
 			log.Error("the queue refuses the request; failing it", zap.Error(err))
-			w.handle(ctx, incoming{msg: msg, refused: &refusal{v1.ReasonInfrastructureError,
+			q.handle(ctx, Incoming{Msg: msg, Refused: &Refusal{v1.ReasonInfrastructureError,
 				"the request could not be queued: " + err.Error()}})
 			return
 		}
 		log.Warn("admitting the request failed; retrying it", zap.Error(err))
-		_ = msg.NakWithDelay(retryDelay(meta.NumDelivered))
+		_ = msg.NakWithDelay(ledger.RetryDelay(nil, meta.NumDelivered))
 		return
 	}
-	_ = w.nc.Publish(wakeSubject, []byte(tenant+" "+prio))
+	_ = q.nc.Publish(wakeSubject, []byte(tenant+" "+prio))
 	if err := msg.DoubleAck(actx); err != nil {
 		log.Warn("ack of an admitted request failed; its redelivery is dropped as a duplicate", zap.Error(err))
 	}
@@ -220,31 +220,31 @@ func (w *fairQueue) admit(ctx context.Context, msg jetstream.Msg) {
 // its redelivery would be admitted unchecked. It is retried here, holding
 // the message (heartbeaten), with the handler's delays; only a worker that
 // stops meanwhile, or --max-deliver tries that all failed, hands it back.
-func (w *fairQueue) refuse(ctx context.Context, msg jetstream.Msg, r refusal) {
-	in := incoming{msg: msg, refused: &r}
+func (q *Queue) refuse(ctx context.Context, msg jetstream.Msg, r Refusal) {
+	in := Incoming{Msg: msg, Refused: &r}
 	for try := 1; ; try++ {
-		act := w.decide(ctx, in)
-		if act.kind != retry && act.kind != later {
-			w.apply(msg, act)
-			if act.after != nil {
-				act.after()
+		act := q.h.Decide(ctx, in)
+		if act.Kind != Retry && act.Kind != Later {
+			q.h.Apply(msg, act)
+			if act.After != nil {
+				act.After()
 			}
 			return
 		}
-		if try >= w.cfg.MaxDeliver {
-			w.apply(msg, act)
+		if try >= q.cfg.MaxDeliver {
+			q.h.Apply(msg, act)
 			return
 		}
-		w.log.Warn("the refusal of a request over its tenant's queue limit is not settled; retrying it in place",
-			zap.String("subject", msg.Subject()), zap.Duration("delay", act.delay))
-		stop := w.heartbeat(msg, 0)
+		q.log.Warn("the refusal of a request over its tenant's queue limit is not settled; retrying it in place",
+			zap.String("subject", msg.Subject()), zap.Duration("delay", act.Delay))
+		stop := q.h.Heartbeat(msg, 0)
 		select {
-		case <-time.After(act.delay):
+		case <-time.After(act.Delay):
 		case <-ctx.Done():
 		}
 		stop()
 		if ctx.Err() != nil {
-			w.apply(msg, action{kind: handBack})
+			q.h.Apply(msg, Action{Kind: HandBack})
 			return
 		}
 	}
@@ -266,14 +266,14 @@ func headerBytes(h nats.Header) int {
 }
 
 // admitLock is the lock of tenant's queue-limit checks in this worker.
-func (w *fairQueue) admitLock(tenant string) *sync.Mutex {
-	mu, _ := w.admitMu.LoadOrStore(tenant, &sync.Mutex{})
+func (q *Queue) admitLock(tenant string) *sync.Mutex {
+	mu, _ := q.admitMu.LoadOrStore(tenant, &sync.Mutex{})
 	return mu.(*sync.Mutex)
 }
 
 // queuedOf counts tenant's admitted, unfinished requests.
-func (w *fairQueue) queuedOf(ctx context.Context, tenant string) (uint64, error) {
-	info, err := w.queue.Info(ctx, jetstream.WithSubjectFilter(v1.QueuePrefix+"."+tenant+".>"))
+func (q *Queue) queuedOf(ctx context.Context, tenant string) (uint64, error) {
+	info, err := q.queue.Info(ctx, jetstream.WithSubjectFilter(v1.QueuePrefix+"."+tenant+".>"))
 	if err != nil {
 		return 0, err
 	}
