@@ -1,0 +1,138 @@
+package fairq
+
+import (
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	v1 "github.com/buildq/buildq/api/v1"
+)
+
+func newTestDispatcher(fair Config) *dispatcher {
+	return newDispatcher(&Queue{cfg: Options{Fair: fair, Lease: 30 * time.Second}})
+}
+
+// queued gives tenants work waiting at normal priority.
+func (d *dispatcher) queued(tenants ...string) {
+	for _, t := range tenants {
+		d.view[t] = map[string]uint64{v1.PriorityNormal: 1000}
+	}
+}
+
+// pick starts a request of the first tenant in fair order, as the
+// dispatch loop does, and returns the tenant.
+func (d *dispatcher) pick(t *testing.T) string {
+	t.Helper()
+	order := d.order()
+	if len(order) == 0 {
+		t.Fatal("no tenant in order")
+	}
+	d.started(order[0], v1.PriorityNormal)
+	return order[0]
+}
+
+func TestOrderGivesSlotsInProportionToWeight(t *testing.T) {
+	d := newTestDispatcher(Config{Weights: map[string]int{"heavy": 2}})
+	d.queued("heavy", "light")
+	n := map[string]int{}
+	for range 30 {
+		n[d.pick(t)]++ // all still running
+	}
+	if n["heavy"] != 20 || n["light"] != 10 {
+		t.Fatalf("running after 30 picks = %v, want heavy 20 and light 10 (weights 2:1)", n)
+	}
+}
+
+func TestOrderPutsTheTenantWithFewestRunningPerWeightFirst(t *testing.T) {
+	d := newTestDispatcher(Config{Weights: map[string]int{"b": 4}})
+	d.queued("a", "b", "c")
+	d.running["a"] = 1 // share 1
+	d.running["b"] = 2 // share 0.5
+	// c: share 0
+	if got := d.order(); !slices.Equal(got, []string{"c", "b", "a"}) {
+		t.Fatalf("order = %v, want [c b a]", got)
+	}
+	d.finished("a")
+	if _, ok := d.running["a"]; ok {
+		t.Fatal("finished left a tenant with nothing running in the count")
+	}
+	if got := d.order(); got[2] == "a" {
+		t.Fatalf("order after a's finish = %v, want a ahead of b", got)
+	}
+}
+
+// Requests that finish at once leave every share at zero: the tenants
+// then take turns, and one that was idle gets no backlog of turns for
+// the time it had no work.
+func TestOrderTakesTurnsAndBanksNoCreditForIdleTime(t *testing.T) {
+	d := newTestDispatcher(Config{})
+	d.queued("busy")
+	for range 10 {
+		d.finished(d.pick(t))
+	}
+	d.queued("idle")
+	n := map[string]int{}
+	for range 10 {
+		tenant := d.pick(t)
+		d.finished(tenant)
+		n[tenant]++
+	}
+	if n["idle"] > 6 || n["busy"] < 4 {
+		t.Fatalf("turns after the idle tenant came = %v, want about even (no catch-up for its idle time)", n)
+	}
+}
+
+func TestOrderSkipsTenantsWithoutWorkDryOrFull(t *testing.T) {
+	d := newTestDispatcher(Config{})
+	d.queued("a", "b", "c", "d")
+	d.view["d"][v1.PriorityNormal] = 0
+	d.markDry("b")
+	d.markFull("c")
+	if got := d.order(); !slices.Equal(got, []string{"a"}) {
+		t.Fatalf("order = %v, want [a]: b fetched nothing, c is at its limit, d has no work", got)
+	}
+	// A full tenant is skipped for a third of the lease only.
+	d.full["c"] = time.Now().Add(-time.Millisecond)
+	if got := d.order(); !slices.Equal(got, []string{"a", "c"}) {
+		t.Fatalf("order once c's skip ran out = %v, want [a c]", got)
+	}
+}
+
+func TestAnnouncementsAddWorkAndClearDryAndFull(t *testing.T) {
+	d := newTestDispatcher(Config{})
+	d.markDry("a")
+	d.markFull("b")
+	d.woken(&nats.Msg{Data: []byte("a " + v1.PriorityHigh)})
+	if d.view["a"][v1.PriorityHigh] != 1 || d.dry["a"] {
+		t.Fatalf("after a's admission: view %v, dry %v", d.view, d.dry)
+	}
+	// A freed slot: the tenant is looked at again; no work is added.
+	d.woken(&nats.Msg{Data: []byte("b")})
+	if _, full := d.full["b"]; full || len(d.view["b"]) != 0 {
+		t.Fatalf("after b's freed slot: full %v, view %v", d.full, d.view)
+	}
+	select {
+	case <-d.wake:
+	default:
+		t.Fatal("an announcement did not wake the dispatcher")
+	}
+	// Garbage is ignored.
+	for _, m := range []string{"a bogus", "", " high"} {
+		d.woken(&nats.Msg{Data: []byte(m)})
+	}
+	if d.view["a"][v1.PriorityHigh] != 1 || len(d.view) != 1 {
+		t.Fatalf("garbage announcements changed the view: %v", d.view)
+	}
+}
+
+func TestStartedCountsTheRequestOutOfTheView(t *testing.T) {
+	d := newTestDispatcher(Config{})
+	d.view["a"] = map[string]uint64{v1.PriorityHigh: 1}
+	d.started("a", v1.PriorityHigh)
+	d.started("a", v1.PriorityHigh) // more than the view knew of: no underflow
+	if d.view["a"][v1.PriorityHigh] != 0 || d.running["a"] != 2 {
+		t.Fatalf("view %v, running %v", d.view, d.running)
+	}
+}
