@@ -38,9 +38,6 @@ type builder struct {
 // (a redelivery) while this one was still at work.
 var errAnswered = errors.New("the request was answered by another handler")
 
-// errLostClaim cancels a build whose claim another party changed.
-var errLostClaim = errors.New("build claim taken over by another worker")
-
 // build gets the final record for key, walking the state machine of
 // claim.go: from the index (cache), by joining the run in flight, or by
 // claiming the key (or taking a lapsed run over) and running the build.

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -23,78 +22,27 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 	if claim.RequestID == req.RequestID && claim.Seq == seq {
 		origin = v1.OriginBuild
 	}
-	runCtx, cancelRun := context.WithCancelCause(ctx)
-	defer cancelRun(nil)
-
-	var mu sync.Mutex // guards claim and rev against the renewer
-	renewDone := make(chan struct{})
-	renewStopped := make(chan struct{})
-	go func() {
-		defer close(renewStopped)
-		t := time.NewTicker(w.cfg.Lease / 3)
-		defer t.Stop()
-		for {
-			select {
-			case <-t.C:
-				if w.faults != nil && w.faults.beforeRenew != nil {
-					w.faults.beforeRenew(claim.Key)
-				}
-				mu.Lock()
-				c, crev := runs.Renewed(claim, w.cfg.Now(), w.cfg.Lease), rev
-				mu.Unlock()
-				nrev, ok, err := w.runs.Renew(runCtx, c, crev)
-				if !ok && err == nil {
-					// Someone wrote the record — or our own earlier write
-					// landed although its reply was lost. Only another run
-					// or another owner means the claim is lost.
-					cur, rrev, gerr := w.runs.Get(runCtx, c.Key)
-					if gerr == nil && cur != nil && cur.Run == c.Run && cur.Owner == w.cfg.ID && !cur.Final() {
-						nrev, ok = rrev, true
-					}
-				}
-				switch {
-				case err != nil:
-					w.log.Warn("lease renewal failed", zap.String("key", c.Key), zap.Error(err))
-				case !ok:
-					cancelRun(errLostClaim)
-					return
-				default:
-					mu.Lock()
-					claim.LeaseUntil, rev = c.LeaseUntil, nrev
-					mu.Unlock()
-				}
-			case <-renewDone:
-				return
-			case <-runCtx.Done():
-				return
-			}
+	beforeRenew := func(key string) {
+		if w.faults != nil && w.faults.beforeRenew != nil {
+			w.faults.beforeRenew(key)
 		}
-	}()
-	var stopOnce sync.Once
-	stopRenew := func() { stopOnce.Do(func() { close(renewDone); <-renewStopped }) }
-	defer stopRenew() // also when the backend panics
-
-	current := func(ctx context.Context) bool {
-		cur, _, err := w.runs.Get(ctx, claim.Key)
-		return err == nil && cur != nil && cur.Run == claim.Run && !cur.Final()
 	}
+	// The renewer, the re-check once the Job is started and Current are
+	// the run's looks at its record (runs.Hold).
+	hold, runCtx := w.runs.Hold(ctx, claim, rev, runs.HoldOptions{Owner: w.cfg.ID, Lease: w.cfg.Lease, Now: w.cfg.Now, Log: w.log, BeforeRenew: beforeRenew})
+	defer hold.Close() // also when the backend panics
 	defer func() {
 		// A backend that panics leaves the run to the next worker at once
 		// instead of after a lapse; the panic goes on to the handler.
 		if p := recover(); p != nil {
-			mu.Lock()
-			held, heldRev := *claim, rev
-			mu.Unlock()
+			held, heldRev := hold.Held()
 			w.releaseClaim(ctx, &held, heldRev)
 			panic(p)
 		}
 	}()
 	w.cfg.Metrics.buildStarted(claim.Tenant)
 	defer w.cfg.Metrics.buildEnded(claim.Tenant)
-	out, err := w.backend.Run(runCtx, Build{Request: runRequest(req, claim), Key: claim.Key, Run: claim.Run, Destinations: claim.Destinations, Current: current}, func(job string, created bool, _ string) {
-		mu.Lock()
-		claim.Job = job
-		mu.Unlock()
+	out, err := w.backend.Run(runCtx, Build{Request: runRequest(req, claim), Key: claim.Key, Run: claim.Run, Destinations: claim.Destinations, Current: hold.Current}, func(job string, created bool, _ string) {
 		msg := "created job " + job
 		phase := v1.PhaseJobCreated
 		if !created {
@@ -102,17 +50,9 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 			phase = v1.PhaseRunning
 		}
 		w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: claim.Key, Phase: phase, Job: job, Message: msg})
-		// A cancel that came while the Job was being created found nothing
-		// to delete: look at the claim once now rather than at the next
-		// renewal, so the build stops before it can push.
-		if cur, _, err := w.runs.Get(runCtx, claim.Key); err == nil && cur != nil && (cur.Final() || cur.Run != claim.Run || cur.Owner != w.cfg.ID) {
-			cancelRun(errLostClaim)
-		}
+		hold.Started(runCtx, job)
 	})
-	stopRenew()
-	mu.Lock()
-	held, heldRev := *claim, rev
-	mu.Unlock()
+	held, heldRev := hold.Stop()
 
 	if err != nil {
 		if ctx.Err() == nil {
@@ -125,7 +65,7 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 				// a retry that would undo a cancel.
 				return cur, origin, true, nil
 			}
-			if errors.Is(err, errNotCurrent) || errors.Is(context.Cause(runCtx), errLostClaim) || (gerr == nil && cur != nil && (cur.Final() || cur.Run != held.Run || cur.Owner != w.cfg.ID)) {
+			if errors.Is(err, errNotCurrent) || errors.Is(context.Cause(runCtx), runs.ErrLostClaim) || (gerr == nil && cur != nil && (cur.Final() || cur.Run != held.Run || cur.Owner != w.cfg.ID)) {
 				w.log.Info("the build claim changed hands; following the record", zap.String("key", held.Key), zap.String("run", held.Run))
 				// With the request's own repository, not the run's: a run
 				// taken over is its claimer's, and a new run claimed from
