@@ -5,10 +5,10 @@ package worker
 // P9 of docs/benchmarks.md (`make bench-scale`): toward internet scale,
 // simulated. Many requests over fewer keys, several worker processes, one
 // NATS server and then a 3-node JetStream cluster; each worker process has
-// a fake API server and an emulated kubelet. It checks that every request
-// is answered once and every key built once, and measures throughput over
-// time, the NATS store, the buckets' growth, and the processes' memory and
-// CPU.
+// the test world's API server and node (world_test.go). It checks that
+// every request is answered once and every key built once, and measures
+// throughput over time, the NATS store, the buckets' growth, and the
+// processes' memory and CPU.
 //
 // The processes are this test binary run again: TestBenchScaleNATS runs one
 // nats-server node and TestBenchScaleWorker one worker, each told what to
@@ -27,22 +27,11 @@ package worker
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/json"
-	"encoding/pem"
 	"fmt"
-	"io"
 	"io/fs"
-	"log"
-	"math/big"
+	"maps"
 	"net"
-	"net/http"
-	"net/http/httptest"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -57,8 +46,6 @@ import (
 	"testing"
 	"time"
 
-	ggcrregistry "github.com/google/go-containerregistry/pkg/registry"
-	"github.com/google/go-containerregistry/pkg/v1/random"
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -67,20 +54,12 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest"
 	batchv1 "k8s.io/api/batch/v1"
-	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/kubernetes/fake"
-	k8stesting "k8s.io/client-go/testing"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/benchfmt"
-	"github.com/buildq/buildq/internal/kaniko"
 	"github.com/buildq/buildq/internal/kube"
 	"github.com/buildq/buildq/internal/naming"
-	"github.com/buildq/buildq/internal/registry"
 	"github.com/buildq/buildq/publisher"
 )
 
@@ -265,23 +244,16 @@ func TestBenchScaleNATS(t *testing.T) {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer stop()
 	stopProfile := startProfile(spec.Profile)
-	opts := &server.Options{
-		ServerName: spec.Name, Host: "127.0.0.1", Port: spec.Port,
-		JetStream: true, StoreDir: spec.StoreDir, NoSigs: true, Logtime: true,
-	}
-	if spec.ClusterPort > 0 {
-		opts.Cluster = server.ClusterOpts{Name: "buildq-scale", Host: "127.0.0.1", Port: spec.ClusterPort}
-		opts.Routes = server.RoutesFromStr(strings.Join(spec.Routes, ","))
-	}
-	srv, err := server.NewServer(opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv.ConfigureLogger() // to the child's log file
-	srv.Start()
-	if !srv.ReadyForConnections(30 * time.Second) {
-		t.Fatal("nats-server did not start")
-	}
+	n := startNATS(t, natsConfig{name: spec.Name, port: spec.Port, dir: spec.StoreDir, configure: func(o *server.Options) {
+		// Logs to the child's log file; JetStream's limits from the machine.
+		o.NoLog, o.Logtime = false, true
+		o.JetStreamMaxMemory, o.JetStreamMaxStore = 0, 0
+		if spec.ClusterPort > 0 {
+			o.Cluster = server.ClusterOpts{Name: "buildq-scale", Host: "127.0.0.1", Port: spec.ClusterPort}
+			o.Routes = server.RoutesFromStr(strings.Join(spec.Routes, ","))
+		}
+	}})
+	srv := n.server()
 	if err := os.WriteFile(spec.Ready, nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -291,8 +263,7 @@ func TestBenchScaleNATS(t *testing.T) {
 		rep.Metrics["in_msgs"], rep.Metrics["out_msgs"] = float64(v.InMsgs), float64(v.OutMsgs)
 		rep.Metrics["in_bytes"], rep.Metrics["out_bytes"] = float64(v.InBytes), float64(v.OutBytes)
 	}
-	srv.Shutdown()
-	srv.WaitForShutdown()
+	n.stop()
 	stopProfile()
 	rep.RSSMiB, rep.CPUSeconds = benchfmt.RSSMiB(os.Getpid()), cpuSeconds()
 	if err := writeJSONFile(spec.Report, rep); err != nil {
@@ -301,151 +272,6 @@ func TestBenchScaleNATS(t *testing.T) {
 }
 
 // ---- the worker process ----
-
-// scaleNode plays, for one worker process's fake API server, the Job
-// controller, the kubelet and kaniko: a created Job's build "runs" for
-// build, pushes a small random image to the Job's destinations in the
-// shared registry, and ends as kaniko does — a Pod whose kaniko container
-// terminated with the digest as its termination message, then the Job's
-// Complete condition. Deleting a Job deletes its Pods (the garbage
-// collector).
-type scaleNode struct {
-	kube  *fake.Clientset
-	reg   *registry.Client
-	build time.Duration
-
-	mu      sync.Mutex
-	creates map[string]int
-	errs    []string
-	closed  bool
-	seq     atomic.Int64
-	running sync.WaitGroup
-}
-
-func newScaleNode(reg *registry.Client, build time.Duration) *scaleNode {
-	// The simple tracker: NewClientset's field management builds a REST
-	// mapper on every call, under the fake's one lock, and would make the
-	// emulation, not the worker, what the figures measure.
-	n := &scaleNode{kube: fake.NewSimpleClientset(), reg: reg, build: build, creates: map[string]int{}} //nolint:staticcheck // see above
-	jobs := batchv1.SchemeGroupVersion.WithResource("jobs")
-	pods := corev1.SchemeGroupVersion.WithResource("pods")
-	n.kube.PrependReactor("create", "jobs", func(a k8stesting.Action) (bool, runtime.Object, error) {
-		job := a.(k8stesting.CreateAction).GetObject().(*batchv1.Job)
-		if _, err := n.kube.Tracker().Get(jobs, job.Namespace, job.Name); err == nil {
-			return true, nil, apierrors.NewAlreadyExists(batchv1.Resource("jobs"), job.Name)
-		}
-		// The API server gives every object a UID; the fake does not.
-		job.UID = types.UID(fmt.Sprintf("uid-%s-%d", job.Name, n.seq.Add(1)))
-		n.mu.Lock()
-		n.creates[job.Name]++
-		if !n.closed {
-			n.running.Add(1)
-			ns, name, uid := job.Namespace, job.Name, job.UID
-			time.AfterFunc(n.build, func() {
-				defer n.running.Done()
-				n.finish(ns, name, uid)
-			})
-		}
-		n.mu.Unlock()
-		return false, nil, nil
-	})
-	n.kube.PrependReactor("delete", "jobs", func(a k8stesting.Action) (bool, runtime.Object, error) {
-		name := a.(k8stesting.DeleteAction).GetName()
-		list, _ := n.kube.Tracker().List(pods, corev1.SchemeGroupVersion.WithKind("Pod"), a.GetNamespace())
-		if pl, ok := list.(*corev1.PodList); ok {
-			for _, p := range pl.Items {
-				if p.Labels[batchv1.JobNameLabel] == name {
-					_ = n.kube.Tracker().Delete(pods, p.Namespace, p.Name)
-				}
-			}
-		}
-		return false, nil, nil
-	})
-	return n
-}
-
-func (n *scaleNode) fail(format string, args ...any) {
-	n.mu.Lock()
-	if len(n.errs) < 20 {
-		n.errs = append(n.errs, fmt.Sprintf(format, args...))
-	}
-	n.mu.Unlock()
-}
-
-func (n *scaleNode) finish(ns, name string, uid types.UID) {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	job, err := n.kube.BatchV1().Jobs(ns).Get(ctx, name, metav1.GetOptions{})
-	if err != nil || job.UID != uid {
-		return // deleted meanwhile
-	}
-	var dests []string
-	for _, a := range job.Spec.Template.Spec.Containers[0].Args {
-		if d, ok := strings.CutPrefix(a, "--destination="); ok {
-			dests = append(dests, d)
-		}
-	}
-	img, err := random.Image(512, 1)
-	if err != nil {
-		n.fail("random image: %v", err)
-		return
-	}
-	digest, err := n.reg.Push(ctx, img, dests)
-	if err != nil {
-		n.fail("push %v: %v", dests, err)
-		return
-	}
-	now := metav1.Now()
-	lbl := map[string]string{}
-	for k, v := range job.Spec.Template.Labels {
-		lbl[k] = v
-	}
-	lbl[batchv1.JobNameLabel] = job.Name
-	lbl[batchv1.ControllerUidLabel] = string(job.UID)
-	pod := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{
-			Name: fmt.Sprintf("%s-%d", job.Name, n.seq.Add(1)), Namespace: ns, Labels: lbl, CreationTimestamp: now,
-			OwnerReferences: []metav1.OwnerReference{{APIVersion: "batch/v1", Kind: "Job", Name: job.Name, UID: job.UID}},
-		},
-		Spec: job.Spec.Template.Spec,
-		Status: corev1.PodStatus{
-			Phase: corev1.PodSucceeded,
-			ContainerStatuses: []corev1.ContainerStatus{{
-				Name: kaniko.ContainerName,
-				State: corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{
-					ExitCode: 0, Message: digest, FinishedAt: now,
-				}},
-			}},
-		},
-	}
-	if _, err := n.kube.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
-		n.fail("create pod of %s: %v", name, err)
-		return
-	}
-	j := job.DeepCopy()
-	start := job.CreationTimestamp
-	j.Status.StartTime = &start
-	j.Status.Succeeded = 1
-	j.Status.CompletionTime = &now
-	j.Status.Conditions = []batchv1.JobCondition{
-		{Type: batchv1.JobSuccessCriteriaMet, Status: corev1.ConditionTrue, LastTransitionTime: now},
-		{Type: batchv1.JobComplete, Status: corev1.ConditionTrue, LastTransitionTime: now},
-	}
-	if _, err := n.kube.BatchV1().Jobs(ns).UpdateStatus(ctx, j, metav1.UpdateOptions{}); err != nil && !apierrors.IsNotFound(err) {
-		n.fail("complete %s: %v", name, err)
-	}
-	// The fake records every action it serves, for tests to inspect;
-	// nothing here reads them, and they would count as the worker's memory.
-	n.kube.ClearActions()
-}
-
-// close stops starting builds and waits for those running.
-func (n *scaleNode) close() {
-	n.mu.Lock()
-	n.closed = true
-	n.mu.Unlock()
-	n.running.Wait()
-}
 
 // TestBenchScaleWorker is one worker process of TestBenchScale: the real
 // worker and kaniko Job backend, against a fake API server with an
@@ -456,13 +282,21 @@ func TestBenchScaleWorker(t *testing.T) {
 	defer stop()
 	stopProfile := startProfile(spec.Profile)
 
-	reg, err := registry.New(registry.Options{Transport: scaleRegistryTransport(t, spec)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	node := newScaleNode(reg, spec.Build)
+	// The test world without NATS: the API server, and the node, whose
+	// every build succeeds spec.Build after its Job's creation and pushes
+	// a small random image to the registry of the parent.
+	reg := tlsRegistryClient(t, spec.Registry, spec.RegAddr, spec.RegCA)
+	wld := newWorld(t, worldConfig{noNATS: true, node: nodeOptions{
+		plan:     func(*batchv1.Job) buildPlan { return buildPlan{auto: true, after: spec.Build, succeed: true} },
+		registry: reg,
+	}})
+	// The event log bounded (what a watch resumes from), and the actions
+	// the fake clientset records for tests to inspect forgotten: both
+	// would count as the worker's memory.
+	wld.api.keep = 1000
+	client := wld.api.newClient(spec.Name, nil)
 	kc := testKaniko
-	factory := kube.NewInformerFactory(node.kube, kc.Namespace)
+	factory := kube.NewInformerFactory(client, kc.Namespace)
 	watcher, err := kube.NewWatcher(factory, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -470,10 +304,22 @@ func TestBenchScaleWorker(t *testing.T) {
 	infCtx, stopInformers := context.WithCancel(context.Background())
 	defer stopInformers()
 	factory.Start(infCtx.Done())
+	go func() {
+		tick := time.NewTicker(time.Second)
+		defer tick.Stop()
+		for {
+			select {
+			case <-tick.C:
+				client.ClearActions()
+			case <-infCtx.Done():
+				return
+			}
+		}
+	}()
 	if !watcher.WaitForSync(ctx) {
 		t.Fatal("informers did not sync")
 	}
-	backend, err := NewKubeBackend(node.kube, watcher, kc)
+	backend, err := NewKubeBackend(client, watcher, kc)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -528,17 +374,20 @@ func TestBenchScaleWorker(t *testing.T) {
 		t.Error(err)
 	}
 	<-sampled
-	node.close()
+	wld.node.close()
 	stopInformers()
 	factory.Shutdown()
 	stopProfile()
 	_ = logger.Sync()
 
 	rep := scaleReport{Name: spec.Name, Metrics: map[string]float64{}, Slots: slots}
-	node.mu.Lock()
-	rep.Jobs, rep.Errors = node.creates, node.errs
-	node.mu.Unlock()
-	if list, err := node.kube.BatchV1().Jobs(kc.Namespace).List(context.Background(), metav1.ListOptions{}); err == nil {
+	wld.node.creates.mu.Lock()
+	rep.Jobs = maps.Clone(wld.node.creates.n)
+	wld.node.creates.mu.Unlock()
+	wld.node.mu.Lock()
+	rep.Errors = slices.Clone(wld.node.errs)
+	wld.node.mu.Unlock()
+	if list, err := client.BatchV1().Jobs(kc.Namespace).List(context.Background(), metav1.ListOptions{}); err == nil {
 		rep.JobsLeft = len(list.Items)
 	}
 	if mfs, err := promReg.Gather(); err == nil {
@@ -562,67 +411,8 @@ func TestBenchScaleWorker(t *testing.T) {
 	}
 }
 
-// scaleRegistryTransport reaches the harness's registry over TLS, as
-// workers reach a production registry: the name in image references
-// resolves to its loopback address, and its certificate is trusted.
-func scaleRegistryTransport(t *testing.T, spec scaleChild) http.RoundTripper {
-	t.Helper()
-	caPEM, err := os.ReadFile(spec.RegCA)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pool := x509.NewCertPool()
-	if !pool.AppendCertsFromPEM(caPEM) {
-		t.Fatal("registry certificate: no PEM")
-	}
-	tr := http.DefaultTransport.(*http.Transport).Clone()
-	tr.TLSClientConfig = &tls.Config{RootCAs: pool}
-	tr.MaxIdleConnsPerHost = 64
-	var d net.Dialer
-	tr.DialContext = func(ctx context.Context, network, addr string) (net.Conn, error) {
-		if addr == spec.Registry {
-			addr = spec.RegAddr
-		}
-		return d.DialContext(ctx, network, addr)
-	}
-	return tr
-}
-
 // scaleRegistryHost is the registry's name in image references.
 const scaleRegistryHost = "registry.scale.test"
-
-// startScaleRegistry serves go-containerregistry's in-memory registry over
-// TLS with a certificate for scaleRegistryHost, written to caFile.
-func startScaleRegistry(t *testing.T, caFile string) (*httptest.Server, string) {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1),
-		Subject:      pkix.Name{CommonName: scaleRegistryHost},
-		DNSNames:     []string{scaleRegistryHost},
-		NotBefore:    time.Now().Add(-time.Hour),
-		NotAfter:     time.Now().Add(24 * time.Hour),
-		KeyUsage:     x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
-		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-		IsCA:         true, BasicConstraintsValid: true,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(caFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	srv := httptest.NewUnstartedServer(ggcrregistry.New(ggcrregistry.Logger(log.New(io.Discard, "", 0))))
-	srv.TLS = &tls.Config{Certificates: []tls.Certificate{{Certificate: [][]byte{der}, PrivateKey: key}}}
-	srv.StartTLS()
-	t.Cleanup(srv.Close)
-	port := srv.Listener.Addr().(*net.TCPAddr).Port
-	return srv, fmt.Sprintf("%s:%d", scaleRegistryHost, port)
-}
 
 // ---- the parent ----
 
@@ -886,11 +676,12 @@ func runScale(t *testing.T, s scaleSettings, topo scaleTopology) scaleOutcome {
 	}
 	var parentCPU0 = cpuSeconds()
 
-	// The registry every worker's preflight, index check and kubelet push
-	// goes to: go-containerregistry's in-memory registry, in this process.
+	// The registry every worker's preflight, index check and node push
+	// goes to: the test world's, in this process, over TLS.
 	regCA := filepath.Join(dir, "registry.pem")
-	regSrv, regHost := startScaleRegistry(t, regCA)
-	defer regSrv.Close()
+	reg := newTLSRegistry(t, scaleRegistryHost, regCA)
+	defer reg.srv.Close()
+	regHost := reg.host
 
 	// NATS.
 	var nodes []*scaleProc
@@ -980,7 +771,7 @@ func runScale(t *testing.T, s scaleSettings, topo scaleTopology) scaleOutcome {
 	var workers []*scaleProc
 	for i := range s.Workers {
 		spec := scaleChild{Role: "worker", Name: fmt.Sprintf("%s-w%02d", topo.name, i), NATS: natsURL,
-			Registry: regHost, RegAddr: regSrv.Listener.Addr().String(), RegCA: regCA,
+			Registry: regHost, RegAddr: reg.addr, RegCA: regCA,
 			InFlight: s.InFlight, Build: s.Build, Replicas: replicas}
 		if s.ProfileDir != "" && i == 0 {
 			spec.Profile = filepath.Join(s.ProfileDir, topo.name+"-worker.pprof")
@@ -1518,7 +1309,7 @@ func TestBenchScale(t *testing.T) {
 		}
 	}
 	res.Notes = append(res.Notes, fmt.Sprintf(
-		"Emulated: each worker process has its own fake Kubernetes API server (client-go's fake clientset, so its informers see only its own Jobs) and an emulated kubelet that ends every Job %s after its creation: it pushes a small random image to the Job's destinations, then writes the Pod with the digest as the kaniko container's termination message and the Job's Complete condition. Real: the worker package with the kaniko Job backend, %d slots per worker, production defaults (AckWait and lease 30 s), NATS over TCP with file storage, go-containerregistry's registry (in memory, in the harness process, over TLS) for the preflight, the index checks and the pushes. Requests are published as one backlog, key i mod %d, so the %d requests of a key are spread over the whole run.",
+		"Emulated: each worker process has its own fake Kubernetes API server (the test world's, worker/world_api_test.go: client-go's fake clientset on one object store with resource versions and resumable watches, so its informers see only its own Jobs) and the test world's node (worker/world_node_test.go), which ends every Job %s after its creation: it pushes a small random image to the Job's destinations, then writes the Pod with the digest as the kaniko container's termination message and the Job's Complete condition. Real: the worker package with the kaniko Job backend, %d slots per worker, production defaults (AckWait and lease 30 s), NATS over TCP with file storage, go-containerregistry's registry (in memory, in the harness process, over TLS) for the preflight, the index checks and the pushes. Requests are published as one backlog, key i mod %d, so the %d requests of a key are spread over the whole run.",
 		s.Build, s.InFlight, s.Keys, s.Requests/s.Keys))
 	if t.Failed() {
 		res.Notes = append([]string{"This run FAILED its checks (see the test's log): the figures are not to be trusted."}, res.Notes...)

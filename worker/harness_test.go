@@ -6,86 +6,46 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
-	"io"
-	"log"
-	"net/http"
-	"net/http/httptest"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
-	ggcrregistry "github.com/google/go-containerregistry/pkg/registry"
-	"github.com/google/go-containerregistry/pkg/v1/random"
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	batchv1 "k8s.io/api/batch/v1"
-	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/kubernetes/fake"
-	k8stesting "k8s.io/client-go/testing"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
 	"github.com/buildq/buildq/internal/naming"
-	"github.com/buildq/buildq/internal/registry"
 	"github.com/buildq/buildq/publisher"
 )
 
 const testNamespace = "builds"
 
-// env is one embedded NATS server with JetStream and one fake cluster,
-// shared by the workers a test starts.
+// env is a test world (world_test.go) as the harness runs it: NATS, the
+// API server with no faults, a node whose builds end when the test says
+// (kubelet), no TTL controller, and no registry unless the test makes one
+// (newTestRegistry). The workers a test starts share it.
 type env struct {
-	t       *testing.T
-	srv     *server.Server
-	nc      *nats.Conn
-	js      jetstream.JetStream
-	kube    *fake.Clientset
-	pub     *publisher.Client
+	t     *testing.T
+	world *world
+	srv   *server.Server
+	nc    *nats.Conn
+	js    jetstream.JetStream
+	// kube is the test's and the workers' client of the API server.
+	kube *apiClient
+	pub  *publisher.Client
+	// creates counts the Job creations that reached the API server.
 	creates *counter
-}
-
-type counter struct {
-	mu sync.Mutex
-	n  map[string]int
-}
-
-func (c *counter) inc(name string) {
-	c.mu.Lock()
-	c.n[name]++
-	c.mu.Unlock()
-}
-
-func (c *counter) total() int {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	t := 0
-	for _, v := range c.n {
-		t += v
-	}
-	return t
 }
 
 func setup(t *testing.T) *env {
 	t.Helper()
-	srv, err := server.NewServer(&server.Options{
-		Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: t.TempDir(), NoLog: true, NoSigs: true,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv.Start()
-	if !srv.ReadyForConnections(10 * time.Second) {
-		t.Fatal("nats-server did not start")
-	}
-	t.Cleanup(srv.Shutdown)
-	nc, err := nats.Connect(srv.ClientURL())
+	w := newWorld(t, worldConfig{})
+	nc, err := nats.Connect(w.nats.url())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -98,33 +58,7 @@ func setup(t *testing.T) *env {
 	if err != nil {
 		t.Fatal(err)
 	}
-	e := &env{t: t, srv: srv, nc: nc, js: js, kube: fake.NewClientset(), pub: pub, creates: &counter{n: map[string]int{}}}
-	// Count the Job creations that reach the "API server" (the tracker
-	// answers AlreadyExists for the rest).
-	e.kube.PrependReactor("create", "jobs", func(a k8stesting.Action) (bool, runtime.Object, error) {
-		job := a.(k8stesting.CreateAction).GetObject().(*batchv1.Job)
-		if _, err := e.kube.Tracker().Get(batchv1.SchemeGroupVersion.WithResource("jobs"), job.Namespace, job.Name); err == nil {
-			return true, nil, apierrors.NewAlreadyExists(batchv1.Resource("jobs"), job.Name)
-		}
-		e.creates.inc(job.Name)
-		// The API server gives every object a UID; the fake does not.
-		job.UID = types.UID(fmt.Sprintf("uid-%s-%d", job.Name, podSeq.Add(1)))
-		return false, nil, nil
-	})
-	// The garbage collector: deleting a Job deletes its Pods.
-	e.kube.PrependReactor("delete", "jobs", func(a k8stesting.Action) (bool, runtime.Object, error) {
-		name := a.(k8stesting.DeleteAction).GetName()
-		pods, _ := e.kube.Tracker().List(corev1.SchemeGroupVersion.WithResource("pods"), corev1.SchemeGroupVersion.WithKind("Pod"), a.GetNamespace())
-		if pl, ok := pods.(*corev1.PodList); ok {
-			for _, p := range pl.Items {
-				if p.Labels[batchv1.JobNameLabel] == name {
-					_ = e.kube.Tracker().Delete(corev1.SchemeGroupVersion.WithResource("pods"), p.Namespace, p.Name)
-				}
-			}
-		}
-		return false, nil, nil
-	})
-	return e
+	return &env{t: t, world: w, srv: w.nats.server(), nc: nc, js: js, kube: w.api.newClient("kube", nil), pub: pub, creates: w.node.creates}
 }
 
 func testConfig(id string) Config {
@@ -327,51 +261,13 @@ func (e *env) waitJob(name string) *batchv1.Job {
 	return job
 }
 
-// kubelet plays the node and the Job controller for one Job: it creates the
-// pod with its terminated kaniko container, then sets the Job's conditions.
+// kubelet plays the node and the Job controller for one Job: it ends the
+// build with the kaniko container's exit code and termination message (a
+// digest, or the error), pushing nothing.
 func (e *env) kubelet(job *batchv1.Job, exitCode int32, message string) {
-	t := e.t
-	t.Helper()
-	ctx := context.Background()
-	now := metav1.Now()
-	pod := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{
-			Name: fmt.Sprintf("%s-%d", job.Name, podSeq.Add(1)), Namespace: job.Namespace,
-			Labels:            merge(job.Spec.Template.Labels, map[string]string{batchv1.JobNameLabel: job.Name}),
-			CreationTimestamp: now,
-		},
-		Spec: job.Spec.Template.Spec,
-		Status: corev1.PodStatus{
-			Phase: map[bool]corev1.PodPhase{true: corev1.PodSucceeded, false: corev1.PodFailed}[exitCode == 0],
-			ContainerStatuses: []corev1.ContainerStatus{{
-				Name: kaniko.ContainerName,
-				State: corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{
-					ExitCode: exitCode, Message: message, FinishedAt: now,
-				}},
-			}},
-		},
-	}
-	if _, err := e.kube.CoreV1().Pods(job.Namespace).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	j := job.DeepCopy()
-	j.Status.StartTime = &now
-	if exitCode == 0 {
-		j.Status.Succeeded = 1
-		j.Status.CompletionTime = &now
-		j.Status.Conditions = []batchv1.JobCondition{
-			{Type: batchv1.JobSuccessCriteriaMet, Status: corev1.ConditionTrue, LastTransitionTime: now},
-			{Type: batchv1.JobComplete, Status: corev1.ConditionTrue, LastTransitionTime: now},
-		}
-	} else {
-		j.Status.Failed = 1
-		j.Status.Conditions = []batchv1.JobCondition{
-			{Type: batchv1.JobFailureTarget, Status: corev1.ConditionTrue, Reason: batchv1.JobReasonPodFailurePolicy, Message: "Container kaniko for pod exited with code 1", LastTransitionTime: now},
-			{Type: batchv1.JobFailed, Status: corev1.ConditionTrue, Reason: batchv1.JobReasonPodFailurePolicy, Message: "Container kaniko for pod exited with code 1", LastTransitionTime: now},
-		}
-	}
-	if _, err := e.kube.BatchV1().Jobs(job.Namespace).UpdateStatus(ctx, j, metav1.UpdateOptions{}); err != nil {
-		t.Fatal(err)
+	e.t.Helper()
+	if err := e.world.node.end(job, exitCode, message); err != nil {
+		e.t.Fatal(err)
 	}
 }
 
@@ -406,52 +302,6 @@ func mustJSON(t *testing.T, v any) string {
 		t.Fatal(err)
 	}
 	return string(b)
-}
-
-var podSeq atomic.Int64
-
-// testRegistry is go-containerregistry's in-memory registry behind a switch
-// that makes manifest requests fail, and the worker's client for it.
-type testRegistry struct {
-	host   string
-	client *registry.Client
-	fail   atomic.Bool
-}
-
-func newTestRegistry(t *testing.T) *testRegistry {
-	t.Helper()
-	tr := &testRegistry{}
-	inner := ggcrregistry.New(ggcrregistry.Logger(log.New(io.Discard, "", 0)))
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if tr.fail.Load() && strings.Contains(r.URL.Path, "/manifests/") {
-			http.Error(w, "registry down", http.StatusInternalServerError)
-			return
-		}
-		inner.ServeHTTP(w, r)
-	}))
-	t.Cleanup(srv.Close)
-	tr.host = strings.TrimPrefix(srv.URL, "http://")
-	c, err := registry.New(registry.Options{Insecure: []string{tr.host}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	tr.client = c
-	return tr
-}
-
-// push stores a random image under ref and returns its digest, as kaniko
-// would have.
-func (tr *testRegistry) push(t *testing.T, ref string) string {
-	t.Helper()
-	img, err := random.Image(256, 1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	d, err := tr.client.Push(context.Background(), img, []string{ref})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return d
 }
 
 // destination returns the first --destination of a Job.

@@ -19,7 +19,6 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
-	"k8s.io/client-go/kubernetes/fake"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
@@ -66,7 +65,7 @@ var (
 // simExecutorIdentity is the kaniko backend's identity (part of build keys).
 func simExecutorIdentity(t *testing.T) string {
 	simIdentityOnce.Do(func() {
-		cs := fake.NewClientset()
+		cs := newAPIServer().newClient("identity", nil)
 		watcher, err := kube.NewWatcher(kube.NewInformerFactory(cs, simKaniko.Namespace), nil)
 		if err != nil {
 			t.Fatal(err)
@@ -132,24 +131,19 @@ func runSim(t *testing.T, sc *simSchedule) simOutcome {
 	seed := sc.seed
 	w := &simWorld{
 		t: t, seed: seed, sc: sc, trace: &simTrace{t0: time.Now()}, logs: &simLogBuffer{},
-		metrics: NewMetrics(prometheus.NewRegistry()),
-		api:     newSimAPI(), keyNames: map[string]string{}, subByID: map[string]*simSub{},
+		metrics:  NewMetrics(prometheus.NewRegistry()),
+		keyNames: map[string]string{}, subByID: map[string]*simSub{},
 	}
 	w.identity = simExecutorIdentity(t)
-	w.node = &simNode{w: w, runs: map[string]int{}, jobs: map[string]*simJob{}}
-	w.api.onChange = w.node.onChange
+	w.node = &simNode{w: w, jobs: map[string]*simJob{}}
+	node := simNodeOptions(newSimPlanner(seed, func(string) float64 { return sc.failProb }), !sc.has("no-ttl"))
+	node.observe, node.ended = w.node.observe, w.node.ended
+	node.logf = w.trace.add
+	w.world = newWorld(t, worldConfig{nats: natsConfig{name: "buildq-sim"}, registry: true, node: node})
+	defer w.world.nats.stop() // now, not with the test: a scenario may run several times
 	out := simOutcome{seed: seed, kinds: sc.kinds}
 
 	var err error
-	w.dir = t.TempDir()
-	if w.port, err = simFreePort(); err != nil {
-		t.Fatal(err)
-	}
-	if err := w.startServer(); err != nil {
-		t.Fatalf("harness: %v", err)
-	}
-	defer w.stopServer()
-	w.reg = newTestRegistry(t)
 	if w.obs, err = w.connect("sim-observer"); err != nil {
 		t.Fatal(err)
 	}
@@ -181,7 +175,7 @@ func runSim(t *testing.T, sc *simSchedule) simOutcome {
 
 	for i := range sc.workers {
 		s := &simSlot{idx: i, skew: sc.skews[i], pauses: map[string][]time.Duration{}}
-		if s.proxy, err = newSimProxy(func() string { return fmt.Sprintf("127.0.0.1:%d", w.port) }, w.runtimeRand()); err != nil {
+		if s.proxy, err = newSimProxy(w.world.nats.addr, w.runtimeRand()); err != nil {
 			t.Fatal(err)
 		}
 		w.slots = append(w.slots, s)
@@ -334,7 +328,7 @@ func (w *simWorld) drive() {
 			w.lostAcks.Add(1)
 			w.trace.add("fault the next ack will be lost")
 		case "api-errors":
-			af := &simAPIFault{until: time.Now().Add(f.dur), p: f.p, committed: f.flag}
+			af := &apiFault{until: time.Now().Add(f.dur), p: f.p, committed: f.flag}
 			w.mu.Lock()
 			w.apiFaults++
 			w.mu.Unlock()
@@ -348,7 +342,7 @@ func (w *simWorld) drive() {
 				}
 			}
 		case "lag":
-			af := &simAPIFault{until: time.Now().Add(f.dur), lag: f.lag}
+			af := &apiFault{until: time.Now().Add(f.dur), lag: f.lag}
 			for i, s := range w.slots {
 				if f.slot >= 0 && i != f.slot {
 					continue
@@ -383,11 +377,11 @@ func (w *simWorld) drive() {
 			})
 		case "watch-break":
 			if p := w.proc(f.slot); p != nil {
-				n := w.api.breakWatches(p.client, f.flag)
+				n := w.world.api.breakWatches(p.client, f.flag)
 				w.trace.add("fault %d watches of %s broken (410 Gone: %v)", n, p.id, f.flag)
 			}
 		case "job-delete", "pod-delete":
-			w.node.deleteExternally(f.kind == "pod-delete", f.pick)
+			w.deleteExternally(f.kind == "pod-delete", f.pick)
 		case "pause-renew", "pause-finalize":
 			s := w.slots[f.slot]
 			s.mu.Lock()
@@ -436,7 +430,7 @@ func (w *simWorld) drive() {
 					// one that answers the cancel, the cancel's delete
 					// comes after the racing resubmit's new run replaced
 					// the old Job with its own.
-					lag := &simAPIFault{until: time.Now().Add(2500 * time.Millisecond), lag: 50 * time.Millisecond, deleteLag: 1500 * time.Millisecond}
+					lag := &apiFault{until: time.Now().Add(2500 * time.Millisecond), lag: 50 * time.Millisecond, deleteLag: 1500 * time.Millisecond}
 					if p := w.proc(f.slot); p != nil {
 						p.client.setFault(lag)
 						w.trace.add("fault deletes of %s held up 1.5s for 2.5s", p.id)
@@ -488,11 +482,8 @@ func (w *simWorld) heal() {
 	case <-time.After(90 * time.Second):
 		w.t.Errorf("harness: the schedule's operations did not end")
 	}
-	w.srvMu.Lock()
-	down := w.srv == nil
-	w.srvMu.Unlock()
-	if down {
-		if err := w.startServer(); err != nil {
+	if !w.world.nats.running() {
+		if err := w.world.nats.start(); err != nil {
 			w.t.Fatalf("harness: %v", err)
 		}
 	}
@@ -596,7 +587,7 @@ func (w *simWorld) checkImages() {
 	found := map[string]string{}
 	for _, ref := range refs {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		d, err := w.reg.client.Head(ctx, ref)
+		d, err := w.world.reg.client.Head(ctx, ref)
 		cancel()
 		if err != nil {
 			d = "error: " + err.Error()
@@ -623,7 +614,7 @@ func (w *simWorld) checkIndexed(recs []simRecordRev) map[string]error {
 			continue
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		_, err := w.reg.client.Head(ctx, ref)
+		_, err := w.world.reg.client.Head(ctx, ref)
 		cancel()
 		out[ref] = err
 	}
@@ -645,10 +636,7 @@ func (w *simWorld) shutdown() {
 			w.t.Errorf("harness: worker %s did not stop", p.id)
 		}
 	}
-	w.node.mu.Lock()
-	w.node.closed = true
-	w.node.mu.Unlock()
-	w.api.close()
+	w.world.close()
 }
 
 func (w *simWorld) violate(out *simOutcome, class, format string, args ...any) {
@@ -827,7 +815,7 @@ func (w *simWorld) checkAnswer(out *simOutcome, s *simSub, d simDecision, who st
 			w.violate(out, "wrong-image", "request %s (%s): succeeded with digest %s, the image of %s; its own inputs make %s (%s)",
 				s.id, s.label, d.digest, other, im.digest, who)
 		}
-		repo, _ := naming.Policy{Registry: w.reg.host}.Repository(s.req)
+		repo, _ := naming.Policy{Registry: w.world.reg.host}.Repository(s.req)
 		if !strings.HasPrefix(d.image, repo+":") {
 			w.violate(out, "wrong-destination", "request %s: image %s is not in its repository %s (%s)", s.id, d.image, repo, who)
 		} else if got, ok := w.registry[d.image]; ok && got != d.digest {

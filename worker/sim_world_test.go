@@ -1,9 +1,12 @@
 package worker
 
-// The fault simulation's world: a restartable embedded nats-server on a
-// fixed loopback port and file store, the shared fake API server, a fake
-// node (kubelet, Job controller, TTL controller), an in-memory registry,
-// the producer, and the worker slots.
+// The fault simulation's world: the test world (world_test.go) — NATS,
+// restarted by the schedule; the API server, each worker with a client of
+// its own that faults are injected into; the node, whose builds end by
+// themselves at seeded times (simPlanner) with a TTL controller; the
+// registry — and, around it, the simulation's record of the node's Jobs
+// (simNode), the producer, and the worker slots, each behind a TCP proxy
+// of its own.
 
 import (
 	"bytes"
@@ -12,7 +15,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net"
 	"slices"
 	"sort"
 	"strings"
@@ -26,7 +28,6 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/static"
 	ggcrtypes "github.com/google/go-containerregistry/pkg/v1/types"
-	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap"
@@ -108,7 +109,7 @@ func (b *simLogBuffer) Write(p []byte) (int, error) {
 
 func (b *simLogBuffer) Sync() error { return nil }
 
-// simJob is the node's record of one Job (by UID).
+// simJob is the simulation's record of one Job (by UID).
 type simJob struct {
 	key, name, uid, creator string
 	run, tenant             string
@@ -133,24 +134,22 @@ type simFailure struct {
 	at  time.Duration
 }
 
-// simNode plays the kubelet, the Job controller and the TTL controller.
+// simNode is the simulation's record of what the world's node (a
+// fakeNode: world_node_test.go) did with the Jobs: every creation,
+// deletion and end, on the trace's clock, in the API server's order.
 type simNode struct {
 	w        *simWorld
 	mu       sync.Mutex
-	runs     map[string]int
 	jobs     map[string]*simJob // by UID
 	order    []*simJob
 	failures []simFailure
 	deletes  []simDeletion
 	twoJobs  []string
-	closed   bool
 }
 
-// onChange is the API server's change hook (called under the API mutex).
-func (n *simNode) onChange(ev simAPIEvent, cause string) {
-	if ev.gvr != simJobsGVR {
-		return
-	}
+// observe records a Job's creation or deletion (the node's observe hook,
+// under the API mutex).
+func (n *simNode) observe(ev apiEvent, cause string, plan buildPlan) {
 	job := ev.obj.(*batchv1.Job)
 	w := n.w
 	n.mu.Lock()
@@ -168,17 +167,8 @@ func (n *simNode) onChange(ev simAPIEvent, cause string) {
 		}
 		n.jobs[j.uid] = j
 		n.order = append(n.order, j)
-		run := n.runs[key]
-		n.runs[key]++
-		h := simHash(w.seed, key, run)
-		ok := float64(h%1000)/1000 >= w.sc.failProb
-		d := simBuildFloor + time.Duration(h/1000%uint64(simBuildSpan/time.Millisecond))*time.Millisecond
-		w.trace.add("job   %s %s %s created by %s (run %d: will %s after %s)", w.keyName(key), j.name[:14], j.uid, cause, run,
-			map[bool]string{true: "succeed", false: "fail"}[ok], d)
-		if !n.closed {
-			uid := j.uid
-			time.AfterFunc(d, func() { n.finish(uid, ok) })
-		}
+		w.trace.add("job   %s %s %s created by %s (run %d: will %s after %s)", w.keyName(key), j.name[:14], j.uid, cause, plan.seq,
+			map[bool]string{true: "succeed", false: "fail"}[plan.succeed], plan.after)
 	case watch.Deleted:
 		j := n.jobs[string(job.UID)]
 		if j == nil {
@@ -193,6 +183,24 @@ func (n *simNode) onChange(ev simAPIEvent, cause string) {
 			state = map[bool]string{true: "succeeded", false: "failed"}[j.succeeded]
 		}
 		w.trace.add("job   %s %s %s deleted by %s (%s)", w.keyName(j.key), j.name[:14], j.uid, cause, state)
+	}
+}
+
+// ended records a build's end (the node's ended hook, under the API
+// mutex).
+func (n *simNode) ended(job *batchv1.Job, ok bool) {
+	w := n.w
+	n.mu.Lock()
+	j := n.jobs[string(job.UID)]
+	if j != nil {
+		j.finished, j.succeeded = w.trace.rel(), ok
+		if !ok {
+			n.failures = append(n.failures, simFailure{key: j.key, at: j.finished})
+		}
+	}
+	n.mu.Unlock()
+	if j != nil {
+		w.trace.add("job   %s %s %s %s", w.keyName(j.key), j.name[:14], j.uid, map[bool]string{true: "succeeded", false: "FAILED"}[ok])
 	}
 }
 
@@ -218,140 +226,60 @@ func simContentArgs(args []string) string {
 	return strings.Join(keep, "\n")
 }
 
-func simDestinations(job *batchv1.Job) []string {
-	var out []string
-	for _, a := range job.Spec.Template.Spec.Containers[0].Args {
-		if d, ok := strings.CutPrefix(a, "--destination="); ok {
-			out = append(out, d)
-		}
-	}
-	return out
+// simPlanner plans the simulation's builds: the n-th Job of a key runs
+// for a time and succeeds or fails as a hash of the seed, the key and n
+// says (failing with probability failProb of the key).
+type simPlanner struct {
+	seed     int64
+	failProb func(key string) float64
+
+	mu   sync.Mutex
+	runs map[string]int
 }
 
-var errSimGone = errors.New("job gone")
+func newSimPlanner(seed int64, failProb func(key string) float64) *simPlanner {
+	return &simPlanner{seed: seed, failProb: failProb, runs: map[string]int{}}
+}
 
-// finish ends a build: on success the image is pushed first (as kaniko
-// does), then the Pod's terminated container and the Job's conditions are
-// written; a TTL deletion follows.
-func (n *simNode) finish(uid string, ok bool) {
-	w := n.w
-	n.mu.Lock()
-	j := n.jobs[uid]
-	closed := n.closed
-	n.mu.Unlock()
-	if closed || j == nil {
-		return
+func (p *simPlanner) plan(job *batchv1.Job) buildPlan {
+	key := job.Annotations[kaniko.AnnotationKey]
+	p.mu.Lock()
+	run := p.runs[key]
+	p.runs[key]++
+	p.mu.Unlock()
+	h := simHash(p.seed, key, run)
+	return buildPlan{
+		auto:    true,
+		after:   simBuildFloor + time.Duration(h/1000%uint64(simBuildSpan/time.Millisecond))*time.Millisecond,
+		succeed: float64(h%1000)/1000 >= p.failProb(key),
+		seq:     run,
 	}
-	var job *batchv1.Job
-	live := func() error {
-		cur, found := w.api.getJobLocked(testNamespace, j.name)
-		if !found || string(cur.UID) != uid || cur.DeletionTimestamp != nil {
-			return errSimGone
-		}
-		job = cur
-		return nil
+}
+
+// simNodeOptions is the simulation's node: builds that end by themselves
+// as the planner says, each pushing its content's image (simImageFor), and
+// a TTL controller (simTTL) unless ttl is false.
+func simNodeOptions(p *simPlanner, ttl bool) nodeOptions {
+	o := nodeOptions{
+		plan: p.plan,
+		image: func(job *batchv1.Job) (ggcrv1.Image, error) {
+			im, err := simImageFor(simContentOf(job))
+			return im.img, err
+		},
 	}
-	if w.api.do(live) != nil {
-		return
+	if ttl {
+		o.ttl = simTTL
 	}
-	msg := "error building image: error building stage: RUN make: exit status 2"
-	exit := int32(1)
-	if ok {
-		digest, err := w.push(j.content, simDestinations(job))
-		if err != nil {
-			w.trace.add("node  push of %s failed: %v", j.uid, err)
-			msg = "error pushing image: " + err.Error()
-		} else {
-			msg, exit = digest, 0
-		}
-	}
-	err := w.api.do(func() error {
-		if err := live(); err != nil {
-			return err
-		}
-		now := metav1.Now()
-		lbl := map[string]string{}
-		for k, v := range job.Spec.Template.Labels {
-			lbl[k] = v
-		}
-		lbl[batchv1.JobNameLabel] = job.Name
-		lbl[batchv1.ControllerUidLabel] = string(job.UID)
-		lbl["job-name"] = job.Name
-		lbl["controller-uid"] = string(job.UID)
-		pod := &corev1.Pod{
-			ObjectMeta: metav1.ObjectMeta{
-				Name: fmt.Sprintf("%s-%s", job.Name, strings.TrimPrefix(uid, "uid-")), Namespace: job.Namespace, Labels: lbl,
-				OwnerReferences: []metav1.OwnerReference{{APIVersion: "batch/v1", Kind: "Job", Name: job.Name, UID: job.UID}},
-			},
-			Spec: job.Spec.Template.Spec,
-			Status: corev1.PodStatus{
-				Phase: map[bool]corev1.PodPhase{true: corev1.PodSucceeded, false: corev1.PodFailed}[exit == 0],
-				ContainerStatuses: []corev1.ContainerStatus{{
-					Name: kaniko.ContainerName,
-					State: corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{
-						ExitCode: exit, Message: msg, FinishedAt: now,
-					}},
-				}},
-			},
-		}
-		if _, err := w.api.createLocked(simPodsGVR, pod, job.Namespace, "node"); err != nil {
-			return err
-		}
-		jj := job.DeepCopy()
-		start := job.CreationTimestamp
-		jj.Status.StartTime = &start
-		if exit == 0 {
-			jj.Status.Succeeded = 1
-			jj.Status.CompletionTime = &now
-			jj.Status.Conditions = []batchv1.JobCondition{
-				{Type: batchv1.JobSuccessCriteriaMet, Status: corev1.ConditionTrue, LastTransitionTime: now},
-				{Type: batchv1.JobComplete, Status: corev1.ConditionTrue, LastTransitionTime: now},
-			}
-		} else {
-			jj.Status.Failed = 1
-			m := "Container kaniko for pod exited with code 1"
-			jj.Status.Conditions = []batchv1.JobCondition{
-				{Type: batchv1.JobFailureTarget, Status: corev1.ConditionTrue, Reason: batchv1.JobReasonPodFailurePolicy, Message: m, LastTransitionTime: now},
-				{Type: batchv1.JobFailed, Status: corev1.ConditionTrue, Reason: batchv1.JobReasonPodFailurePolicy, Message: m, LastTransitionTime: now},
-			}
-		}
-		if err := w.api.updateLocked(simJobsGVR, jj, "node"); err != nil {
-			return err
-		}
-		n.mu.Lock()
-		j.finished, j.succeeded = w.trace.rel(), exit == 0
-		if exit != 0 {
-			n.failures = append(n.failures, simFailure{key: j.key, at: j.finished})
-		}
-		n.mu.Unlock()
-		return nil
-	})
-	if err != nil {
-		return
-	}
-	w.trace.add("job   %s %s %s %s", w.keyName(j.key), j.name[:14], j.uid, map[bool]string{true: "succeeded", false: "FAILED"}[exit == 0])
-	if w.sc.has("no-ttl") {
-		// No TTL controller: every Job must be deleted by the workers.
-		return
-	}
-	time.AfterFunc(simTTL, func() {
-		_ = w.api.do(func() error {
-			cur, found := w.api.getJobLocked(testNamespace, j.name)
-			if !found || string(cur.UID) != uid {
-				return nil
-			}
-			return w.api.deleteJobLocked(testNamespace, j.name, metav1.DeleteOptions{}, "ttl")
-		})
-	})
+	return o
 }
 
 // deleteExternally deletes a Job (or a Pod) as an operator would; it
 // prefers a Job still running.
-func (n *simNode) deleteExternally(pods bool, pick int) {
-	w := n.w
-	_ = w.api.do(func() error {
+func (w *simWorld) deleteExternally(pods bool, pick int) {
+	api := w.world.api
+	_ = api.do(func() error {
 		if pods {
-			l, err := w.api.tracker.List(simPodsGVR, simKindOf(simPodsGVR), testNamespace)
+			l, err := api.tracker.List(podsGVR, kindOf(podsGVR), testNamespace)
 			if err != nil {
 				return err
 			}
@@ -362,9 +290,9 @@ func (n *simNode) deleteExternally(pods bool, pick int) {
 			}
 			p := items[pick%len(items)]
 			w.trace.add("fault pod-delete: %s", p.Name)
-			return w.api.removeLocked(simPodsGVR, testNamespace, p.Name, "external")
+			return api.removeLocked(podsGVR, testNamespace, p.Name, "external")
 		}
-		l, err := w.api.tracker.List(simJobsGVR, simKindOf(simJobsGVR), testNamespace)
+		l, err := api.tracker.List(jobsGVR, kindOf(jobsGVR), testNamespace)
 		if err != nil {
 			return err
 		}
@@ -387,7 +315,7 @@ func (n *simNode) deleteExternally(pods bool, pick int) {
 		}
 		j := all[pick%len(all)]
 		w.trace.add("fault job-delete: %s %s", w.keyName(j.Annotations[kaniko.AnnotationKey]), j.UID)
-		return w.api.deleteJobLocked(testNamespace, j.Name, metav1.DeleteOptions{}, "external")
+		return api.deleteJobLocked(testNamespace, j.Name, metav1.DeleteOptions{}, "external")
 	})
 }
 
@@ -442,7 +370,7 @@ type simProc struct {
 	id     string
 	slot   *simSlot
 	nc     *nats.Conn
-	client *simClient
+	client *apiClient
 	cancel context.CancelFunc
 	done   chan struct{}
 	killed atomic.Bool
@@ -484,14 +412,9 @@ type simWorld struct {
 	logs    *simLogBuffer
 	metrics *Metrics
 
-	dir   string
-	port  int
-	srvMu sync.Mutex
-	srv   *server.Server
-
-	api      *simAPI
-	node     *simNode
-	reg      *testRegistry
+	// world: NATS, the API server, the node, the registry.
+	world    *world
+	node     *simNode // the record of the node's Jobs
 	obs      *nats.Conn
 	js       jetstream.JetStream
 	pub      *publisher.Client
@@ -574,54 +497,8 @@ func (w *simWorld) note(format string, args ...any) {
 	w.mu.Unlock()
 }
 
-func simFreePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
-}
-
-func (w *simWorld) url() string { return fmt.Sprintf("nats://127.0.0.1:%d", w.port) }
-
-func (w *simWorld) startServer() error {
-	var last error
-	for range 50 {
-		srv, err := server.NewServer(&server.Options{
-			ServerName: "buildq-sim", Host: "127.0.0.1", Port: w.port, JetStream: true, StoreDir: w.dir,
-			NoLog: true, NoSigs: true, JetStreamMaxMemory: 64 << 20, JetStreamMaxStore: 1 << 30,
-		})
-		if err != nil {
-			return err
-		}
-		srv.Start()
-		if srv.ReadyForConnections(10 * time.Second) {
-			w.srvMu.Lock()
-			w.srv = srv
-			w.srvMu.Unlock()
-			return nil
-		}
-		srv.Shutdown()
-		last = fmt.Errorf("nats-server on port %d did not start", w.port)
-		time.Sleep(100 * time.Millisecond)
-	}
-	return last
-}
-
-func (w *simWorld) stopServer() {
-	w.srvMu.Lock()
-	srv := w.srv
-	w.srv = nil
-	w.srvMu.Unlock()
-	if srv != nil {
-		srv.Shutdown()
-		srv.WaitForShutdown()
-	}
-}
-
 func (w *simWorld) connect(name string) (*nats.Conn, error) {
-	return w.connectTo(w.url(), name)
+	return w.connectTo(w.world.nats.url(), name)
 }
 
 func (w *simWorld) connectTo(url, name string) (*nats.Conn, error) {
@@ -642,8 +519,8 @@ func (w *simWorld) workerConfig(id string, slot int, skew time.Duration) Config 
 		MaxDeliver:      simMaxDeliver,
 		Lease:           w.sc.leases[slot],
 		ShutdownTimeout: 5 * time.Second,
-		Naming:          naming.Policy{Registry: w.reg.host},
-		Registry:        w.reg.client,
+		Naming:          naming.Policy{Registry: w.world.reg.host},
+		Registry:        w.world.reg.client,
 		Logger:          logger.Named(id),
 		Metrics:         w.metrics,
 		Now:             func() time.Time { return time.Now().Add(skew) },
@@ -674,7 +551,7 @@ func (w *simWorld) start(s *simSlot) {
 	s.pending = nil
 	s.mu.Unlock()
 
-	client := w.api.newClient(id, w.runtimeRand())
+	client := w.world.api.newClient(id, w.runtimeRand())
 	client.onFault = func(verb, name string, err error) {
 		w.trace.add("api   %s: %s job %s failed: %v", id, verb, name, err)
 	}
@@ -693,7 +570,7 @@ func (w *simWorld) start(s *simSlot) {
 	w.mu.Unlock()
 	w.trace.add("work  %s started (clock %+v)", id, s.skew)
 
-	factory := kube.NewInformerFactory(client.cs, simKaniko.Namespace)
+	factory := kube.NewInformerFactory(client, simKaniko.Namespace)
 	watcher, err := kube.NewWatcher(factory, nil)
 	if err != nil {
 		w.t.Errorf("harness: watcher: %v", err)
@@ -701,14 +578,14 @@ func (w *simWorld) start(s *simSlot) {
 		close(p.done)
 		return
 	}
-	backend, err := NewKubeBackend(client.cs, watcher, simKaniko)
+	backend, err := NewKubeBackend(client, watcher, simKaniko)
 	if err != nil {
 		w.t.Errorf("harness: backend: %v", err)
 		cancel()
 		close(p.done)
 		return
 	}
-	backend.WithDigestResolver(func(ctx context.Context, ref string) (string, error) { return w.reg.client.Head(ctx, ref) })
+	backend.WithDigestResolver(func(ctx context.Context, ref string) (string, error) { return w.world.reg.client.Head(ctx, ref) })
 	w.mu.Lock()
 	if w.identity == "" {
 		w.identity = backend.Identity()
@@ -821,7 +698,7 @@ func (w *simWorld) kill(p *simProc) {
 	p.killed.Store(true)
 	p.nc.Close()
 	p.client.dead.Store(true)
-	w.api.breakWatches(p.client, false)
+	w.world.api.breakWatches(p.client, false)
 	p.cancel()
 	w.trace.add("fault %s killed (SIGKILL)", p.id)
 }
@@ -862,9 +739,7 @@ func (w *simWorld) replace(s *simSlot, hard bool, delay time.Duration) {
 // port after down.
 func (w *simWorld) restartNATS(down time.Duration) {
 	w.trace.add("fault nats-server stopped (down %s)", down)
-	w.stopServer()
-	time.Sleep(down)
-	if err := w.startServer(); err != nil {
+	if err := w.world.nats.restart(down); err != nil {
 		w.t.Errorf("harness: restart nats-server: %v", err)
 		return
 	}
@@ -887,21 +762,6 @@ func (w *simWorld) runtimeRand() func() float64 {
 		x ^= x << 17
 		return float64(x>>11) / float64(1<<53)
 	}
-}
-
-// push "pushes" the image of a content to every destination.
-func (w *simWorld) push(content string, dests []string) (string, error) {
-	im, err := simImageFor(content)
-	if err != nil {
-		return "", err
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
-	d, err := w.reg.client.Push(ctx, im.img, dests)
-	if err == nil && d != im.digest {
-		return "", fmt.Errorf("pushed digest %s, want %s", d, im.digest)
-	}
-	return d, err
 }
 
 // submit publishes a submission; a failed publish is retried with the same
@@ -1065,8 +925,8 @@ func (w *simWorld) queueState(ctx context.Context) (msgs uint64, pending uint64,
 // liveJobs lists the Jobs that exist now.
 func (w *simWorld) liveJobs() []string {
 	var out []string
-	_ = w.api.do(func() error {
-		l, err := w.api.tracker.List(simJobsGVR, simKindOf(simJobsGVR), testNamespace)
+	_ = w.world.api.do(func() error {
+		l, err := w.world.api.tracker.List(jobsGVR, kindOf(jobsGVR), testNamespace)
 		if err != nil {
 			return err
 		}

@@ -1,19 +1,27 @@
 package worker
 
-// The fault simulation's Kubernetes API server: one object tracker shared by
-// a fake clientset per worker (and the simulated node), with resource
-// versions, a retained event log and watches that resume from a resource
-// version as a real API server's do. A watch break therefore loses nothing
-// (the reflector resumes from its last version), and a 410 Gone makes the
-// reflector relist: what a worker misses is its own fault, not the fake's.
+// The test world's Kubernetes API server: one object tracker shared by a
+// fake clientset per party (a worker, the test itself; the node works on
+// the server directly), with UIDs, resource versions, delete
+// preconditions, foreground deletion and the garbage collector's removal
+// of a Job's Pods, a retained event log and watches that resume from a
+// resource version as a real API server's do. A watch break therefore
+// loses nothing (the reflector resumes from its last version), and a 410
+// Gone makes the reflector relist: what a worker misses is its own fault,
+// not the fake's.
 //
-// Every mutation goes through simAPI under one mutex, so the simulation's
-// record of Jobs (creations, deletions and their causes) is a total order.
+// Each client can be made to fail (apiFault: errors, lag) and to die; with
+// no fault set it is a plain API server, which is how the harness and the
+// scale benchmark use it.
+//
+// Every mutation goes through apiServer under one mutex, so the record of
+// Jobs (creations, deletions and their causes) is a total order.
 
 import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -34,42 +42,47 @@ import (
 )
 
 var (
-	simJobsGVR = batchv1.SchemeGroupVersion.WithResource("jobs")
-	simPodsGVR = corev1.SchemeGroupVersion.WithResource("pods")
+	jobsGVR = batchv1.SchemeGroupVersion.WithResource("jobs")
+	podsGVR = corev1.SchemeGroupVersion.WithResource("pods")
 )
 
-// simAPIEvent is one change to an object, as a watch delivers it.
-type simAPIEvent struct {
+// apiEvent is one change to an object, as a watch delivers it.
+type apiEvent struct {
 	rv  uint64
 	gvr schema.GroupVersionResource
 	typ watch.EventType
 	obj runtime.Object
 }
 
-// simAPI is the shared fake API server.
-type simAPI struct {
+// apiServer is the shared fake API server.
+type apiServer struct {
 	mu      sync.Mutex
 	tracker k8stesting.ObjectTracker
 	rv      uint64
-	log     []simAPIEvent
-	watches map[*simWatch]struct{}
-	uids    int
+	log     []apiEvent
+	// keep bounds the event log (0: every event is kept): beyond it the
+	// oldest events are compacted away, and a watch from before them is
+	// answered 410 Gone, as etcd's compaction makes a real server do.
+	keep      int
+	compacted uint64 // the newest resource version compacted away
+	watches   map[*apiWatch]struct{}
+	uids      int
 	// onChange observes every change (under mu; it must not block).
-	onChange func(ev simAPIEvent, cause string)
+	onChange func(ev apiEvent, cause string)
 	// gc runs delayed work (foreground deletion); nil after close.
 	after  func(d time.Duration, f func())
 	closed bool
 }
 
-func newSimAPI() *simAPI {
-	return &simAPI{
+func newAPIServer() *apiServer {
+	return &apiServer{
 		tracker: k8stesting.NewObjectTracker(scheme.Scheme, scheme.Codecs.UniversalDecoder()),
-		watches: map[*simWatch]struct{}{},
+		watches: map[*apiWatch]struct{}{},
 		after:   func(d time.Duration, f func()) { time.AfterFunc(d, f) },
 	}
 }
 
-func (a *simAPI) close() {
+func (a *apiServer) close() {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.closed = true
@@ -80,9 +93,14 @@ func (a *simAPI) close() {
 
 // record stores a change (obj already carries its new resource version)
 // and fans it out. Called with mu held.
-func (a *simAPI) record(gvr schema.GroupVersionResource, typ watch.EventType, obj runtime.Object, cause string) {
-	ev := simAPIEvent{rv: a.rv, gvr: gvr, typ: typ, obj: obj.DeepCopyObject()}
+func (a *apiServer) record(gvr schema.GroupVersionResource, typ watch.EventType, obj runtime.Object, cause string) {
+	ev := apiEvent{rv: a.rv, gvr: gvr, typ: typ, obj: obj.DeepCopyObject()}
 	a.log = append(a.log, ev)
+	if a.keep > 0 && len(a.log) >= 2*a.keep {
+		drop := len(a.log) - a.keep
+		a.compacted = a.log[drop-1].rv
+		a.log = append([]apiEvent(nil), a.log[drop:]...)
+	}
 	for w := range a.watches {
 		w.offer(ev)
 	}
@@ -91,7 +109,7 @@ func (a *simAPI) record(gvr schema.GroupVersionResource, typ watch.EventType, ob
 	}
 }
 
-func (a *simAPI) nextRV(obj runtime.Object) {
+func (a *apiServer) nextRV(obj runtime.Object) {
 	a.rv++
 	m, _ := meta.Accessor(obj)
 	m.SetResourceVersion(strconv.FormatUint(a.rv, 10))
@@ -99,7 +117,7 @@ func (a *simAPI) nextRV(obj runtime.Object) {
 
 // create stores a new object: the API server gives it a UID and a
 // creation time. Called with mu held.
-func (a *simAPI) createLocked(gvr schema.GroupVersionResource, obj runtime.Object, ns, cause string) (runtime.Object, error) {
+func (a *apiServer) createLocked(gvr schema.GroupVersionResource, obj runtime.Object, ns, cause string) (runtime.Object, error) {
 	obj = obj.DeepCopyObject()
 	m, err := meta.Accessor(obj)
 	if err != nil {
@@ -124,7 +142,7 @@ func (a *simAPI) createLocked(gvr schema.GroupVersionResource, obj runtime.Objec
 }
 
 // update replaces an existing object. Called with mu held.
-func (a *simAPI) updateLocked(gvr schema.GroupVersionResource, obj runtime.Object, cause string) error {
+func (a *apiServer) updateLocked(gvr schema.GroupVersionResource, obj runtime.Object, cause string) error {
 	obj = obj.DeepCopyObject()
 	m, _ := meta.Accessor(obj)
 	a.nextRV(obj)
@@ -136,7 +154,7 @@ func (a *simAPI) updateLocked(gvr schema.GroupVersionResource, obj runtime.Objec
 }
 
 // removeLocked deletes an object now. Called with mu held.
-func (a *simAPI) removeLocked(gvr schema.GroupVersionResource, ns, name, cause string) error {
+func (a *apiServer) removeLocked(gvr schema.GroupVersionResource, ns, name, cause string) error {
 	cur, err := a.tracker.Get(gvr, ns, name)
 	if err != nil {
 		return err
@@ -149,24 +167,26 @@ func (a *simAPI) removeLocked(gvr schema.GroupVersionResource, ns, name, cause s
 	return nil
 }
 
-// podsOfLocked lists the Pods a Job owns (by its controller-uid label).
-func (a *simAPI) podsOfLocked(ns string, job *batchv1.Job) []*corev1.Pod {
-	l, err := a.tracker.List(simPodsGVR, corev1.SchemeGroupVersion.WithKind("Pod"), ns)
+// podsOfLocked lists the Pods a Job owns: by their controller-uid label,
+// or, for a Pod a test made without one, by their job-name label.
+func (a *apiServer) podsOfLocked(ns string, job *batchv1.Job) []*corev1.Pod {
+	l, err := a.tracker.List(podsGVR, corev1.SchemeGroupVersion.WithKind("Pod"), ns)
 	if err != nil {
 		return nil
 	}
 	var out []*corev1.Pod
 	for i := range l.(*corev1.PodList).Items {
 		p := &l.(*corev1.PodList).Items[i]
-		if p.Labels[batchv1.ControllerUidLabel] == string(job.UID) {
+		uid, labeled := p.Labels[batchv1.ControllerUidLabel]
+		if uid == string(job.UID) || (!labeled && p.Labels[batchv1.JobNameLabel] == job.Name) {
 			out = append(out, p)
 		}
 	}
 	return out
 }
 
-func (a *simAPI) getJobLocked(ns, name string) (*batchv1.Job, bool) {
-	o, err := a.tracker.Get(simJobsGVR, ns, name)
+func (a *apiServer) getJobLocked(ns, name string) (*batchv1.Job, bool) {
+	o, err := a.tracker.Get(jobsGVR, ns, name)
 	if err != nil {
 		return nil, false
 	}
@@ -177,18 +197,18 @@ func (a *simAPI) getJobLocked(ns, name string) (*batchv1.Job, bool) {
 // collector would: preconditions are checked; foreground deletion marks
 // the Job terminating, deletes its Pods and then the Job a moment later;
 // otherwise the Job goes now and its Pods right after.
-func (a *simAPI) deleteJobLocked(ns, name string, opts metav1.DeleteOptions, cause string) error {
+func (a *apiServer) deleteJobLocked(ns, name string, opts metav1.DeleteOptions, cause string) error {
 	job, ok := a.getJobLocked(ns, name)
 	if !ok {
-		return apierrors.NewNotFound(simJobsGVR.GroupResource(), name)
+		return apierrors.NewNotFound(jobsGVR.GroupResource(), name)
 	}
 	if p := opts.Preconditions; p != nil {
 		if p.UID != nil && *p.UID != job.UID {
-			return apierrors.NewConflict(simJobsGVR.GroupResource(), name,
+			return apierrors.NewConflict(jobsGVR.GroupResource(), name,
 				fmt.Errorf("precondition failed: UID in precondition: %v, UID in object meta: %v", *p.UID, job.UID))
 		}
 		if p.ResourceVersion != nil && *p.ResourceVersion != job.ResourceVersion {
-			return apierrors.NewConflict(simJobsGVR.GroupResource(), name,
+			return apierrors.NewConflict(jobsGVR.GroupResource(), name,
 				fmt.Errorf("precondition failed: ResourceVersion in precondition: %v, ResourceVersion in object meta: %v", *p.ResourceVersion, job.ResourceVersion))
 		}
 	}
@@ -199,7 +219,7 @@ func (a *simAPI) deleteJobLocked(ns, name string, opts metav1.DeleteOptions, cau
 		now := metav1.Now()
 		job.DeletionTimestamp = &now
 		job.Finalizers = append(job.Finalizers, metav1.FinalizerDeleteDependents)
-		if err := a.updateLocked(simJobsGVR, job, cause); err != nil {
+		if err := a.updateLocked(jobsGVR, job, cause); err != nil {
 			return err
 		}
 		uid := job.UID
@@ -214,37 +234,52 @@ func (a *simAPI) deleteJobLocked(ns, name string, opts metav1.DeleteOptions, cau
 				return
 			}
 			for _, p := range a.podsOfLocked(ns, cur) {
-				_ = a.removeLocked(simPodsGVR, ns, p.Name, "gc")
+				_ = a.removeLocked(podsGVR, ns, p.Name, "gc")
 			}
-			_ = a.removeLocked(simJobsGVR, ns, name, cause)
+			_ = a.removeLocked(jobsGVR, ns, name, cause)
 		})
 		return nil
 	}
 	pods := a.podsOfLocked(ns, job)
-	if err := a.removeLocked(simJobsGVR, ns, name, cause); err != nil {
+	if err := a.removeLocked(jobsGVR, ns, name, cause); err != nil {
 		return err
 	}
 	for _, p := range pods {
-		_ = a.removeLocked(simPodsGVR, ns, p.Name, "gc")
+		_ = a.removeLocked(podsGVR, ns, p.Name, "gc")
 	}
 	return nil
 }
 
-// simKindOf is the kind of the objects of a resource the simulation serves.
-func simKindOf(gvr schema.GroupVersionResource) schema.GroupVersionKind {
+// kindOf is the kind of the objects of a resource the server serves (any
+// of client-go's scheme).
+func kindOf(gvr schema.GroupVersionResource) schema.GroupVersionKind {
 	switch gvr {
-	case simJobsGVR:
+	case jobsGVR:
 		return batchv1.SchemeGroupVersion.WithKind("Job")
-	case simPodsGVR:
+	case podsGVR:
 		return corev1.SchemeGroupVersion.WithKind("Pod")
+	}
+	if k, ok := kinds.Load(gvr); ok {
+		return k.(schema.GroupVersionKind)
+	}
+	for gvk := range scheme.Scheme.AllKnownTypes() {
+		if gvk.Group != gvr.Group || gvk.Version != gvr.Version || strings.HasSuffix(gvk.Kind, "List") {
+			continue
+		}
+		if plural, _ := meta.UnsafeGuessKindToResource(gvk); plural.Resource == gvr.Resource {
+			kinds.Store(gvr, gvk)
+			return gvk
+		}
 	}
 	return schema.GroupVersionKind{Group: gvr.Group, Version: gvr.Version, Kind: "Unknown"}
 }
 
+var kinds sync.Map // GroupVersionResource → GroupVersionKind
+
 // list returns a list with the current resource version, filtered by label.
-func (a *simAPI) listLocked(act k8stesting.ListAction) (runtime.Object, error) {
+func (a *apiServer) listLocked(act k8stesting.ListAction) (runtime.Object, error) {
 	gvr := act.GetResource()
-	obj, err := a.tracker.List(gvr, simKindOf(gvr), act.GetNamespace())
+	obj, err := a.tracker.List(gvr, kindOf(gvr), act.GetNamespace())
 	if err != nil {
 		return nil, err
 	}
@@ -268,24 +303,24 @@ func (a *simAPI) listLocked(act k8stesting.ListAction) (runtime.Object, error) {
 
 // watch opens a watch from a resource version: the events after it are
 // replayed first. "" starts with the current objects, "0" with nothing.
-func (a *simAPI) watch(c *simClient, act k8stesting.WatchAction) (watch.Interface, error) {
+func (a *apiServer) watch(c *apiClient, act k8stesting.WatchAction) (watch.Interface, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.closed {
 		return nil, errors.New("api server stopped")
 	}
 	r := act.GetWatchRestrictions()
-	w := &simWatch{
+	w := &apiWatch{
 		api: a, client: c, gvr: act.GetResource(), ns: act.GetNamespace(), sel: r.Labels,
 		out: make(chan watch.Event), wake: make(chan struct{}, 1), stop: make(chan struct{}),
 	}
 	switch rv := r.ResourceVersion; rv {
 	case "":
-		obj, err := a.tracker.List(w.gvr, simKindOf(w.gvr), w.ns)
+		obj, err := a.tracker.List(w.gvr, kindOf(w.gvr), w.ns)
 		if err == nil {
 			items, _ := meta.ExtractList(obj)
 			for _, it := range items {
-				w.offer(simAPIEvent{gvr: w.gvr, typ: watch.Added, obj: it})
+				w.offer(apiEvent{gvr: w.gvr, typ: watch.Added, obj: it})
 			}
 		}
 	case "0":
@@ -293,6 +328,13 @@ func (a *simAPI) watch(c *simClient, act k8stesting.WatchAction) (watch.Interfac
 		from, err := strconv.ParseUint(rv, 10, 64)
 		if err != nil {
 			return nil, apierrors.NewBadRequest("bad resource version " + rv)
+		}
+		if from < a.compacted {
+			// Events after from were compacted away: the watch ends at
+			// once with 410 Gone, and the reflector relists.
+			w.broken, w.gone = true, true
+			go w.run()
+			return w, nil
 		}
 		for _, ev := range a.log {
 			if ev.rv > from {
@@ -306,7 +348,7 @@ func (a *simAPI) watch(c *simClient, act k8stesting.WatchAction) (watch.Interfac
 }
 
 // breakWatches ends every watch of one client: closed, or with a 410 Gone.
-func (a *simAPI) breakWatches(c *simClient, gone bool) int {
+func (a *apiServer) breakWatches(c *apiClient, gone bool) int {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	n := 0
@@ -319,11 +361,11 @@ func (a *simAPI) breakWatches(c *simClient, gone bool) int {
 	return n
 }
 
-// simWatch is a watch with an unbounded queue: the fan-out under the API
+// apiWatch is a watch with an unbounded queue: the fan-out under the API
 // mutex never blocks.
-type simWatch struct {
-	api    *simAPI
-	client *simClient
+type apiWatch struct {
+	api    *apiServer
+	client *apiClient
 	gvr    schema.GroupVersionResource
 	ns     string
 	sel    labels.Selector
@@ -338,7 +380,7 @@ type simWatch struct {
 	once   sync.Once
 }
 
-func (w *simWatch) offer(ev simAPIEvent) {
+func (w *apiWatch) offer(ev apiEvent) {
 	if ev.gvr != w.gvr {
 		return
 	}
@@ -362,7 +404,7 @@ func (w *simWatch) offer(ev simAPIEvent) {
 }
 
 // brk breaks the watch; called with the API mutex held.
-func (w *simWatch) brk(gone bool) {
+func (w *apiWatch) brk(gone bool) {
 	w.mu.Lock()
 	w.broken, w.gone = true, gone
 	w.mu.Unlock()
@@ -373,7 +415,7 @@ func (w *simWatch) brk(gone bool) {
 	}
 }
 
-func (w *simWatch) run() {
+func (w *apiWatch) run() {
 	defer close(w.out)
 	defer func() {
 		w.api.mu.Lock()
@@ -421,13 +463,13 @@ func (w *simWatch) run() {
 	}
 }
 
-func (w *simWatch) Stop()                          { w.once.Do(func() { close(w.stop) }) }
-func (w *simWatch) ResultChan() <-chan watch.Event { return w.out }
+func (w *apiWatch) Stop()                          { w.once.Do(func() { close(w.stop) }) }
+func (w *apiWatch) ResultChan() <-chan watch.Event { return w.out }
 
-// simAPIFault makes a Job create or delete fail: the code, and for a
+// apiFault makes a Job create or delete fail: the code, and for a
 // create whether the Job was stored before the error (a timeout after the
 // commit).
-type simAPIFault struct {
+type apiFault struct {
 	until     time.Time
 	p         float64
 	committed bool
@@ -436,24 +478,29 @@ type simAPIFault struct {
 	lag, deleteLag time.Duration
 }
 
-// simClient is one party's clientset on the shared API server.
-type simClient struct {
-	api  *simAPI
+// apiClient is one party's clientset on the shared API server: a client-go
+// fake clientset whose every call goes to the server (reactors a test
+// prepends run first), named in the server's record as the cause of what
+// it does.
+type apiClient struct {
+	*fake.Clientset
+	api  *apiServer
 	name string
-	cs   *fake.Clientset
 	dead atomic.Bool
 
 	mu    sync.Mutex
-	fault *simAPIFault
+	fault *apiFault
 	rnd   func() float64
 	// onFault reports an injected error (for the trace).
 	onFault func(verb, name string, err error)
 }
 
-func (a *simAPI) newClient(name string, rnd func() float64) *simClient {
-	c := &simClient{api: a, name: name, cs: &fake.Clientset{}, rnd: rnd}
-	c.cs.AddReactor("*", "*", c.react)
-	c.cs.AddWatchReactor("*", func(act k8stesting.Action) (bool, watch.Interface, error) {
+// newClient makes a client of the server; rnd draws the injected faults
+// (nil: the client is never given any).
+func (a *apiServer) newClient(name string, rnd func() float64) *apiClient {
+	c := &apiClient{Clientset: &fake.Clientset{}, api: a, name: name, rnd: rnd}
+	c.AddReactor("*", "*", c.react)
+	c.AddWatchReactor("*", func(act k8stesting.Action) (bool, watch.Interface, error) {
 		if c.dead.Load() {
 			return true, nil, errors.New("dial tcp: connection refused (worker killed)")
 		}
@@ -463,21 +510,21 @@ func (a *simAPI) newClient(name string, rnd func() float64) *simClient {
 	return c
 }
 
-func (c *simClient) setFault(f *simAPIFault) {
+func (c *apiClient) setFault(f *apiFault) {
 	c.mu.Lock()
 	c.fault = f
 	c.mu.Unlock()
 }
 
 // injected decides whether this call fails, and how.
-func (c *simClient) injected(verb string) (committed bool, err error) {
+func (c *apiClient) injected(verb string) (committed bool, err error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	f := c.fault
 	if f == nil || time.Now().After(f.until) || f.p == 0 || c.rnd() >= f.p {
 		return false, nil
 	}
-	gr := simJobsGVR.GroupResource()
+	gr := jobsGVR.GroupResource()
 	switch x := c.rnd(); {
 	case x < 0.4:
 		err = apierrors.NewInternalError(errors.New("etcdserver: leader changed (injected)"))
@@ -496,7 +543,7 @@ func (c *simClient) injected(verb string) (committed bool, err error) {
 
 // delay holds a call for the injected lag, if any: the request reaches
 // the API server late, whatever happened meanwhile.
-func (c *simClient) delay(verb string) {
+func (c *apiClient) delay(verb string) {
 	c.mu.Lock()
 	f := c.fault
 	d := time.Duration(0)
@@ -512,7 +559,7 @@ func (c *simClient) delay(verb string) {
 	}
 }
 
-func (c *simClient) react(act k8stesting.Action) (bool, runtime.Object, error) {
+func (c *apiClient) react(act k8stesting.Action) (bool, runtime.Object, error) {
 	if c.dead.Load() {
 		return true, nil, errors.New("dial tcp: connection refused (worker killed)")
 	}
@@ -523,7 +570,7 @@ func (c *simClient) react(act k8stesting.Action) (bool, runtime.Object, error) {
 	if act.GetSubresource() == "log" {
 		return true, &corev1.Pod{}, nil
 	}
-	if gvr == simJobsGVR && (verb == "create" || verb == "delete") {
+	if gvr == jobsGVR && (verb == "create" || verb == "delete") {
 		if committed, err := c.injected(verb); err != nil {
 			if committed {
 				a.mu.Lock()
@@ -570,7 +617,7 @@ func (c *simClient) react(act k8stesting.Action) (bool, runtime.Object, error) {
 		return true, obj, nil
 	case "delete":
 		d := act.(k8stesting.DeleteAction)
-		if gvr == simJobsGVR {
+		if gvr == jobsGVR {
 			return true, nil, a.deleteJobLocked(act.GetNamespace(), d.GetName(), d.GetDeleteOptions(), c.name)
 		}
 		return true, nil, a.removeLocked(gvr, act.GetNamespace(), d.GetName(), c.name)
@@ -579,8 +626,87 @@ func (c *simClient) react(act k8stesting.Action) (bool, runtime.Object, error) {
 	}
 }
 
+// Tracker is the server's object store, as a fake clientset's Tracker is:
+// what a test writes through it is seen by every watch.
+func (c *apiClient) Tracker() k8stesting.ObjectTracker { return apiTracker{api: c.api, cause: c.name} }
+
+// apiTracker writes to the server under its mutex, bypassing the clients'
+// reactors (as a fake clientset's tracker does), with the server's
+// resource versions, UIDs and watch events.
+type apiTracker struct {
+	api   *apiServer
+	cause string
+}
+
+var errTrackerUnsupported = errors.New("not supported by the test world's API server")
+
+func (tr apiTracker) Add(obj runtime.Object) error {
+	m, err := meta.Accessor(obj)
+	if err != nil {
+		return err
+	}
+	gvks, _, err := scheme.Scheme.ObjectKinds(obj)
+	if err != nil {
+		return err
+	}
+	gvr, _ := meta.UnsafeGuessKindToResource(gvks[0])
+	if _, err := tr.Get(gvr, m.GetNamespace(), m.GetName()); err == nil {
+		return tr.Update(gvr, obj, m.GetNamespace())
+	}
+	return tr.Create(gvr, obj, m.GetNamespace())
+}
+
+func (tr apiTracker) Get(gvr schema.GroupVersionResource, ns, name string, _ ...metav1.GetOptions) (runtime.Object, error) {
+	var o runtime.Object
+	err := tr.api.do(func() error {
+		var err error
+		o, err = tr.api.tracker.Get(gvr, ns, name)
+		return err
+	})
+	return o, err
+}
+
+func (tr apiTracker) Create(gvr schema.GroupVersionResource, obj runtime.Object, ns string, _ ...metav1.CreateOptions) error {
+	return tr.api.do(func() error {
+		_, err := tr.api.createLocked(gvr, obj, ns, tr.cause)
+		return err
+	})
+}
+
+func (tr apiTracker) Update(gvr schema.GroupVersionResource, obj runtime.Object, _ string, _ ...metav1.UpdateOptions) error {
+	return tr.api.do(func() error { return tr.api.updateLocked(gvr, obj, tr.cause) })
+}
+
+func (tr apiTracker) Patch(schema.GroupVersionResource, runtime.Object, string, ...metav1.PatchOptions) error {
+	return errTrackerUnsupported
+}
+
+func (tr apiTracker) Apply(schema.GroupVersionResource, runtime.Object, string, ...metav1.PatchOptions) error {
+	return errTrackerUnsupported
+}
+
+func (tr apiTracker) List(gvr schema.GroupVersionResource, gvk schema.GroupVersionKind, ns string, _ ...metav1.ListOptions) (runtime.Object, error) {
+	var o runtime.Object
+	err := tr.api.do(func() error {
+		var err error
+		o, err = tr.api.tracker.List(gvr, gvk, ns)
+		return err
+	})
+	return o, err
+}
+
+// Delete removes the object now, as a fake clientset's tracker does (no
+// preconditions, no foreground deletion, no garbage collection).
+func (tr apiTracker) Delete(gvr schema.GroupVersionResource, ns, name string, _ ...metav1.DeleteOptions) error {
+	return tr.api.do(func() error { return tr.api.removeLocked(gvr, ns, name, tr.cause) })
+}
+
+func (tr apiTracker) Watch(schema.GroupVersionResource, string, ...metav1.ListOptions) (watch.Interface, error) {
+	return nil, errTrackerUnsupported
+}
+
 // do runs f under the API mutex (the node and the test's own mutations).
-func (a *simAPI) do(f func() error) error {
+func (a *apiServer) do(f func() error) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.closed {
