@@ -1,5 +1,9 @@
 package worker
 
+// Metrics (metrics.go): results counted by status, origin and reason,
+// readiness, queue wait, and per tenant the requests queued, the builds
+// running and the requests parked.
+
 import (
 	"context"
 	"testing"
@@ -12,6 +16,7 @@ import (
 	"github.com/buildq/buildq/internal/kaniko"
 )
 
+// Origin: kaniko Job hardening, cancel and metrics (dfb1424).
 func TestMetricsCountResults(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
@@ -49,6 +54,8 @@ func TestMetricsCountResults(t *testing.T) {
 
 // The per-tenant metrics: requests queued, builds running, requests
 // parked on builds in progress.
+//
+// Origin: per-tenant metrics (245cf5d).
 func TestMetricsPerTenant(t *testing.T) {
 	t.Parallel()
 	e := setup(t)

@@ -59,7 +59,7 @@ var mutantCatalogue = []mutantCase{
 	{"cancel-other-tenants", "a cancel by key cancels the canceling tenant's waiting requests only", []string{"TestCancelOfASharedBuildSparesOtherTenants"}},
 	{"ignore-priority", "a tenant's requests are taken high, then normal, then low", nil},
 	{"ignore-shares", "a free slot goes to the tenant with the fewest requests running per weight", nil},
-	{"share-foreign-failure", "a failed run of another tenant's request answers nobody else", []string{"TestAttackClaimersCredentialFailureFailsTheJoiner"}},
+	{"share-foreign-failure", "a failed run of another tenant's request answers nobody else", []string{"TestClaimersCredentialFailureDoesNotFailTheJoiner"}},
 	{"skip-possession", "a request is answered only for content its tenant shows it holds", []string{"TestForeignBuildNeedsPossession", "TestJoiningAForeignBuildNeedsPossession"}},
 	{"reply-anywhere", "the tenant API answers only on a service import's or the tenant's own inbox's reply", []string{"TestAPIAnswersOnlyOnATenantsOwnReplies"}},
 }

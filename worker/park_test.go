@@ -1,9 +1,16 @@
 package worker
 
+// Parking (park.go): a request that joins a run in flight is parked and
+// holds no slot; every parked request is answered once, from the run it
+// parked on, when that run ends — also when its owner's worker stops or
+// dies, or its Job is deleted (docs/design.md §2c).
+
 import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"hash/fnv"
+	"sync"
 	"testing"
 	"time"
 
@@ -11,12 +18,15 @@ import (
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
+	"github.com/buildq/buildq/worker/internal/ledger"
 )
 
 // The stall the issue describes: 3 workers × 2 slots, 6 identical
 // requests, then one different one, the first Job held. Joiners park, so
 // the different request is taken and built while the first build runs,
 // and every duplicate gets its answer when that build ends.
+//
+// Origin: parking, a request that joins a running build holds no slot (897c81b).
 func TestDuplicatesOfARunningBuildHoldNoSlot(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
@@ -81,97 +91,52 @@ func TestDuplicatesOfARunningBuildHoldNoSlot(t *testing.T) {
 	}
 }
 
-// A parked request whose run failed for a reason of its claimer's own
-// request (here the claimer's shorter timeout) is requeued and built with
-// its own inputs, not answered with the claimer's failure.
-func TestParkedRequestIsRequeuedOnTheClaimersOwnFailure(t *testing.T) {
+// Origin: adversarial review of parking (docs/design.md §2c), invariants 3 and 1; fixed by 9f3c611.
+func TestFiftyDuplicatesBuildOnceAndEachIsAnsweredOnce(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
-	e.startWorker("w1", withRegistry(tr))
-	results := e.collect()
-	ctx := context.Background()
-
-	short := request("timeouts")
-	short.Timeout = v1.Duration{Duration: time.Minute}
-	if _, err := e.pub.Publish(ctx, short); err != nil {
-		t.Fatal(err)
-	}
-	key := v1.BuildKey(short, "kaniko@"+testKaniko.ExecutorImage)
-	first := e.waitJob(kaniko.JobName(key))
-	long := request("timeouts")
-	long.Timeout = v1.Duration{Duration: time.Hour}
-	if _, err := e.pub.Publish(ctx, long); err != nil {
-		t.Fatal(err)
-	}
-	eventually(t, 10*time.Second, "the second request parked", func() bool {
-		_, ackPending, _ := e.streamState()
-		return ackPending == 1
-	})
-	// The first run ends past its deadline.
-	deadlineExceeded(t, e, first)
-	// No Pod shows the end: the backend waits its grace for one first.
-	got := results.waitFor(t, 1, 30*time.Second)
-	if got[0].Data.RequestID != short.RequestID || got[0].Data.Reason != v1.ReasonDeadlineExceeded {
-		t.Fatalf("first result %s", mustJSON(t, got[0]))
-	}
-	// The parked request builds anew: a second Job of the key.
-	var second = first
-	eventually(t, 10*time.Second, "a new Job for the requeued request", func() bool {
-		j, err := e.kube.BatchV1().Jobs(testNamespace).Get(ctx, kaniko.JobName(key), metav1.GetOptions{})
-		if err != nil || j.UID == first.UID {
-			return false
+	var w *runningWorker
+	for i := range 3 {
+		r := e.startWorker(fmt.Sprintf("w%d", i), func(c *Config) {
+			withRegistry(tr)(c)
+			c.MaxInFlight = 2
+		})
+		if w == nil {
+			w = r
 		}
-		second = j
-		return true
-	})
-	e.kubelet(second, 0, tr.push(t, destination(second)))
-	got = results.waitFor(t, 2, 10*time.Second)
-	if got[1].Data.RequestID != long.RequestID || got[1].Data.Status != v1.StatusSucceeded || got[1].Data.Origin != v1.OriginBuild {
-		t.Fatalf("the parked request's result %s", mustJSON(t, got[1]))
 	}
-}
-
-// A parked request is canceled at once: no handler holds it, the cancel
-// service answers it, and the build goes on for its owner.
-func TestCancelOfAParkedRequest(t *testing.T) {
-	t.Parallel()
-	e := setup(t)
-	tr := newTestRegistry(t)
-	r := e.startWorker("w1", withRegistry(tr))
 	results := e.collect()
 	ctx := context.Background()
-	owner := request("cancel-parked")
-	if _, err := e.pub.Publish(ctx, owner); err != nil {
-		t.Fatal(err)
+	var reqs []*v1.Request
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for range 50 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r := request("fifty")
+			if _, err := e.pub.Publish(ctx, r); err != nil {
+				t.Error(err)
+			}
+			mu.Lock()
+			reqs = append(reqs, r)
+			mu.Unlock()
+		}()
 	}
-	job := e.waitJob(kaniko.JobName(v1.BuildKey(owner, "kaniko@"+testKaniko.ExecutorImage)))
-	parked := request("cancel-parked")
-	if _, err := e.pub.Publish(ctx, parked); err != nil {
-		t.Fatal(err)
-	}
-	// Parked: its waiter entry says so (a look at the stream alone may
-	// come before the request was taken at all).
-	eventually(t, 10*time.Second, "the second request parked", func() bool {
-		_, ackPending, _ := e.streamState()
-		return ackPending == 1 && parkedCount(t, r.w, v1.BuildKey(owner, "kaniko@"+testKaniko.ExecutorImage)) == 1
-	})
-	rep := cancelRequest(t, e.nc, v1.APICancelSubject("acme"), parked.RequestID)
-	if !rep.Canceled || rep.Stopped {
-		t.Fatalf("cancel reply %+v", rep)
-	}
-	got := results.waitFor(t, 1, 10*time.Second)
-	if got[0].Data.RequestID != parked.RequestID || got[0].Data.Status != v1.StatusCanceled {
-		t.Fatalf("result %s", mustJSON(t, got[0]))
-	}
+	wg.Wait()
+	key := v1.BuildKey(reqs[0], kanikoID)
+	job := e.waitJob(kaniko.JobName(key))
+	eventually(t, 20*time.Second, "49 parked", func() bool { return parkedCount(t, w.w, key) == 49 })
 	e.kubelet(job, 0, tr.push(t, destination(job)))
-	got = results.waitFor(t, 2, 10*time.Second)
-	if got[1].Data.RequestID != owner.RequestID || got[1].Data.Status != v1.StatusSucceeded {
-		t.Fatalf("owner's result %s", mustJSON(t, got[1]))
+	assertEnd(t, e, results, reqs, 30*time.Second)
+	for _, r := range reqs {
+		if d := storedOf(results, "acme", r.RequestID)[0].Data; d.Status != v1.StatusSucceeded {
+			t.Errorf("request %s: %s", r.RequestID, decision(d))
+		}
 	}
-	time.Sleep(300 * time.Millisecond)
-	if n := results.publishes(parked.RequestID); n != 1 {
-		t.Fatalf("the canceled request was published %d times", n)
+	if n := e.creates.total(); n != 1 {
+		t.Errorf("%d Jobs created, want 1", n)
 	}
 }
 
@@ -179,6 +144,8 @@ func TestCancelOfAParkedRequest(t *testing.T) {
 // claim is never renewed): the sweep sees the run lapse, lets it go and
 // requeues the parked requests; one of them takes the run over, and all
 // are answered by that one run.
+//
+// Origin: parking, a request that joins a running build holds no slot (897c81b).
 func TestParkedRequestsOutliveADeadOwner(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
@@ -224,5 +191,261 @@ func TestParkedRequestsOutliveADeadOwner(t *testing.T) {
 	}
 	if n := e.creates.total(); n != 1 {
 		t.Fatalf("%d Jobs created, want 1", n)
+	}
+}
+
+// Origin: adversarial review of parking (docs/design.md §2c), invariant 3; fixed by 9f3c611.
+func TestParkedRequestsOutliveTheOwnersWorkerStopping(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	ws := map[string]*runningWorker{}
+	for _, id := range []string{"w1", "w2"} {
+		ws[id] = e.startWorker(id, withRegistry(tr))
+	}
+	results := e.collect()
+	ctx := context.Background()
+	owner := request("sigterm")
+	if _, err := e.pub.Publish(ctx, owner); err != nil {
+		t.Fatal(err)
+	}
+	key := v1.BuildKey(owner, kanikoID)
+	job := e.waitJob(kaniko.JobName(key))
+	reqs := []*v1.Request{owner}
+	for range 4 {
+		r := request("sigterm")
+		if _, err := e.pub.Publish(ctx, r); err != nil {
+			t.Fatal(err)
+		}
+		reqs = append(reqs, r)
+	}
+	eventually(t, 10*time.Second, "4 parked", func() bool { return parkedCount(t, ws["w1"].w, key) == 4 })
+	rec := e.claim(key)
+	other := "w1"
+	if rec.Owner == "w1" {
+		other = "w2"
+	}
+	ws[rec.Owner].stop(t)
+	eventually(t, 15*time.Second, "the run taken over", func() bool {
+		r := e.claim(key)
+		return r != nil && r.State == v1.StateBuilding && r.Owner == other
+	})
+	e.kubelet(e.waitJob(job.Name), 0, tr.push(t, destination(job)))
+	assertEnd(t, e, results, reqs, 20*time.Second)
+	for _, r := range reqs {
+		if d := storedOf(results, "acme", r.RequestID)[0].Data; d.Status != v1.StatusSucceeded {
+			t.Errorf("request %s: %s", r.RequestID, decision(d))
+		}
+	}
+	if n := e.creates.total(); n != 1 {
+		t.Errorf("%d Jobs created, want 1", n)
+	}
+}
+
+// Origin: adversarial review of parking (docs/design.md §2c), invariant 3; fixed by 9f3c611.
+func TestParkedRequestsAreAnsweredWhenTheirJobIsDeleted(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	w, watcher := e.startWorkerWith("w1", testKaniko, withRegistry(tr))
+	e.startWorker("w2", withRegistry(tr))
+	results := e.collect()
+	ctx := context.Background()
+	owner := request("job-deleted")
+	if _, err := e.pub.Publish(ctx, owner); err != nil {
+		t.Fatal(err)
+	}
+	key := v1.BuildKey(owner, kanikoID)
+	job := e.waitJob(kaniko.JobName(key))
+	reqs := []*v1.Request{owner}
+	for range 3 {
+		r := request("job-deleted")
+		if _, err := e.pub.Publish(ctx, r); err != nil {
+			t.Fatal(err)
+		}
+		reqs = append(reqs, r)
+	}
+	eventually(t, 10*time.Second, "3 parked", func() bool { return parkedCount(t, w.w, key) == 3 })
+	eventually(t, 5*time.Second, "cache has the job", func() bool { _, _, ok := watcher.Get(testNamespace, job.Name); return ok })
+	time.Sleep(300 * time.Millisecond)
+	bg := metav1.DeletePropagationBackground
+	if err := e.kube.BatchV1().Jobs(testNamespace).Delete(ctx, job.Name, metav1.DeleteOptions{PropagationPolicy: &bg}); err != nil {
+		t.Fatal(err)
+	}
+	assertEnd(t, e, results, reqs, 30*time.Second)
+	for _, r := range reqs {
+		t.Logf("%s: %s", r.RequestID, decision(storedOf(results, "acme", r.RequestID)[0].Data))
+	}
+}
+
+// Attack (possession bypass, settle): the same hole at its other end.
+// Mallory's M2 parks on her own run r1 the ordinary way. r1 fails; the
+// pass that answers r1's parked waiters reads the record only after
+// listing them — and once a waiter is parked, settleWaiter answers it
+// from whatever final record the key has, never checking the run it
+// parked on (ledger.Waiter.Run is written, park.go:115, and never read) nor
+// possession.
+// If acme's request claims the key (run r2) before that pass reads the
+// record, M2 stays parked on acme's run and is answered from it. The pass
+// is slowed here by holding its per-key lock (mallory can slow it herself:
+// the listing reads every waiter entry of the key, and she can park as
+// many requests on her run as she likes). Breaks invariant 8.
+//
+// Origin: hostile-tenant review of 98418f0 (issue 23); failed there, fixed by 26b1795.
+func TestSettleAnswersAParkedRequestOnlyFromItsOwnRun(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	store := newObjectStore()
+	rw := e.startWorkerHooked("w1", func(c *Config) { withRegistry(tr)(c); c.Contexts = store }, nil, nil)
+	results := e.collect()
+	ctx := context.Background()
+
+	digest, archive := packDir(t, map[string]string{"Dockerfile": "FROM scratch\nCOPY app /app\n", "app": "acme's other app"})
+	a := tenantRequestFor("acme", digest)
+	store.put(a.Source.S3.Key, archive)
+	key := v1.BuildKey(a, kanikoID)
+
+	m1 := tenantRequestFor("mallory", digest)
+	if _, err := e.pub.Publish(ctx, m1); err != nil {
+		t.Fatal(err)
+	}
+	j1 := e.claimOrAnswer(results, key, m1.RequestID)
+	if j1 == nil {
+		return // refused before any claim: nothing to park on
+	}
+	r1 := e.claim(key)
+	m2 := tenantRequestFor("mallory", digest)
+	if _, err := e.pub.Publish(ctx, m2); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "mallory's second request parked", func() bool { return e.parkedAs(key, "mallory", m2.RequestID) })
+
+	// The settle pass of the key is slow.
+	h := fnv.New32a()
+	_, _ = h.Write([]byte(key))
+	mu := &rw.w.park.settling[h.Sum32()%uint32(len(rw.w.park.settling))]
+	mu.Lock()
+	locked := true
+	unlock := func() {
+		if locked {
+			locked = false
+			mu.Unlock()
+		}
+	}
+	defer unlock()
+
+	e.fetchFails(j1, kaniko.FetchExitRefused, "context object missing")
+	if r := oneResult(t, results, m1.RequestID); r.Data.Reason != v1.ReasonContextMissing {
+		t.Fatalf("mallory's first request: %s", mustJSON(t, r))
+	}
+	if _, err := e.pub.Publish(ctx, a); err != nil {
+		t.Fatal(err)
+	}
+	var r2 *v1.BuildRecord
+	eventually(t, 10*time.Second, "acme's run", func() bool {
+		r2 = e.claim(key)
+		return r2 != nil && r2.State == v1.StateBuilding && r2.Tenant == "acme" && r2.Run != r1.Run
+	})
+	j2 := e.runJob(key, r2.Run)
+	unlock()
+	// Let the pass (and a sweep) run before acme's run ends.
+	time.Sleep(300 * time.Millisecond)
+
+	e.kubelet(j2, 0, tr.push(t, destination(j2)))
+	ar := oneResult(t, results, a.RequestID)
+	if ar.Data.Status != v1.StatusSucceeded {
+		t.Fatalf("acme's request: %s", mustJSON(t, ar))
+	}
+	mr := oneResult(t, results, m2.RequestID)
+	if mr.Data.Status == v1.StatusSucceeded || mr.Data.Digest != "" || mr.Data.Image != "" {
+		t.Errorf("mallory's request parked on her own run r1 was answered from acme's run r2: %s (acme's digest %s)",
+			mustJSON(t, mr.Data), ar.Data.Digest)
+	}
+	if tags := repoTags(t, tr, "mallory"); len(tags) > 0 {
+		t.Errorf("acme's image was copied into mallory's repository: tags %v", tags)
+	}
+}
+
+// A parked request whose park re-check finds a new run — another
+// tenant's, whose content its own tenant holds (shown before) — parks on
+// that run and is answered from it once, also when the worker running it
+// stops at that moment and another takes over.
+//
+// Origin: second hostile-tenant review, of 26b1795; handled there, kept as a regression test.
+func TestParkRecheckOnANewForeignRunAcrossAWorkerStop(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	store := newFaultyStore()
+	pause := newStackPause(t, ".(*parking).park")
+	w1 := e.startWorker("w1", func(c *Config) { withRegistry(tr)(c); c.Contexts = store; c.Now = pause.now })
+	results := e.collect()
+	ctx := context.Background()
+
+	digest, archive := packDir(t, map[string]string{"Dockerfile": "FROM scratch\nCOPY p /p\n", "p": "shared"})
+	a1, a2, g := tenantRequestFor("acme", digest), tenantRequestFor("acme", digest), tenantRequestFor("globex", digest)
+	store.put(a1.Source.S3.Key, archive)
+	store.put(g.Source.S3.Key, archive)
+	key := v1.BuildKey(a1, kanikoID)
+
+	if _, err := e.pub.Publish(ctx, a1); err != nil {
+		t.Fatal(err)
+	}
+	e.waitJob(kaniko.JobName(key))
+	r1 := e.claim(key)
+	// a2 reads a1's run r1 and stops just before parking on it.
+	pause.armed.Store(true)
+	if _, err := e.pub.Publish(ctx, a2); err != nil {
+		t.Fatal(err)
+	}
+	pause.waitEntered(t)
+	// acme cancels a1: nobody else waits, so r1 is stopped.
+	if _, err := tenantAPIRequest(e.nc, "acme", v1.APICancelSubject("acme"), a1.RequestID, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if r := oneResult(t, results, a1.RequestID); r.Data.Status != v1.StatusCanceled {
+		t.Fatalf("a1: %s", mustJSON(t, r))
+	}
+	// globex claims the key: run r2, globex's.
+	if _, err := e.pub.Publish(ctx, g); err != nil {
+		t.Fatal(err)
+	}
+	var r2 *v1.BuildRecord
+	eventually(t, 10*time.Second, "globex's run", func() bool {
+		r2 = e.claim(key)
+		return r2 != nil && r2.State == v1.StateBuilding && r2.Tenant == "globex" && r2.Run != r1.Run
+	})
+	j2 := e.runJob(key, r2.Run)
+	pause.open()
+	eventually(t, 10*time.Second, "a2 parked on globex's run", func() bool {
+		kv, err := e.js.KeyValue(ctx, v1.RequestsBucket)
+		if err != nil {
+			return false
+		}
+		ent, err := kv.Get(ctx, ledger.WaiterKey(key, "acme", a2.RequestID))
+		if err != nil {
+			return false
+		}
+		v, ok := ledger.ParseWaiter(ent.Value())
+		return ok && v.Parked && v.Run == r2.Run
+	})
+	// w1 stops now; w2 goes on.
+	w1.stop(t)
+	e.startWorker("w2", func(c *Config) { withRegistry(tr)(c); c.Contexts = store })
+	e.kubelet(j2, 0, tr.push(t, destination(j2)))
+	gr := oneResult(t, results, g.RequestID)
+	ar := oneResult(t, results, a2.RequestID)
+	if gr.Data.Status != v1.StatusSucceeded || ar.Data.Status != v1.StatusSucceeded || ar.Data.Digest != gr.Data.Digest {
+		t.Fatalf("globex %s\nacme %s", mustJSON(t, gr.Data), mustJSON(t, ar.Data))
+	}
+	if tags := repoTags(t, tr, "acme"); len(tags) == 0 {
+		t.Fatal("nothing copied into acme's repository")
+	}
+	time.Sleep(200 * time.Millisecond)
+	for _, id := range []string{a1.RequestID, a2.RequestID} {
+		if n := results.publishes(id); n != 1 {
+			t.Errorf("%s published %d times", id, n)
+		}
 	}
 }
