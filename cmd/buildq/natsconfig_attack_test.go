@@ -27,11 +27,11 @@ import (
 // trusted tenant only unless --single-tenant (a shared registry Secret, a
 // --cache-repo without {tenant}, no --fetch-image), but takes
 // --context-prefix "" — "empty: any key" — as it is: a request may then
-// name any tenant's context object (worker.go:906), so one tenant builds
-// another's private context into its own repository, and the possession
-// check reads the other tenant's object as the requester's proof
-// (worker/attack_accounts2_test.go,
-// TestAttackEmptyContextPrefixProvesPossessionWithAnotherTenantsObject).
+// name any tenant's context object (the worker's decode), so one tenant
+// builds another's private context into its own repository, and the
+// possession check reads the other tenant's object as the requester's
+// proof (worker/worker_config_test.go,
+// TestEmptyContextPrefixIsRefusedWhenPossessionIsChecked).
 // Here the worker gets past every start check and fails only on the
 // missing cluster, exactly as the same worker with the default prefix.
 func TestAttackWorkerAcceptsAnyContextObjectWithoutSingleTenant(t *testing.T) {
