@@ -18,12 +18,14 @@ package worker
 // Jobs (creations, deletions and their causes) is a total order.
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"testing"
 	"time"
 
 	batchv1 "k8s.io/api/batch/v1"
@@ -713,4 +715,44 @@ func (a *apiServer) do(f func() error) error {
 		return errors.New("api server stopped")
 	}
 	return f()
+}
+
+// A watch resumes from a resource version the log still holds, and is
+// answered 410 Gone from one compacted away (the reflector relists), as
+// a real API server after etcd's compaction.
+func TestWorldAPIWatchResumesOrAnswersGone(t *testing.T) {
+	t.Parallel()
+	a := newAPIServer()
+	a.keep = 2
+	defer a.close()
+	c := a.newClient("test", nil)
+	for i := range 5 {
+		p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("p%d", i), Namespace: testNamespace}}
+		if _, err := c.CoreV1().Pods(testNamespace).Create(context.Background(), p, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Five events, the log compacted to the last two at the fourth.
+	first := func(rv string) watch.Event {
+		t.Helper()
+		w, err := c.CoreV1().Pods(testNamespace).Watch(context.Background(), metav1.ListOptions{ResourceVersion: rv})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer w.Stop()
+		select {
+		case ev := <-w.ResultChan():
+			return ev
+		case <-time.After(5 * time.Second):
+			t.Fatalf("no event from resource version %s", rv)
+			return watch.Event{}
+		}
+	}
+	if ev := first("4"); ev.Type != watch.Added || ev.Object.(*corev1.Pod).Name != "p4" {
+		t.Errorf("a watch from 4: %s %+v, want p4 added", ev.Type, ev.Object)
+	}
+	ev := first("1")
+	if st, ok := ev.Object.(*metav1.Status); ev.Type != watch.Error || !ok || !apierrors.IsResourceExpired(apierrors.FromObject(st)) {
+		t.Errorf("a watch from 1, compacted away: %s %+v, want 410 Gone", ev.Type, ev.Object)
+	}
 }
