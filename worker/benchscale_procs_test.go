@@ -1,0 +1,208 @@
+//go:build benchscale && linux
+
+package worker
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io/fs"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/benchfmt"
+)
+
+// The scale benchmark's processes and the figures read from them.
+
+func (p *scaleProc) tail() string {
+	b, _ := os.ReadFile(p.log)
+	if len(b) > 4000 {
+		b = b[len(b)-4000:]
+	}
+	return string(b)
+}
+
+// stop sends SIGTERM, waits for the exit and reads the child's report.
+func (p *scaleProc) stop(t *testing.T, timeout time.Duration) scaleReport {
+	t.Helper()
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
+	case <-time.After(timeout):
+		_ = p.cmd.Process.Kill()
+		<-p.done
+		t.Errorf("%s did not stop within %s:\n%s", p.spec.Name, timeout, p.tail())
+	}
+	var rep scaleReport
+	b, err := os.ReadFile(p.spec.Report)
+	if err == nil {
+		err = json.Unmarshal(b, &rep)
+	}
+	if err != nil || p.err != nil {
+		t.Errorf("%s: exit %v, report %v:\n%s", p.spec.Name, p.err, err, p.tail())
+	}
+	return rep
+}
+
+// cpuTicks reads the machine's busy and total CPU time (/proc/stat).
+func cpuTicks() (busy, total uint64) {
+	b, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return 0, 0
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	fields := strings.Fields(line)
+	for i, f := range fields[1:] {
+		v, _ := strconv.ParseUint(f, 10, 64)
+		total += v
+		if i != 3 && i != 4 { // idle, iowait
+			busy += v
+		}
+	}
+	return busy, total
+}
+
+// procCPU is the CPU time (s) process pid has used, from /proc/<pid>/stat.
+func procCPU(pid int) float64 {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	// The fields after the command name, which is in parentheses.
+	i := strings.LastIndexByte(string(b), ')')
+	if i < 0 {
+		return 0
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 13 {
+		return 0
+	}
+	utime, _ := strconv.ParseFloat(f[11], 64)
+	stime, _ := strconv.ParseFloat(f[12], 64)
+	return (utime + stime) / 100 // USER_HZ
+}
+
+// cpuSample is the CPU time the benchmark's processes had used by a moment.
+type cpuSample struct {
+	at  time.Time
+	cpu float64
+}
+
+// cpuBetween is the CPU time used between from and to, from the samples.
+func cpuBetween(samples []cpuSample, from, to time.Time) float64 {
+	at := func(t time.Time) float64 {
+		v := 0.0
+		for _, s := range samples {
+			if s.at.After(t) {
+				break
+			}
+			v = s.cpu
+		}
+		return v
+	}
+	return at(to) - at(from)
+}
+
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// duBytes is the disk space the files under dir use (du).
+func duBytes(dir string) int64 {
+	var n int64
+	_ = filepath.WalkDir(dir, func(_ string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return nil //nolint:nilerr // a file gone meanwhile counts nothing; the walk goes on
+		}
+		if info, err := d.Info(); err == nil {
+			if st, ok := info.Sys().(*syscall.Stat_t); ok {
+				n += st.Blocks * 512
+			}
+		}
+		return nil
+	})
+	return n
+}
+
+// scaleStreams are the streams P9 reports, with their short names.
+var scaleStreams = []struct{ stream, label string }{
+	{v1.RequestsStream, v1.RequestsStream},
+	{v1.QueueStream, v1.QueueStream},
+	{v1.ResultsStream, v1.ResultsStream},
+	{"KV_" + v1.BuildsBucket, "KV " + v1.BuildsBucket},
+	{"KV_" + v1.RequestsBucket, "KV " + v1.RequestsBucket + " (ledger)"},
+	{"KV_" + v1.SlotsBucket, "KV " + v1.SlotsBucket},
+}
+
+type streamSize struct {
+	msgs, bytes, lastSeq uint64
+	leader               string // the stream's leader (clusters)
+}
+
+func streamSizes(ctx context.Context, js jetstream.JetStream) map[string]streamSize {
+	out := map[string]streamSize{}
+	for _, s := range scaleStreams {
+		st, err := js.Stream(ctx, s.stream)
+		if err != nil {
+			continue
+		}
+		info, err := st.Info(ctx)
+		if err != nil {
+			continue
+		}
+		out[s.stream] = streamSize{msgs: info.State.Msgs, bytes: info.State.Bytes, lastSeq: info.State.LastSeq}
+		if info.Cluster != nil {
+			sz := out[s.stream]
+			sz.leader = info.Cluster.Leader
+			out[s.stream] = sz
+		}
+	}
+	return out
+}
+
+// scaleTopology is one NATS deployment P9 runs against.
+type scaleTopology struct {
+	name, label string
+	nodes       int
+}
+
+var scaleTopologies = map[string]scaleTopology{
+	"single":  {name: "single", label: "single NATS", nodes: 1},
+	"cluster": {name: "cluster", label: "3-node NATS cluster, replicas 3", nodes: 3},
+}
+
+// scaleRequest is request i: key i mod keys (so the requests of a key
+// are interleaved with all the others), of the key's tenant.
+func scaleRequest(s scaleSettings, i int) *v1.Request {
+	k := i % s.Keys
+	tenant := fmt.Sprintf("t%02d", k%s.Tenants)
+	d := hex64(fmt.Sprint("scale-key-", k))
+	return &v1.Request{
+		Tenant: tenant, Name: "app", RequestID: fmt.Sprintf("r%07d", i),
+		Source:        v1.Source{S3: &v1.S3Source{Bucket: "buildq", Key: "contexts/" + tenant + "/sha256/" + d + ".tar.gz"}},
+		ContextDigest: "sha256:" + d,
+	}
+}
+
+// scaleOutcome is what one topology's run measured.
+type scaleOutcome struct {
+	rows   []benchfmt.Row
+	series benchfmt.Series
+	notes  []string
+}
