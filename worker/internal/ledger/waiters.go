@@ -64,11 +64,15 @@ type WaiterItem struct {
 
 // AddWaiter records that a request waits on key (best effort: a cancel
 // that misses it only stops a build one request still waited on, which
-// then answers canceled through the build record).
+// then answers canceled through the build record). An entry the request
+// has already is kept as it is: a handler of an earlier delivery that
+// stalled (a partition) while a later one parked the request must not
+// turn the parked entry into a plain one — the later message is acked,
+// and the parked entry is all that is left for the sweep to answer.
 func (l *Ledger) AddWaiter(ctx context.Context, key, tenant, id string) {
 	b, _ := json.Marshal(Waiter{Tenant: tenant, RequestID: id})
-	if _, err := l.Bucket().Put(ctx, WaiterKey(key, tenant, id), b); err != nil {
-		l.cfg.Log.Debug("waiter index: put failed", zap.String("key", key), zap.Error(err))
+	if _, err := l.Bucket().Create(ctx, WaiterKey(key, tenant, id), b); err != nil && !IsWrongRevision(err) {
+		l.cfg.Log.Debug("waiter index: create failed", zap.String("key", key), zap.Error(err))
 	}
 }
 

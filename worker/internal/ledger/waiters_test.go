@@ -170,3 +170,34 @@ func TestWaitersAreTheUndecidedEntriesWaitingOnAKey(t *testing.T) {
 		t.Fatalf("Waiters of a key nobody waits on = %v, %v", got, err)
 	}
 }
+
+// A handler of an earlier delivery that stalled while a later delivery
+// parked the request must not turn the parked entry into a plain one: the
+// later message is acked, and the parked entry is what the sweep answers.
+// Origin: a request lost under load (seed 6 of the fault simulation,
+// replayed 24 times at once): its parked entry was overwritten and no
+// sweep looked at it again.
+func TestAddWaiterKeepsAParkedEntry(t *testing.T) {
+	w := newWorld(t)
+	l := w.ledger("w1", newClock(), time.Minute)
+	ctx := t.Context()
+	parked := Waiter{Tenant: "acme", RequestID: "r1", Parked: true, Run: "run1", Subject: "buildq.requests.acme",
+		Seq: 7, MsgTime: msgTime, Body: []byte(`{"x":1}`), Token: "tok"}
+	if err := l.PutWaiter(ctx, buildA, parked); err != nil {
+		t.Fatal(err)
+	}
+	l.AddWaiter(ctx, buildA, "acme", "r1")
+	items, err := l.ListWaiters(ctx, buildA)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(items[buildA]) != 1 || !items[buildA][0].V.Parked || items[buildA][0].V.Token != "tok" {
+		t.Fatalf("after AddWaiter the entry is %+v, want the parked one", items[buildA])
+	}
+	// A request with no entry gets a plain one.
+	l.AddWaiter(ctx, buildA, "acme", "r2")
+	items, err = l.ListWaiters(ctx, buildA)
+	if err != nil || len(items[buildA]) != 2 {
+		t.Fatalf("ListWaiters = %+v, %v; want two entries", items, err)
+	}
+}
