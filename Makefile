@@ -19,10 +19,11 @@ test: test-unit sim-race sim mutants test-integration ## Unit tests (with -race)
 test-unit: ## Unit tests, race detector on (the fault simulation runs in `make sim-race` and `make sim`)
 	$(GO) test -race -count=1 -timeout 10m -skip '^(TestFrozenScenarios|TestFaultSimulation)$$' $(PKGS)
 
-# The fault simulation with the race detector, on its own: its oracle judges
-# timing (a Job removed within a second of its run's end, fair order in calm
-# stretches), which the rest of the unit suite running beside it on two
-# cores under -race would distort.
+# The fault simulation with the race detector, on its own (beside the rest
+# of the unit suite on two cores it would be starved): it checks for data
+# races and every rule of what happens and in which order; the rules that
+# bound how soon (fair order in calm stretches, a Job removed within a
+# second of its run's end) are judged by make sim, without the detector.
 sim-race: ## The fault simulation's first 8 seeds with the race detector
 	$(GO) test -race -count=1 -timeout 10m -run '^TestFaultSimulation$$' ./worker/
 
