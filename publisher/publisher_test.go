@@ -15,27 +15,14 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/testnats"
 	"github.com/buildq/buildq/publisher"
 	"github.com/buildq/buildq/worker"
 )
 
 func setup(t *testing.T, withStreams bool) (*publisher.Client, jetstream.JetStream) {
 	t.Helper()
-	srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: t.TempDir(), NoLog: true, NoSigs: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv.Start()
-	if !srv.ReadyForConnections(10 * time.Second) {
-		t.Fatal("nats-server did not start")
-	}
-	t.Cleanup(srv.Shutdown)
-	nc, err := nats.Connect(srv.ClientURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
-	js, _ := jetstream.New(nc)
+	_, nc, js := testnats.JetStream(t)
 	if withStreams {
 		if _, _, err := worker.EnsureStreams(context.Background(), js, worker.Config{}); err != nil {
 			t.Fatal(err)
@@ -239,19 +226,12 @@ func TestTenantPermissions(t *testing.T) {
 		Publish:   &server.SubjectPermission{Allow: []string{"buildq.requests.acme", "buildq.api.status.acme", "buildq.api.cancel.acme", "buildq.cancel.acme.>"}},
 		Subscribe: &server.SubjectPermission{Allow: []string{"buildq.results.acme.>", "buildq.events.acme.>", publisher.InboxPrefix("acme") + ".>"}},
 	}
-	srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: t.TempDir(), NoLog: true, NoSigs: true,
-		Users: []*server.User{{Username: "admin", Password: "admin-pw"}, {Username: "acme", Password: "acme-pw", Permissions: tenantPerms}}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv.Start()
-	if !srv.ReadyForConnections(10 * time.Second) {
-		t.Fatal("nats-server did not start")
-	}
-	t.Cleanup(srv.Shutdown)
+	srv := testnats.Start(t, testnats.Config{Configure: func(o *server.Options) {
+		o.Users = []*server.User{{Username: "admin", Password: "admin-pw"}, {Username: "acme", Password: "acme-pw", Permissions: tenantPerms}}
+	}})
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	admin, err := nats.Connect(srv.ClientURL(), nats.UserInfo("admin", "admin-pw"))
+	admin, err := nats.Connect(srv.URL(), nats.UserInfo("admin", "admin-pw"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -285,7 +265,7 @@ func TestTenantPermissions(t *testing.T) {
 		}
 	}
 	connect := func(opts ...nats.Option) *publisher.Client {
-		nc, err := nats.Connect(srv.ClientURL(), append([]nats.Option{nats.UserInfo("acme", "acme-pw"), nats.ErrorHandler(func(*nats.Conn, *nats.Subscription, error) {})}, opts...)...)
+		nc, err := nats.Connect(srv.URL(), append([]nats.Option{nats.UserInfo("acme", "acme-pw"), nats.ErrorHandler(func(*nats.Conn, *nats.Subscription, error) {})}, opts...)...)
 		if err != nil {
 			t.Fatal(err)
 		}

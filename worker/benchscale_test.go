@@ -237,7 +237,7 @@ func TestBenchScaleNATS(t *testing.T) {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer stop()
 	stopProfile := startProfile(spec.Profile)
-	n := startNATS(t, natsConfig{name: spec.Name, port: spec.Port, dir: spec.StoreDir, configure: func(o *server.Options) {
+	n := startNATS(t, natsConfig{Name: spec.Name, Port: spec.Port, Dir: spec.StoreDir, Configure: func(o *server.Options) {
 		// Logs to the child's log file; JetStream's limits from the machine.
 		o.NoLog, o.Logtime = false, true
 		o.JetStreamMaxMemory, o.JetStreamMaxStore = 0, 0
@@ -246,7 +246,7 @@ func TestBenchScaleNATS(t *testing.T) {
 			o.Routes = server.RoutesFromStr(strings.Join(spec.Routes, ","))
 		}
 	}})
-	srv := n.server()
+	srv := n.Server()
 	if err := os.WriteFile(spec.Ready, nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -256,7 +256,7 @@ func TestBenchScaleNATS(t *testing.T) {
 		rep.Metrics["in_msgs"], rep.Metrics["out_msgs"] = float64(v.InMsgs), float64(v.OutMsgs)
 		rep.Metrics["in_bytes"], rep.Metrics["out_bytes"] = float64(v.InBytes), float64(v.OutBytes)
 	}
-	n.stop()
+	n.Stop()
 	stopProfile()
 	rep.RSSMiB, rep.CPUSeconds = benchfmt.RSSMiB(os.Getpid()), cpuSeconds()
 	if err := writeJSONFile(spec.Report, rep); err != nil {

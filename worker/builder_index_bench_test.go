@@ -10,14 +10,13 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats-server/v2/server"
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"k8s.io/client-go/kubernetes/fake"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kube"
 	"github.com/buildq/buildq/internal/naming"
+	"github.com/buildq/buildq/internal/testnats"
 	"github.com/buildq/buildq/publisher"
 )
 
@@ -27,20 +26,7 @@ import (
 //
 // Origin: dedupe end to end (d7f9faf).
 func BenchmarkCacheHit(b *testing.B) {
-	srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: b.TempDir(), NoLog: true, NoSigs: true})
-	if err != nil {
-		b.Fatal(err)
-	}
-	srv.Start()
-	defer srv.Shutdown()
-	if !srv.ReadyForConnections(10 * time.Second) {
-		b.Fatal("nats-server did not start")
-	}
-	nc, err := nats.Connect(srv.ClientURL())
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer nc.Close()
+	_, nc, _ := testnats.JetStream(b)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 

@@ -13,12 +13,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/naming"
+	"github.com/buildq/buildq/internal/testnats"
 	"github.com/buildq/buildq/publisher"
 )
 
@@ -112,18 +112,8 @@ func (s *benchStack) waitQueued(b *testing.B, n uint64) {
 }
 
 func newBenchStack(b *testing.B, inFlight int, d func(string) time.Duration) (*benchStack, context.CancelFunc) {
-	srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: b.TempDir(), NoLog: true, NoSigs: true})
-	if err != nil {
-		b.Fatal(err)
-	}
-	srv.Start()
-	if !srv.ReadyForConnections(10 * time.Second) {
-		b.Fatal("nats-server did not start")
-	}
-	nc, err := nats.Connect(srv.ClientURL())
-	if err != nil {
-		b.Fatal(err)
-	}
+	srv := testnats.Start(b, testnats.Config{})
+	nc := srv.Connect(b)
 	ctx, cancel := context.WithCancel(context.Background())
 	w, err := New(nc, sleepBackend{d: d}, Config{ID: "bench", MaxInFlight: inFlight, Naming: naming.Policy{Registry: "registry.test"}})
 	if err != nil {
@@ -161,7 +151,7 @@ func newBenchStack(b *testing.B, inFlight int, d func(string) time.Duration) (*b
 		cancel()
 		<-done
 		nc.Close()
-		srv.Shutdown()
+		srv.Stop()
 	}
 }
 

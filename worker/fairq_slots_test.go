@@ -9,13 +9,10 @@ package worker
 import (
 	"context"
 	"fmt"
-	"net"
-	"path/filepath"
 	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 
 	v1 "github.com/buildq/buildq/api/v1"
@@ -188,29 +185,6 @@ func TestSlotExpiryIsTheHoldersLeaseNotTheBuckets(t *testing.T) {
 	e.waitJob(jobOf(r2))
 }
 
-// restartNATSServer stops e's server and starts it again on the same port
-// and store after down.
-func restartNATSServer(t *testing.T, e *env, down time.Duration) {
-	t.Helper()
-	portN := e.srv.Addr().(*net.TCPAddr).Port
-	store := filepath.Dir(e.srv.StoreDir())
-	e.srv.Shutdown()
-	e.srv.WaitForShutdown()
-	time.Sleep(down)
-	srv, err := server.NewServer(&server.Options{
-		Host: "127.0.0.1", Port: portN, JetStream: true, StoreDir: store, NoLog: true, NoSigs: true,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv.Start()
-	if !srv.ReadyForConnections(10 * time.Second) {
-		t.Fatal("nats-server did not start again")
-	}
-	t.Cleanup(srv.Shutdown)
-	e.srv = srv
-}
-
 // w1 runs acme's r1 (limit 1). NATS is down for 3 s, longer than the
 // 2 s lease, and w1's first slot renewals after it fail (its KV answers
 // late). The slot key expired at the restart (the bucket's TTL): w2's
@@ -241,7 +215,9 @@ func TestSlotSurvivesANATSOutageLongerThanTheLease(t *testing.T) {
 	r1, _, names := holderAndNext(t, e, "i24-outage-holder", "i24-outage-next", func() { e.startWorker("w2", limit) })
 	time.Sleep(500 * time.Millisecond)
 	blocked.Store(true)
-	restartNATSServer(t, e, 3*time.Second)
+	if err := e.world.nats.Restart(3 * time.Second); err != nil {
+		t.Fatal(err)
+	}
 	go func() {
 		time.Sleep(4 * time.Second) // w1 recovers after the others reconnected
 		blocked.Store(false)

@@ -11,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	batchv1 "k8s.io/api/batch/v1"
@@ -32,7 +31,6 @@ const testNamespace = "builds"
 type env struct {
 	t     *testing.T
 	world *world
-	srv   *server.Server
 	nc    *nats.Conn
 	js    jetstream.JetStream
 	// kube is the test's and the workers' client of the API server.
@@ -45,7 +43,7 @@ type env struct {
 func setup(t *testing.T) *env {
 	t.Helper()
 	w := newWorld(t, worldConfig{})
-	nc, err := nats.Connect(w.nats.url())
+	nc, err := nats.Connect(w.nats.URL())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -58,7 +56,7 @@ func setup(t *testing.T) *env {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &env{t: t, world: w, srv: w.nats.server(), nc: nc, js: js, kube: w.api.newClient("kube", nil), pub: pub, creates: w.node.creates}
+	return &env{t: t, world: w, nc: nc, js: js, kube: w.api.newClient("kube", nil), pub: pub, creates: w.node.creates}
 }
 
 func testConfig(id string) Config {

@@ -101,18 +101,7 @@ func TestRedeliveredParkDoesNotRepublishBesideTheSettlePass(t *testing.T) {
 		}}
 	})
 	results := e.collect()
-	ctx := context.Background()
-	if _, err := e.pub.Publish(ctx, owner); err != nil {
-		t.Fatal(err)
-	}
-	job := e.waitJob(kaniko.JobName(key))
-	eventually(t, 5*time.Second, "the claim held", func() bool { r := e.claim(key); return r != nil && r.Owner == "w1" })
-	if _, err := e.pub.Publish(ctx, parked); err != nil {
-		t.Fatal(err)
-	}
-	eventually(t, 5*time.Second, "the request parked, its ack lost", func() bool {
-		return e.isParked(key, parked.RequestID) && lost.Load()
-	})
+	job := e.parkBehind(owner, parked, key, &lost)
 	// The run ends now, well before the redelivery (AckWait 3 s).
 	e.kubelet(job, 0, tr.push(t, destination(job)))
 	assertEnd(t, e, results, []*v1.Request{owner, parked}, 30*time.Second)
@@ -206,18 +195,7 @@ func TestStaleReadOfOwnDecisionIsNotPublishedAgain(t *testing.T) {
 		}}
 	})
 	results := e.collect()
-	ctx := context.Background()
-	if _, err := e.pub.Publish(ctx, owner); err != nil {
-		t.Fatal(err)
-	}
-	job := e.waitJob(kaniko.JobName(key))
-	eventually(t, 5*time.Second, "the claim held", func() bool { r := e.claim(key); return r != nil && r.Owner == "w1" })
-	if _, err := e.pub.Publish(ctx, parked); err != nil {
-		t.Fatal(err)
-	}
-	eventually(t, 5*time.Second, "the request parked, its ack lost", func() bool {
-		return e.isParked(key, parked.RequestID) && lost.Load()
-	})
+	job := e.parkBehind(owner, parked, key, &lost)
 	e.kubelet(job, 0, tr.push(t, destination(job)))
 	assertEnd(t, e, results, []*v1.Request{owner, parked}, 30*time.Second)
 	time.Sleep(3 * time.Second)
@@ -300,18 +278,7 @@ func TestBudgetCountBetweenRecordAndMarkDoesNotRepublish(t *testing.T) {
 		}}
 	})
 	results := e.collect()
-	ctx := context.Background()
-	if _, err := e.pub.Publish(ctx, owner); err != nil {
-		t.Fatal(err)
-	}
-	job := e.waitJob(kaniko.JobName(key))
-	eventually(t, 5*time.Second, "the claim held", func() bool { r := e.claim(key); return r != nil && r.Owner == "w1" })
-	if _, err := e.pub.Publish(ctx, parked); err != nil {
-		t.Fatal(err)
-	}
-	eventually(t, 5*time.Second, "the request parked, its ack lost", func() bool {
-		return e.isParked(key, parked.RequestID) && lost.Load()
-	})
+	job := e.parkBehind(owner, parked, key, &lost)
 	pr.putArmed.Store(true)
 	select {
 	case <-pr.held:

@@ -136,8 +136,8 @@ func runSim(t *testing.T, sc *simSchedule) simOutcome {
 	node := simNodeOptions(newSimPlanner(seed, func(string) float64 { return sc.failProb }), !sc.has("no-ttl"))
 	node.observe, node.ended = w.node.observe, w.node.ended
 	node.logf = w.trace.add
-	w.world = newWorld(t, worldConfig{nats: natsConfig{name: "buildq-sim"}, registry: true, node: node})
-	defer w.world.nats.stop() // now, not with the test: a scenario may run several times
+	w.world = newWorld(t, worldConfig{nats: natsConfig{Name: "buildq-sim"}, registry: true, node: node})
+	defer w.world.nats.Stop() // now, not with the test: a scenario may run several times
 	out := simOutcome{seed: seed, kinds: sc.kinds}
 
 	var err error
@@ -172,7 +172,7 @@ func runSim(t *testing.T, sc *simSchedule) simOutcome {
 
 	for i := range sc.workers {
 		s := &simSlot{idx: i, skew: sc.skews[i], pauses: map[string][]time.Duration{}}
-		if s.proxy, err = newSimProxy(w.world.nats.addr, w.runtimeRand()); err != nil {
+		if s.proxy, err = newSimProxy(w.world.nats.Addr, w.runtimeRand()); err != nil {
 			t.Fatal(err)
 		}
 		w.slots = append(w.slots, s)
@@ -479,8 +479,8 @@ func (w *simWorld) heal() {
 	case <-time.After(90 * time.Second):
 		w.t.Errorf("harness: the schedule's operations did not end")
 	}
-	if !w.world.nats.running() {
-		if err := w.world.nats.start(); err != nil {
+	if !w.world.nats.Running() {
+		if err := w.world.nats.Start(); err != nil {
 			w.t.Fatalf("harness: %v", err)
 		}
 	}

@@ -257,7 +257,7 @@ func (w *simWorld) replace(s *simSlot, hard bool, delay time.Duration) {
 // port after down.
 func (w *simWorld) restartNATS(down time.Duration) {
 	w.trace.add("fault nats-server stopped (down %s)", down)
-	if err := w.world.nats.restart(down); err != nil {
+	if err := w.world.nats.Restart(down); err != nil {
 		w.t.Errorf("harness: restart nats-server: %v", err)
 		return
 	}

@@ -492,7 +492,7 @@ func (w *simWorld) note(format string, args ...any) {
 }
 
 func (w *simWorld) connect(name string) (*nats.Conn, error) {
-	return w.connectTo(w.world.nats.url(), name)
+	return w.connectTo(w.world.nats.URL(), name)
 }
 
 func (w *simWorld) connectTo(url, name string) (*nats.Conn, error) {

@@ -7,9 +7,11 @@ package worker
 import (
 	"context"
 	"encoding/json"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	batchv1 "k8s.io/api/batch/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	v1 "github.com/buildq/buildq/api/v1"
@@ -95,6 +97,27 @@ func parkedCount(_ *testing.T, w *Worker, key string) int {
 		}
 	}
 	return n
+}
+
+// parkBehind publishes owner, waits until w1 holds the claim on key and
+// its Job exists, then publishes parked and waits until it parked on that
+// run with its ack lost (lost set by the worker's loseAck fault). It
+// returns the owner's Job.
+func (e *env) parkBehind(owner, parked *v1.Request, key string, lost *atomic.Bool) *batchv1.Job {
+	e.t.Helper()
+	ctx := context.Background()
+	if _, err := e.pub.Publish(ctx, owner); err != nil {
+		e.t.Fatal(err)
+	}
+	job := e.waitJob(kaniko.JobName(key))
+	eventually(e.t, 5*time.Second, "the claim held", func() bool { r := e.claim(key); return r != nil && r.Owner == "w1" })
+	if _, err := e.pub.Publish(ctx, parked); err != nil {
+		e.t.Fatal(err)
+	}
+	eventually(e.t, 5*time.Second, "the request parked, its ack lost", func() bool {
+		return e.isParked(key, parked.RequestID) && lost.Load()
+	})
+	return job
 }
 
 // isParked reports whether acme's request id has a parked waiter entry on

@@ -13,11 +13,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/testnats"
 )
 
 // A build record is renewed every third of the lease and a dead owner's
@@ -137,20 +137,8 @@ func TestSetupRetriesOnlyWhatIsNotReadyYet(t *testing.T) {
 // Origin: each Setup attempt has its own deadline (bd3069e).
 func TestSetupAttemptOutlivesAnUnansweredRequest(t *testing.T) {
 	backend := setup(t) // the server with JetStream
-	front, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, NoLog: true, NoSigs: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	front.Start()
-	if !front.ReadyForConnections(10 * time.Second) {
-		t.Fatal("nats-server did not start")
-	}
-	t.Cleanup(front.Shutdown)
-	relay, err := nats.Connect(front.ClientURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(relay.Close)
+	front := testnats.Start(t, testnats.Config{NoJetStream: true})
+	relay := front.Connect(t)
 	var requests atomic.Int32
 	if _, err := relay.Subscribe("$JS.API.>", func(m *nats.Msg) {
 		if requests.Add(1) == 1 {
@@ -171,13 +159,7 @@ func TestSetupAttemptOutlivesAnUnansweredRequest(t *testing.T) {
 	if err := relay.Flush(); err != nil {
 		t.Fatal(err)
 	}
-	nc, err := nats.Connect(front.ClientURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
-
-	w, err := New(nc, nil, testConfig("setup-relay"))
+	w, err := New(front.Connect(t), nil, testConfig("setup-relay"))
 	if err != nil {
 		t.Fatal(err)
 	}

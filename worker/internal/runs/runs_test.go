@@ -10,11 +10,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats-server/v2/server"
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/testnats"
 )
 
 // newStore returns a store on a real buildq-builds bucket of an embedded
@@ -22,26 +21,7 @@ import (
 // fired for.
 func newStore(t *testing.T) (*Store, jetstream.KeyValue, *hook) {
 	t.Helper()
-	srv, err := server.NewServer(&server.Options{
-		Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: t.TempDir(), NoLog: true, NoSigs: true,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv.Start()
-	if !srv.ReadyForConnections(10 * time.Second) {
-		t.Fatal("nats-server did not start")
-	}
-	t.Cleanup(srv.Shutdown)
-	nc, err := nats.Connect(srv.ClientURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, _, js := testnats.JetStream(t)
 	kv, err := js.CreateKeyValue(t.Context(), jetstream.KeyValueConfig{Bucket: v1.BuildsBucket, History: 1, TTL: time.Hour})
 	if err != nil {
 		t.Fatal(err)
@@ -66,6 +46,15 @@ func (h *hook) fire(_ context.Context, key string) {
 	h.mu.Lock()
 	h.keys = append(h.keys, key)
 	h.mu.Unlock()
+}
+
+// expect fails t unless the hook fired for exactly keys since the last
+// look; what says which writes that was.
+func (h *hook) expect(t *testing.T, what string, keys ...string) {
+	t.Helper()
+	if k := h.take(); !slices.Equal(k, keys) {
+		t.Fatalf("%s fired the run ended hook for %q, want %q", what, k, keys)
+	}
 }
 
 func (h *hook) take() []string {
@@ -171,9 +160,7 @@ func TestRenewTakeOverAndReclaimFailWithoutAnErrorOnAStaleRevision(t *testing.T)
 			t.Fatalf("%s at a stale revision wrote %+v", name, got)
 		}
 	}
-	if k := h.take(); len(k) != 0 {
-		t.Fatalf("Renew, TakeOver or Reclaim fired the run ended hook for %v", k)
-	}
+	h.expect(t, "Renew, TakeOver or Reclaim")
 }
 
 func TestReclaimReplacesAFailedRecordWithANewRun(t *testing.T) {
@@ -208,9 +195,7 @@ func TestEndEndsItsOwnRunAndFiresTheHook(t *testing.T) {
 	if got, _ := get(t, s, "k"); got.State != v1.StateSucceeded || got.Run != "run1" || got.Digest != "sha256:aa" {
 		t.Fatalf("stored record = %+v", got)
 	}
-	if k := h.take(); !slices.Equal(k, []string{"k"}) {
-		t.Fatalf("hook fired for %v, want [k] once", k)
-	}
+	h.expect(t, "the end of the run", "k")
 }
 
 // The same run, still building, written since the holder's revision (a
@@ -233,9 +218,7 @@ func TestEndFromAStaleRevisionEndsTheSameRunStillBuilding(t *testing.T) {
 	if got, _ := get(t, s, "k"); got.State != v1.StateSucceeded || got.Run != "run1" {
 		t.Fatalf("stored record = %+v", got)
 	}
-	if k := h.take(); !slices.Equal(k, []string{"k"}) {
-		t.Fatalf("hook fired for %v, want [k]", k)
-	}
+	h.expect(t, "the end of the run", "k")
 }
 
 func TestEndNeverTouchesAnotherRun(t *testing.T) {
@@ -263,9 +246,7 @@ func TestEndNeverTouchesAnotherRun(t *testing.T) {
 	if got, grev := get(t, s, "k"); got.Run != "run2" || got.State != v1.StateBuilding || grev != rev2 {
 		t.Fatalf("End of a superseded run wrote %+v", got)
 	}
-	if k := h.take(); len(k) != 0 {
-		t.Fatalf("End of a superseded run fired the hook for %v", k)
-	}
+	h.expect(t, "End of a superseded run")
 }
 
 // Someone else ended the same run (a cancel, the reconciler): their
@@ -295,9 +276,7 @@ func TestEndReturnsTheStandingRecordOfItsRunEndedByAnother(t *testing.T) {
 	// End returns without error, the run ended: it fires the hook (which
 	// answers the requests parked on the key; answering twice is
 	// harmless, missing them is not).
-	if k := h.take(); !slices.Equal(k, []string{"k"}) {
-		t.Fatalf("hook fired for %v, want [k]", k)
-	}
+	h.expect(t, "the end of the run", "k")
 }
 
 // The record gone (the bucket's TTL, an operator): nothing to race with,
@@ -318,9 +297,7 @@ func TestEndRecreatesARecordGoneMeanwhile(t *testing.T) {
 	if got, _ := get(t, s, "k"); got.State != v1.StateSucceeded || got.Run != "run1" {
 		t.Fatalf("stored record = %+v", got)
 	}
-	if k := h.take(); !slices.Equal(k, []string{"k"}) {
-		t.Fatalf("hook fired for %v, want [k]", k)
-	}
+	h.expect(t, "the end of the run", "k")
 }
 
 func TestEndReportsTheBucketsErrorAndDoesNotFireTheHook(t *testing.T) {
@@ -332,9 +309,7 @@ func TestEndReportsTheBucketsErrorAndDoesNotFireTheHook(t *testing.T) {
 	if stored, err := s.End(t.Context(), succeeded(r), rev); !errors.Is(err, boom) || stored != nil {
 		t.Fatalf("End on a failing bucket = %+v, %v; want the bucket's error", stored, err)
 	}
-	if k := h.take(); len(k) != 0 {
-		t.Fatalf("a failed End fired the hook for %v", k)
-	}
+	h.expect(t, "a failed End")
 	// A canceled context: an error, and no hook.
 	s.UseBucket(kv)
 	ctx, cancel := context.WithCancel(t.Context())
@@ -342,9 +317,7 @@ func TestEndReportsTheBucketsErrorAndDoesNotFireTheHook(t *testing.T) {
 	if _, err := s.End(ctx, succeeded(r), rev); err == nil {
 		t.Fatal("End with a canceled context succeeded")
 	}
-	if k := h.take(); len(k) != 0 {
-		t.Fatalf("a failed End fired the hook for %v", k)
-	}
+	h.expect(t, "a failed End")
 }
 
 // EndAt is one compare-and-swap: a record that changed meanwhile is left
@@ -364,17 +337,13 @@ func TestEndAtWritesOnlyAtItsRevisionAndFiresOnlyWhenItWrote(t *testing.T) {
 	if got, _ := get(t, s, "k"); got.State != v1.StateBuilding {
 		t.Fatalf("EndAt at a stale revision wrote %+v", got)
 	}
-	if k := h.take(); len(k) != 0 {
-		t.Fatalf("EndAt at a stale revision fired the hook for %v", k)
-	}
+	h.expect(t, "EndAt at a stale revision")
 	boom := errors.New("nats: timeout")
 	s.UseBucket(failingKV{KeyValue: kv, err: boom})
 	if ok, err := s.EndAt(ctx, Canceled(r, t0), renewed); ok || !errors.Is(err, boom) {
 		t.Fatalf("EndAt on a failing bucket = %v, %v", ok, err)
 	}
-	if k := h.take(); len(k) != 0 {
-		t.Fatalf("a failed EndAt fired the hook for %v", k)
-	}
+	h.expect(t, "a failed EndAt")
 	s.UseBucket(kv)
 	if ok, err := s.EndAt(ctx, Canceled(r, t0), renewed); !ok || err != nil {
 		t.Fatalf("EndAt at the current revision = %v, %v", ok, err)
@@ -382,9 +351,7 @@ func TestEndAtWritesOnlyAtItsRevisionAndFiresOnlyWhenItWrote(t *testing.T) {
 	if got, _ := get(t, s, "k"); got.State != v1.StateFailed || got.Reason != v1.ReasonCanceled {
 		t.Fatalf("record after EndAt = %+v", got)
 	}
-	if k := h.take(); !slices.Equal(k, []string{"k"}) {
-		t.Fatalf("hook fired for %v, want [k]", k)
-	}
+	h.expect(t, "the end of the run", "k")
 }
 
 // Release lets the run go so the next worker takes it over at once, and
@@ -399,9 +366,7 @@ func TestReleaseLetsTheRunGoAndAlwaysFiresTheHook(t *testing.T) {
 	if ok, err := s.Release(ctx, r, rev+1); ok || err != nil {
 		t.Fatalf("Release at a stale revision = %v, %v; want false, nil", ok, err)
 	}
-	if k := h.take(); !slices.Equal(k, []string{"k"}) {
-		t.Fatalf("Release at a stale revision fired the hook for %v, want [k]", k)
-	}
+	h.expect(t, "Release at a stale revision", "k")
 	if got, _ := get(t, s, "k"); got.Owner != "x" {
 		t.Fatalf("Release at a stale revision wrote %+v", got)
 	}
@@ -411,17 +376,13 @@ func TestReleaseLetsTheRunGoAndAlwaysFiresTheHook(t *testing.T) {
 	if ok, err := s.Release(ctx, r, rev); ok || !errors.Is(err, boom) {
 		t.Fatalf("Release on a failing bucket = %v, %v", ok, err)
 	}
-	if k := h.take(); !slices.Equal(k, []string{"k"}) {
-		t.Fatalf("Release on a failing bucket fired the hook for %v, want [k]", k)
-	}
+	h.expect(t, "Release on a failing bucket", "k")
 
 	s.UseBucket(kv)
 	if ok, err := s.Release(ctx, r, rev); !ok || err != nil {
 		t.Fatalf("Release = %v, %v", ok, err)
 	}
-	if k := h.take(); !slices.Equal(k, []string{"k"}) {
-		t.Fatalf("Release fired the hook for %v, want [k]", k)
-	}
+	h.expect(t, "Release", "k")
 	got, _ := get(t, s, "k")
 	if got.Owner != "" || !got.LeaseUntil.IsZero() || got.Run != "run1" || got.State != v1.StateBuilding ||
 		!slices.Equal(got.Destinations, r.Destinations) {
