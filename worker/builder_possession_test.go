@@ -192,56 +192,63 @@ func TestTenantlessRecordNeedsPossession(t *testing.T) {
 	}
 }
 
-// A git source shows no possession (the worker reads no object of it), so
-// with possession checked its build key is its tenant's own
-// (KeyIdentity): another tenant's request for the same repository and
-// commit builds on its own, never joins nor is answered from acme's build.
+// A git request is answered from another tenant's build of the same tree
+// only when its own tenant could fetch that tree: the worker packs it,
+// with the tenant's own credentials, into the tenant's own context object,
+// and that object is what shows possession. A tenant the repository
+// refuses gets GitAuthFailed and nothing of the other tenant's build.
 //
-// Origin: hostile-tenant review of 98418f0 (issue 23); refused there, kept as a regression test.
-func TestGitRequestIsNeverAnsweredFromAForeignBuild(t *testing.T) {
+// Origin: hostile-tenant review of 98418f0 (issue 23); reworked for issue
+// 26, where git sources are packed by the worker and keyed by content.
+func TestGitRequestIsAnsweredFromAForeignBuildOnlyWithItsOwnFetch(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
-	e.startWorker("w1", func(c *Config) { withRegistry(tr)(c); c.Contexts = newObjectStore() })
+	store := newObjectStore()
+	git := newGitRepos(t, store)
+	const private = "https://git.example.com/acme/private.git"
+	git.push(private, "main", strings.Repeat("ab", 20), webTree)
+	git.deny("mallory", private)
+	e.startWorker("w1", func(c *Config) { withRegistry(tr)(c); c.Contexts, c.GitSources = store, git })
 	results := e.collect()
 	ctx := context.Background()
-	git := func(tenant string) *v1.Request {
-		r := request("git")
-		r.Tenant, r.ContextDigest = tenant, ""
-		r.Source = v1.Source{Git: &v1.GitSource{URL: "https://git.example.com/acme/private.git", Commit: strings.Repeat("ab", 20)}}
-		return r
-	}
-	keyOf := func(r *v1.Request) string { return v1.BuildKey(r, KeyIdentity(kanikoID, r, false, true)) }
-	a, m := git("acme"), git("mallory")
-	if keyOf(a) == keyOf(m) || keyOf(a) == v1.BuildKey(a, kanikoID) {
-		t.Fatalf("git keys are not per tenant: %s %s", keyOf(a), keyOf(m))
-	}
+
+	a := gitRequest("acme", private, "main")
 	if _, err := e.pub.Publish(ctx, a); err != nil {
 		t.Fatal(err)
 	}
-	ajob := e.waitJob(kaniko.JobName(keyOf(a)))
-	// Mallory, while acme's build runs: a build of her own.
+	digest, _ := packDir(t, webTree)
+	ajob := e.waitJob(kaniko.JobName(resolvedKey(a, &v1.SourceInfo{ContextDigest: digest}, "acme")))
+	e.kubelet(ajob, 0, tr.push(t, destination(ajob)))
+	ar := oneResult(t, results, a.RequestID)
+
+	m := gitRequest("mallory", private, "main")
 	if _, err := e.pub.Publish(ctx, m); err != nil {
 		t.Fatal(err)
 	}
-	mjob := e.waitJob(kaniko.JobName(keyOf(m)))
-	e.kubelet(ajob, 0, tr.push(t, destination(ajob)))
-	ar := oneResult(t, results, a.RequestID)
-	e.kubelet(mjob, 1, "kaniko: git clone: authentication required")
-	if r := oneResult(t, results, m.RequestID); r.Data.Status != v1.StatusFailed || r.Data.Digest != "" || r.Data.Key != keyOf(m) {
+	if r := oneResult(t, results, m.RequestID); r.Data.Status != v1.StatusFailed || r.Data.Reason != v1.ReasonGitAuthFailed || r.Data.Digest != "" {
 		t.Fatalf("mallory's git request: %s (acme's: %s)", mustJSON(t, r), mustJSON(t, ar))
-	}
-	// And after acme's build: her own again, never acme's image.
-	again := git("mallory")
-	if _, err := e.pub.Publish(ctx, again); err != nil {
-		t.Fatal(err)
-	}
-	job := e.waitJob(kaniko.JobName(keyOf(again)))
-	if job.Name == ajob.Name {
-		t.Fatal("mallory's request adopted acme's Job")
 	}
 	if tags := repoTags(t, tr, "mallory"); len(tags) > 0 {
 		t.Fatalf("copied into mallory's repository: %v", tags)
+	}
+	if n := store.reads(s3store.TenantContextKey("mallory", digest)); n != 0 {
+		t.Fatalf("mallory's context was read %d times: she fetched nothing", n)
+	}
+
+	// globex may read the repository: its own fetch is packed into its
+	// own object, which shows it holds the bytes, and it is answered
+	// from acme's image.
+	g := gitRequest("globex", private, "main")
+	if _, err := e.pub.Publish(ctx, g); err != nil {
+		t.Fatal(err)
+	}
+	r := oneResult(t, results, g.RequestID)
+	if r.Data.Status != v1.StatusSucceeded || r.Data.Origin != v1.OriginCache || r.Data.Digest != ar.Data.Digest {
+		t.Fatalf("globex's git request: %s, want acme's image from the cache", mustJSON(t, r))
+	}
+	if n := store.reads(s3store.TenantContextKey("globex", digest)); n != 1 {
+		t.Fatalf("globex's own context read %d times, want once (its possession proof)", n)
 	}
 }
 

@@ -78,6 +78,10 @@ type Config struct {
 	// shown to hold the bytes of its contextDigest (possession.go); nil:
 	// nothing is checked (one trusted tenant).
 	Contexts ContextSource
+	// GitSources packs requests' git sources into S3 contexts of their
+	// tenants (source.go); nil: a request with a git source fails with
+	// reason InvalidRequest, saying git sources are not enabled.
+	GitSources GitSources
 	// MaxContextBytes bounds the content of a context read to check it
 	// (default contexttar.DefaultMaxBytes).
 	MaxContextBytes int64

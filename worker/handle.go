@@ -382,6 +382,9 @@ func (w *Worker) event(tenant, name string, e v1.Event) {
 		return
 	}
 	e.Tenant, e.Name, e.Worker, e.Time = tenant, name, w.cfg.ID, w.cfg.Now().UTC()
+	if e.Source == nil {
+		e.Source = w.sourceInfo.get(tenant, e.RequestID)
+	}
 	b, err := json.Marshal(e)
 	if err != nil {
 		return

@@ -130,7 +130,7 @@ var badRequests = []badRequest{
 	{name: "git source with a file URL", mutate: func(r *v1.Request) {
 		r.Source = v1.Source{Git: &v1.GitSource{URL: "file:///etc", Commit: gitSource.Commit}}
 		r.ContextDigest = ""
-	}, want: []string{"source.git.url", "https:// or ssh://"}},
+	}, want: []string{"source.git.url", "https://, http:// or ssh://"}},
 	{name: "git sub-path climbing out", mutate: func(r *v1.Request) {
 		r.Source = v1.Source{Git: &v1.GitSource{URL: gitSource.URL, Commit: gitSource.Commit, SubPath: "../.."}}
 		r.ContextDigest = ""

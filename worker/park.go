@@ -157,7 +157,7 @@ func (w *parking) settleWaiter(ctx context.Context, key string, it ledger.Waiter
 		drop()
 		return nil
 	case le.E.Canceled:
-		v := w.parkedVerdict(it.V, key).canceled()
+		v := w.parkedVerdict(it.V, key, le).canceled()
 		if err := w.deliver(ctx, le, v); err != nil {
 			return err
 		}
@@ -172,6 +172,14 @@ func (w *parking) settleWaiter(ctx context.Context, key string, it ledger.Waiter
 	if err != nil {
 		return fmt.Errorf("parked request unreadable: %w", err)
 	}
+	if req.Source.Git != nil {
+		if le.E.Source == nil {
+			// Parked before its source was packed cannot be: handled
+			// again, it is packed then.
+			return w.requeue(ctx, it)
+		}
+		resolveTo(req, le.E.Source)
+	}
 	repo, err := w.cfg.Naming.Repository(req)
 	if err != nil {
 		return err
@@ -181,7 +189,7 @@ func (w *parking) settleWaiter(ctx context.Context, key string, it ledger.Waiter
 		// builds with its own.
 		return w.requeue(ctx, it)
 	}
-	v := w.parkedVerdict(it.V, key)
+	v := w.parkedVerdict(it.V, key, le)
 	v, err = w.resultVerdict(ctx, v, req, cur, v1.OriginInflight, false, repo, naming.Destinations(repo, key, req.Tags))
 	switch {
 	case err != nil && IsTransient(err):
@@ -200,8 +208,9 @@ func (w *parking) settleWaiter(ctx context.Context, key string, it ledger.Waiter
 	return nil
 }
 
-// parkedVerdict is the start of a parked request's verdict.
-func (w *parking) parkedVerdict(p ledger.Waiter, key string) verdict {
+// parkedVerdict is the start of a parked request's verdict; le is its
+// ledger entry.
+func (w *parking) parkedVerdict(p ledger.Waiter, key string, le *ledger.Entry) verdict {
 	var name string
 	if req, err := v1.DecodeRequest(p.Body); err == nil {
 		name = req.Name
@@ -210,10 +219,14 @@ func (w *parking) parkedVerdict(p ledger.Waiter, key string) verdict {
 	if started.IsZero() {
 		started = w.cfg.Now().UTC()
 	}
-	return verdict{Decision: ledger.Decision{Tenant: p.Tenant, Name: name, Data: v1.ResultData{
+	v := verdict{Decision: ledger.Decision{Tenant: p.Tenant, Name: name, Data: v1.ResultData{
 		RequestID: p.RequestID, Tenant: p.Tenant, Name: name, Key: key, Attempts: 1,
 		Timings: v1.Timings{QueuedAt: p.MsgTime.UTC(), StartedAt: started, QueueWaitMs: max(started.Sub(p.MsgTime).Milliseconds(), 0)},
 	}}}
+	if le != nil && le.E.Source != nil {
+		v.Data.Source = &le.E.Source.SourceInfo
+	}
+	return v
 }
 
 // errPublishLater: the request's result is being published by another

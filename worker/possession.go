@@ -249,20 +249,22 @@ func (w *builder) provePossession(ctx context.Context, req *v1.Request, pk strin
 }
 
 // KeyIdentity is the executor identity a request's build key is made
-// with (v1.BuildKey): the backend's, and the request's tenant too when the
-// image a build makes, or the right to be answered from it, depends on its
-// tenant, so that no other tenant's request shares the key:
-//   - perTenantCache: a run reads kaniko's layer cache from its claimer's
-//     tenant's own cache repository, which that tenant can push into; a
-//     RUN step's layer may come from there instead of the step, so the
-//     image is that tenant's (an adversarial review had one tenant's
-//     planted layer answer another's request through the index);
-//   - checked (possession is checked, Config.Contexts) and a git source:
-//     no object the worker reads shows that another tenant holds it.
+// with (v1.BuildKey): the backend's, and the request's tenant too when
+// the image a build makes depends on its tenant, so that no other
+// tenant's request shares the key: with perTenantCache a run reads
+// kaniko's layer cache from its claimer's tenant's own cache repository,
+// which that tenant can push into; a RUN step's layer may come from
+// there instead of the step, so the image is that tenant's (an
+// adversarial review had one tenant's planted layer answer another's
+// request through the index).
+//
+// A git source is keyed only once packed into its tenant's own S3
+// context (source.go), like an upload: the possession that object shows
+// is what lets another tenant's request share the build.
 //
 // buildq render computes keys with it too.
-func KeyIdentity(executor string, req *v1.Request, perTenantCache, checked bool) string {
-	if perTenantCache || (checked && req.Source.Git != nil) {
+func KeyIdentity(executor string, req *v1.Request, perTenantCache bool) string {
+	if perTenantCache {
 		return executor + "+tenant=" + req.Tenant
 	}
 	return executor
@@ -271,5 +273,5 @@ func KeyIdentity(executor string, req *v1.Request, perTenantCache, checked bool)
 // keyOf is req's build key on this worker.
 func (w *builder) keyOf(req *v1.Request) string {
 	pt, _ := w.backend.(interface{ PerTenantCache() bool })
-	return v1.BuildKey(req, KeyIdentity(w.backend.Identity(), req, pt != nil && pt.PerTenantCache(), w.cfg.Contexts != nil))
+	return v1.BuildKey(req, KeyIdentity(w.backend.Identity(), req, pt != nil && pt.PerTenantCache()))
 }

@@ -35,7 +35,12 @@ func (w *Worker) processRequest(ctx context.Context, h *handling) (verdict, *led
 	v := verdict{Decision: ledger.Decision{Tenant: req.Tenant, Name: req.Name, Data: v1.ResultData{
 		RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, Attempts: int(meta.NumDelivered), Timings: timings,
 	}}}
-	key := w.builds.keyOf(req)
+	// A git source's key is its packed content's, known once it is
+	// packed (prepareSource, below).
+	var key string
+	if req.Source.Git == nil {
+		key = w.builds.keyOf(req)
+	}
 	v.Data.Key = key
 	h.known = v
 	le, fresh, err := w.ledger.Open(ctx, req.Tenant, req.Name, req.RequestID, key, seq, at)
@@ -54,6 +59,9 @@ func (w *Worker) processRequest(ctx context.Context, h *handling) (verdict, *led
 			seq, at = rq.E.Seq, rq.E.MsgTime
 			v.Data.Timings = v1.Timings{QueuedAt: at.UTC(), StartedAt: started, QueueWaitMs: started.Sub(at).Milliseconds()}
 		}
+	}
+	if err == nil && le.E.Source != nil {
+		v.Data.Source = &le.E.Source.SourceInfo
 	}
 	switch {
 	case errors.Is(err, ledger.ErrDuplicateID):
@@ -76,6 +84,21 @@ func (w *Worker) processRequest(ctx context.Context, h *handling) (verdict, *led
 		if message, ok := w.expired(ctx, meta, le); ok {
 			return expiredVerdict(v, message), le, nil
 		}
+	}
+	if req.Source.Git != nil {
+		defer w.sourceInfo.drop(req.Tenant, req.RequestID)
+		info, reason, message, err := w.prepareSource(ctx, req, le)
+		if err != nil {
+			return v, le, err
+		}
+		if reason != "" {
+			v.Data.Status, v.Data.Reason, v.Data.Message = v1.StatusFailed, reason, message
+			v.Term = true
+			return v, le, nil
+		}
+		key = w.builds.keyOf(req) // req builds the packed context now
+		v.Data.Key, v.Data.Source = key, info
+		h.known = v
 	}
 	repo, err := w.cfg.Naming.Repository(req)
 	if err == nil {

@@ -202,6 +202,12 @@ func (l *eventLog) has(requestID string, phase v1.Phase) bool {
 	return slices.ContainsFunc(l.events, func(ev v1.Event) bool { return ev.RequestID == requestID && ev.Phase == phase })
 }
 
+func (l *eventLog) decoded() []v1.Event {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.events)
+}
+
 func (l *eventLog) all() [][]byte {
 	l.mu.Lock()
 	defer l.mu.Unlock()

@@ -67,6 +67,10 @@ type Worker struct {
 	// running: Run set up the streams and takes requests (readiness).
 	running atomic.Bool
 
+	// sourceInfo: the resolved git sources of requests being handled,
+	// named in their progress events (source.go).
+	sourceInfo sourceInfos
+
 	// faults is nil outside the package's fault simulation.
 	faults *faultHooks
 }

@@ -77,6 +77,17 @@ type RequestEntry struct {
 	// RequeueToken is written when the request parks; a requeued message
 	// must carry it (never shown to tenants).
 	RequeueToken string `json:"requeueToken,omitempty"`
+	// Source is set once a git source is resolved and packed: the commit
+	// and the context object every later delivery of the request builds
+	// (a ref that moves meanwhile does not change what it asked for).
+	Source *ResolvedSource `json:"source,omitempty"`
+}
+
+// ResolvedSource is a git source packed into an S3 context: what the
+// request asked for and resolved to, and where its context is.
+type ResolvedSource struct {
+	SourceInfo
+	S3 S3Source `json:"s3"`
 }
 
 // RequestStateBuilding is a ledger entry's state before its decision.

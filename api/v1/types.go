@@ -158,11 +158,36 @@ type S3Source struct {
 	Key    string `json:"key"`
 }
 
-// GitSource is a commit of a git repository.
+// GitSource is a commit of a git repository. The worker (never the build
+// Pod) resolves Ref to a commit, fetches exactly that commit, and packs the
+// SubPath tree (with its .dockerignore applied) into a content-addressed
+// context in S3, the same as an upload: the build key is that context's
+// digest, so identical trees from two commits, refs or repositories are
+// built once.
 type GitSource struct {
-	URL     string `json:"url"`
-	Commit  string `json:"commit"`
+	// URL is https://, http:// (only for hosts the worker is told to
+	// reach without TLS) or ssh://.
+	URL string `json:"url"`
+	// Ref is a branch, a tag or a full ref (refs/heads/main). With Ref,
+	// Commit is optional: given, it must be reachable from Ref.
+	Ref string `json:"ref,omitempty"`
+	// Commit is a full commit hash; required without Ref.
+	Commit  string `json:"commit,omitempty"`
 	SubPath string `json:"subPath,omitempty"`
+	// Submodules fetches the commit's submodules into the context.
+	Submodules bool `json:"submodules,omitempty"`
+}
+
+// SourceInfo says what a request's context was built from: for a git
+// source, the repository, the ref asked for, the commit it resolved to;
+// for every source, the context digest. Results and progress events of
+// the request carry it, also when answered from the cache.
+type SourceInfo struct {
+	GitURL        string `json:"gitUrl,omitempty"`
+	Ref           string `json:"ref,omitempty"`
+	Commit        string `json:"commit,omitempty"`
+	SubPath       string `json:"subPath,omitempty"`
+	ContextDigest string `json:"contextDigest,omitempty"`
 }
 
 // Duration is a time.Duration that travels as a Go duration string ("15m").
@@ -228,6 +253,32 @@ const (
 	// ReasonQuotaExceeded: the tenant already had its queue-length limit
 	// of requests waiting; the request was refused without a build.
 	ReasonQuotaExceeded = "QuotaExceeded"
+
+	// Git sources: each fails at once, with the git server's words in
+	// the message, and is never retried as an infrastructure error.
+	//
+	// ReasonGitHostRefused: the URL's host, an address it resolves to or
+	// a redirect is not one the worker may reach (--allowed-git-host).
+	ReasonGitHostRefused = "GitHostRefused"
+	// ReasonGitRefNotFound: the repository has no such branch, tag or ref.
+	ReasonGitRefNotFound = "GitRefNotFound"
+	// ReasonGitCommitNotFound: the commit is not in the repository (or
+	// not reachable from the ref).
+	ReasonGitCommitNotFound = "GitCommitNotFound"
+	// ReasonGitAuthFailed: the server refused the tenant's credentials,
+	// or asked for some and the tenant has none; or, over SSH, the host
+	// key is not a known one.
+	ReasonGitAuthFailed = "GitAuthFailed"
+	// ReasonGitLFS: a file of the context is a Git LFS pointer; LFS
+	// objects are not fetched.
+	ReasonGitLFS = "GitLFSPointer"
+	// ReasonGitTooLarge: the fetch went over a limit of the worker's
+	// (bytes received, objects, history depth, the packed context's size).
+	ReasonGitTooLarge = "GitTooLarge"
+	// ReasonGitTimeout: resolving and fetching took longer than allowed.
+	ReasonGitTimeout = "GitTimeout"
+	// ReasonGitSubPath: the subPath is not a directory of the commit.
+	ReasonGitSubPath = "GitSubPathNotFound"
 )
 
 // Priorities of a request (Request.Priority), highest first.
@@ -294,6 +345,9 @@ type ResultData struct {
 	Job      string  `json:"job,omitempty"`
 	Attempts int     `json:"attempts,omitempty"`
 	Timings  Timings `json:"timings"`
+	// Source is what this request's context was built from (git url,
+	// ref, resolved commit, context digest); set for git sources.
+	Source *SourceInfo `json:"source,omitempty"`
 }
 
 // Timings of one request.
@@ -325,7 +379,10 @@ type Phase string
 
 // Progress phases, in the order a request usually passes them.
 const (
-	PhaseQueued     Phase = "queued"
+	PhaseQueued Phase = "queued"
+	// PhaseSource: a git source is being resolved, fetched and packed
+	// (several events, each saying which step, bytes and objects).
+	PhaseSource     Phase = "source"
 	PhaseClaimed    Phase = "claimed"
 	PhaseWaiting    Phase = "waiting"
 	PhaseJobCreated Phase = "job-created"
@@ -345,4 +402,7 @@ type Event struct {
 	Job       string    `json:"job,omitempty"`
 	Worker    string    `json:"worker,omitempty"`
 	Time      time.Time `json:"time"`
+	// Source names the git url, ref, resolved commit and context digest
+	// once they are known.
+	Source *SourceInfo `json:"source,omitempty"`
 }

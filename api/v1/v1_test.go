@@ -118,6 +118,22 @@ func TestValidateRejects(t *testing.T) {
 			r.Source = Source{Git: &GitSource{URL: "file:///etc", Commit: strings.Repeat("a", 40)}}
 			r.ContextDigest = ""
 		}},
+		{"git without ref or commit", "source.git", func(r *Request) {
+			r.Source = Source{Git: &GitSource{URL: "https://x/y.git"}}
+			r.ContextDigest = ""
+		}},
+		{"git ref like a flag", "source.git.ref", func(r *Request) {
+			r.Source = Source{Git: &GitSource{URL: "https://x/y.git", Ref: "--upload-pack=touch /tmp/x"}}
+			r.ContextDigest = ""
+		}},
+		{"git ref with dot-dot", "source.git.ref", func(r *Request) {
+			r.Source = Source{Git: &GitSource{URL: "https://x/y.git", Ref: "refs/heads/../../x"}}
+			r.ContextDigest = ""
+		}},
+		{"git ref with a control character", "source.git.ref", func(r *Request) {
+			r.Source = Source{Git: &GitSource{URL: "https://x/y.git", Ref: "main\n"}}
+			r.ContextDigest = ""
+		}},
 		{"dockerfile escapes", "dockerfile", func(r *Request) { r.Dockerfile = "../../Dockerfile" }},
 		{"bad build arg name", "buildArgs", func(r *Request) { r.BuildArgs = map[string]string{"A-B": "1"} }},
 		{"huge build arg", "buildArgs.BIG", func(r *Request) { r.BuildArgs = map[string]string{"BIG": strings.Repeat("x", 5000)} }},
@@ -168,6 +184,16 @@ func TestValidateAccepts(t *testing.T) {
 	r.ContextDigest = ""
 	if err := r.Validate(); err != nil {
 		t.Fatal(err)
+	}
+	for _, g := range []GitSource{
+		{URL: "https://github.com/acme/web.git", Ref: "main"},
+		{URL: "ssh://git@github.com/acme/web.git", Ref: "refs/tags/v1.2.3", Commit: strings.Repeat("e", 40)},
+		{URL: "http://git.internal:3000/acme/web.git", Ref: "release/2026-12", Submodules: true},
+	} {
+		r.Source = Source{Git: &g}
+		if err := r.Validate(); err != nil {
+			t.Errorf("%+v: %v", g, err)
+		}
 	}
 }
 

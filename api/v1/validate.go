@@ -157,11 +157,19 @@ func (r *Request) Validate() error {
 		}
 	case r.Source.Git != nil:
 		g := r.Source.Git
-		if !(strings.HasPrefix(g.URL, "https://") || strings.HasPrefix(g.URL, "ssh://")) || len(g.URL) > 2048 || strings.ContainsAny(g.URL, " \t\r\n") {
-			add("source.git.url", "must be an https:// or ssh:// URL")
+		if !(strings.HasPrefix(g.URL, "https://") || strings.HasPrefix(g.URL, "http://") || strings.HasPrefix(g.URL, "ssh://")) || len(g.URL) > 2048 || strings.ContainsAny(g.URL, " \t\r\n") {
+			add("source.git.url", "must be an https://, http:// or ssh:// URL")
 		}
-		if !commitRe.MatchString(g.Commit) {
+		switch {
+		case g.Ref == "" && g.Commit == "":
+			add("source.git", "needs a ref (branch, tag or full ref), a commit, or both")
+		case g.Commit != "" && !commitRe.MatchString(g.Commit):
 			add("source.git.commit", "must be a full commit hash (40 or 64 lowercase hex digits)")
+		}
+		if g.Ref != "" {
+			if msg := GitRefProblem(g.Ref); msg != "" {
+				add("source.git.ref", "%s", msg)
+			}
 		}
 		if g.SubPath != "" {
 			if msg := relPathProblem(g.SubPath, MaxPathLen); msg != "" {
@@ -172,7 +180,7 @@ func (r *Request) Validate() error {
 			add("contextDigest", "is only for s3 sources")
 		}
 	default:
-		add("source", "is required: s3 (bucket, key) or git (url, commit)")
+		add("source", "is required: s3 (bucket, key) or git (url, ref or commit)")
 	}
 
 	if r.Dockerfile != "" {
@@ -323,4 +331,33 @@ func sortedKeys(m map[string]string) []string {
 	}
 	sort.Strings(keys)
 	return keys
+}
+
+// MaxGitRefLen bounds a git ref's length.
+const MaxGitRefLen = 255
+
+// GitRefProblem says what is wrong with ref as a branch, tag or full ref
+// name (git check-ref-format's rules, and no leading "-", so a ref never
+// reads as an option), or "" when nothing is.
+func GitRefProblem(ref string) string {
+	switch {
+	case len(ref) > MaxGitRefLen:
+		return fmt.Sprintf("is longer than %d bytes", MaxGitRefLen)
+	case strings.HasPrefix(ref, "-"):
+		return fmt.Sprintf("%q starts with '-'", truncate(ref, 80))
+	case ref == "@", strings.Contains(ref, ".."), strings.Contains(ref, "@{"), strings.Contains(ref, "//"),
+		strings.HasPrefix(ref, "/"), strings.HasSuffix(ref, "/"), strings.HasSuffix(ref, "."), strings.HasSuffix(ref, ".lock"):
+		return fmt.Sprintf("%q is not a valid git ref name", truncate(ref, 80))
+	}
+	for _, c := range ref {
+		if c < 0x20 || c == 0x7f || strings.ContainsRune(" ~^:?*[\\", c) {
+			return fmt.Sprintf("%q is not a valid git ref name (it holds %q)", truncate(ref, 80), c)
+		}
+	}
+	for _, part := range strings.Split(ref, "/") {
+		if strings.HasPrefix(part, ".") {
+			return fmt.Sprintf("%q is not a valid git ref name (a component starts with '.')", truncate(ref, 80))
+		}
+	}
+	return ""
 }

@@ -70,10 +70,9 @@ refuse, render refuses too (exit 2), with the same message.`,
 			if err := np.CheckDestination(req.Tenant, repo); err != nil {
 				return usageErr("%v (a worker with these flags refuses this request: pass --registry and --tenant as the worker and the producer have them, or --allowed-destination)", err)
 			}
-			// As a worker with these flags makes it (it checks possession
-			// when it has --fetch-image).
+			// As a worker with these flags makes it.
 			key := v1.BuildKey(req, worker.KeyIdentity("kaniko@"+kc.ExecutorImage, req,
-				strings.Contains(kc.CacheRepo, "{tenant}"), kc.FetchImage != ""))
+				strings.Contains(kc.CacheRepo, "{tenant}")))
 			spec := kaniko.Spec{Request: req, Key: key, Destinations: naming.Destinations(repo, key, req.Tags)}
 			if kc.FetchImage != "" && req.Source.S3 != nil {
 				// The worker signs a fresh URL when it creates the Job.

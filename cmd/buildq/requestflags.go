@@ -97,6 +97,12 @@ func (f *requestFlags) request(dir string) (*v1.Request, error) {
 	if _, err := os.Stat(filepath.Join(dir, filepath.FromSlash(f.dockerfile))); err != nil {
 		return nil, usageErr("no Dockerfile at %s: %v (use -f to name another)", filepath.Join(dir, f.dockerfile), err)
 	}
+	return f.requestFields(defaultName(dir))
+}
+
+// requestFields checks the flags and returns the request, named
+// defaultName unless --name says otherwise, without a source.
+func (f *requestFlags) requestFields(defaultName string) (*v1.Request, error) {
 	args, err := parseKV("build-arg", f.buildArgs)
 	if err != nil {
 		return nil, err
@@ -110,7 +116,7 @@ func (f *requestFlags) request(dir string) (*v1.Request, error) {
 	}
 	name := f.name
 	if name == "" {
-		name = defaultName(dir)
+		name = defaultName
 	}
 	req := &v1.Request{
 		APIVersion: v1.APIVersion,

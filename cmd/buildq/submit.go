@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -11,6 +12,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/spf13/cobra"
 	"golang.org/x/term"
 
@@ -53,6 +55,7 @@ func mergeEnv(ms ...map[string]string) map[string]string {
 func newSubmitCmd() *cobra.Command {
 	var (
 		rf          requestFlags
+		gf          gitFlags
 		nf          natsFlags
 		sf          s3Flags
 		wait        bool
@@ -60,21 +63,37 @@ func newSubmitCmd() *cobra.Command {
 		output      string
 	)
 	cmd := &cobra.Command{
-		Use:   "submit DIR",
-		Short: "Pack a directory, upload it and publish a build request",
+		Use:   "submit (DIR | --git URL --ref REF)",
+		Short: "Publish a build request: of a directory (packed and uploaded) or of a git commit",
 		Long: `Pack DIR into a reproducible context (honouring .dockerignore), upload it to
 S3 unless it is already there, and publish a build request.
 
+With --git instead of DIR, nothing is uploaded: the worker resolves --ref to
+a commit, fetches exactly that commit with the tenant's own git credentials
+and packs --subpath the same way, so a build of a commit and a build of its
+checked-out directory share one build key. --commit pins the commit (with
+--ref it must be reachable from it). The build Pod never sees git.
+
 Without --wait it prints the request id and returns. With --wait it streams
-progress to stderr and prints the result; with -o json stdout carries exactly
-one JSON object, the result's data.
+progress to stderr (for git: resolving, fetching with bytes and objects,
+packing) and prints the result; with -o json stdout carries exactly one JSON
+object, the result's data.
 
 Against a running "buildq dev" no connection flag is needed.
 
 Exit status: 0 succeeded (or submitted), 1 failed or canceled, 2 invalid input.`,
 		Example: `  buildq submit ./examples/static-site --image 127.0.0.1:5000/demo/site --wait
-  buildq submit . --image 127.0.0.1:5000/acme/api --build-arg VERSION=1.2 --wait -o json`,
-		Args: exactArgs(1, "DIR"),
+  buildq submit . --image 127.0.0.1:5000/acme/api --build-arg VERSION=1.2 --wait -o json
+  buildq submit --git https://github.com/acme/web.git --ref main --subpath app --wait`,
+		Args: func(cmd *cobra.Command, args []string) error {
+			if gf.url != "" {
+				if len(args) > 0 {
+					return usageErr("give DIR or --git, not both")
+				}
+				return nil
+			}
+			return exactArgs(1, "DIR")(cmd, args)
+		},
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := bindEnv(cmd, mergeEnv(natsEnv, s3Env)); err != nil {
 				return err
@@ -82,10 +101,17 @@ Exit status: 0 succeeded (or submitted), 1 failed or canceled, 2 invalid input.`
 			if output != "text" && output != "json" {
 				return usageErr("-o must be text or json, got %q", output)
 			}
+			if gf.url != "" {
+				return runSubmitGit(cmd.Context(), cmd, &rf, &gf, &nf, wait, waitTimeout, output == "json")
+			}
+			if err := gf.unused(); err != nil {
+				return err
+			}
 			return runSubmit(cmd.Context(), cmd, args[0], &rf, &nf, &sf, wait, waitTimeout, output == "json")
 		},
 	}
 	rf.register(cmd.Flags())
+	gf.register(cmd.Flags())
 	nf.register(cmd.Flags())
 	sf.register(cmd)
 	cmd.Flags().BoolVar(&wait, "wait", false, "wait for the result, streaming progress to stderr")
@@ -139,6 +165,13 @@ func runSubmit(ctx context.Context, cmd *cobra.Command, dir string, rf *requestF
 	}
 	setSource(req, up.Bucket, up.Digest)
 	req.Source.S3.Key = up.Key
+	return publishAndWait(ctx, cmd, nc, pub, req, wait, waitTimeout, asJSON)
+}
+
+// publishAndWait publishes req under a new request id and, with wait,
+// streams its progress and prints its result.
+func publishAndWait(ctx context.Context, cmd *cobra.Command, nc *nats.Conn, pub *publisher.Client, req *v1.Request, wait bool, waitTimeout time.Duration, asJSON bool) error {
+	stderr := cmd.ErrOrStderr()
 	req.RequestID = publisher.NewRequestID()
 
 	// Subscribe to progress before publishing, so "queued" is not missed.
@@ -171,7 +204,11 @@ func runSubmit(ctx context.Context, cmd *cobra.Command, dir string, rf *requestF
 	fmt.Fprintf(stderr, "submitted %s/%s as request %s\n", req.Tenant, req.Name, req.RequestID)
 	if !wait {
 		if asJSON {
-			return writeJSON(cmd.OutOrStdout(), map[string]string{"requestId": req.RequestID, "tenant": req.Tenant, "name": req.Name, "contextDigest": req.ContextDigest})
+			out := map[string]string{"requestId": req.RequestID, "tenant": req.Tenant, "name": req.Name}
+			if req.ContextDigest != "" {
+				out["contextDigest"] = req.ContextDigest
+			}
+			return writeJSON(cmd.OutOrStdout(), out)
 		}
 		fmt.Fprintln(cmd.OutOrStdout(), req.RequestID)
 		return nil
@@ -237,6 +274,9 @@ func printResult(stdout io.Writer, res *v1.Result, asJSON bool) error {
 		switch d.Status {
 		case v1.StatusSucceeded:
 			fmt.Fprintf(stdout, "succeeded (%s) %s\n  image  %s\n  digest %s\n", d.Origin, d.ImageRef, d.Image, d.Digest)
+			if src := d.Source; src != nil && src.Commit != "" {
+				fmt.Fprintf(stdout, "  source %s@%s (%s), context %s\n", src.GitURL, src.Commit, cmp.Or(src.Ref, "commit"), short(src.ContextDigest))
+			}
 		default:
 			fmt.Fprintf(stdout, "%s: %s: %s\n", d.Status, d.Reason, d.Message)
 			if d.LogTail != "" && d.LogTail != d.Message {
@@ -255,6 +295,8 @@ func phaseWord(e v1.Event) string {
 	switch e.Phase {
 	case v1.PhaseJobCreated, v1.PhaseRunning:
 		return "building"
+	case v1.PhaseSource:
+		return "git"
 	case v1.PhaseFinished:
 		if strings.HasPrefix(e.Message, string(v1.StatusSucceeded)) {
 			return "pushed"

@@ -488,12 +488,9 @@ func Args(spec Spec, cfg Config) ([]string, error) {
 	case r.Source.S3 != nil:
 		args = append(args, "--context=s3://"+r.Source.S3.Bucket+"/"+r.Source.S3.Key)
 	case r.Source.Git != nil:
-		u := r.Source.Git.URL
-		u = strings.TrimPrefix(u, "https://")
-		args = append(args, "--context=git://"+u+"#"+r.Source.Git.Commit)
-		if r.Source.Git.SubPath != "" {
-			args = append(args, "--context-sub-path="+r.Source.Git.SubPath)
-		}
+		// The worker packs a git source into an S3 context first: a
+		// build Pod never fetches git, nor holds a git credential.
+		return nil, errors.New("kaniko job: a git source must be packed into an S3 context by the worker first")
 	default:
 		return nil, errors.New("kaniko job: request has no source")
 	}

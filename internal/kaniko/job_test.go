@@ -91,16 +91,6 @@ func TestJobGolden(t *testing.T) {
 			url:  "http://minio.minio:9000/buildq/contexts/acme/sha256/abc.tar.gz?X-Amz-Signature=sig",
 			dest: []string{"registry.example.com/acme/web:0123456789ab"},
 		},
-		{
-			name: "git",
-			req: func() *v1.Request {
-				r := s3Request()
-				r.Source = v1.Source{Git: &v1.GitSource{URL: "https://github.com/acme/web.git", Commit: strings.Repeat("c", 40), SubPath: "services/api"}}
-				r.ContextDigest = ""
-				return r
-			},
-			dest: []string{"registry.example.com/acme/web:0123456789ab"},
-		},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -181,6 +171,11 @@ func TestJobRefusesIncompleteSpec(t *testing.T) {
 	t.Parallel()
 	if _, err := Job(Spec{Request: s3Request(), Key: "k"}, baseConfig.Defaults()); err == nil {
 		t.Error("no destination accepted")
+	}
+	git := s3Request()
+	git.Source, git.ContextDigest = v1.Source{Git: &v1.GitSource{URL: "https://github.com/acme/web.git", Commit: strings.Repeat("c", 40)}}, ""
+	if _, err := Job(Spec{Request: git, Key: "k", Destinations: []string{"r.example.com/a/b:x"}}, baseConfig.Defaults()); err == nil || !strings.Contains(err.Error(), "packed into an S3 context") {
+		t.Errorf("a Job for an unpacked git source: %v, want it refused (a build Pod never fetches git)", err)
 	}
 	if err := (Config{}).Validate(); err == nil {
 		t.Error("empty config accepted")

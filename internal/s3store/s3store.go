@@ -392,6 +392,36 @@ func (s *Store) UploadContext(ctx context.Context, dir string, opts contexttar.O
 	return res, nil
 }
 
+// PutArchive stores an archive contexttar already made (a git source the
+// worker packed) under the store's key for digest, unless an object is
+// already there, as UploadContext does. size is the archive's length; r
+// is read to its end. The digest is the caller's word: a wrong one only
+// ever fails the builds that read this object (their fetch verifies it).
+func (s *Store) PutArchive(ctx context.Context, digest string, r io.Reader, size int64) (UploadResult, error) {
+	key := s.contextKey(digest)
+	if key == "" {
+		return UploadResult{}, fmt.Errorf("s3store: %q is not a sha256 context digest", digest)
+	}
+	res := UploadResult{Digest: digest, Bucket: s.bucket, Key: key}
+	exists, err := s.Exists(ctx, s.bucket, key)
+	if err != nil {
+		return UploadResult{}, err
+	}
+	if exists {
+		res.Skipped = true
+		return res, nil
+	}
+	if _, err := s.client.PutObject(ctx, s.bucket, key, r, size, minio.PutObjectOptions{
+		ContentType:          contentType,
+		UserMetadata:         map[string]string{digestMetaKey: digest},
+		PartSize:             s.partSize,
+		DisableContentSha256: s.unsignedPayload,
+	}); err != nil {
+		return UploadResult{}, fmt.Errorf("s3store: upload %s/%s: %w", s.bucket, key, err)
+	}
+	return res, nil
+}
+
 // errUploaderStopped is what the packing goroutine's writes fail with once
 // the uploader has stopped reading.
 var errUploaderStopped = errors.New("s3store: uploader stopped reading")

@@ -167,3 +167,35 @@ func TestEnsureBucket(t *testing.T) {
 		t.Errorf("concurrent EnsureBucket: %v", err)
 	}
 }
+
+// PutArchive stores a packed archive under the tenant's key for its
+// digest, once: a second put of the same digest is skipped, and a
+// malformed digest never becomes an object name.
+func TestPutArchiveStoresUnderTheTenantsKeyOnce(t *testing.T) {
+	t.Parallel()
+	f := newFakeS3(t)
+	s := f.store(t, f.config(), tuning{}).ForTenant("acme")
+	ctx := context.Background()
+	digest := "sha256:" + strings.Repeat("cd", 32)
+	const archive = "packed archive bytes"
+	res, err := s.PutArchive(ctx, digest, strings.NewReader(archive), int64(len(archive)))
+	if err != nil || res.Skipped || res.Key != TenantContextKey("acme", digest) {
+		t.Fatalf("PutArchive = %+v, %v; want a new object under acme's key", res, err)
+	}
+	body, err := s.Open(ctx, testBucket, res.Key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(body)
+	_ = body.Close()
+	if string(b) != archive {
+		t.Fatalf("stored %q", b)
+	}
+	again, err := s.PutArchive(ctx, digest, strings.NewReader("other"), 5)
+	if err != nil || !again.Skipped {
+		t.Fatalf("second PutArchive = %+v, %v; want skipped", again, err)
+	}
+	if _, err := s.PutArchive(ctx, "sha256:../../x", strings.NewReader(archive), int64(len(archive))); err == nil {
+		t.Fatal("a malformed digest was stored")
+	}
+}

@@ -258,6 +258,28 @@ func (l *Ledger) MarkCanceled(ctx context.Context, le *Entry) (bool, error) {
 	return ok, err
 }
 
+// SetSource records the packed git source of le's request and the build
+// key it gives, once: every later delivery of the request builds that
+// context (a ref that moved meanwhile does not change what the request
+// asked for). A source recorded first by another handler stands, and is
+// returned; so is the entry's when it was decided meanwhile.
+func (l *Ledger) SetSource(ctx context.Context, le *Entry, src *v1.ResolvedSource, key string) (*v1.ResolvedSource, error) {
+	_, err := l.change(ctx, le, 10, func(e *v1.RequestEntry) bool {
+		if e.Source != nil || e.Result != nil {
+			return false
+		}
+		e.Source, e.Key, e.UpdatedAt = src, key, l.cfg.Now().UTC()
+		return true
+	})
+	if err != nil {
+		return nil, err
+	}
+	if le.E.Source == nil {
+		return src, nil // decided meanwhile: the decision stands anyway
+	}
+	return le.E.Source, nil
+}
+
 // SpendRetry counts one transient failure of a request in its entry and
 // reports whether its budget (maxFailures) still allows a retry: the
 // budget bounds transient failures, not deliveries, so hand-backs at

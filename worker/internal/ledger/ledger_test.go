@@ -530,3 +530,32 @@ func TestProofsAreRecordedOnceAndFoundAgain(t *testing.T) {
 		t.Fatalf("RecordProof without a bucket = %v", err)
 	}
 }
+
+// A request's packed git source is recorded once: a second handler (a
+// redelivery racing a slow first one) gets the first source back, never
+// its own, so the request builds one commit whatever its ref does.
+func TestSetSourceKeepsTheFirstSource(t *testing.T) {
+	w := newWorld(t)
+	clk := newClock()
+	l1, l2 := w.ledger("w1", clk, time.Minute), w.ledger("w2", clk, time.Minute)
+	ctx := t.Context()
+	le1 := open(t, l1, "acme", "r1")
+	le2 := read(t, l2, "acme", "r1")
+	src := func(commit string) *v1.ResolvedSource {
+		return &v1.ResolvedSource{
+			SourceInfo: v1.SourceInfo{GitURL: "https://git.example.com/a.git", Ref: "main", Commit: commit, ContextDigest: "sha256:" + commit},
+			S3:         v1.S3Source{Bucket: "buildq", Key: "contexts/acme/sha256/" + commit + ".tar.gz"},
+		}
+	}
+	got, err := l1.SetSource(ctx, le1, src("c1"), "key-c1")
+	if err != nil || got.Commit != "c1" {
+		t.Fatalf("first SetSource = %+v, %v", got, err)
+	}
+	got, err = l2.SetSource(ctx, le2, src("c2"), "key-c2")
+	if err != nil || got.Commit != "c1" {
+		t.Fatalf("second SetSource = %+v, %v; want the first source (c1)", got, err)
+	}
+	if e := read(t, l2, "acme", "r1"); e.E.Source == nil || e.E.Source.Commit != "c1" || e.E.Key != "key-c1" {
+		t.Fatalf("stored entry %+v, want source c1 and key key-c1", e.E)
+	}
+}

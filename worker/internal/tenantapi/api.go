@@ -336,6 +336,11 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 			return v1.CancelReply{Key: le.E.Key, Message: "the request already has its result: " + le.E.State}
 		}
 		key, mine = le.E.Key, []*ledger.Entry{le}
+		if key == "" {
+			// Not keyed yet (its git source is being fetched): no build
+			// to stop or share; its handler ends the fetch.
+			return w.cancelUnkeyed(ctx, le)
+		}
 		if before, err = w.cfg.Ledger.Waiters(ctx, key); err != nil {
 			return v1.CancelReply{Key: key, Message: err.Error()}
 		}
@@ -388,6 +393,21 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 		msg = fmt.Sprintf("canceled %d request(s)", n)
 	}
 	return v1.CancelReply{Key: key, Canceled: true, Requests: n, Stopped: stopped, Message: msg}
+}
+
+// cancelUnkeyed cancels a request that has no build key yet.
+func (w *Service) cancelUnkeyed(ctx context.Context, le *ledger.Entry) v1.CancelReply {
+	ok, err := w.cfg.Ledger.MarkCanceled(ctx, le)
+	switch {
+	case err != nil:
+		return v1.CancelReply{Message: err.Error()}
+	case !ok && le.E.Result == nil:
+		return v1.CancelReply{Message: "the request is canceled already"}
+	case !ok:
+		return v1.CancelReply{Message: "the request already has its result: " + le.E.State}
+	}
+	_ = w.cfg.NC.Publish(internalCancelSubject, []byte(ledger.Key(le.E.Tenant, le.E.RequestID)))
+	return v1.CancelReply{Canceled: true, Requests: 1, Message: "canceled 1 request(s) before its build started"}
 }
 
 // stopBuild ends key's current run as Canceled and deletes its Job, when
