@@ -85,6 +85,8 @@ func (w *Worker) processRequest(ctx context.Context, h *handling) (verdict, *led
 			return expiredVerdict(v, message), le, nil
 		}
 	}
+	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: key, Phase: v1.PhaseQueued,
+		Message: fmt.Sprintf("taken by %s after %s in the queue", w.cfg.ID, time.Duration(timings.QueueWaitMs)*time.Millisecond)})
 	if req.Source.Git != nil {
 		defer w.sourceInfo.drop(req.Tenant, req.RequestID)
 		info, reason, message, err := w.prepareSource(ctx, req, le)
@@ -116,8 +118,6 @@ func (w *Worker) processRequest(ctx context.Context, h *handling) (verdict, *led
 		return v, le, nil
 	}
 	dests := naming.Destinations(repo, key, req.Tags)
-	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: key, Phase: v1.PhaseQueued,
-		Message: fmt.Sprintf("taken by %s after %s in the queue", w.cfg.ID, time.Duration(timings.QueueWaitMs)*time.Millisecond)})
 
 	wr := &waiterReg{le: le, park: &ledger.Waiter{Tenant: req.Tenant, RequestID: req.RequestID, Subject: msg.Subject(),
 		MsgID: msg.Headers().Get(v1.MsgIDHeader), Seq: seq, MsgTime: at.UTC(), Body: msg.Data()}}

@@ -65,6 +65,9 @@ type serveConfig struct {
 	metricsAddr string
 	pprof       bool
 
+	// git: git sources (worker and dev).
+	git gitFlagsConfig
+
 	// dev is the embedded stack of `buildq dev`.
 	dev devStackFlags
 
@@ -90,6 +93,9 @@ type devStackFlags struct {
 func (c *serveConfig) Validate() error {
 	if c.cmd != cmdRender {
 		if err := c.validateProcess(); err != nil {
+			return err
+		}
+		if err := c.git.validate(); err != nil {
 			return err
 		}
 	}
@@ -225,6 +231,9 @@ func (c *serveConfig) validateWorkerCredentials() error {
 	}
 	if c.kaniko.FetchImage != "" && (c.kaniko.S3Endpoint == "" || c.s3AccessKey == "" || c.s3SecretKey == "") {
 		return usageErr("--fetch-image needs --s3-endpoint (as the build Pods reach it) and --s3-access-key/--s3-secret-key (or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY): the worker signs each context's URL")
+	}
+	if len(c.git.allowedHosts) > 0 && c.kaniko.FetchImage == "" {
+		return usageErr("--allowed-git-host needs --fetch-image and the worker's S3 keys: the worker stores each packed git source as an S3 context, which the build Pods fetch and verify")
 	}
 	return nil
 }

@@ -28,6 +28,7 @@ import (
 
 func newDevCmd() *cobra.Command {
 	var c serveConfig
+	var gw devGateway // the event gateway (gateway.go)
 	cmd := &cobra.Command{
 		Use:   "dev",
 		Short: "Run the whole stack in one process: NATS, S3, a registry and a worker",
@@ -36,9 +37,13 @@ func newDevCmd() *cobra.Command {
   - NATS with JetStream                 (--nats-addr, default 127.0.0.1:4222)
   - an S3-compatible store               (--s3-addr, default 127.0.0.1:9000)
   - an OCI registry, plain HTTP          (--registry-addr, default 127.0.0.1:5000)
+  - the event gateway: CloudEvents over HTTP and push webhooks, as
+    buildq gateway, without credentials  (--gateway-addr, default 127.0.0.1:8088)
   - a worker with the local executor: a daemonless, in-process builder that
     runs FROM, COPY/ADD, ENV, ARG, LABEL, WORKDIR, USER, EXPOSE, ENTRYPOINT,
-    CMD and multi-stage builds, but not RUN.
+    CMD and multi-stage builds, but not RUN. It builds git sources too
+    (buildq submit --git URL --ref REF): it fetches from any host, loopback
+    included, unless --allowed-git-host narrows that.
 
 A tenant pushes only to its own part of the registry, as with a worker:
 {registry}/{tenant}/** by default (submit without --image names
@@ -70,10 +75,14 @@ In another terminal:
 			if err := c.Validate(); err != nil {
 				return err
 			}
-			return runDev(cmd.Context(), cmd.ErrOrStderr(), &c)
+			if err := gw.validate(); err != nil {
+				return err
+			}
+			return runDev(cmd.Context(), cmd.ErrOrStderr(), &c, &gw)
 		},
 	}
 	c.registerDev(cmd.Flags())
+	gw.register(cmd.Flags())
 	return cmd
 }
 
@@ -116,7 +125,7 @@ func nonLoopback(addrs ...string) []string {
 
 // runDev runs the stack and its worker from a validated configuration
 // until ctx ends.
-func runDev(ctx context.Context, stderr io.Writer, c *serveConfig) error {
+func runDev(ctx context.Context, stderr io.Writer, c *serveConfig, gw *devGateway) error {
 	log, err := newLogger(c.logLevel, c.logFormat)
 	if err != nil {
 		return err
@@ -221,6 +230,7 @@ func runDev(ctx context.Context, stderr io.Writer, c *serveConfig) error {
 	// Tenants are answered from one another's builds only for content
 	// they hold, as with a worker.
 	cfg.Contexts = store
+	cfg.GitSources = c.git.packer(store, true, "")
 	cfg.Logger = log.Named("worker")
 	nc, err := nats.Connect(stack.NATSURL, nats.Name("buildq-dev-worker"), nats.MaxReconnects(-1))
 	if err != nil {
@@ -234,6 +244,15 @@ func runDev(ctx context.Context, stderr io.Writer, c *serveConfig) error {
 	if err := w.Setup(ctx); err != nil {
 		return failed(err)
 	}
+	// The event gateway, publishing over dev's NATS (gateway.go).
+	gwURL, stopGateway, err := gw.start(stack.NATSURL, log.Named("gateway"))
+	if err != nil {
+		return err
+	}
+	defer stopGateway()
+	if gwURL != "" {
+		gwURL = "  gateway=" + gwURL
+	}
 	done := make(chan error, 1)
 	go func() { done <- w.Run(ctx) }()
 
@@ -241,8 +260,8 @@ func runDev(ctx context.Context, stderr io.Writer, c *serveConfig) error {
 	if temporary {
 		keep += " (temporary; pass --data to keep images across restarts)"
 	}
-	fmt.Fprintf(stderr, "buildq dev ready  nats=%s  s3=%s (bucket %s)  registry=%s  executor=%s  data=%s\n",
-		stack.NATSURL, stack.S3Endpoint, stack.Bucket, stack.RegistryAddr, executor, keep)
+	fmt.Fprintf(stderr, "buildq dev ready  nats=%s  s3=%s (bucket %s)  registry=%s%s  executor=%s  data=%s\n",
+		stack.NATSURL, stack.S3Endpoint, stack.Bucket, stack.RegistryAddr, gwURL, executor, keep)
 
 	err = <-done
 	fmt.Fprintln(stderr, "buildq dev stopping")

@@ -52,6 +52,7 @@ func (c *serveConfig) registerWorker(fs *pflag.FlagSet) {
 	fs.StringVar(&c.s3SecretKey, "s3-secret-key", "", "with --fetch-image: S3 secret key (also AWS_SECRET_ACCESS_KEY)")
 	fs.StringVar(&c.registryConfig, "registry-config", "", "docker config.json the worker checks and tags images with: the same credentials as --registry-secret (mount that Secret); empty: anonymous")
 	registerKaniko(fs, &c.kaniko, &c.naming)
+	c.git.register(fs, false)
 
 	fs.StringVar(&c.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	fs.StringVar(&c.logFormat, "log-format", "json", "log format: json or console")
@@ -83,6 +84,7 @@ func (c *serveConfig) registerDev(fs *pflag.FlagSet) {
 	fs.BoolVar(&c.dev.unsafeListen, "unsafe-listen", false, "let --s3-addr and --registry-addr be non-loopback addresses a cluster's Pods can reach; both have no authentication")
 	registerKaniko(fs, &c.kaniko, &c.naming)
 	registerFair(fs, &c.worker.Fair)
+	c.git.register(fs, true)
 	fs.StringVar(&c.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	fs.StringVar(&c.logFormat, "log-format", "console", "log format: console or json")
 }

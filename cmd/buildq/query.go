@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -153,6 +154,9 @@ on buildq.api.status.<tenant> with that tenant's requests and builds only.`,
 				}
 				if r.Digest != "" {
 					fmt.Fprintf(out, "\ndigest   %s", r.Digest)
+				}
+				if src := r.Source; src != nil {
+					fmt.Fprintf(out, "\nsource   %s@%s (%s), context %s", src.GitURL, src.Commit, cmp.Or(src.Ref, "commit"), src.ContextDigest)
 				}
 				fmt.Fprintf(out, "\nupdated  %s by %s\n", r.UpdatedAt.Local().Format(time.RFC3339), r.Worker)
 			}

@@ -68,14 +68,17 @@ func runWorker(ctx context.Context, c *serveConfig) error {
 	}
 	var presign worker.Presigner
 	if c.job.FetchImage != "" {
-		store, err := s3store.New(s3store.Config{Endpoint: c.job.S3Endpoint, Region: c.job.S3Region, AccessKey: c.s3AccessKey, SecretKey: c.s3SecretKey})
+		// Packed git sources go to --context-bucket (default buildq).
+		store, err := s3store.New(s3store.Config{Endpoint: c.job.S3Endpoint, Region: c.job.S3Region, AccessKey: c.s3AccessKey, SecretKey: c.s3SecretKey, Bucket: c.worker.ContextBucket})
 		if err != nil {
 			return usageErr("--s3-endpoint: %v", err)
 		}
 		presign = store.PresignGet
 		// The same keys read a tenant's own context object when it is to
-		// be answered from another tenant's build (possession).
+		// be answered from another tenant's build (possession), and
+		// store the packed git sources.
 		cfg.Contexts = store
+		cfg.GitSources = c.git.packer(store, false, "")
 	} else {
 		log.Warn("--single-tenant without --fetch-image: build Pods read S3 contexts with the keys of --s3-secret, which a RUN step can read, and contexts are not checked against their digest; set --fetch-image for untrusted tenants")
 	}

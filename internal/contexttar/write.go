@@ -18,15 +18,12 @@ import (
 	"time"
 
 	"github.com/moby/patternmatcher"
-	"github.com/moby/patternmatcher/ignorefile"
 )
 
 const (
 	// defaultDockerfile is the Dockerfile's name when Options leaves it
 	// empty, as with `docker build` without -f.
 	defaultDockerfile = "Dockerfile"
-	// dockerignoreName is the ignore file docker reads at the context root.
-	dockerignoreName = ".dockerignore"
 	// copyBufferSize is the size of the one buffer Write copies file content
 	// through: big enough to amortize syscalls, and the only per-file memory.
 	copyBufferSize = 128 << 10
@@ -123,7 +120,7 @@ func writeTar(ctx context.Context, dir string, w io.Writer, opts Options) (Resul
 	if !fi.IsDir() {
 		return Result{}, fmt.Errorf("contexttar: context %q is not a directory", dir)
 	}
-	pm, err := loadDockerignore(dir, dockerfile)
+	ignore, err := loadDockerignore(dir, dockerfile)
 	if err != nil {
 		return Result{}, err
 	}
@@ -139,14 +136,11 @@ func writeTar(ctx context.Context, dir string, w io.Writer, opts Options) (Resul
 	wk := &walker{
 		ctx:      ctx,
 		root:     dir,
-		pm:       pm,
+		ignore:   ignore,
 		tw:       tw,
 		buf:      make([]byte, copyBufferSize),
 		maxBytes: maxBytes,
 		progress: opts.Progress,
-	}
-	if pm != nil {
-		wk.onlyPrefixExceptions = onlyPrefixExceptions(pm)
 	}
 	if err := wk.walk("", patternmatcher.MatchInfo{}, false); err != nil {
 		return Result{}, err
@@ -175,100 +169,29 @@ func dockerfileName(p string) (string, error) {
 	return filepath.ToSlash(filepath.Clean(p)), nil
 }
 
-// loadDockerignore reads dir/.dockerignore into a matcher, or returns nil
-// when there is nothing to exclude. As the docker CLI does
-// (TrimBuildFilesFromExcludes), it appends exceptions for .dockerignore and
-// the Dockerfile when the patterns would exclude them, so the build can
-// always find them.
-func loadDockerignore(dir, dockerfile string) (*patternmatcher.PatternMatcher, error) {
-	f, err := os.Open(filepath.Join(dir, dockerignoreName))
+// loadDockerignore reads dir/.dockerignore (ParseIgnore); without one,
+// nothing is excluded.
+func loadDockerignore(dir, dockerfile string) (*Ignore, error) {
+	f, err := os.Open(filepath.Join(dir, DockerignoreName))
 	if errors.Is(err, fs.ErrNotExist) {
-		return nil, nil
+		return &Ignore{}, nil
 	}
 	if err != nil {
-		return nil, fmt.Errorf("contexttar: open %s: %w", dockerignoreName, err)
+		return nil, fmt.Errorf("contexttar: open %s: %w", DockerignoreName, err)
 	}
 	defer f.Close()
-	patterns, err := ignorefile.ReadAll(f)
-	if err != nil {
-		return nil, fmt.Errorf("contexttar: read %s: %w", dockerignoreName, err)
-	}
-	if len(patterns) == 0 {
-		return nil, nil
-	}
-	for _, keep := range []string{dockerignoreName, dockerfile} {
-		// The docker CLI uses the deprecated patternmatcher.Matches here,
-		// which checks only one parent directory; MatchesOrParentMatches
-		// checks them all, so a Dockerfile under an excluded directory is
-		// kept too. An invalid pattern is reported by New below.
-		if excluded, _ := patternmatcher.MatchesOrParentMatches(keep, patterns); excluded {
-			patterns = append(patterns, "!"+literalPattern(keep))
-		}
-	}
-	pm, err := patternmatcher.New(patterns)
-	if err != nil {
-		return nil, fmt.Errorf("contexttar: invalid pattern in %s: %w", dockerignoreName, err)
-	}
-	return pm, nil
-}
-
-// literalPattern escapes the pattern metacharacters in name so that, unlike
-// in the docker CLI, a Dockerfile named e.g. "Dockerfile.[prod]" is kept by
-// its exception instead of the exception matching "Dockerfile.p". Where the
-// separator is a backslash, patterns have no escape character, and name is
-// returned as is.
-func literalPattern(name string) string {
-	if filepath.Separator == '\\' || !strings.ContainsAny(name, `*?[]^\`) {
-		return name
-	}
-	var b strings.Builder
-	for _, r := range name {
-		if strings.ContainsRune(`*?[]^\`, r) {
-			b.WriteByte('\\')
-		}
-		b.WriteRune(r)
-	}
-	return b.String()
-}
-
-// onlyPrefixExceptions reports whether every `!` exception is a plain path
-// (after dropping a trailing "/*" or "/**"). Only then can the walk tell from
-// a directory's name alone that no exception reaches inside it and skip it
-// whole; a wildcard exception such as `!**/keep` may match at any depth, so
-// with one present excluded directories are always walked. This is
-// BuildKit's (fsutil's) rule, which docker build uses by default.
-func onlyPrefixExceptions(pm *patternmatcher.PatternMatcher) bool {
-	wildcards := `*[]?^`
-	if filepath.Separator != '\\' {
-		wildcards += `\`
-	}
-	for _, p := range pm.Patterns() {
-		if p.Exclusion() && strings.ContainsAny(patternWithoutTrailingGlob(p), wildcards) {
-			return false
-		}
-	}
-	return true
-}
-
-// patternWithoutTrailingGlob strips a trailing "/**" and then "/*", as fsutil
-// does, so `!dir/*` counts as a plain prefix exception for "dir".
-func patternWithoutTrailingGlob(p *patternmatcher.Pattern) string {
-	s := p.String()
-	s = strings.TrimSuffix(s, string(filepath.Separator)+"**")
-	s = strings.TrimSuffix(s, string(filepath.Separator)+"*")
-	return s
+	return ParseIgnore(f, dockerfile)
 }
 
 // walker carries the state of one Write's depth-first walk.
 type walker struct {
-	ctx                  context.Context
-	root                 string
-	pm                   *patternmatcher.PatternMatcher // nil: exclude nothing
-	onlyPrefixExceptions bool
-	tw                   *tar.Writer
-	buf                  []byte
-	maxBytes             int64
-	progress             func(bytesRead int64, files int)
+	ctx      context.Context
+	root     string
+	ignore   *Ignore
+	tw       *tar.Writer
+	buf      []byte
+	maxBytes int64
+	progress func(bytesRead int64, files int)
 
 	// pending holds the tar names of the directories on the current walk
 	// path; pending[:emitted] have been written. A directory that
@@ -324,18 +247,14 @@ func (w *walker) walk(rel string, parent patternmatcher.MatchInfo, excluded bool
 		}
 		typ := e.Type()
 
-		var skip bool
-		var info patternmatcher.MatchInfo
-		if w.pm != nil {
-			skip, info, err = w.pm.MatchesUsingParentResults(filepath.FromSlash(childRel), parent)
-			if err != nil {
-				return fmt.Errorf("contexttar: match %q against %s: %w", childRel, dockerignoreName, err)
-			}
+		skip, info, err := w.ignore.Match(childRel, parent)
+		if err != nil {
+			return err
 		}
 
 		switch {
 		case skip:
-			if !typ.IsDir() || !w.mayReinclude(childRel) {
+			if !typ.IsDir() || !w.ignore.MayReinclude(childRel) {
 				continue
 			}
 			if err := w.descend(childRel, info, true); err != nil {
@@ -381,24 +300,6 @@ func (w *walker) descend(rel string, info patternmatcher.MatchInfo, excluded boo
 		}
 	}
 	return w.walk(rel, info, excluded)
-}
-
-// mayReinclude reports whether an exception pattern could match something
-// below the excluded directory rel, i.e. whether it must be walked at all.
-func (w *walker) mayReinclude(rel string) bool {
-	if !w.pm.Exclusions() {
-		return false
-	}
-	if !w.onlyPrefixExceptions {
-		return true
-	}
-	dirSlash := filepath.FromSlash(rel) + string(filepath.Separator)
-	for _, p := range w.pm.Patterns() {
-		if p.Exclusion() && strings.HasPrefix(patternWithoutTrailingGlob(p)+string(filepath.Separator), dirSlash) {
-			return true
-		}
-	}
-	return false
 }
 
 // flushPending writes the entries of the directories on the walk path that
