@@ -287,6 +287,8 @@ COPY hello.txt /srv/hello.txt
 
 	t.Run("buildq dev --kubeconfig builds examples/with-run", func(t *testing.T) { testDevOnRealNode(t, node) })
 
+	t.Run("a GitHub push through buildq gateway builds the pushed commit", func(t *testing.T) { testGitPushOnRealNode(t, node) })
+
 	t.Run("a worker Pod from deploy/ carries a build", func(t *testing.T) { testWorkerPodFromDeploy(t, node) })
 
 	t.Run("layer cache reuses the RUN layer", func(t *testing.T) {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/url"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/gitsource"
@@ -52,9 +53,26 @@ func (p GitPacker) Pack(ctx context.Context, tenant string, src v1.GitSource, do
 		ref = src.Ref
 	}
 	return &v1.ResolvedSource{
-		SourceInfo: v1.SourceInfo{GitURL: c.URL, Ref: ref, Commit: c.Commit, SubPath: src.SubPath, ContextDigest: c.Digest},
+		SourceInfo: v1.SourceInfo{GitURL: shownURL(src.URL, c.URL), Ref: ref, Commit: c.Commit, SubPath: src.SubPath, ContextDigest: c.Digest},
 		S3:         obj,
 	}, nil
+}
+
+// shownURL is the repository URL a result names: the request's, without
+// a password or an https user (which may be a token), but with an ssh
+// user name, which is no secret and without which the URL names another
+// login; fetched is the fetcher's form without any userinfo.
+func shownURL(asked, fetched string) string {
+	u, err := url.Parse(asked)
+	if err != nil || u.User == nil || u.Scheme != "ssh" {
+		return fetched
+	}
+	f, err := url.Parse(fetched)
+	if err != nil {
+		return fetched
+	}
+	f.User = url.User(u.User.Username())
+	return f.String()
 }
 
 // describeProgress is a progress event's message for a step of a fetch.

@@ -14,11 +14,13 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/naming"
 	"github.com/buildq/buildq/worker/internal/ledger"
+	"github.com/buildq/buildq/worker/internal/runs"
 )
 
 // Parking: a request that joins a build another request's handler runs
@@ -190,7 +192,7 @@ func (w *parking) settleWaiter(ctx context.Context, key string, it ledger.Waiter
 		return w.requeue(ctx, it)
 	}
 	v := w.parkedVerdict(it.V, key, le)
-	v, err = w.resultVerdict(ctx, v, req, cur, v1.OriginInflight, false, repo, naming.Destinations(repo, key, req.Tags))
+	v, err = w.answer(ctx, v, req, cur, v1.OriginInflight, false, repo, naming.Destinations(repo, key, req.Tags))
 	switch {
 	case err != nil && IsTransient(err):
 		// Registry trouble copying the image into the request's own
@@ -284,8 +286,20 @@ func (w *parking) requeue(ctx context.Context, it ledger.WaiterItem) error {
 // parking answers and requeues the requests parked on runs: when a run
 // ends (the runs store's hook) and in the sweep that every worker runs.
 type parking struct {
-	// The worker, for its configuration, ledger, runs and publisher.
-	*Worker
+	cfg    *Config
+	ledger *ledger.Ledger
+	runs   *runs.Store
+	js     jetstream.JetStream
+	log    *zap.Logger
+	// bg counts the answering of parked requests that runs in the
+	// background (the worker waits for it when it stops).
+	bg *sync.WaitGroup
+	// publish publishes a decision's result (the worker's publisher).
+	publish func(context.Context, ledger.Decision) error
+	// answer completes a parked request's verdict from the final record
+	// of the run it waited on (the handler's resultVerdict: the image
+	// tagged into the request's own repository).
+	answer func(ctx context.Context, v verdict, req *v1.Request, rec *v1.BuildRecord, origin v1.Origin, owned bool, repo string, dests []string) (verdict, error)
 	// settling serializes settleWaiters per build key, by a hash of the
 	// key: bounded, whatever the number of keys.
 	settling [64]sync.Mutex

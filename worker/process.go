@@ -90,6 +90,9 @@ func (w *Worker) processRequest(ctx context.Context, h *handling) (verdict, *led
 	if req.Source.Git != nil {
 		defer w.sourceInfo.drop(req.Tenant, req.RequestID)
 		info, reason, message, err := w.prepareSource(ctx, req, le)
+		if errors.Is(err, ledger.ErrCanceled) {
+			return v.canceled(), le, nil
+		}
 		if err != nil {
 			return v, le, err
 		}

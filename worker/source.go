@@ -44,7 +44,8 @@ var errNoGitSources = errors.New("git sources are not enabled on this worker (it
 // in its ledger entry by an earlier delivery, or one packed now and
 // recorded. It returns the source for the request's result, or a failed
 // verdict's reason and message for a source that cannot be built; an
-// error is transient trouble (or the handler's context ending).
+// error is ledger.ErrCanceled (the tenant canceled it before it was
+// recorded), transient trouble, or the handler's context ending.
 func (w *Worker) prepareSource(ctx context.Context, req *v1.Request, le *ledger.Entry) (info *v1.SourceInfo, failReason, failMessage string, err error) {
 	g := req.Source.Git
 	rs := le.E.Source
@@ -64,7 +65,11 @@ func (w *Worker) prepareSource(ctx context.Context, req *v1.Request, le *ledger.
 		}
 		resolved := *req
 		resolved.Source, resolved.ContextDigest = v1.Source{S3: &packed.S3}, packed.ContextDigest
-		if rs, err = w.ledger.SetSource(ctx, le, packed, w.builds.keyOf(&resolved)); err != nil {
+		rs, err = w.ledger.SetSource(ctx, le, packed, w.builds.keyOf(&resolved))
+		if errors.Is(err, ledger.ErrCanceled) {
+			return nil, "", "", err // canceled while packing: nothing is built
+		}
+		if err != nil {
 			return nil, "", "", Transient(err)
 		}
 		w.log.Info("git source packed", zap.String("requestId", req.RequestID), zap.String("commit", rs.Commit),

@@ -6,6 +6,7 @@ package worker
 import (
 	"context"
 	"errors"
+	"net/url"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -285,5 +286,21 @@ func TestCancelWhileFetchingEndsTheFetch(t *testing.T) {
 	git.release()
 	if n := e.creates.total(); n != 0 {
 		t.Fatalf("%d Jobs created for a canceled request", n)
+	}
+}
+
+func TestShownURLKeepsAnSSHUserAndDropsSecrets(t *testing.T) {
+	for asked, want := range map[string]string{
+		"ssh://git@git.example.com/acme/web.git":    "ssh://git@git.example.com/acme/web.git",
+		"ssh://git:pw@git.example.com/acme/web.git": "ssh://git@git.example.com/acme/web.git",
+		"https://TOKEN@github.com/acme/web.git":     "https://github.com/acme/web.git",
+		"https://user:pass@github.com/acme/web.git": "https://github.com/acme/web.git",
+		"https://github.com/acme/web.git":           "https://github.com/acme/web.git",
+	} {
+		u, _ := url.Parse(asked)
+		u.User = nil // what the fetcher reports
+		if got := shownURL(asked, u.String()); got != want {
+			t.Errorf("shownURL(%s) = %s, want %s", asked, got, want)
+		}
 	}
 }

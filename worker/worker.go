@@ -100,7 +100,8 @@ func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 	}
 	w.fq = fairq.New(js, nc, queueHandler{w}, fairq.Options{Fair: cfg.Fair, ID: cfg.ID, Lease: cfg.Lease, AckWait: cfg.AckWait,
 		MaxDeliver: cfg.MaxDeliver, MaxInFlight: cfg.MaxInFlight, Now: cfg.Now, Log: log, Metrics: queueMetrics{cfg.Metrics}, Ledger: w.ledger})
-	w.park = &parking{Worker: w, parked: parkWatch{seen: map[string]observed{}}}
+	w.park = &parking{cfg: &w.cfg, ledger: w.ledger, runs: w.runs, js: js, log: log, bg: &w.bg,
+		publish: w.publish, answer: w.resultVerdict, parked: parkWatch{seen: map[string]observed{}}}
 	w.api = tenantapi.New(tenantapi.Config{Ledger: w.ledger, Runs: w.runs, NC: nc, Log: log, Now: cfg.Now, AnyReply: cfg.AnyReply,
 		StopBuild: w.stopBuild, AnswerParked: w.park.answerWaiters, ReplyRefused: cfg.Metrics.replyRefused})
 	w.builds = &builder{Worker: w, orphans: orphanWatch{seen: map[string]observed{}}}

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs what the integration suite's real node needs from Debian:
-# containerd (with ctr), runc, the CNI plugins, iproute2, and busybox-static
-# (the node tests' base and pause images are made from it). Installs only
+# containerd (with ctr), runc, the CNI plugins, iproute2, busybox-static
+# (the node tests' base and pause images are made from it), and git (the
+# git-source tests serve repositories with git http-backend and git
+# upload-pack). Installs only
 # what is missing, so on a ready machine it costs nothing. Without these
 # the node tests fail; they do not skip.
 set -euo pipefail
@@ -11,6 +13,7 @@ command -v runc >/dev/null 2>&1 || missing+=(runc)
 [ -x /usr/lib/cni/bridge ] && [ -x /usr/lib/cni/host-local ] || missing+=(containernetworking-plugins)
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
 dpkg -s busybox-static >/dev/null 2>&1 || missing+=(busybox-static)
+[ -x /usr/lib/git-core/git-http-backend ] || missing+=(git)
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
 fi

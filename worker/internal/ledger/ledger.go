@@ -72,6 +72,9 @@ func (le *Entry) Key() string { return Key(le.E.Tenant, le.E.RequestID) }
 var (
 	// ErrDuplicateID means another message already holds this request id.
 	ErrDuplicateID = errors.New("duplicate request id")
+	// ErrCanceled: the request was canceled before its source was
+	// recorded (SetSource); it is not to be built.
+	ErrCanceled = errors.New("request ledger: the request is canceled")
 	// errGone: the entry was removed (aged out) while it was being changed.
 	errGone = errors.New("request ledger: the entry is gone")
 	// errConflict: the entry changed at every try.
@@ -264,20 +267,44 @@ func (l *Ledger) MarkCanceled(ctx context.Context, le *Entry) (bool, error) {
 // asked for). A source recorded first by another handler stands, and is
 // returned; so is the entry's when it was decided meanwhile.
 func (l *Ledger) SetSource(ctx context.Context, le *Entry, src *v1.ResolvedSource, key string) (*v1.ResolvedSource, error) {
+	canceled := false
 	_, err := l.change(ctx, le, 10, func(e *v1.RequestEntry) bool {
-		if e.Source != nil || e.Result != nil {
+		canceled = e.Canceled && e.Source == nil
+		if e.Source != nil || e.Result != nil || e.Canceled {
 			return false
 		}
 		e.Source, e.Key, e.UpdatedAt = src, key, l.cfg.Now().UTC()
 		return true
 	})
-	if err != nil {
+	switch {
+	case err != nil:
 		return nil, err
-	}
-	if le.E.Source == nil {
+	case canceled:
+		return nil, ErrCanceled
+	case le.E.Source == nil:
 		return src, nil // decided meanwhile: the decision stands anyway
 	}
 	return le.E.Source, nil
+}
+
+// MarkCanceledUnkeyed marks le's request canceled while it has no build
+// key yet (its git source is being packed), and reports keyed when it has
+// one by now: SetSource and this are one compare-and-swap apart, so
+// either the source is never recorded (SetSource sees the cancel) or the
+// cancel is of a keyed request, to be made as such.
+func (l *Ledger) MarkCanceledUnkeyed(ctx context.Context, le *Entry) (ok, keyed bool, err error) {
+	ok, err = l.change(ctx, le, 10, func(e *v1.RequestEntry) bool {
+		keyed = e.Key != ""
+		if keyed || e.Result != nil || e.Canceled {
+			return false
+		}
+		e.Canceled, e.UpdatedAt = true, l.cfg.Now().UTC()
+		return true
+	})
+	if errors.Is(err, errGone) {
+		return false, false, nil
+	}
+	return ok, keyed, err
 }
 
 // SpendRetry counts one transient failure of a request in its entry and

@@ -559,3 +559,41 @@ func TestSetSourceKeepsTheFirstSource(t *testing.T) {
 		t.Fatalf("stored entry %+v, want source c1 and key key-c1", e.E)
 	}
 }
+
+// A cancel and the recording of a packed source are one compare-and-swap
+// apart: canceled first, the source is never recorded (nothing is
+// built); recorded first, the cancel learns the request is keyed and
+// cancels it as such.
+func TestCancelAndSetSourceNeverBothWin(t *testing.T) {
+	w := newWorld(t)
+	clk := newClock()
+	l := w.ledger("w1", clk, time.Minute)
+	ctx := t.Context()
+	src := &v1.ResolvedSource{SourceInfo: v1.SourceInfo{Commit: "c1", ContextDigest: "sha256:c1"}, S3: v1.S3Source{Bucket: "b", Key: "k"}}
+
+	canceledFirst, _, err := l.Open(ctx, "acme", "app", "r1", "", 1, msgTime) // no key before its source is packed
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ok, keyed, err := l.MarkCanceledUnkeyed(ctx, read(t, l, "acme", "r1")); !ok || keyed || err != nil {
+		t.Fatalf("MarkCanceledUnkeyed = %v, %v, %v; want canceled", ok, keyed, err)
+	}
+	if got, err := l.SetSource(ctx, canceledFirst, src, "key-c1"); !errors.Is(err, ErrCanceled) || got != nil {
+		t.Fatalf("SetSource after the cancel = %+v, %v; want ErrCanceled", got, err)
+	}
+
+	le, _, err := l.Open(ctx, "acme", "app", "r2", "", 2, msgTime.Add(time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := l.SetSource(ctx, le, src, "key-c1"); err != nil {
+		t.Fatal(err)
+	}
+	ok, keyed, err := l.MarkCanceledUnkeyed(ctx, read(t, l, "acme", "r2"))
+	if ok || !keyed || err != nil {
+		t.Fatalf("MarkCanceledUnkeyed of a keyed request = %v, %v, %v; want keyed, nothing written", ok, keyed, err)
+	}
+	if e := read(t, l, "acme", "r2"); e.E.Canceled {
+		t.Fatal("a keyed request was marked canceled by the unkeyed cancel")
+	}
+}

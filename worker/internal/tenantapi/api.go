@@ -335,12 +335,22 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 		case le.E.Result != nil:
 			return v1.CancelReply{Key: le.E.Key, Message: "the request already has its result: " + le.E.State}
 		}
-		key, mine = le.E.Key, []*ledger.Entry{le}
-		if key == "" {
-			// Not keyed yet (its git source is being fetched): no build
-			// to stop or share; its handler ends the fetch.
-			return w.cancelUnkeyed(ctx, le)
+		if le.E.Key == "" {
+			// Not keyed yet (its git source is being packed): no build to
+			// stop or share; its handler ends the fetch. Keyed meanwhile,
+			// it is canceled as a keyed request, below.
+			rep, keyed, err := w.cancelUnkeyed(ctx, le)
+			if !keyed {
+				return rep
+			}
+			if le, err = w.cfg.Ledger.Get(ctx, tenant, target); err != nil || le == nil {
+				return v1.CancelReply{Message: fmt.Sprint("the request changed while it was canceled; try again: ", err)}
+			}
+			if le.E.Result != nil {
+				return v1.CancelReply{Key: le.E.Key, Message: "the request already has its result: " + le.E.State}
+			}
 		}
+		key, mine = le.E.Key, []*ledger.Entry{le}
 		if before, err = w.cfg.Ledger.Waiters(ctx, key); err != nil {
 			return v1.CancelReply{Key: key, Message: err.Error()}
 		}
@@ -395,19 +405,22 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 	return v1.CancelReply{Key: key, Canceled: true, Requests: n, Stopped: stopped, Message: msg}
 }
 
-// cancelUnkeyed cancels a request that has no build key yet.
-func (w *Service) cancelUnkeyed(ctx context.Context, le *ledger.Entry) v1.CancelReply {
-	ok, err := w.cfg.Ledger.MarkCanceled(ctx, le)
+// cancelUnkeyed cancels a request that has no build key yet, unless it
+// has one by now (keyed: to be canceled as a keyed request).
+func (w *Service) cancelUnkeyed(ctx context.Context, le *ledger.Entry) (rep v1.CancelReply, keyed bool, err error) {
+	ok, keyed, err := w.cfg.Ledger.MarkCanceledUnkeyed(ctx, le)
 	switch {
 	case err != nil:
-		return v1.CancelReply{Message: err.Error()}
+		return v1.CancelReply{Message: err.Error()}, false, err
+	case keyed:
+		return v1.CancelReply{}, true, nil
 	case !ok && le.E.Result == nil:
-		return v1.CancelReply{Message: "the request is canceled already"}
+		return v1.CancelReply{Message: "the request is canceled already"}, false, nil
 	case !ok:
-		return v1.CancelReply{Message: "the request already has its result: " + le.E.State}
+		return v1.CancelReply{Message: "the request already has its result: " + le.E.State}, false, nil
 	}
 	_ = w.cfg.NC.Publish(internalCancelSubject, []byte(ledger.Key(le.E.Tenant, le.E.RequestID)))
-	return v1.CancelReply{Canceled: true, Requests: 1, Message: "canceled 1 request(s) before its build started"}
+	return v1.CancelReply{Canceled: true, Requests: 1, Message: "canceled 1 request(s) before its build started"}, false, nil
 }
 
 // stopBuild ends key's current run as Canceled and deletes its Job, when
