@@ -9,6 +9,7 @@ import (
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/gitsource"
+	"github.com/buildq/buildq/internal/units"
 )
 
 // ArchiveStore stores packed contexts in tenants' context areas.
@@ -18,17 +19,37 @@ type ArchiveStore interface {
 	PutArchive(ctx context.Context, tenant, digest string, r io.Reader, size int64) (v1.S3Source, error)
 }
 
-// GitPacker is the GitSources of `buildq worker` and `buildq dev`: a
-// go-git fetcher (internal/gitsource: host policy, limits, the tenant's
-// own credentials) and the S3 store the archives go to.
+// GitPacker is the GitSources of `buildq worker` and `buildq dev`: a git
+// fetcher (internal/gitsource: host policy, limits, the tenant's own
+// credentials) and the S3 store the archives go to. At most a few fetches
+// run at once: each may hold an object of up to the fetcher's
+// MaxObjectBytes in memory and its checkout on disk.
 type GitPacker struct {
-	Fetcher *gitsource.Fetcher
-	Store   ArchiveStore
+	fetcher *gitsource.Fetcher
+	store   ArchiveStore
+	slots   chan struct{}
+}
+
+// NewGitPacker returns a GitPacker running at most concurrent fetches at
+// once (at least 1).
+func NewGitPacker(f *gitsource.Fetcher, store ArchiveStore, concurrent int) *GitPacker {
+	return &GitPacker{fetcher: f, store: store, slots: make(chan struct{}, max(concurrent, 1))}
 }
 
 // Pack implements GitSources.
-func (p GitPacker) Pack(ctx context.Context, tenant string, src v1.GitSource, dockerfile string, progress func(string)) (*v1.ResolvedSource, error) {
-	c, err := p.Fetcher.Fetch(ctx, tenant, gitsource.Source{
+func (p *GitPacker) Pack(ctx context.Context, tenant string, src v1.GitSource, dockerfile string, progress func(string)) (*v1.ResolvedSource, error) {
+	select {
+	case p.slots <- struct{}{}:
+	default:
+		progress(fmt.Sprintf("waiting for one of this worker's %d git fetches to end", cap(p.slots)))
+		select {
+		case p.slots <- struct{}{}:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+	defer func() { <-p.slots }()
+	c, err := p.fetcher.Fetch(ctx, tenant, gitsource.Source{
 		URL: src.URL, Ref: src.Ref, Commit: src.Commit, SubPath: src.SubPath, Submodules: src.Submodules, Dockerfile: dockerfile,
 	}, func(pr gitsource.Progress) { progress(describeProgress(pr)) })
 	if ge := (*gitsource.Error)(nil); errors.As(err, &ge) && !ge.Transient {
@@ -43,8 +64,8 @@ func (p GitPacker) Pack(ctx context.Context, tenant string, src v1.GitSource, do
 		return nil, err
 	}
 	defer func() { _ = body.Close() }()
-	progress(fmt.Sprintf("storing the context %s (%s)", shortDigest(c.Digest), byteSize(c.Size)))
-	obj, err := p.Store.PutArchive(ctx, tenant, c.Digest, body, c.Size)
+	progress(fmt.Sprintf("storing the context %s (%s)", shortDigest(c.Digest), units.Bytes(c.Size)))
+	obj, err := p.store.PutArchive(ctx, tenant, c.Digest, body, c.Size)
 	if err != nil {
 		return nil, fmt.Errorf("store the packed context: %w", err)
 	}
@@ -81,9 +102,9 @@ func describeProgress(p gitsource.Progress) string {
 	case p.Message != "":
 		return p.Message
 	case p.Step == gitsource.StepFetching:
-		return fmt.Sprintf("fetching: %s, %d objects", byteSize(p.Bytes), p.Objects)
+		return fmt.Sprintf("fetching: %s, %d objects", units.Bytes(p.Bytes), p.Objects)
 	case p.Step == gitsource.StepPacking:
-		return fmt.Sprintf("packing: %d entries, %s", p.Objects, byteSize(p.Bytes))
+		return fmt.Sprintf("packing: %d entries, %s", p.Objects, units.Bytes(p.Bytes))
 	}
 	return p.Step
 }
@@ -93,16 +114,4 @@ func shortDigest(d string) string {
 		return d[:len("sha256:")+12]
 	}
 	return d
-}
-
-func byteSize(n int64) string {
-	switch {
-	case n >= 1<<30:
-		return fmt.Sprintf("%.1f GiB", float64(n)/(1<<30))
-	case n >= 1<<20:
-		return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20))
-	case n >= 1<<10:
-		return fmt.Sprintf("%.1f KiB", float64(n)/(1<<10))
-	}
-	return fmt.Sprintf("%d B", n)
 }

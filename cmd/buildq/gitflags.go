@@ -29,6 +29,7 @@ type gitFlagsConfig struct {
 	tenantSecret  string
 	tenantConfigs string
 	limits        gitsource.Limits
+	concurrent    int
 }
 
 func (g *gitFlagsConfig) register(fs *pflag.FlagSet, dev bool) {
@@ -44,6 +45,7 @@ func (g *gitFlagsConfig) register(fs *pflag.FlagSet, dev bool) {
 	fs.IntVar(&g.limits.MaxObjects, "git-max-objects", gitsource.DefaultMaxObjects, "objects a git source's fetch may receive")
 	fs.DurationVar(&g.limits.Timeout, "git-timeout", gitsource.DefaultTimeout, "how long resolving, fetching and packing a git source may take")
 	fs.IntVar(&g.limits.MaxDepth, "git-max-depth", gitsource.DefaultMaxDepth, "commits of history fetched to find a commit that is not its ref's tip")
+	fs.IntVar(&g.concurrent, "git-max-concurrent", 2, "git sources this process fetches at once; more wait (each may hold one object of up to 64 MiB in memory and its checkout in the temporary directory)")
 }
 
 // validate checks the git flags.
@@ -57,8 +59,8 @@ func (g *gitFlagsConfig) validate() error {
 	if err := (gitsource.Policy{AllowedHosts: g.allowedHosts, InsecureHosts: g.insecureHosts}).Validate(); err != nil {
 		return usageErr("%v", err)
 	}
-	if g.limits.MaxFetchBytes <= 0 || g.limits.MaxObjects <= 0 || g.limits.Timeout <= 0 || g.limits.MaxDepth <= 0 {
-		return usageErr("--git-max-fetch-bytes, --git-max-objects, --git-timeout and --git-max-depth must be positive")
+	if g.limits.MaxFetchBytes <= 0 || g.limits.MaxObjects <= 0 || g.limits.Timeout <= 0 || g.limits.MaxDepth <= 0 || g.concurrent <= 0 {
+		return usageErr("--git-max-fetch-bytes, --git-max-objects, --git-timeout, --git-max-depth and --git-max-concurrent must be positive")
 	}
 	return nil
 }
@@ -83,7 +85,7 @@ func (g *gitFlagsConfig) packer(store *s3store.Store, dev bool, tempDir string) 
 	if g.tenantConfigs != "" {
 		f.Credentials = tenantGitCredentials(g.tenantConfigs)
 	}
-	return worker.GitPacker{Fetcher: f, Store: tenantArchives{store}}
+	return worker.NewGitPacker(f, tenantArchives{store}, g.concurrent)
 }
 
 // tenantGitCredentials reads a tenant's git credentials from

@@ -6,6 +6,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/buildq/buildq/publisher"
 	"github.com/nats-io/nats.go"
 	"github.com/spf13/pflag"
 )
@@ -69,6 +70,22 @@ func (f *natsFlags) options(extra ...nats.Option) ([]nats.Option, error) {
 		opts = append(opts, nats.CustomInboxPrefix(f.inboxPrefix))
 	}
 	return append(opts, extra...), nil
+}
+
+// publisher connects as client name and returns the connection (for
+// the caller to close) and the SDK's client on it.
+func (f *natsFlags) publisher(name string) (*nats.Conn, *publisher.Client, error) {
+	f.name = name
+	nc, err := f.connect()
+	if err != nil {
+		return nil, nil, err
+	}
+	pub, err := publisher.New(nc)
+	if err != nil {
+		nc.Close()
+		return nil, nil, failed(err)
+	}
+	return nc, pub, nil
 }
 
 // connect dials NATS and turns the common failure into advice.

@@ -54,16 +54,11 @@ needs an operator's permissions.`,
 			if err := f.Validate(); err != nil {
 				return usageErr("%v", err)
 			}
-			nf.name = "buildq-watch"
-			nc, err := nf.connect()
+			nc, pub, err := nf.publisher("buildq-watch")
 			if err != nil {
 				return err
 			}
 			defer nc.Close()
-			pub, err := publisher.New(nc)
-			if err != nil {
-				return failed(err)
-			}
 			out := cmd.OutOrStdout()
 			watch := pub.Follow
 			if f.DeliverAll || !f.Since.IsZero() {

@@ -20,6 +20,7 @@ import (
 	"github.com/buildq/buildq/internal/contexttar"
 	"github.com/buildq/buildq/internal/devstack"
 	"github.com/buildq/buildq/internal/s3store"
+	"github.com/buildq/buildq/internal/units"
 	"github.com/buildq/buildq/publisher"
 )
 
@@ -136,16 +137,11 @@ func runSubmit(ctx context.Context, cmd *cobra.Command, dir string, rf *requestF
 	if err != nil {
 		return usageErr("%v", err)
 	}
-	nf.name = "buildq-submit"
-	nc, err := nf.connect()
+	nc, pub, err := nf.publisher("buildq-submit")
 	if err != nil {
 		return err
 	}
 	defer nc.Close()
-	pub, err := publisher.New(nc)
-	if err != nil {
-		return failed(err)
-	}
 
 	bar := newProgress(stderr)
 	up, err := store.ForTenant(req.Tenant).UploadContext(ctx, dir, contexttar.Options{Dockerfile: req.Dockerfile, MaxBytes: rf.maxContext}, bar.update)
@@ -161,7 +157,7 @@ func runSubmit(ctx context.Context, cmd *cobra.Command, dir string, rf *requestF
 	if up.Skipped {
 		fmt.Fprintf(stderr, "context %s already uploaded (%d files)\n", short(up.Digest), up.Files)
 	} else {
-		fmt.Fprintf(stderr, "uploaded context %s (%d files, %s)\n", short(up.Digest), up.Files, humanBytes(up.Size))
+		fmt.Fprintf(stderr, "uploaded context %s (%d files, %s)\n", short(up.Digest), up.Files, units.Bytes(up.Size))
 	}
 	setSource(req, up.Bucket, up.Digest)
 	req.Source.S3.Key = up.Key
@@ -320,18 +316,6 @@ func short(digest string) string {
 	return "sha256:" + d
 }
 
-func humanBytes(n int64) string {
-	switch {
-	case n >= 1<<30:
-		return fmt.Sprintf("%.1f GiB", float64(n)/(1<<30))
-	case n >= 1<<20:
-		return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20))
-	case n >= 1<<10:
-		return fmt.Sprintf("%.1f KiB", float64(n)/(1<<10))
-	}
-	return fmt.Sprintf("%d B", n)
-}
-
 // progress draws a one-line progress bar on a terminal and stays silent
 // otherwise (logs and pipes get the summary line only).
 type progress struct {
@@ -361,13 +345,13 @@ func (p *progress) update(phase string, done, total int64) {
 	p.last, p.phase, p.drawn = time.Now(), phase, true
 	if total <= 0 {
 		// Size not known yet (the first pass is what measures it).
-		fmt.Fprintf(p.w, "\r%-9s %s \033[K", phase, humanBytes(done))
+		fmt.Fprintf(p.w, "\r%-9s %s \033[K", phase, units.Bytes(done))
 		return
 	}
 	pct := int(done * 100 / total)
 	const width = 30
 	fill := pct * width / 100
-	fmt.Fprintf(p.w, "\r%-9s [%s%s] %3d%% %s / %s ", phase, strings.Repeat("=", fill), strings.Repeat(" ", width-fill), pct, humanBytes(done), humanBytes(total))
+	fmt.Fprintf(p.w, "\r%-9s [%s%s] %3d%% %s / %s ", phase, strings.Repeat("=", fill), strings.Repeat(" ", width-fill), pct, units.Bytes(done), units.Bytes(total))
 }
 
 func (p *progress) done() {

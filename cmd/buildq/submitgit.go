@@ -68,15 +68,10 @@ func runSubmitGit(ctx context.Context, cmd *cobra.Command, rf *requestFlags, gf 
 	if err := validate(req); err != nil {
 		return err
 	}
-	nf.name = "buildq-submit"
-	nc, err := nf.connect()
+	nc, pub, err := nf.publisher("buildq-submit")
 	if err != nil {
 		return err
 	}
 	defer nc.Close()
-	pub, err := publisher.New(nc)
-	if err != nil {
-		return failed(err)
-	}
 	return publishAndWait(ctx, cmd, nc, pub, req, wait, waitTimeout, asJSON)
 }
