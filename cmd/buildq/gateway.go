@@ -38,6 +38,8 @@ type gatewayFlags struct {
 	maxWebhookBytes int64
 	publishTimeout  time.Duration
 	shutdownTimeout time.Duration
+	maxInFlight     int
+	maxConnections  int
 	logLevel        string
 	logFormat       string
 }
@@ -63,7 +65,15 @@ client certificate, and may only name that tenant (403 otherwise). Webhook
 pushes become one request per matching trigger of the tenant, pinned to the
 pushed ref and commit. Redelivered events and webhooks store nothing new:
 request ids and Nats-Msg-Id headers are derived from the event (source and
-id) or the delivery, and JetStream drops the duplicate.
+id) or the push itself (repository, ref, before, after; never a delivery
+header, which no webhook signature covers), and JetStream drops the
+duplicate. A requestId starting with gh- or gl- (the webhooks' prefixes) is
+refused (422).
+
+--max-in-flight caps the POST requests handled at once (503 with
+Retry-After beyond, the body unread) and --max-connections the connections
+open at once (more wait to be accepted): request bodies in flight take at
+most --max-in-flight x --max-webhook-bytes of memory.
 
 --config is a YAML file listing the tenants: their tokens (SHA-256 hashes)
 or certificate subjects, webhook secret files, triggers, and each tenant's
@@ -103,6 +113,8 @@ func (g *gatewayFlags) register(fs *pflag.FlagSet) {
 	fs.Int64Var(&g.maxWebhookBytes, "max-webhook-bytes", gateway.DefaultMaxWebhookBytes, "largest webhook body accepted (413 beyond)")
 	fs.DurationVar(&g.publishTimeout, "publish-timeout", gateway.DefaultPublishTimeout, "how long to wait for JetStream's acknowledgement before answering 503")
 	fs.DurationVar(&g.shutdownTimeout, "shutdown-timeout", 25*time.Second, "on SIGTERM, how long requests in flight may take to finish")
+	fs.IntVar(&g.maxInFlight, "max-in-flight", gateway.DefaultMaxInFlight, "most CloudEvents and webhooks handled at once (503 with Retry-After beyond); bodies in flight take at most this times --max-webhook-bytes of memory")
+	fs.IntVar(&g.maxConnections, "max-connections", defaultMaxConnections, "most connections open at once on --addr; more wait to be accepted")
 	fs.StringVar(&g.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	fs.StringVar(&g.logFormat, "log-format", "json", "log format: json or console")
 }
@@ -124,6 +136,9 @@ func (g *gatewayFlags) validate() (*gateway.Settings, *tls.Config, error) {
 	}
 	if g.maxEventBytes <= 0 || g.maxWebhookBytes <= 0 || g.publishTimeout <= 0 || g.shutdownTimeout < 0 {
 		return nil, nil, usageErr("--max-event-bytes, --max-webhook-bytes and --publish-timeout must be positive, --shutdown-timeout not negative")
+	}
+	if g.maxInFlight <= 0 || g.maxConnections <= 0 {
+		return nil, nil, usageErr("--max-in-flight and --max-connections must be positive")
 	}
 	s, err := gateway.Load(g.config)
 	if err != nil {
@@ -191,12 +206,13 @@ func runGateway(ctx context.Context, g *gatewayFlags, s *gateway.Settings, tlsCo
 	gw, err := gateway.New(gateway.Options{
 		Tenants: s.Tenants, Links: links, MsgIDKey: s.MsgIDKey, Registry: reg, Logger: log.Named("gateway"),
 		MaxEventBytes: g.maxEventBytes, MaxWebhookBytes: g.maxWebhookBytes, PublishTimeout: g.publishTimeout,
+		MaxInFlight: g.maxInFlight,
 	})
 	if err != nil {
 		return failed(err)
 	}
 
-	servers := []*serving{{name: "--addr", addr: g.addr, handler: gw, tls: tlsConf}}
+	servers := []*serving{{name: "--addr", addr: g.addr, handler: gw, tls: tlsConf, maxConns: g.maxConnections}}
 	if g.metricsAddr != "" {
 		ops := http.NewServeMux()
 		for _, p := range []string{"GET /metrics", "GET /healthz", "GET /readyz"} {
@@ -246,14 +262,24 @@ type serving struct {
 	addr    string
 	handler http.Handler
 	tls     *tls.Config
-	ln      net.Listener
-	srv     *http.Server
+	// maxConns caps the connections open at once (0: no cap).
+	maxConns int
+	ln       net.Listener
+	srv      *http.Server
 }
+
+// defaultMaxConnections is --max-connections' default: with the headers
+// of each (at most 64 KiB while they are read, for up to
+// ReadHeaderTimeout), about 64 MiB.
+const defaultMaxConnections = 1024
 
 func (sv *serving) listen(log *zap.Logger, publishTimeout time.Duration) error {
 	ln, err := net.Listen("tcp", sv.addr)
 	if err != nil {
 		return fmt.Errorf("%s %s: %w", sv.name, sv.addr, err)
+	}
+	if sv.maxConns > 0 {
+		ln = gateway.LimitListener(ln, sv.maxConns)
 	}
 	sv.ln = ln
 	sv.srv = &http.Server{

@@ -44,6 +44,11 @@ func (s *Server) handleEvent(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 
+	if r.ContentLength > s.opts.MaxEventBytes {
+		// Announced too large: refused unread.
+		refuse(authTenant, outcomeTooLarge, http.StatusRequestEntityTooLarge, problem{Error: fmt.Sprintf("the body is larger than %d bytes", s.opts.MaxEventBytes)})
+		return
+	}
 	r.Body = http.MaxBytesReader(w, r.Body, s.opts.MaxEventBytes)
 	msg := cehttp.NewMessageFromHttpRequest(r)
 	switch msg.ReadEncoding() {
@@ -115,12 +120,9 @@ func (s *Server) handleEvent(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	var ve *v1.ValidationError
-	if err := req.Validate(); errors.As(err, &ve) {
-		p := problem{Error: "invalid build request"}
-		for _, f := range ve.Fields {
-			p.Fields = append(p.Fields, fieldProblem{Field: f.Field, Detail: f.Detail})
-		}
-		refuse(authTenant, outcomeInvalid, http.StatusUnprocessableEntity, p)
+	err = req.Validate()
+	if p := reservedIDPrefix(req.RequestID); p != "" || errors.As(err, &ve) {
+		refuse(authTenant, outcomeInvalid, http.StatusUnprocessableEntity, requestProblem(ve, p))
 		return
 	}
 	if s.link(req.Tenant) == nil {
@@ -141,6 +143,24 @@ func (s *Server) handleEvent(w http.ResponseWriter, r *http.Request) {
 	}
 	s.answer(w, r, routeEvents, req.Tenant, outcome, http.StatusAccepted,
 		accepted{RequestID: req.RequestID, Tenant: req.Tenant, Duplicate: dup}, ids...)
+}
+
+// requestProblem is the 422 answer to a request that fails validation
+// (ve, may be nil) or names a requestId with a reserved prefix (reserved,
+// may be "").
+func requestProblem(ve *v1.ValidationError, reserved string) problem {
+	p := problem{Error: "invalid build request"}
+	if ve != nil {
+		for _, f := range ve.Fields {
+			p.Fields = append(p.Fields, fieldProblem{Field: f.Field, Detail: f.Detail})
+		}
+	}
+	if reserved != "" {
+		p.Error = fmt.Sprintf("invalid build request: requestId prefix %q is reserved for webhook pushes", reserved)
+		p.Fields = append(p.Fields, fieldProblem{Field: "requestId", Detail: fmt.Sprintf(
+			"request ids starting with %q are reserved for the gateway's webhook pushes (gh- GitHub, gl- GitLab): choose another requestId, or leave it out and the gateway derives one (ce-...) from the event's source and id", reserved)})
+	}
+	return p
 }
 
 // decodeRequest parses a request as strictly as v1.DecodeRequest (unknown

@@ -56,6 +56,10 @@ const (
 	DefaultMaxWebhookBytes = 8 << 20
 	// DefaultPublishTimeout bounds the wait for a PubAck.
 	DefaultPublishTimeout = 10 * time.Second
+	// DefaultMaxInFlight caps the POST requests handled at once: their
+	// bodies hold at most DefaultMaxInFlight × DefaultMaxWebhookBytes
+	// (128 MiB) of memory.
+	DefaultMaxInFlight = 16
 )
 
 // Options configure a Server.
@@ -80,6 +84,11 @@ type Options struct {
 	MaxWebhookBytes int64
 	// PublishTimeout bounds the wait for a PubAck (DefaultPublishTimeout).
 	PublishTimeout time.Duration
+	// MaxInFlight caps the CloudEvents and webhooks handled at once
+	// (DefaultMaxInFlight): one more is answered 503 at once, its body
+	// unread, so no number of clients makes the gateway buffer more than
+	// MaxInFlight bodies.
+	MaxInFlight int
 	// Registry receives the gateway's metrics and is served on /metrics;
 	// nil: a registry of the server's own.
 	Registry *prometheus.Registry
@@ -97,6 +106,8 @@ type Server struct {
 	log     *zap.Logger
 	metrics *metrics
 	mux     *http.ServeMux
+	// inFlight holds a token per POST request being handled.
+	inFlight chan struct{}
 }
 
 // New validates opts and returns the gateway's handler.
@@ -128,6 +139,10 @@ func New(opts Options) (*Server, error) {
 	if s.opts.PublishTimeout <= 0 {
 		s.opts.PublishTimeout = DefaultPublishTimeout
 	}
+	if s.opts.MaxInFlight <= 0 {
+		s.opts.MaxInFlight = DefaultMaxInFlight
+	}
+	s.inFlight = make(chan struct{}, s.opts.MaxInFlight)
 	if s.opts.Now == nil {
 		s.opts.Now = time.Now
 	}
@@ -141,14 +156,31 @@ func New(opts Options) (*Server, error) {
 	s.metrics = newMetrics(reg, s)
 
 	mux := http.NewServeMux()
-	mux.HandleFunc("POST /{$}", s.handleEvent)
-	mux.HandleFunc("POST /hooks/github/{tenant}", s.handleGitHub)
-	mux.HandleFunc("POST /hooks/gitlab/{tenant}", s.handleGitLab)
+	mux.HandleFunc("POST /{$}", s.limited(routeEvents, s.handleEvent))
+	mux.HandleFunc("POST /hooks/github/{tenant}", s.limited(routeGitHub, s.handleGitHub))
+	mux.HandleFunc("POST /hooks/gitlab/{tenant}", s.limited(routeGitLab, s.handleGitLab))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
 	mux.HandleFunc("GET /readyz", s.handleReady)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
 	s.mux = mux
 	return s, nil
+}
+
+// limited runs h while fewer than MaxInFlight requests are, and answers
+// 503 (Retry-After) otherwise, before anything of the request is read.
+func (s *Server) limited(route string, h http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case s.inFlight <- struct{}{}:
+			defer func() { <-s.inFlight }()
+		default:
+			w.Header().Set("Connection", "close")
+			s.answer(w, r, route, "", outcomeBusy, http.StatusServiceUnavailable,
+				problem{Error: fmt.Sprintf("the gateway is handling %d requests already; retry", s.opts.MaxInFlight)})
+			return
+		}
+		h(w, r)
+	}
 }
 
 // ServeHTTP implements http.Handler.

@@ -36,9 +36,6 @@ type hookAnswer struct {
 
 var commitRe = regexp.MustCompile(`^([0-9a-f]{40}|[0-9a-f]{64})$`)
 
-// maxDeliveryLen bounds the delivery header that goes into request ids.
-const maxDeliveryLen = 200
-
 // hookTenant returns the tenant of a webhook URL with the forge's secret,
 // or answers 404 (the same for an unknown tenant and for a tenant without
 // that webhook).
@@ -58,6 +55,11 @@ func (s *Server) hookTenant(w http.ResponseWriter, r *http.Request, route string
 
 // readHook reads a webhook's body, at most MaxWebhookBytes.
 func (s *Server) readHook(w http.ResponseWriter, r *http.Request, route, tenant string) ([]byte, bool) {
+	if r.ContentLength > s.opts.MaxWebhookBytes {
+		// Announced too large: refused unread.
+		s.answer(w, r, route, tenant, outcomeTooLarge, http.StatusRequestEntityTooLarge, problem{Error: fmt.Sprintf("the body is larger than %d bytes", s.opts.MaxWebhookBytes)})
+		return nil, false
+	}
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.opts.MaxWebhookBytes))
 	if mbe := (*http.MaxBytesError)(nil); errors.As(err, &mbe) {
 		s.answer(w, r, route, tenant, outcomeTooLarge, http.StatusRequestEntityTooLarge, problem{Error: fmt.Sprintf("the body is larger than %d bytes", mbe.Limit)})
@@ -73,35 +75,46 @@ func (s *Server) readHook(w http.ResponseWriter, r *http.Request, route, tenant 
 // handleGitHub takes a GitHub webhook: X-Hub-Signature-256 (HMAC-SHA256
 // of the body with the tenant's secret) is checked in constant time;
 // "push" builds, "ping" is answered 200, other events are ignored (202).
+//
+// Whatever can be refused without the body is refused before it is read:
+// an unknown tenant (404), a missing or malformed signature header (401),
+// an event that builds nothing (202, its signature unchecked: nothing is
+// done for it). Only a push or a ping with a well-formed signature has its
+// body read (at most MaxWebhookBytes), to check the signature.
 func (s *Server) handleGitHub(w http.ResponseWriter, r *http.Request) {
 	t := s.hookTenant(w, r, routeGitHub, func(t *Tenant) []byte { return t.githubSecret })
 	if t == nil {
+		return
+	}
+	unauthorized := func(msg string) {
+		s.answer(w, r, routeGitHub, t.Name, outcomeUnauthorized, http.StatusUnauthorized, problem{Error: msg})
+	}
+	header := r.Header.Get("X-Hub-Signature-256")
+	if header == "" {
+		unauthorized("no X-Hub-Signature-256 header: give the webhook the tenant's secret")
+		return
+	}
+	sig, ok := parseGitHubSignature(header)
+	if !ok {
+		unauthorized("X-Hub-Signature-256 is malformed (want 64 hex digits after its sha256 prefix), so it does not match the body and the tenant's webhook secret")
+		return
+	}
+	ev := r.Header.Get("X-GitHub-Event")
+	if ev != "push" && ev != "ping" {
+		s.answer(w, r, routeGitHub, t.Name, outcomeIgnored, http.StatusAccepted,
+			hookAnswer{Message: fmt.Sprintf("event %q ignored: only push events build", truncate(ev, 64)), RequestIDs: []string{}})
 		return
 	}
 	body, ok := s.readHook(w, r, routeGitHub, t.Name)
 	if !ok {
 		return
 	}
-	unauthorized := func(msg string) {
-		s.answer(w, r, routeGitHub, t.Name, outcomeUnauthorized, http.StatusUnauthorized, problem{Error: msg})
-	}
-	sig := r.Header.Get("X-Hub-Signature-256")
-	if sig == "" {
-		unauthorized("no X-Hub-Signature-256 header: give the webhook the tenant's secret")
-		return
-	}
 	if !validGitHubSignature(t.githubSecret, body, sig) {
 		unauthorized("X-Hub-Signature-256 does not match the body and the tenant's webhook secret")
 		return
 	}
-	switch ev := r.Header.Get("X-GitHub-Event"); ev {
-	case "push":
-	case "ping":
+	if ev == "ping" {
 		s.answer(w, r, routeGitHub, t.Name, outcomeIgnored, http.StatusOK, hookAnswer{Message: "pong: tenant " + t.Name + "'s GitHub webhook works", RequestIDs: []string{}})
-		return
-	default:
-		s.answer(w, r, routeGitHub, t.Name, outcomeIgnored, http.StatusAccepted,
-			hookAnswer{Message: fmt.Sprintf("event %q ignored: only push events build", truncate(ev, 64)), RequestIDs: []string{}})
 		return
 	}
 	if mt, _, _ := mime.ParseMediaType(r.Header.Get("Content-Type")); mt == "application/x-www-form-urlencoded" {
@@ -119,22 +132,29 @@ func (s *Server) handleGitHub(w http.ResponseWriter, r *http.Request) {
 		s.answer(w, r, routeGitHub, t.Name, outcomeInvalid, http.StatusBadRequest, problem{Error: "undecodable push payload: " + err.Error()})
 		return
 	}
-	s.buildPush(w, r, routeGitHub, forgeGitHub, t, p.push(), r.Header.Get("X-GitHub-Delivery"))
+	// The request ids come from the push alone (pushDelivery), never from
+	// X-GitHub-Delivery: the signature covers the body only, so anyone
+	// holding one signed delivery could set a new header on each replay.
+	s.buildPush(w, r, routeGitHub, forgeGitHub, t, p.push())
 }
 
-// validGitHubSignature checks "sha256=<hex HMAC-SHA256(secret, body)>".
-func validGitHubSignature(secret, body []byte, header string) bool {
+// parseGitHubSignature parses X-Hub-Signature-256, "sha256=<64 hex
+// digits>".
+func parseGitHubSignature(header string) ([]byte, bool) {
 	hexSig, ok := strings.CutPrefix(header, "sha256=")
-	if !ok {
-		return false
+	if !ok || len(hexSig) != 2*sha256.Size {
+		return nil, false
 	}
-	got, err := hex.DecodeString(hexSig)
-	if err != nil {
-		return false
-	}
+	sig, err := hex.DecodeString(hexSig)
+	return sig, err == nil
+}
+
+// validGitHubSignature checks sig against HMAC-SHA256(secret, body), in
+// constant time.
+func validGitHubSignature(secret, body, sig []byte) bool {
 	m := hmac.New(sha256.New, secret)
 	m.Write(body)
-	return hmac.Equal(got, m.Sum(nil))
+	return hmac.Equal(sig, m.Sum(nil))
 }
 
 // githubPush is the part of GitHub's push event payload the gateway reads.
@@ -169,14 +189,12 @@ func (p githubPush) push() push {
 
 // handleGitLab takes a GitLab webhook: X-Gitlab-Token is compared with
 // the tenant's secret token in constant time; "Push Hook" and "Tag Push
-// Hook" build, other events are ignored (202).
+// Hook" build, other events are ignored (202). The token and the event
+// are checked before the body is read: a request without the token has
+// none of its body read.
 func (s *Server) handleGitLab(w http.ResponseWriter, r *http.Request) {
 	t := s.hookTenant(w, r, routeGitLab, func(t *Tenant) []byte { return t.gitlabToken })
 	if t == nil {
-		return
-	}
-	body, ok := s.readHook(w, r, routeGitLab, t.Name)
-	if !ok {
 		return
 	}
 	token := r.Header.Get("X-Gitlab-Token")
@@ -198,18 +216,20 @@ func (s *Server) handleGitLab(w http.ResponseWriter, r *http.Request) {
 			hookAnswer{Message: fmt.Sprintf("event %q ignored: only Push Hook and Tag Push Hook build", truncate(ev, 64)), RequestIDs: []string{}})
 		return
 	}
+	body, ok := s.readHook(w, r, routeGitLab, t.Name)
+	if !ok {
+		return
+	}
 	var p gitlabPush
 	if err := json.Unmarshal(body, &p); err != nil {
 		s.answer(w, r, routeGitLab, t.Name, outcomeInvalid, http.StatusBadRequest, problem{Error: "undecodable push payload: " + err.Error()})
 		return
 	}
-	// Idempotency-Key is the same on GitLab's retries of one delivery;
-	// X-Gitlab-Event-UUID names the event.
-	delivery := r.Header.Get("Idempotency-Key")
-	if delivery == "" {
-		delivery = r.Header.Get("X-Gitlab-Event-UUID")
-	}
-	s.buildPush(w, r, routeGitLab, forgeGitLab, t, p.push(), delivery)
+	// The request ids come from the push alone (pushDelivery), never from
+	// Idempotency-Key or X-Gitlab-Event-UUID: the token authenticates the
+	// sender, not the body, so a replayed body with a fresh header would
+	// otherwise be a new build.
+	s.buildPush(w, r, routeGitLab, forgeGitLab, t, p.push())
 }
 
 // gitlabPush is the part of GitLab's push and tag push payloads the
@@ -247,8 +267,10 @@ func (p gitlabPush) push() push {
 }
 
 // buildPush publishes one request per trigger of t that the push matches,
-// with the pushed ref and commit, and answers 202 with their ids.
-func (s *Server) buildPush(w http.ResponseWriter, r *http.Request, route, forge string, t *Tenant, p push, delivery string) {
+// with the pushed ref and commit, and answers 202 with their ids. The ids
+// are derived from the push itself (pushDelivery) and the trigger, so
+// every delivery of one push, whatever its headers, is the same requests.
+func (s *Server) buildPush(w http.ResponseWriter, r *http.Request, route, forge string, t *Tenant, p push) {
 	invalid := func(msg string) {
 		s.answer(w, r, route, t.Name, outcomeInvalid, http.StatusBadRequest, problem{Error: msg})
 	}
@@ -269,18 +291,13 @@ func (s *Server) buildPush(w http.ResponseWriter, r *http.Request, route, forge 
 		invalid(fmt.Sprintf("the pushed commit %q is not a full commit hash", truncate(p.commit, 80)))
 		return
 	}
-	if len(delivery) > maxDeliveryLen {
-		delivery = "long:" + idDigest(delivery)
-	}
-	if delivery == "" {
-		delivery = pushDelivery(p)
-	}
+	pushID := pushDelivery(p)
 	ids := []string{}
 	for i, tr := range t.Triggers {
 		if !t.matches(i, p) {
 			continue
 		}
-		req := tr.request(t.Name, hookRequestID(forge, t.Name, delivery, tr), p.ref, p.commit)
+		req := tr.request(t.Name, hookRequestID(forge, t.Name, pushID, tr), p.ref, p.commit)
 		req.SubmittedAt = s.opts.Now().UTC()
 		if err := req.Validate(); err != nil {
 			s.answer(w, r, route, t.Name, outcomeInvalid, http.StatusUnprocessableEntity, problem{Error: err.Error()})

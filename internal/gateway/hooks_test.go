@@ -94,8 +94,8 @@ func requestIDs(t *testing.T, r response) []string {
 
 // A push to main matches two triggers of the repository (its clone URL
 // and its .git form): two requests, each pinned to the pushed ref and
-// commit, with each trigger's build settings. The same delivery again
-// answers the same ids and stores nothing new.
+// commit, with each trigger's build settings. The same push again (a
+// redelivery) answers the same ids and stores nothing new.
 func TestGitHubPushBuildsEveryMatchingTrigger(t *testing.T) {
 	t.Parallel()
 	w := newWorld(t, worldOptions{})
@@ -272,9 +272,9 @@ func TestGitHubPushFilters(t *testing.T) {
 }
 
 // GitLab: the secret token is checked; Push Hook and Tag Push Hook build
-// the pushed commit (checkout_sha); a redelivery with the same
-// Idempotency-Key, or without any delivery header the same push, stores
-// nothing new; a deleted branch builds nothing.
+// the pushed commit (checkout_sha); a redelivery of the same push, with
+// whatever Idempotency-Key or event UUID or none, stores nothing new; a
+// deleted branch builds nothing.
 func TestGitLabPush(t *testing.T) {
 	t.Parallel()
 	w := newWorld(t, worldOptions{})
@@ -332,7 +332,7 @@ func TestGitLabPush(t *testing.T) {
 	if tr.code != http.StatusAccepted || len(requestIDs(t, tr)) != 1 {
 		t.Fatalf("tag push: %d %s", tr.code, tr.raw)
 	}
-	// No delivery header: the push itself is the delivery.
+	// No delivery header: the same push, the same request.
 	if tr2 := w.post("/hooks/gitlab/acme", hdr("Tag Push Hook", acmeGitLab), tag); !slices.Equal(requestIDs(t, tr2), requestIDs(t, tr)) {
 		t.Fatalf("the same tag push again: %s, want %v", tr2.raw, requestIDs(t, tr))
 	}

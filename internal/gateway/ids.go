@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"hash"
+	"strings"
 
 	v1 "github.com/buildq/buildq/api/v1"
 )
@@ -20,11 +21,21 @@ import (
 //     CloudEvents spec makes source + id unique per distinct event;
 //   - a webhook push, for each trigger it matches:
 //     "gh-" (GitHub) or "gl-" (GitLab) + hex(sha256("webhook", forge,
-//     tenant, delivery, trigger))[:40], where delivery is X-GitHub-Delivery
-//     (kept by GitHub's redeliveries), GitLab's Idempotency-Key or
-//     X-Gitlab-Event-UUID, or, without any, the push itself (repository,
-//     ref, before, after), and the trigger is what it builds (repository,
-//     name, image, dockerfile, subPath, target).
+//     tenant, push, trigger))[:40], where push is the push's own identity
+//     (pushDelivery: repository, ref, before, after) and the trigger is
+//     what it builds (repository, name, image, dockerfile, subPath,
+//     target). No delivery header goes in: neither GitHub's signature
+//     (which covers the body only) nor GitLab's token (which covers no
+//     part of the request) vouches for X-GitHub-Delivery, Idempotency-Key
+//     or X-Gitlab-Event-UUID, so a replayed push with a fresh header would
+//     be a new build. A push is one request per trigger, however often and
+//     by whomever it is delivered; the same ref update pushed again (same
+//     before and after) builds the same commit, the same image, and is the
+//     same request too.
+//
+// The prefixes "gh-" and "gl-" are reserved (reservedIDPrefix): a
+// CloudEvent's data may not name such a requestId, so that no producer
+// can take a webhook push's id first.
 //
 // Each string is hashed length-prefixed, so no two lists of parts hash
 // alike.
@@ -53,18 +64,38 @@ func EventRequestID(tenant, source, id string) string {
 	return "ce-" + idDigest("cloudevent", tenant, source, id)
 }
 
-// hookRequestID is the request id of trigger tr's build of a webhook
-// delivery; forge is "github" or "gitlab".
-func hookRequestID(forge, tenant, delivery string, tr Trigger) string {
-	prefix := "gh-"
-	if forge == forgeGitLab {
-		prefix = "gl-"
+// Prefixes of the request ids the gateway derives for webhook pushes.
+const (
+	githubIDPrefix = "gh-"
+	gitlabIDPrefix = "gl-"
+)
+
+// reservedIDPrefix returns the prefix of webhook pushes' request ids that
+// id starts with, or "": a CloudEvent may not name such a requestId (422).
+func reservedIDPrefix(id string) string {
+	for _, p := range []string{githubIDPrefix, gitlabIDPrefix} {
+		if strings.HasPrefix(id, p) {
+			return p
+		}
 	}
-	return prefix + idDigest("webhook", forge, tenant, delivery, tr.key())
+	return ""
 }
 
-// pushDelivery is a push's own identity, for a webhook without a delivery
-// header.
+// hookRequestID is the request id of trigger tr's build of a webhook
+// push whose identity (pushDelivery) is pushID; forge is "github" or
+// "gitlab".
+func hookRequestID(forge, tenant, pushID string, tr Trigger) string {
+	prefix := githubIDPrefix
+	if forge == forgeGitLab {
+		prefix = gitlabIDPrefix
+	}
+	return prefix + idDigest("webhook", forge, tenant, pushID, tr.key())
+}
+
+// pushDelivery is a push's own identity: its repository (the first of
+// its URLs that normalizes), ref, before and after. Every field comes
+// from the body: GitHub's signature covers it, GitLab's token vouches
+// for its sender.
 func pushDelivery(p push) string {
 	urls := make([]string, 0, len(p.repoURLs))
 	for _, u := range p.repoURLs {

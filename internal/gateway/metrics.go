@@ -25,7 +25,8 @@ const (
 	outcomeNotFound     = "not_found"    // 404
 	outcomeTooLarge     = "too_large"    // 413
 	outcomeDenied       = "denied"       // 502: NATS refused the tenant
-	outcomeUnavailable  = "unavailable"  // 503
+	outcomeUnavailable  = "unavailable"  // 503: NATS
+	outcomeBusy         = "busy"         // 503: MaxInFlight requests in flight
 )
 
 // unknownTenant labels requests whose tenant is not (yet) known: no

@@ -77,7 +77,7 @@ func TestIDs(t *testing.T) {
 	tr := Trigger{Repository: "https://github.com/acme/web", Name: "web"}
 	g := hookRequestID(forgeGitHub, "acme", "d1", tr)
 	if !strings.HasPrefix(g, "gh-") || g == hookRequestID(forgeGitHub, "acme", "d2", tr) || g == hookRequestID(forgeGitHub, "acme", "d1", Trigger{Repository: tr.Repository, Name: "web2"}) {
-		t.Errorf("webhook ids do not tell deliveries or triggers apart")
+		t.Errorf("webhook ids do not tell pushes or triggers apart")
 	}
 	if !strings.HasPrefix(hookRequestID(forgeGitLab, "acme", "d1", tr), "gl-") {
 		t.Error("a GitLab id is not gl-")

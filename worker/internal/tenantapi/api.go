@@ -339,10 +339,11 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 			// Not keyed yet (its git source is being packed): no build to
 			// stop or share; its handler ends the fetch. Keyed meanwhile,
 			// it is canceled as a keyed request, below.
-			rep, keyed, err := w.cancelUnkeyed(ctx, le)
+			rep, keyed := w.cancelUnkeyed(ctx, le)
 			if !keyed {
 				return rep
 			}
+			var err error
 			if le, err = w.cfg.Ledger.Get(ctx, tenant, target); err != nil || le == nil {
 				return v1.CancelReply{Message: fmt.Sprint("the request changed while it was canceled; try again: ", err)}
 			}
@@ -407,20 +408,20 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 
 // cancelUnkeyed cancels a request that has no build key yet, unless it
 // has one by now (keyed: to be canceled as a keyed request).
-func (w *Service) cancelUnkeyed(ctx context.Context, le *ledger.Entry) (rep v1.CancelReply, keyed bool, err error) {
+func (w *Service) cancelUnkeyed(ctx context.Context, le *ledger.Entry) (rep v1.CancelReply, keyed bool) {
 	ok, keyed, err := w.cfg.Ledger.MarkCanceledUnkeyed(ctx, le)
 	switch {
 	case err != nil:
-		return v1.CancelReply{Message: err.Error()}, false, err
+		return v1.CancelReply{Message: err.Error()}, false
 	case keyed:
-		return v1.CancelReply{}, true, nil
+		return v1.CancelReply{}, true
 	case !ok && le.E.Result == nil:
-		return v1.CancelReply{Message: "the request is canceled already"}, false, nil
+		return v1.CancelReply{Message: "the request is canceled already"}, false
 	case !ok:
-		return v1.CancelReply{Message: "the request already has its result: " + le.E.State}, false, nil
+		return v1.CancelReply{Message: "the request already has its result: " + le.E.State}, false
 	}
 	_ = w.cfg.NC.Publish(internalCancelSubject, []byte(ledger.Key(le.E.Tenant, le.E.RequestID)))
-	return v1.CancelReply{Canceled: true, Requests: 1, Message: "canceled 1 request(s) before its build started"}, false, nil
+	return v1.CancelReply{Canceled: true, Requests: 1, Message: "canceled 1 request(s) before its build started"}, false
 }
 
 // stopBuild ends key's current run as Canceled and deletes its Job, when
