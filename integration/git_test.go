@@ -50,7 +50,7 @@ type gitFixtures struct {
 	super, lib  *gitRepo
 	superCommit string
 	// lfs has a Git LFS pointer; many a tree of 3000 distinct blobs;
-	// big a blob of 257 MiB of zeros (over the worker's 256 MiB
+	// big a blob of 65 MiB of zeros (over the worker's 64 MiB
 	// MaxObjectBytes); both at most a few hundred KiB on the wire.
 	lfs, many, big *gitRepo
 	// pwn is a copy of app that only the attack requests name.
@@ -59,8 +59,8 @@ type gitFixtures struct {
 
 const (
 	appDockerfile = "FROM scratch\nCOPY . /src/\n"
-	// bigBlobBytes is over gitsource.DefaultMaxObjectBytes (256 MiB).
-	bigBlobBytes = 257 << 20
+	// bigBlobBytes is over gitsource.DefaultMaxObjectBytes (64 MiB).
+	bigBlobBytes = 65 << 20
 	manyBlobs    = 3000
 	// gitMaxObjects is the strict worker's --git-max-objects: above
 	// every fixture but many.
@@ -308,10 +308,10 @@ func (e *gitEnv) refused(t *testing.T, req *v1.Request, reason string, words ...
 //   - attacks: a ref that reads as an option (a raw publish: the CLI and
 //     SDK refuse it) is InvalidRequest and nothing runs; a redirect to the
 //     cloud metadata address and a host not in --allowed-git-host are
-//     GitHostRefused, the latter before any connection; pack bombs (a
-//     tree of 3000 blobs against --git-max-objects, a 257 MiB blob of
-//     zeros against the 256 MiB object limit), a few hundred KiB on the
-//     wire, are GitTooLarge.
+//     GitHostRefused, the latter before any connection; pack bombs, a few
+//     hundred KiB on the wire: a tree of 3000 blobs against
+//     --git-max-objects (GitTooManyObjects) and a 65 MiB blob of zeros
+//     against the 64 MiB object limit (GitTooLarge).
 //
 // Failures never create a Job.
 func TestGitSources(t *testing.T) {
@@ -566,11 +566,11 @@ func TestGitSources(t *testing.T) {
 		}
 	})
 
-	t.Run("pack bombs are GitTooLarge", func(t *testing.T) {
+	t.Run("pack bombs are refused by the limits", func(t *testing.T) {
 		t.Parallel()
 		many := strict.publish(t, "acme", "bomb", v1.GitSource{URL: web.URL + fx.many.path(), Ref: "main"})
 		big := strict.publish(t, "acme", "bomb", v1.GitSource{URL: web.URL + fx.big.path(), Ref: "main"})
-		strict.refused(t, many, v1.ReasonGitTooLarge, "MaxObjects="+gitMaxObjects)
+		strict.refused(t, many, v1.ReasonGitTooManyObjects, "MaxObjects="+gitMaxObjects)
 		strict.refused(t, big, v1.ReasonGitTooLarge, "MaxObjectBytes")
 		for _, repo := range []string{fx.many.path(), fx.big.path()} {
 			var sent int64

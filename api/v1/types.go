@@ -266,15 +266,24 @@ const (
 	// not reachable from the ref).
 	ReasonGitCommitNotFound = "GitCommitNotFound"
 	// ReasonGitAuthFailed: the server refused the tenant's credentials,
-	// or asked for some and the tenant has none; or, over SSH, the host
-	// key is not a known one.
+	// or asked for some and the tenant has none, or says the repository
+	// does not exist (hosts answer so for private ones); or, over SSH,
+	// the host key is not a known one.
 	ReasonGitAuthFailed = "GitAuthFailed"
 	// ReasonGitLFS: a file of the context is a Git LFS pointer; LFS
 	// objects are not fetched.
 	ReasonGitLFS = "GitLFSPointer"
-	// ReasonGitTooLarge: the fetch went over a limit of the worker's
-	// (bytes received, objects, history depth, the packed context's size).
+	// ReasonGitTooLarge: the fetch went over a size limit of the
+	// worker's: bytes received, an object's or all objects' inflated
+	// size, the packed context's size or entries, submodules.
 	ReasonGitTooLarge = "GitTooLarge"
+	// ReasonGitTooManyObjects: the fetch received more objects than the
+	// worker allows (--git-max-objects).
+	ReasonGitTooManyObjects = "GitTooManyObjects"
+	// ReasonGitTooDeep: the commit is deeper below its ref's tip than
+	// the worker fetches history for (--git-max-depth), or a delta chain
+	// is deeper than git makes them.
+	ReasonGitTooDeep = "GitTooDeep"
 	// ReasonGitTimeout: resolving and fetching took longer than allowed.
 	ReasonGitTimeout = "GitTimeout"
 	// ReasonGitSubPath: the subPath is not a directory of the commit.

@@ -155,3 +155,27 @@ func TestFetch_SSH(t *testing.T) {
 		}
 	})
 }
+
+// Only a text/plain refusal is echoed, as git servers word theirs; of
+// any other answer only the content type is told.
+func TestFetch_OnlyTextAnswersAreEchoed(t *testing.T) {
+	t.Parallel()
+	for ct, says := range map[string]string{
+		"application/json; charset=utf-8": "an answer of type application/json, not shown",
+		"text/html":                       "an answer of type text/html, not shown",
+		"":                                "an answer of no content type, not shown",
+		"body-secret in the header":       "an answer of an invalid content type, not shown",
+	} {
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+			w.Header()["Content-Type"] = []string{ct}
+			w.WriteHeader(http.StatusForbidden)
+			_, _ = w.Write([]byte("body-secret"))
+		}))
+		t.Cleanup(srv.Close)
+		e := fetchErr(t, newFetcher(t), Source{URL: srv.URL + "/r.git", Ref: "main"}, v1.ReasonGitAuthFailed)
+		mustContain(t, e.Message, "HTTP 403", says)
+		if strings.Contains(e.Message, "body-secret") {
+			t.Errorf("%q: %s", ct, e.Message)
+		}
+	}
+}

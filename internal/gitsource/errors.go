@@ -48,6 +48,16 @@ func tooLarge(msg string, err error) *Error {
 	return refuse(v1.ReasonGitTooLarge, "git source too large: "+msg, err)
 }
 
+// tooMany is a refusal for more objects than MaxObjects.
+func tooMany(msg string, err error) *Error {
+	return refuse(v1.ReasonGitTooManyObjects, "git source has too many objects: "+msg, err)
+}
+
+// tooDeep is a refusal for history or a delta chain deeper than allowed.
+func tooDeep(msg string, err error) *Error {
+	return refuse(v1.ReasonGitTooDeep, "git source too deep: "+msg, err)
+}
+
 // invalid is a source that cannot be a context, for a reason of its own
 // that has no git reason word.
 func invalid(msg string) *Error {

@@ -101,18 +101,27 @@ type Limits struct {
 	// MaxContextBytes caps the packed context's file content (contexttar's
 	// MaxBytes); default contexttar.DefaultMaxBytes.
 	MaxContextBytes int64
-	// Timeout bounds resolve, fetch and pack together; default 5m.
+	// Timeout bounds resolve, fetch (go-git's indexing of the packs
+	// included) and pack together; default 5m.
 	Timeout time.Duration
 	// MaxDepth caps the commits of history fetched when the commit is not
 	// the ref's tip; default 1000.
 	MaxDepth int
 	// MaxObjectBytes caps the inflated size of any one fetched object,
-	// which go-git holds in memory while indexing it; default 256 MiB.
+	// which go-git holds in memory while indexing it; default 64 MiB
+	// (a worker of 512 MiB runs 4 fetches at once).
 	MaxObjectBytes int64
-	// MaxExpandedBytes caps the inflated size of all fetched objects
-	// together, so that a pack of few bytes cannot expand without bound;
-	// default 4 GiB.
+	// MaxExpandedBytes caps what indexing the fetched objects may
+	// inflate and rebuild, so that a pack of few bytes cannot expand, or
+	// keep go-git busy, without bound: each object's inflated size, and
+	// for a delta also what rebuilding it from the whole object at the
+	// start of its chain takes (its chain's sizes; git's default of at
+	// most 50 deltas a chain is enforced too); default 4 GiB.
 	MaxExpandedBytes int64
+	// MaxSubmodules caps the submodule repositories one Fetch opens
+	// (every instance counts: a repository that lists a submodule three
+	// times over five levels would open 363); default 50.
+	MaxSubmodules int
 }
 
 // Limit defaults.
@@ -121,8 +130,9 @@ const (
 	DefaultMaxObjects             = 500_000
 	DefaultTimeout                = 5 * time.Minute
 	DefaultMaxDepth               = 1000
-	DefaultMaxObjectBytes   int64 = 256 << 20
+	DefaultMaxObjectBytes   int64 = 64 << 20
 	DefaultMaxExpandedBytes int64 = 4 << 30
+	DefaultMaxSubmodules          = 50
 )
 
 // withDefaults fills in the zero fields of l.
@@ -147,6 +157,9 @@ func (l Limits) withDefaults() Limits {
 	}
 	if l.MaxExpandedBytes <= 0 {
 		l.MaxExpandedBytes = DefaultMaxExpandedBytes
+	}
+	if l.MaxSubmodules <= 0 {
+		l.MaxSubmodules = DefaultMaxSubmodules
 	}
 	return l
 }
@@ -246,7 +259,7 @@ func (f *Fetcher) Fetch(ctx context.Context, tenant string, src Source, progress
 
 // fetch is Fetch's work inside its work directory.
 func (r *run) fetch(ctx context.Context, work string) (*Context, error) {
-	if err := r.openStore(filepath.Join(work, "git")); err != nil {
+	if err := r.openStore(ctx, filepath.Join(work, "git")); err != nil {
 		return nil, err
 	}
 	defer r.closeStore()

@@ -2,6 +2,7 @@ package gitsource
 
 import (
 	"bytes"
+	"context"
 	"crypto/rand"
 	"fmt"
 	"io"
@@ -14,6 +15,7 @@ import (
 	"time"
 
 	"github.com/go-git/go-git/v5/plumbing/filemode"
+	"github.com/go-git/go-git/v5/plumbing/format/pktline"
 	"github.com/go-git/go-git/v5/plumbing/object"
 
 	v1 "github.com/buildq/buildq/api/v1"
@@ -23,11 +25,17 @@ import (
 // failure naming the limit; it returns the bytes the fetch received.
 func limited(t *testing.T, repo *testRepo, src Source, lim Limits, says ...string) {
 	t.Helper()
+	limitedWith(t, v1.ReasonGitTooLarge, repo, src, lim, says...)
+}
+
+// limitedWith is limited for a limit with a reason of its own.
+func limitedWith(t *testing.T, reason string, repo *testRepo, src Source, lim Limits, says ...string) {
+	t.Helper()
 	_, base := serve(t, serverOpts{}, map[string]*testRepo{"r": repo})
 	src.URL = base + "/r.git"
 	fr := newFetcher(t)
 	fr.Limits = lim
-	e := fetchErr(t, fr, src, v1.ReasonGitTooLarge)
+	e := fetchErr(t, fr, src, reason)
 	mustContain(t, e.Message, says...)
 	if entries, _ := os.ReadDir(fr.TempDir); len(entries) != 0 {
 		t.Errorf("a refused fetch left %d files behind", len(entries))
@@ -51,7 +59,7 @@ func TestLimits_Objects(t *testing.T) {
 	}
 	repo := newRepo(t)
 	repo.commitFiles("main", files)
-	limited(t, repo, Source{Ref: "main"}, Limits{MaxObjects: 5}, "MaxObjects=5", "32 objects")
+	limitedWith(t, v1.ReasonGitTooManyObjects, repo, Source{Ref: "main"}, Limits{MaxObjects: 5}, "MaxObjects=5", "32 objects")
 }
 
 func TestLimits_ContextBytes(t *testing.T) {
@@ -123,7 +131,7 @@ func TestLimits_Depth(t *testing.T) {
 		_, base := serve(t, opts, map[string]*testRepo{"r": repo})
 		fr := newFetcher(t)
 		fr.Limits.MaxDepth = 3
-		e := fetchErr(t, fr, Source{URL: base + "/r.git", Ref: "main", Commit: commits[0].String()}, v1.ReasonGitTooLarge)
+		e := fetchErr(t, fr, Source{URL: base + "/r.git", Ref: "main", Commit: commits[0].String()}, v1.ReasonGitTooDeep)
 		mustContain(t, e.Message, "MaxDepth=3", commits[0].String())
 		// The third commit from the tip is within the limit.
 		c := fetchOK(t, fr, Source{URL: base + "/r.git", Ref: "main", Commit: commits[2].String()})
@@ -164,4 +172,44 @@ func TestLimits_Timeout(t *testing.T) {
 	fr.Credentials = creds(&Credentials{InsecureIgnoreHostKey: true})
 	e = fetchErr(t, fr, Source{URL: "ssh://git@" + ln.Addr().String() + "/r.git", Ref: "main"}, v1.ReasonGitTimeout)
 	mustContain(t, e.Message, "Timeout")
+}
+
+// A ref advertisement is read up to 16 MiB: go-git holds every ref in
+// maps.
+func TestLimits_Advertisement(t *testing.T) {
+	t.Parallel()
+	advertise := func(bytes int) string {
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Method != http.MethodGet {
+				http.NotFound(w, r)
+				return
+			}
+			w.Header().Set("Content-Type", "application/x-git-upload-pack-advertisement")
+			enc := pktline.NewEncoder(w)
+			hash := strings.Repeat("1", 40)
+			_ = enc.EncodeString("# service=git-upload-pack\n")
+			_ = enc.Flush()
+			_ = enc.EncodeString(hash + " refs/heads/main\x00ofs-delta side-band-64k\n")
+			for i, sent := 0, 0; sent < bytes; i++ {
+				line := fmt.Sprintf("%s refs/heads/%06d-%s\n", hash, i, strings.Repeat("x", 60000))
+				_ = enc.EncodeString(line)
+				sent += len(line) + 4
+			}
+			_ = enc.Flush()
+		}))
+		t.Cleanup(srv.Close)
+		return srv.URL + "/r.git"
+	}
+	e := fetchErr(t, newFetcher(t), Source{URL: advertise(17 << 20), Ref: "main"}, v1.ReasonGitTooLarge)
+	mustContain(t, e.Message, "more than 16 MiB of refs")
+
+	// Just under: read, then the fetch fails for want of a pack.
+	c, err := newFetcher(t).Fetch(context.Background(), "tenant", Source{URL: advertise(15 << 20), Ref: "main"}, nil)
+	if err == nil {
+		_ = c.Remove()
+		t.Fatal("fetched from a server without packs")
+	}
+	if !strings.Contains(err.Error(), "404") {
+		t.Fatalf("a 15 MiB advertisement: %v, want the upload-pack request's 404", err)
+	}
 }

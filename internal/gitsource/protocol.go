@@ -25,8 +25,8 @@ import (
 // followed by the pack, multiplexed on sideband channel 1.
 
 // maxAdvertisement bounds a ref advertisement: go-git keeps every
-// advertised ref in maps.
-const maxAdvertisement = 64 << 20
+// advertised ref in maps, at several times its bytes.
+const maxAdvertisement = 16 << 20
 
 // agent is the agent capability buildq announces.
 const agent = "buildq"
@@ -57,6 +57,7 @@ type encoded struct {
 	body     []byte
 	shallow  bool // the answer starts with a shallow-update section
 	sideband bool // the pack comes multiplexed
+	ofsDelta bool // deltas come against offsets in the pack, not hashes
 }
 
 // encode writes q for a server advertising caps.
@@ -77,10 +78,14 @@ func (q uploadRequest) encode(caps *capability.List) (encoded, error) {
 		set(capability.Sideband)
 		out.sideband = true
 	}
-	for _, c := range []capability.Capability{capability.OFSDelta, capability.NoProgress} {
-		if caps.Supports(c) {
-			set(c)
-		}
+	// Deltas by offset, which the pack guard can place, and never a thin
+	// pack: every delta's base is in the same pack.
+	if caps.Supports(capability.OFSDelta) {
+		set(capability.OFSDelta)
+		out.ofsDelta = true
+	}
+	if caps.Supports(capability.NoProgress) {
+		set(capability.NoProgress)
 	}
 	if caps.Supports(capability.Agent) {
 		set(capability.Agent, agent)
@@ -254,7 +259,7 @@ func (r *run) fetchPack(ctx context.Context, rp *repo, q uploadRequest) error {
 	if err != nil {
 		return err
 	}
-	return r.ingest(ctx, pack)
+	return r.ingest(ctx, pack, rp.display, e.ofsDelta)
 }
 
 // refusedWant reports whether err is the server declining a request

@@ -183,7 +183,7 @@ func (r *run) verifyReachable(display, name string, tip, want plumbing.Hash) err
 	case found:
 		return nil
 	case truncated:
-		return r.fail(tooLarge(fmt.Sprintf("commit %s is not among the %d most recent commits of %s (MaxDepth=%d)",
+		return r.fail(tooDeep(fmt.Sprintf("commit %s is not among the %d most recent commits of %s (MaxDepth=%d)",
 			want, r.lim.MaxDepth, name, r.lim.MaxDepth), nil))
 	}
 	return refuse(v1.ReasonGitCommitNotFound, fmt.Sprintf("commit %s is not reachable from %s in %s", want, name, display), nil)

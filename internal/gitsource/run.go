@@ -1,6 +1,7 @@
 package gitsource
 
 import (
+	"context"
 	"crypto/x509"
 	"fmt"
 	"net/url"
@@ -51,7 +52,8 @@ type run struct {
 	// The rest is touched only by the Fetch's own goroutine.
 	st       *filesystem.Storage
 	objects  int64                  // objects announced by the packs so far
-	expanded int64                  // inflated bytes of those objects
+	expanded int64                  // what indexing those objects may inflate and rebuild
+	opened   int                    // submodule repositories opened
 	lastEmit time.Time              // last throttled progress callback
 	complete map[plumbing.Hash]bool // commits whose whole tree is stored
 }
@@ -201,12 +203,14 @@ func (r *run) emitThrottled(p Progress) {
 
 // openStore makes the run's object store in dir: go-git's on-disk
 // storage, so that fetched packs stay compressed on disk rather than
-// expanded in memory, with large objects streamed instead of cached.
-func (r *run) openStore(dir string) error {
+// expanded in memory, with large objects streamed instead of cached. Its
+// files stop working when ctx ends (ctxFS).
+func (r *run) openStore(ctx context.Context, dir string) error {
 	if err := os.Mkdir(dir, 0o700); err != nil {
 		return transient("create the object store", err)
 	}
-	st := filesystem.NewStorageWithOptions(osfs.New(dir), cache.NewObjectLRU(32*cache.MiByte), filesystem.Options{
+	fs := ctxFS{Filesystem: osfs.New(dir), ctx: ctx}
+	st := filesystem.NewStorageWithOptions(fs, cache.NewObjectLRU(32*cache.MiByte), filesystem.Options{
 		ExclusiveAccess:      true,
 		KeepDescriptors:      true, // closed by closeStore; reopening a pack per object is slow
 		LargeObjectThreshold: 1 << 20,

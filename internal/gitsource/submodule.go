@@ -23,7 +23,7 @@ const maxSubmoduleLevel = 8
 // writes its tree there. Its URL comes from rt's .gitmodules (relative
 // URLs against rt's URL), and it goes through the same host policy,
 // limits and the tenant's credentials (HTTPS ones only on the source's
-// own host) as the source itself.
+// own host) as the source itself; one Fetch opens at most MaxSubmodules.
 func (w *writer) submodule(rel, repoRel string, commit plumbing.Hash, info patternmatcher.MatchInfo, rt *repoTree, level int) error {
 	r := w.r
 	if level >= maxSubmoduleLevel {
@@ -40,6 +40,11 @@ func (w *writer) submodule(rel, repoRel string, commit plumbing.Hash, info patte
 	u, user, err := resolveSubmoduleURL(rt.url, rt.sshUser, raw)
 	if err != nil {
 		return inSubmodule(rel, err)
+	}
+	// Every instance counts: relative URLs make each one's URL its own.
+	if r.opened++; r.opened > r.lim.MaxSubmodules {
+		return tooLarge(fmt.Sprintf("the source has more than MaxSubmodules=%d submodules (at %q)",
+			r.lim.MaxSubmodules, truncate(rel, 200)), nil)
 	}
 	r.emit(Progress{Step: StepFetching, Message: fmt.Sprintf("fetching submodule %s (%s) at %s", rel, u, commit)})
 	rp, err := r.openRepo(w.ctx, u, user)

@@ -75,3 +75,24 @@ func TestResolveSubmoduleURL(t *testing.T) {
 		}
 	}
 }
+
+// Each submodule a Fetch opens counts against MaxSubmodules.
+func TestFetch_MaxSubmodules(t *testing.T) {
+	t.Parallel()
+	sub := newRepo(t)
+	s1 := sub.commitFiles("main", map[string]f{"lib": reg("lib\n")})
+	super := newRepo(t)
+	super.commitFiles("main", map[string]f{
+		".gitmodules": reg("[submodule \"a\"]\n\tpath = a\n\turl = ../sub.git\n" +
+			"[submodule \"b\"]\n\tpath = b\n\turl = ../sub.git\n[submodule \"c\"]\n\tpath = c\n\turl = ../sub.git\n"),
+		"Dockerfile": reg("FROM scratch\n"), "a": gitlink(s1), "b": gitlink(s1), "c": gitlink(s1),
+	})
+	_, base := serve(t, serverOpts{}, map[string]*testRepo{"super": super, "sub": sub})
+	src := Source{URL: base + "/super.git", Ref: "main", Submodules: true}
+	fr := newFetcher(t)
+	fr.Limits.MaxSubmodules = 2
+	e := fetchErr(t, fr, src, v1.ReasonGitTooLarge)
+	mustContain(t, e.Message, "MaxSubmodules=2", `"c"`)
+	fr.Limits.MaxSubmodules = 3
+	fetchOK(t, fr, src)
+}

@@ -164,8 +164,8 @@ func (h *httpRemote) advertise(ctx context.Context) (*packp.AdvRefs, error) {
 		}
 		h.base = &url.URL{Scheme: final.Scheme, Host: final.Host, Path: p}
 	}
-	if ct := mediaType(resp); ct != "application/x-git-upload-pack-advertisement" {
-		return nil, invalid(fmt.Sprintf("%s does not speak git's smart HTTP protocol (it answered %q)", h.display(), ct))
+	if mediaType(resp) != "application/x-git-upload-pack-advertisement" {
+		return nil, invalid(fmt.Sprintf("%s does not speak git's smart HTTP protocol (it answered with %s)", h.display(), describeType(resp)))
 	}
 	return decodeAdvertisement(resp.Body, h.display())
 }
@@ -190,9 +190,9 @@ func (h *httpRemote) uploadPack(ctx context.Context, body []byte) (io.ReadCloser
 		closeBody(resp)
 		return nil, err
 	}
-	if ct := mediaType(resp); ct != "application/x-git-upload-pack-result" {
+	if mediaType(resp) != "application/x-git-upload-pack-result" {
 		closeBody(resp)
-		return nil, invalid(fmt.Sprintf("%s answered an upload-pack request with %q", h.display(), ct))
+		return nil, invalid(fmt.Sprintf("%s answered an upload-pack request with %s", h.display(), describeType(resp)))
 	}
 	return resp.Body, nil
 }
@@ -205,16 +205,13 @@ func (h *httpRemote) close() error {
 
 // status turns an HTTP status other than 2xx into the request's failure
 // (401, 403, 404 and other 4xx) or transient trouble (408, 429, 5xx),
-// with the server's words.
+// with the server's words (answerWords).
 func (h *httpRemote) status(resp *http.Response) error {
 	code := resp.StatusCode
 	if code >= 200 && code < 300 {
 		return nil
 	}
-	words := ""
-	if b, _ := io.ReadAll(io.LimitReader(resp.Body, 512)); len(bytes.TrimSpace(b)) > 0 && !bytes.Contains(b, []byte("<")) {
-		words = ": " + serverWords(string(b))
-	}
+	words := answerWords(resp)
 	where := h.display()
 	switch {
 	case code == http.StatusUnauthorized && h.origin == "":
@@ -231,6 +228,37 @@ func (h *httpRemote) status(resp *http.Response) error {
 		return invalid(fmt.Sprintf("%s answered a git request with a redirect it may not follow (HTTP %d)", where, code))
 	}
 	return invalid(fmt.Sprintf("%s answered HTTP %d%s", where, code, words))
+}
+
+// answerWords is what an error message tells of a refusal's body. Git
+// servers (git http-backend, GitHub, GitLab, Gitea) word their refusals
+// in text/plain, which is echoed; any other answer may come from a
+// service that is no git server at all (the host policy names hosts, not
+// services), whose body the tenant must not read through the worker:
+// only its content type is said.
+func answerWords(resp *http.Response) string {
+	if mediaType(resp) != "text/plain" {
+		return fmt.Sprintf(": an answer of %s, not shown", describeType(resp))
+	}
+	b, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+	if len(bytes.TrimSpace(b)) == 0 || bytes.Contains(b, []byte("<")) {
+		return ""
+	}
+	return ": " + serverWords(string(b))
+}
+
+// describeType names an answer's content type for a message: its media
+// type when it has a valid one, never the header's raw text.
+func describeType(resp *http.Response) string {
+	raw := resp.Header.Get("Content-Type")
+	t, _, err := mime.ParseMediaType(raw)
+	switch {
+	case raw == "":
+		return "no content type"
+	case err != nil || !strings.Contains(t, "/"):
+		return "an invalid content type"
+	}
+	return "type " + truncate(t, 100)
 }
 
 func mediaType(resp *http.Response) string {
