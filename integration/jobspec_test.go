@@ -61,18 +61,6 @@ func TestJobsPassServerSideValidation(t *testing.T) {
 			return r
 		}, full},
 		"fetch-context": {s3, fetch},
-		"git with fetch-image": {func() *v1.Request {
-			r := s3()
-			r.Source = v1.Source{Git: &v1.GitSource{URL: "https://github.com/acme/web.git", Commit: strings.Repeat("c", 40)}}
-			r.ContextDigest = ""
-			return r
-		}, fetch},
-		"git": {func() *v1.Request {
-			r := s3()
-			r.Source = v1.Source{Git: &v1.GitSource{URL: "https://github.com/acme/web.git", Commit: strings.Repeat("c", 40), SubPath: "svc"}}
-			r.ContextDigest = ""
-			return r
-		}, base},
 	}
 	for name, c := range cases {
 		t.Run(name, func(t *testing.T) {
