@@ -45,7 +45,7 @@ func (g *gitFlagsConfig) register(fs *pflag.FlagSet, dev bool) {
 	fs.IntVar(&g.limits.MaxObjects, "git-max-objects", gitsource.DefaultMaxObjects, "objects a git source's fetch may receive")
 	fs.DurationVar(&g.limits.Timeout, "git-timeout", gitsource.DefaultTimeout, "how long resolving, fetching and packing a git source may take")
 	fs.IntVar(&g.limits.MaxDepth, "git-max-depth", gitsource.DefaultMaxDepth, "commits of history fetched to find a commit that is not its ref's tip")
-	fs.IntVar(&g.concurrent, "git-max-concurrent", 2, "git sources this process fetches at once; more wait (each may hold one object of up to 64 MiB in memory and its checkout in the temporary directory)")
+	fs.IntVar(&g.concurrent, "git-max-concurrent", 2, "git sources this process fetches at once; more wait (each may hold up to about 160 MiB in memory, an object of up to 64 MiB and go-git's delta cache, and its checkout in the temporary directory)")
 }
 
 // validate checks the git flags.

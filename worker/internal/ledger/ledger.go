@@ -26,6 +26,7 @@ import (
 	"go.uber.org/zap"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/worker/internal/mutant"
 )
 
 // Key is the ledger key of a tenant's request id. Request ids may hold
@@ -269,8 +270,9 @@ func (l *Ledger) MarkCanceled(ctx context.Context, le *Entry) (bool, error) {
 func (l *Ledger) SetSource(ctx context.Context, le *Entry, src *v1.ResolvedSource, key string) (*v1.ResolvedSource, error) {
 	canceled := false
 	_, err := l.change(ctx, le, 10, func(e *v1.RequestEntry) bool {
-		canceled = e.Canceled && e.Source == nil
-		if e.Source != nil || e.Result != nil || e.Canceled {
+		honorCancel := e.Canceled && !mutant.On("source-ignores-cancel")
+		canceled = honorCancel && e.Source == nil
+		if e.Source != nil || e.Result != nil || honorCancel {
 			return false
 		}
 		e.Source, e.Key, e.UpdatedAt = src, key, l.cfg.Now().UTC()
@@ -294,7 +296,7 @@ func (l *Ledger) SetSource(ctx context.Context, le *Entry, src *v1.ResolvedSourc
 // cancel is of a keyed request, to be made as such.
 func (l *Ledger) MarkCanceledUnkeyed(ctx context.Context, le *Entry) (ok, keyed bool, err error) {
 	ok, err = l.change(ctx, le, 10, func(e *v1.RequestEntry) bool {
-		keyed = e.Key != ""
+		keyed = e.Key != "" && !mutant.On("cancel-unkeyed-blind")
 		if keyed || e.Result != nil || e.Canceled {
 			return false
 		}
