@@ -262,6 +262,14 @@ COPY hello.txt /srv/hello.txt
 		if r.Data.Status != v1.StatusSucceeded || pods() != 2 {
 			t.Fatalf("result %s after %d pods, want succeeded after 2", mustJSON(r), pods())
 		}
+		// The build's log shows the second Pod as a second attempt.
+		text, err := s.buildqLogs(t, r.Data.Tenant, r.Data.RequestID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !regexp.MustCompile(`(?m)^\[buildq\] attempt 2: pod \S+`).MatchString(text) || !strings.Contains(text, "[buildq] build succeeded") {
+			t.Errorf("the log of a build whose Pod was replaced:\n%s", text)
+		}
 	})
 
 	t.Run("5 identical requests over 2 workers build once", func(t *testing.T) {
@@ -284,6 +292,10 @@ COPY hello.txt /srv/hello.txt
 			t.Fatalf("%d digests, %d jobs, %d pods; want 1 of each", len(digests), jobs(), pods())
 		}
 	})
+
+	t.Run("buildq logs -f follows a RUN through a worker's death; the archive holds the same lines", func(t *testing.T) { testLogsOnRealNode(t, node) })
+
+	t.Run("50 MiB of build output are capped with a marker", func(t *testing.T) { testLogCapOnRealNode(t, node) })
 
 	t.Run("buildq dev --kubeconfig builds examples/with-run", func(t *testing.T) { testDevOnRealNode(t, node) })
 

@@ -16,6 +16,8 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/util/workqueue"
 
+	"go.uber.org/zap"
+
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
 	"github.com/buildq/buildq/internal/kube"
@@ -38,6 +40,9 @@ type Build struct {
 	// Current reports whether Run is still the key's current run (nil:
 	// always).
 	Current func(ctx context.Context) bool
+	// Log is the run's log, for the backend to write the build's output
+	// into as it goes (nil: not captured).
+	Log LogWriter
 }
 
 // errNotCurrent: the run ended while its build was being started.
@@ -109,6 +114,9 @@ type KubeBackend struct {
 	digestGrace time.Duration
 	resolve     func(ctx context.Context, ref string) (string, error)
 	presign     Presigner
+	// logSource reads pods/log; log is the backend's logger.
+	logSource kube.LogSource
+	log       *zap.Logger
 	// finished holds the names of finished Jobs from the informers (their
 	// initial list, every event, every relist) for reconciliation: a
 	// client-go workqueue, so a name is queued once however many events
@@ -125,6 +133,12 @@ type Presigner func(ctx context.Context, bucket, key string, ttl time.Duration) 
 // (kaniko.Config.FetchImage).
 func (k *KubeBackend) WithPresigner(p Presigner) *KubeBackend {
 	k.presign = p
+	return k
+}
+
+// WithLogger sets the backend's logger.
+func (k *KubeBackend) WithLogger(l *zap.Logger) *KubeBackend {
+	k.log = l
 	return k
 }
 
@@ -146,7 +160,7 @@ func NewKubeBackend(client kubernetes.Interface, watcher *kube.Watcher, cfg kani
 		return nil, fmt.Errorf("kaniko config: %w", err)
 	}
 	k := &KubeBackend{client: client, watcher: watcher, cfg: cfg, identity: "kaniko@" + cfg.ExecutorImage,
-		digestGrace: 10 * time.Second}
+		digestGrace: 10 * time.Second, logSource: kube.NewLogSource(client, cfg.Namespace), log: zap.NewNop()}
 	k.finished = workqueue.NewTypedRateLimitingQueueWithConfig(
 		workqueue.NewTypedItemExponentialFailureRateLimiter[string](reconcileRetryFloor, reconcileRetryMax),
 		workqueue.TypedRateLimitingQueueConfig[string]{Name: "buildq-finished-jobs"})
@@ -195,6 +209,18 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 	if created {
 		started(name, true, b.Request.RequestID)
 	}
+	// The build's log, followed as it goes; an outcome waits a moment for
+	// its last lines.
+	capture := func(time.Duration) {}
+	if created {
+		capture = k.startCapture(ctx, name, b.Log)
+	}
+	defer func() { capture(0) }()
+	drained := func(o Outcome, err error) (Outcome, error) {
+		capture(logDrain)
+		capture = func(time.Duration) {}
+		return o, err
+	}
 
 	seen := false
 	jobUID := createdUID
@@ -232,6 +258,7 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 		case ok:
 			if !seen && !created {
 				started(name, false, cur.Annotations[kaniko.AnnotationRequestID])
+				capture = k.startCapture(ctx, name, b.Log)
 			}
 			seen = true
 			if cur.DeletionTimestamp != nil {
@@ -243,7 +270,7 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 			// after the Job: wait for it as for a success's digest.
 			podLag := o.Done && !o.Succeeded && len(pods) == 0
 			if o.Done && !o.Pending && !podLag {
-				return k.outcome(ctx, name, jobUID, b.Destinations[0], o)
+				return drained(k.outcome(ctx, name, jobUID, b.Destinations[0], o))
 			}
 			if (o.Pending || podLag) && grace == nil {
 				graceTimer = time.NewTimer(k.digestGrace)
@@ -266,7 +293,7 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 			// Succeeded, but its Pod (and so the digest) never reached the
 			// cache: it was deleted. The registry has the answer.
 			o := kube.JobOutcome(cur, pods)
-			return k.outcome(ctx, name, jobUID, b.Destinations[0], o)
+			return drained(k.outcome(ctx, name, jobUID, b.Destinations[0], o))
 		case <-ctx.Done():
 			return Outcome{}, ctx.Err()
 		}

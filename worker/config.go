@@ -98,6 +98,8 @@ type Config struct {
 	// names. Only for a server whose every client is trusted (buildq dev,
 	// which has no NATS authentication at all).
 	AnyReply bool
+	// Logs: build logs captured into BUILDQ_LOGS and archived (logs.go).
+	Logs LogsConfig
 	// Metrics, when not nil, records Prometheus metrics.
 	Metrics *Metrics
 	// Logger (default: a no-op logger).

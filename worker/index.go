@@ -101,6 +101,15 @@ func (w *builder) finishOrphan(ctx context.Context, key string, out Outcome) tim
 	// One compare-and-swap: a claim that changed meanwhile has a live
 	// owner again, and is left to it.
 	final := finalRecord(cur, out, now)
+	// The rest of the run's log, up to its Job's end, then its end.
+	if lw := w.logs.open(ctx, cur, runRequest(&v1.Request{Tenant: cur.Tenant, Name: cur.Name, RequestID: cur.RequestID}, cur)); lw != nil && !lw.Ended() {
+		if c, ok := w.backend.(logCapturer); ok {
+			cctx, cancel := context.WithTimeout(ctx, orphanLogDrain)
+			c.CaptureLog(cctx, cur.Key, cur.Run, lw)
+			cancel()
+		}
+		final.Logs = w.logs.finish(ctx, lw, final)
+	}
 	if ok, err := w.runs.EndAt(ctx, final, rev); err == nil && ok {
 		w.log.Info("stored the outcome of a build whose owner is gone", zap.String("key", key), zap.String("run", cur.Run), zap.String("state", final.State))
 	}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strings"
 	"sync"
 	"time"
 
@@ -162,7 +163,20 @@ func isContextErr(err error) bool {
 func (l *LocalBackend) build(ctx context.Context, b Build) (Outcome, error) {
 	req := b.Request
 	start := time.Now().UTC()
+	// The executor's steps go to the run's log as its own output; what
+	// the backend does around them as buildq's lines.
+	step := func(line string) {
+		if b.Log != nil {
+			_ = b.Log.Line(ctx, "", v1.LogStreamLocal, 1, time.Now().UTC(), []byte(line))
+		}
+	}
+	own := func(format string, args ...any) {
+		if b.Log != nil {
+			_ = b.Log.Own(ctx, fmt.Sprintf(format, args...))
+		}
+	}
 	fail := func(reason, msg string) (Outcome, error) {
+		step("error: " + msg)
 		return Outcome{Reason: reason, Message: msg, LogTail: msg, StartedAt: start, FinishedAt: time.Now().UTC()}, nil
 	}
 	if req.Source.S3 == nil {
@@ -171,6 +185,7 @@ func (l *LocalBackend) build(ctx context.Context, b Build) (Outcome, error) {
 	if len(req.Platforms) > 1 {
 		return fail(v1.ReasonBuildFailed, "the local executor builds one platform per request; multi-platform builds need the kaniko executor")
 	}
+	own("fetching context s3://%s/%s (%s)", req.Source.S3.Bucket, req.Source.S3.Key, req.ContextDigest)
 	rc, err := l.contexts.Open(ctx, req.Source.S3.Bucket, req.Source.S3.Key)
 	if errors.Is(err, s3store.ErrNotFound) {
 		return fail(v1.ReasonContextMissing, fmt.Sprintf("context s3://%s/%s does not exist", req.Source.S3.Bucket, req.Source.S3.Key))
@@ -218,6 +233,7 @@ func (l *LocalBackend) build(ctx context.Context, b Build) (Outcome, error) {
 		Platform:   platform,
 		Labels:     req.Labels,
 		Remote:     l.pusher.RemoteOptions(ctx),
+		Log:        step,
 
 		AllowedRegistries: l.registries,
 	})
@@ -231,6 +247,7 @@ func (l *LocalBackend) build(ctx context.Context, b Build) (Outcome, error) {
 		}
 		return Outcome{}, Transient(err)
 	}
+	own("pushing to %s", strings.Join(b.Destinations, ", "))
 	digest, err := l.pusher.Push(ctx, img, b.Destinations)
 	if err != nil {
 		if ctx.Err() != nil {
@@ -238,6 +255,7 @@ func (l *LocalBackend) build(ctx context.Context, b Build) (Outcome, error) {
 		}
 		return fail(v1.ReasonPushFailed, "push: "+err.Error())
 	}
+	own("pushed %s", digest)
 	return Outcome{Succeeded: true, Digest: digest, StartedAt: start, FinishedAt: time.Now().UTC()}, nil
 }
 

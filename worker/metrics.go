@@ -25,6 +25,8 @@ type Metrics struct {
 	dead      prometheus.Counter
 	ready     prometheus.Gauge
 	refused   *prometheus.CounterVec
+	logs      *prometheus.CounterVec
+	logBytes  prometheus.Counter
 }
 
 // NewMetrics registers the worker's metrics with reg.
@@ -89,9 +91,23 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		Name: "buildq_api_replies_refused_total",
 		Help: "Tenant API requests (status, cancel) left unanswered because their reply subject is not one a tenant's import or inbox produces, by the subject's tenant.",
 	}, []string{"tenant"})
+	m.logs = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "buildq_build_logs_total",
+		Help: "Build runs' logs ended by this worker, by outcome: archived (written to the archive), failed (the end or the archive could not be written; the stream keeps the log until it ages out).",
+	}, []string{"outcome"})
+	m.logBytes = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "buildq_build_log_bytes_total",
+		Help: "Bytes of build log lines this worker captured into BUILDQ_LOGS.",
+	})
 	reg.MustRegister(m.results, m.inFlight, m.queueWait, m.buildTime, m.retries, m.dupes, m.parks, m.requeues, m.parkedNow,
-		m.running, m.queued, m.dead, m.ready, m.refused)
+		m.running, m.queued, m.dead, m.ready, m.refused, m.logs, m.logBytes)
 	return m
+}
+
+func (m *Metrics) logArchived(outcome string) {
+	if m != nil {
+		m.logs.WithLabelValues(outcome).Inc()
+	}
 }
 
 func (m *Metrics) replyRefused(tenant string) {

@@ -42,12 +42,33 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 	}()
 	w.cfg.Metrics.buildStarted(claim.Tenant)
 	defer w.cfg.Metrics.buildEnded(claim.Tenant)
-	out, err := w.backend.Run(runCtx, Build{Request: runRequest(req, claim), Key: claim.Key, Run: claim.Run, Destinations: claim.Destinations, Current: hold.Current}, func(job string, created bool, _ string) {
+	rreq := runRequest(req, claim)
+	// The run's log: its own lines say who runs it, the backend writes
+	// the build's output (logs.go).
+	lw := w.logs.open(ctx, claim, rreq)
+	if lw != nil {
+		if lw.Ended() {
+			lw = nil // its end is stored: a takeover of a run that ended
+		} else {
+			if lw.Lines() == 0 {
+				_ = lw.Own(ctx, fmt.Sprintf("build %s claimed by worker %s for request %s/%s", claim.Key, w.cfg.ID, req.Tenant, req.RequestID))
+			} else {
+				_ = lw.Own(ctx, fmt.Sprintf("worker %s runs the build from here (request %s/%s)", w.cfg.ID, req.Tenant, req.RequestID))
+			}
+			flushCtx, stopFlush := context.WithCancel(runCtx)
+			defer stopFlush()
+			go func() { _ = lw.Run(flushCtx) }()
+		}
+	}
+	out, err := w.backend.Run(runCtx, Build{Request: rreq, Key: claim.Key, Run: claim.Run, Destinations: claim.Destinations, Current: hold.Current, Log: lw}, func(job string, created bool, _ string) {
 		msg := "created job " + job
 		phase := v1.PhaseJobCreated
 		if !created {
 			msg = "adopted job " + job + " of a build in progress"
 			phase = v1.PhaseRunning
+		}
+		if lw != nil {
+			_ = lw.Own(runCtx, msg)
 		}
 		w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: claim.Key, Phase: phase, Job: job, Message: msg})
 		hold.Started(runCtx, job)
@@ -62,7 +83,10 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 			if gerr == nil && cur != nil && cur.Run == held.Run && cur.Final() {
 				// The run this request held was ended from outside (a
 				// cancel, the reconciler): that end is its answer — never
-				// a retry that would undo a cancel.
+				// a retry that would undo a cancel. Its log ends here.
+				if cur.Logs == nil {
+					w.logs.finish(ctx, lw, cur)
+				}
 				return cur, origin, true, nil
 			}
 			if errors.Is(err, errNotCurrent) || errors.Is(context.Cause(runCtx), runs.ErrLostClaim) || (gerr == nil && cur != nil && (cur.Final() || cur.Run != held.Run || cur.Owner != w.cfg.ID)) {
@@ -85,6 +109,7 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 	}
 
 	final := finalRecord(&held, out, w.cfg.Now())
+	final.Logs = w.logs.finish(ctx, lw, final)
 	if w.faults != nil && w.faults.beforeFinalize != nil {
 		w.faults.beforeFinalize(held.Key)
 	}

@@ -160,6 +160,7 @@ func (w *Worker) resultVerdict(ctx context.Context, v verdict, req *v1.Request, 
 	if origin != v1.OriginCache {
 		v.Data.Timings.BuildMs = max(rec.FinishedAt.Sub(rec.StartedAt).Milliseconds(), 0)
 	}
+	v.Data.Logs = rec.Logs
 	if rec.State == v1.StateSucceeded {
 		if err := w.ensureTags(ctx, req.Tenant, rec, dests); err != nil {
 			return v, err

@@ -22,6 +22,7 @@ import (
 	"go.uber.org/zap"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/worker/internal/buildlog"
 	"github.com/buildq/buildq/worker/internal/fairq"
 	"github.com/buildq/buildq/worker/internal/ledger"
 	"github.com/buildq/buildq/worker/internal/runs"
@@ -67,6 +68,9 @@ type Worker struct {
 	// running: Run set up the streams and takes requests (readiness).
 	running atomic.Bool
 
+	// logs opens and ends runs' logs (logs.go).
+	logs *buildLogs
+
 	// sourceInfo: the resolved git sources of requests being handled,
 	// named in their progress events (source.go).
 	sourceInfo sourceInfos
@@ -102,8 +106,16 @@ func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 		MaxDeliver: cfg.MaxDeliver, MaxInFlight: cfg.MaxInFlight, Now: cfg.Now, Log: log, Metrics: queueMetrics{cfg.Metrics}, Ledger: w.ledger})
 	w.park = &parking{cfg: &w.cfg, ledger: w.ledger, runs: w.runs, js: js, log: log, bg: &w.bg,
 		publish: w.publish, answer: w.resultVerdict, parked: parkWatch{seen: map[string]observed{}}}
-	w.api = tenantapi.New(tenantapi.Config{Ledger: w.ledger, Runs: w.runs, NC: nc, Log: log, Now: cfg.Now, AnyReply: cfg.AnyReply,
-		StopBuild: w.stopBuild, AnswerParked: w.park.answerWaiters, ReplyRefused: cfg.Metrics.replyRefused})
+	apiCfg := tenantapi.Config{Ledger: w.ledger, Runs: w.runs, NC: nc, Log: log, Now: cfg.Now, AnyReply: cfg.AnyReply,
+		StopBuild: w.stopBuild, AnswerParked: w.park.answerWaiters, ReplyRefused: cfg.Metrics.replyRefused}
+	if cfg.Logs.Enabled {
+		apiCfg.Logs, apiCfg.Archive = buildlog.NewReader(js), cfg.Logs.Archive
+	}
+	w.api = tenantapi.New(apiCfg)
+	w.logs = &buildLogs{cfg: &w.cfg, reader: buildlog.NewReader(js), log: log,
+		open_: func(ctx context.Context, key, run string, opts buildlog.Options) (*buildlog.Writer, error) {
+			return buildlog.Open(ctx, js, key, run, opts)
+		}}
 	w.builds = &builder{Worker: w, orphans: orphanWatch{seen: map[string]observed{}}}
 	// Every write that ends or lets go a run answers its parked requests.
 	w.runs.OnEnded(w.park.answerWaiters)
@@ -184,6 +196,12 @@ func (w *Worker) setup(ctx context.Context) error {
 		return err
 	}
 	w.ledger.UseBucket(kv)
+	if w.cfg.Logs.Enabled {
+		if _, err := buildlog.EnsureStream(ctx, w.js, buildlog.StreamConfig{MaxAge: w.cfg.Logs.MaxAge, MaxBytes: w.cfg.Logs.MaxBytes,
+			Storage: w.cfg.Storage, Replicas: w.cfg.Replicas, Duplicates: w.cfg.DuplicateWindow}); err != nil {
+			return err
+		}
+	}
 	return nil
 }
 
@@ -347,6 +365,25 @@ func (w *Worker) Run(ctx context.Context) error {
 				case <-t.C:
 					jctx, cancel := context.WithTimeout(workCtx, w.cfg.Lease+5*time.Second)
 					w.sweepJobs(jctx)
+					cancel()
+				case <-workCtx.Done():
+					return
+				}
+			}
+		}()
+	}
+
+	if w.cfg.Logs.Enabled && w.cfg.Logs.Retention > 0 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			t := time.NewTicker(logRetentionEvery)
+			defer t.Stop()
+			for {
+				select {
+				case <-t.C:
+					lctx, cancel := context.WithTimeout(workCtx, logRetentionEvery/2)
+					w.logs.expireLogs(lctx)
 					cancel()
 				case <-workCtx.Done():
 					return

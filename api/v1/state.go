@@ -139,11 +139,13 @@ type BuildRecord struct {
 	Timeout Duration `json:"timeout,omitzero"`
 	Image   string   `json:"image,omitempty"`
 	// Pushed lists every repo:tag known to point at Digest.
-	Pushed     []string  `json:"pushed,omitempty"`
-	Digest     string    `json:"digest,omitempty"`
-	Reason     string    `json:"reason,omitempty"`
-	Message    string    `json:"message,omitempty"`
-	LogTail    string    `json:"logTail,omitempty"`
+	Pushed  []string `json:"pushed,omitempty"`
+	Digest  string   `json:"digest,omitempty"`
+	Reason  string   `json:"reason,omitempty"`
+	Message string   `json:"message,omitempty"`
+	LogTail string   `json:"logTail,omitempty"`
+	// Logs is the run's log archive, once the run ended.
+	Logs       *LogRef   `json:"logs,omitempty"`
 	StartedAt  time.Time `json:"startedAt,omitzero"`
 	FinishedAt time.Time `json:"finishedAt,omitzero"`
 }

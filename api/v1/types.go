@@ -127,8 +127,12 @@ type Request struct {
 	// (default "Dockerfile").
 	Dockerfile string            `json:"dockerfile,omitempty"`
 	BuildArgs  map[string]string `json:"buildArgs,omitempty"`
-	Target     string            `json:"target,omitempty"`
-	Platforms  []string          `json:"platforms,omitempty"`
+	// SecretBuildArgs names the build arguments whose values are secret:
+	// they are masked ("***") in the build's log as it is captured. It
+	// does not change the image (not in the build key).
+	SecretBuildArgs []string `json:"secretBuildArgs,omitempty"`
+	Target          string   `json:"target,omitempty"`
+	Platforms       []string `json:"platforms,omitempty"`
 	// Image is the destination repository, without tag or digest. Empty means
 	// the worker's naming policy decides.
 	Image string `json:"image,omitempty"`
@@ -357,6 +361,9 @@ type ResultData struct {
 	// Source is what this request's context was built from (git url,
 	// ref, resolved commit, context digest); set for git sources.
 	Source *SourceInfo `json:"source,omitempty"`
+	// Logs is where the log of the build that answered the request is
+	// archived (buildq logs reads it through the tenant API).
+	Logs *LogRef `json:"logs,omitempty"`
 }
 
 // Timings of one request.

@@ -207,6 +207,14 @@ func (r *Request) Validate() error {
 	if total > MaxBuildArgsBytes {
 		add("buildArgs", "total %d bytes, more than %d", total, MaxBuildArgsBytes)
 	}
+	if len(r.SecretBuildArgs) > MaxBuildArgs {
+		add("secretBuildArgs", "has %d entries, more than %d", len(r.SecretBuildArgs), MaxBuildArgs)
+	}
+	for _, k := range r.SecretBuildArgs {
+		if _, ok := r.BuildArgs[k]; !ok {
+			add("secretBuildArgs", "%q is not one of the build arguments", truncate(k, 40))
+		}
+	}
 	if r.Target != "" && (len(r.Target) > MaxLabelLen || !targetRe.MatchString(r.Target)) {
 		add("target", "%q is not a valid stage name", truncate(r.Target, 40))
 	}

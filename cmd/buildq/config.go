@@ -95,6 +95,9 @@ func (c *serveConfig) Validate() error {
 		if err := c.validateProcess(); err != nil {
 			return err
 		}
+		if err := checkBuildLogs(c.worker.Logs); err != nil {
+			return err
+		}
 		if err := c.git.validate(); err != nil {
 			return err
 		}

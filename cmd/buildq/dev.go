@@ -230,6 +230,7 @@ func runDev(ctx context.Context, stderr io.Writer, c *serveConfig, gw *devGatewa
 	// Tenants are answered from one another's builds only for content
 	// they hold, as with a worker.
 	cfg.Contexts = store
+	cfg.Logs.Archive = store
 	cfg.GitSources = c.git.packer(store, true, "")
 	cfg.Logger = log.Named("worker")
 	nc, err := nats.Connect(stack.NATSURL, nats.Name("buildq-dev-worker"), nats.MaxReconnects(-1))

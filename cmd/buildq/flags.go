@@ -53,6 +53,7 @@ func (c *serveConfig) registerWorker(fs *pflag.FlagSet) {
 	fs.StringVar(&c.registryConfig, "registry-config", "", "docker config.json the worker checks and tags images with: the same credentials as --registry-secret (mount that Secret); empty: anonymous")
 	registerKaniko(fs, &c.kaniko, &c.naming)
 	c.git.register(fs, false)
+	registerBuildLogs(fs, &w.Logs)
 
 	fs.StringVar(&c.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	fs.StringVar(&c.logFormat, "log-format", "json", "log format: json or console")
@@ -85,6 +86,7 @@ func (c *serveConfig) registerDev(fs *pflag.FlagSet) {
 	registerKaniko(fs, &c.kaniko, &c.naming)
 	registerFair(fs, &c.worker.Fair)
 	c.git.register(fs, true)
+	registerBuildLogs(fs, &c.worker.Logs)
 	fs.StringVar(&c.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	fs.StringVar(&c.logFormat, "log-format", "console", "log format: console or json")
 }

@@ -61,6 +61,7 @@ func kubeBackend(ctx context.Context, rc *rest.Config, qps float32, burst int, k
 	if err != nil {
 		return nil, nil, usageErr("%v", err)
 	}
+	backend.WithLogger(log)
 	stop := make(chan struct{})
 	factory.Start(stop)
 	log.Info("waiting for the Job and Pod caches", zap.String("namespace", kc.Namespace))

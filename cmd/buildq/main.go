@@ -1,5 +1,6 @@
 // Command buildq is the one binary of buildq: the worker, the embedded dev
-// stack and the client commands (submit, watch, status, cancel, render).
+// stack and the client commands (submit, watch, status, cancel, logs,
+// render).
 package main
 
 import (
@@ -85,7 +86,7 @@ result event per request. Run "buildq dev" for the whole stack on a laptop.`,
 	root.SetFlagErrorFunc(func(c *cobra.Command, err error) error {
 		return usageErr("%v\nRun '%s --help' for usage.", err, c.CommandPath())
 	})
-	root.AddCommand(newWorkerCmd(), newDevCmd(), newSubmitCmd(), newWatchCmd(), newStatusCmd(), newCancelCmd(), newRenderCmd(), newFetchContextCmd(), newNATSConfigCmd(), newGatewayCmd())
+	root.AddCommand(newWorkerCmd(), newDevCmd(), newSubmitCmd(), newWatchCmd(), newStatusCmd(), newCancelCmd(), newLogsCmd(), newRenderCmd(), newFetchContextCmd(), newNATSConfigCmd(), newGatewayCmd())
 	return root
 }
 

@@ -43,10 +43,12 @@ func newNATSConfigCmd() *cobra.Command {
 account of its own. The BUILDQ account holds the streams and buckets, the
 workers' user (buildq-worker) and the operators' user (buildq-admin); each
 tenant's account imports from BUILDQ exactly its own request subject, its
-status and cancel services, its results and its events. The server routes
-replies and PubAcks back into the asking tenant's account, so no reply
-subject a tenant names can write into BUILDQ's streams or buckets (in one
-shared account it could). See deploy/nats/README.md.
+status, cancel and logs services, its results and its events. The server
+routes replies and PubAcks back into the asking tenant's account, so no
+reply subject a tenant names can write into BUILDQ's streams or buckets (in
+one shared account it could). Build logs stay in BUILDQ (the BUILDQ_LOGS
+stream, written by the workers on buildq.logs.>): a tenant reads a log only
+through its logs service. See deploy/nats/README.md.
 
 Config-file mode (the default) prints a nats-server configuration file on
 stdout. Users authenticate by nkey, the public keys read from the
@@ -259,6 +261,14 @@ func natsConfigJWT(ctx context.Context, stderr io.Writer, tenants []string, dir,
 	if !newSetup {
 		if setup, err = natsconf.LoadJWTSetup(files); err != nil {
 			return failed(fmt.Errorf("%s: %w", dir, err))
+		}
+		// A setup made by an earlier buildq: the services added since
+		// are out of its tenants' reach, whatever their accounts import.
+		if missing, err := setup.MissingExports(); err != nil {
+			return failed(fmt.Errorf("%s: %w", dir, err))
+		} else if len(missing) > 0 {
+			fmt.Fprintf(stderr, "note: %s's %s account was made by an earlier buildq and does not export %s: its tenants, old and new, cannot reach these services (buildq logs) and its worker credentials lack their permissions; make a new setup for them\n",
+				dir, natsconf.BuildqAccount, strings.Join(missing, ", "))
 		}
 		var fresh, kept []string
 		for _, t := range tenants {

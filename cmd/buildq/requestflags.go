@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"time"
 
@@ -32,6 +33,10 @@ type requestFlags struct {
 	priority   string
 	bucket     string
 	maxContext int64
+
+	// secretBuildArgs are build arguments NAME=VALUE whose values the
+	// build's log masks (Request.SecretBuildArgs).
+	secretBuildArgs []string
 }
 
 func (f *requestFlags) register(fs *pflag.FlagSet) {
@@ -40,6 +45,7 @@ func (f *requestFlags) register(fs *pflag.FlagSet) {
 	fs.StringVar(&f.tenant, "tenant", "default", "tenant, a DNS-1123 label")
 	fs.StringVarP(&f.dockerfile, "file", "f", "Dockerfile", "Dockerfile path inside DIR")
 	fs.StringArrayVar(&f.buildArgs, "build-arg", nil, "build argument KEY=VALUE (repeatable)")
+	fs.StringArrayVar(&f.secretBuildArgs, "secret-build-arg", nil, "secret build argument NAME=VALUE (repeatable): passed like --build-arg, and its value is masked (***) in the build's log as it is captured; it still reaches the build and may end up in the image")
 	fs.StringVar(&f.target, "target", "", "build stage to stop at")
 	fs.StringArrayVar(&f.platforms, "platform", nil, "target platform os/arch[/variant] (repeatable)")
 	fs.StringArrayVar(&f.tags, "tag", nil, "extra tag (repeatable); the build key's first 12 hex digits is always a tag")
@@ -84,6 +90,41 @@ func parseKV(flag string, items []string) (map[string]string, error) {
 	return out, nil
 }
 
+// buildArgsOf returns the build arguments of --build-arg and
+// --secret-build-arg, and the names of the secret ones, sorted. A name
+// given with both flags is refused: which value, and whether it is
+// secret, would be a guess. Errors never show a secret's value.
+func (f *requestFlags) buildArgsOf() (map[string]string, []string, error) {
+	args, err := parseKV("build-arg", f.buildArgs)
+	if err != nil {
+		return nil, nil, err
+	}
+	if len(f.secretBuildArgs) == 0 {
+		return args, nil, nil
+	}
+	secret := map[string]string{}
+	for _, it := range f.secretBuildArgs {
+		k, v, ok := strings.Cut(it, "=")
+		if !ok || k == "" {
+			return nil, nil, usageErr("--secret-build-arg: want NAME=VALUE (the argument given is not shown)")
+		}
+		if _, dup := args[k]; dup {
+			return nil, nil, usageErr("--secret-build-arg %s: %s is also given with --build-arg; give it once (with --secret-build-arg to mask its value)", k, k)
+		}
+		secret[k] = v
+	}
+	if args == nil {
+		args = make(map[string]string, len(secret))
+	}
+	names := make([]string, 0, len(secret))
+	for k, v := range secret {
+		args[k] = v
+		names = append(names, k)
+	}
+	slices.Sort(names)
+	return args, names, nil
+}
+
 // request checks DIR and the flags and returns the request, without
 // source and digest (those come from packing).
 func (f *requestFlags) request(dir string) (*v1.Request, error) {
@@ -103,7 +144,7 @@ func (f *requestFlags) request(dir string) (*v1.Request, error) {
 // requestFields checks the flags and returns the request, named
 // defaultName unless --name says otherwise, without a source.
 func (f *requestFlags) requestFields(defaultName string) (*v1.Request, error) {
-	args, err := parseKV("build-arg", f.buildArgs)
+	args, secretArgs, err := f.buildArgsOf()
 	if err != nil {
 		return nil, err
 	}
@@ -132,6 +173,8 @@ func (f *requestFlags) requestFields(defaultName string) (*v1.Request, error) {
 		Labels:     labels,
 		Priority:   f.priority,
 	}
+	// The names of the secret ones; their values are in BuildArgs.
+	req.SecretBuildArgs = secretArgs
 	return req, nil
 }
 

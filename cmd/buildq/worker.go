@@ -79,6 +79,8 @@ func runWorker(ctx context.Context, c *serveConfig) error {
 		// store the packed git sources.
 		cfg.Contexts = store
 		cfg.GitSources = c.git.packer(store, false, "")
+		// Finished build logs are archived under logs/ in the same bucket.
+		cfg.Logs.Archive = store
 	} else {
 		log.Warn("--single-tenant without --fetch-image: build Pods read S3 contexts with the keys of --s3-secret, which a RUN step can read, and contexts are not checked against their digest; set --fetch-image for untrusted tenants")
 	}

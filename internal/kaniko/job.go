@@ -28,7 +28,9 @@ const (
 	LabelTenant    = "buildq.dev/tenant"
 	LabelName      = "buildq.dev/name"
 
-	AnnotationKey       = "buildq.dev/key"
+	AnnotationKey = "buildq.dev/key"
+	// BuildArgFlag is how a build argument is passed to the executor.
+	BuildArgFlag        = "--build-arg="
 	AnnotationRequestID = "buildq.dev/request-id"
 	// AnnotationRun names the run of the build key this Job belongs to:
 	// a worker adopts a Job only when it is its own run's.
@@ -36,6 +38,9 @@ const (
 	AnnotationImage         = "buildq.dev/image"
 	AnnotationContextDigest = "buildq.dev/context-digest"
 	AnnotationSource        = "buildq.dev/source"
+	// AnnotationSecretBuildArgs names the build arguments whose values
+	// the build's log masks (comma-separated names, never values).
+	AnnotationSecretBuildArgs = "buildq.dev/secret-build-args"
 
 	// ContainerName is the name of the kaniko container.
 	ContainerName = "kaniko"
@@ -264,6 +269,9 @@ func Job(spec Spec, cfg Config) (*batchv1.Job, error) {
 	}
 	if r.ContextDigest != "" {
 		annotations[AnnotationContextDigest] = r.ContextDigest
+	}
+	if len(r.SecretBuildArgs) > 0 {
+		annotations[AnnotationSecretBuildArgs] = strings.Join(r.SecretBuildArgs, ",")
 	}
 	if spec.Run != "" {
 		annotations[AnnotationRun] = spec.Run
@@ -500,7 +508,7 @@ func Args(spec Spec, cfg Config) ([]string, error) {
 	}
 	args = append(args, "--digest-file="+TerminationLog)
 	for _, k := range slices.Sorted(maps.Keys(r.BuildArgs)) {
-		args = append(args, "--build-arg="+k+"="+r.BuildArgs[k])
+		args = append(args, BuildArgFlag+k+"="+r.BuildArgs[k])
 	}
 	if r.Target != "" {
 		args = append(args, "--target="+r.Target)
@@ -531,3 +539,32 @@ func secretEnv(name, secret, key string) corev1.EnvVar {
 }
 
 func ptr[T any](v T) *T { return &v }
+
+// SecretValues returns the values of the build arguments job's annotation
+// names as secret, from the kaniko container's arguments (to mask them).
+func SecretValues(job *batchv1.Job) []string {
+	names := job.Annotations[AnnotationSecretBuildArgs]
+	if names == "" {
+		return nil
+	}
+	secret := map[string]bool{}
+	for _, n := range strings.Split(names, ",") {
+		secret[n] = true
+	}
+	var out []string
+	for _, c := range job.Spec.Template.Spec.Containers {
+		if c.Name != ContainerName {
+			continue
+		}
+		for _, a := range c.Args {
+			kv, ok := strings.CutPrefix(a, BuildArgFlag)
+			if !ok {
+				continue
+			}
+			if k, v, ok := strings.Cut(kv, "="); ok && secret[k] && v != "" {
+				out = append(out, v)
+			}
+		}
+	}
+	return out
+}

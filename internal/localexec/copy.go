@@ -26,7 +26,7 @@ type copyParams struct {
 	isAdd    bool
 	unpack   bool // ADD: extract local tar archives
 	checksum string
-	original string
+	original string // as written, for the step log
 }
 
 // copyOp carries one COPY/ADD (or the mkdir of a WORKDIR) while its layer
@@ -160,7 +160,12 @@ func (b *builder) dispatchCopy(s *stageState, c copyParams) error {
 	if err != nil {
 		return err
 	}
-	return s.addLayer(l, copyHistory(c))
+	b.logCopy(s, c, op)
+	if err := s.addLayer(l, copyHistory(c)); err != nil {
+		return err
+	}
+	b.logLayer(s, l)
+	return nil
 }
 
 // copyHistory is the history text: the instruction after expansion, so it

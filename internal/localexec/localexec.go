@@ -110,6 +110,12 @@ type Options struct {
 	// (host[:port]) base images may come from; a FROM or COPY --from of
 	// any other is a build error, and nothing is sent to it.
 	AllowedRegistries []string
+	// Log, when set, receives one line per step as the build goes
+	// (without a trailing newline), in the order the steps happen.
+	// Instructions are echoed as written, never with build-arg values
+	// expanded; Build calls Log from its own goroutine. The formats are
+	// listed in steplog.go.
+	Log func(line string)
 }
 
 // Limits bound one build of the local executor, which runs inside the
@@ -287,6 +293,7 @@ func Build(ctx context.Context, opts Options) (v1.Image, error) {
 		}
 		target = idx
 	}
+	b.logMetaArgs(metaArgs)
 	if err := b.initGlobalArgs(metaArgs, target); err != nil {
 		return nil, err
 	}
@@ -317,9 +324,11 @@ func Build(ctx context.Context, opts Options) (v1.Image, error) {
 	}
 	// Force the manifest now: a failure here is ours, and callers should get
 	// a usable image, not one that fails on first use.
-	if _, err := img.Digest(); err != nil {
+	d, err := img.Digest()
+	if err != nil {
 		return nil, fmt.Errorf("localexec: compute image digest: %w", err)
 	}
+	b.logf("built image %s for %s", d, st.platform.String())
 	return img, nil
 }
 

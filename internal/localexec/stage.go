@@ -48,6 +48,12 @@ type stageState struct {
 	// pullRef names the registry image the stage ultimately derives from,
 	// so failures reading its layers are reported as pull failures.
 	pullRef string
+	// inTrigger is set while the base image's ONBUILD triggers run, so the
+	// step log can tell them from the Dockerfile's own instructions.
+	inTrigger bool
+	// pendingFrom is the stage's FROM line for the step log until it is
+	// logged, with the stage's first step.
+	pendingFrom string
 }
 
 // findRun reports the first RUN in the stages the target needs, before
@@ -128,8 +134,11 @@ func (b *builder) buildStage(i int) (*stageState, error) {
 	}
 
 	var s *stageState
+	var parent *stageState // for the step log
+	var baseImg v1.Image   // for the step log
 	if j, ok := b.earlierStage(baseName, i); ok {
-		parent, err := b.buildStage(j)
+		var err error
+		parent, err = b.buildStage(j)
 		if err != nil {
 			return nil, err
 		}
@@ -154,8 +163,10 @@ func (b *builder) buildStage(i int) (*stageState, error) {
 			return nil, userErrorf(line, "FROM %s: %v", baseName, err)
 		}
 		s.pullRef = baseName
+		baseImg = img
 	}
 	s.index, s.name, s.platform = i, st.Name, plat
+	b.logFrom(st, s, parent, baseImg)
 
 	// ONBUILD triggers of the base run first, at the FROM line, and are not
 	// inherited further (docker semantics).
@@ -171,14 +182,17 @@ func (b *builder) buildStage(i int) (*stageState, error) {
 	}
 	cmds = append(cmds, st.Commands...)
 
-	for _, cmd := range cmds {
+	for k, cmd := range cmds {
 		if err := b.checkCtx(); err != nil {
 			return nil, err
 		}
+		s.inTrigger = k < len(triggers)
 		if err := b.dispatch(s, cmd); err != nil {
 			return nil, err
 		}
 	}
+	s.inTrigger = false
+	b.flushFrom(s)
 	if err := s.finish(); err != nil {
 		return nil, err
 	}

@@ -45,6 +45,15 @@ func (b *builder) dispatch(s *stageState, cmd instructions.Command) error {
 		}
 	}
 
+	switch cmd.(type) {
+	case *instructions.CopyCommand, *instructions.AddCommand:
+		// Reported with what they copied, once done.
+	default:
+		if str, ok := cmd.(fmt.Stringer); ok {
+			b.stepf(s, "%s", stepText(s, str.String()))
+		}
+	}
+
 	c := &s.cfg.Config
 	switch cmd := cmd.(type) {
 	case *instructions.ArgCommand:
@@ -292,7 +301,11 @@ func (b *builder) dispatchWorkdir(s *stageState, p string, line int) error {
 	if err != nil {
 		return err
 	}
-	return s.addLayer(l, "WORKDIR "+wd)
+	if err := s.addLayer(l, "WORKDIR "+wd); err != nil {
+		return err
+	}
+	b.logLayer(s, l)
+	return nil
 }
 
 // parsePorts turns one EXPOSE word ("80", "53/udp", "8000-8002/tcp",

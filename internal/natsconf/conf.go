@@ -155,7 +155,13 @@ func ServerConfig(o ConfigOptions) ([]byte, error) {
 					"answers for " + t + "'s requests and builds only).",
 				}},
 				{TenantServices(t)[2], nil},
-				{TenantServices(t)[3], []string{"The first version's cancel subject, for its own names."}},
+				{TenantServices(t)[3], []string{
+					"Its logs service: the log of a build that answered one of",
+					t + "'s requests. The logs themselves (buildq.logs.>, the",
+					"BUILDQ_LOGS stream) stay in BUILDQ: no subscription, no",
+					"JetStream API.",
+				}},
+				{TenantServices(t)[4], []string{"The first version's cancel subject, for its own names."}},
 			})
 			writePerms(w, "subscribe", []perm{
 				{TenantStreams(t)[0], []string{
@@ -221,11 +227,13 @@ func writeHeader(w *confWriter, tenants, fromEnv []string) {
 		"the bucket. So:",
 		"",
 		"  BUILDQ         the streams (BUILDQ_REQUESTS, BUILDQ_QUEUE, BUILDQ_RESULTS,",
-		"                 BUILDQ_DEADLETTER) and the KV buckets (buildq-builds,",
-		"                 buildq-requests, buildq-slots), with JetStream. Users:",
+		"                 BUILDQ_DEADLETTER, BUILDQ_LOGS) and the KV buckets",
+		"                 (buildq-builds, buildq-requests, buildq-slots), with",
+		"                 JetStream. Users:",
 		"    buildq-worker  the workers: the JetStream API, the buckets, every",
-		"                   tenant's results and events, the tenant API services",
-		"                   and the workers' own buildq.internal.> subjects.",
+		"                   tenant's results and events, the tenant API services,",
+		"                   the build logs (buildq.logs.>) and the workers' own",
+		"                   buildq.internal.> subjects.",
 		"    buildq-admin   operators: everything in the account.",
 	)
 	for i, t := range tenants {
@@ -237,7 +245,7 @@ func writeHeader(w *confWriter, tenants, fromEnv []string) {
 				" (request/reply: the server replaces the reply subject with an _R_... subject of its own"+
 				" and routes the answer or PubAck back into this account, so no reply subject can name"+
 				" BUILDQ's buckets), and the streams "+strings.Join(TenantStreams(t), " and ")+
-				". No JetStream, no bucket, nothing of another tenant.", 78, first, strings.Repeat(" ", 17))...)
+				". No JetStream, no bucket, no build log but through its logs service, nothing of another tenant.", 78, first, strings.Repeat(" ", 17))...)
 		} else {
 			w.comment(first + "tenant " + t + ", the same for " + t + ".")
 		}

@@ -7,11 +7,13 @@
 // server itself would write the PubAck into the bucket. So the streams and
 // buckets live in the BUILDQ account (with the worker and operator users),
 // and every tenant is an account of its own that imports from BUILDQ exactly
-// its own subjects: its request subject and its status and cancel services
-// as services (the server gives each request a fresh _R_.… reply subject in
-// BUILDQ and routes the answer, or the PubAck, back into the tenant's
-// account, so a reply subject can name nothing of BUILDQ), and its results
-// and progress events as streams.
+// its own subjects: its request subject and its status, cancel and logs
+// services as services (the server gives each request a fresh _R_.… reply
+// subject in BUILDQ and routes the answer, or the PubAck, back into the
+// tenant's account, so a reply subject can name nothing of BUILDQ), and its
+// results and progress events as streams. Build logs (the BUILDQ_LOGS
+// stream, buildq.logs.>) stay in BUILDQ: a tenant reads a log only through
+// its logs service.
 //
 // Two forms are generated:
 //
@@ -116,12 +118,19 @@ func Users(tenants []string) []string {
 
 // TenantServices are the subjects tenant t imports from BUILDQ as services
 // (request/reply; the request subject is a JetStream publish whose PubAck
-// is the reply), in the order they are written.
+// is the reply), in the order they are written: its request subject, its
+// status, cancel and logs services, and the first version's cancel subject.
+//
+// No tenant gets anything of the build logs but its logs service: the
+// logs themselves (buildq.logs.>, the BUILDQ_LOGS stream) are neither
+// exported nor in any tenant's permissions, and tenants have no JetStream
+// API.
 func TenantServices(t string) []string {
 	return []string{
 		v1.RequestSubject(t),
 		v1.APIStatusSubject(t),
 		v1.APICancelSubject(t),
+		v1.APILogsSubject(t),
 		v1.CancelPrefix + "." + t + ".*",
 	}
 }
@@ -133,7 +142,10 @@ func TenantStreams(t string) []string {
 
 // TenantInboxes are the reply subjects a tenant's user may subscribe to:
 // the default inbox and the tenant's own prefix of the single-account
-// configuration, which its clients may still use.
+// configuration, which its clients may still use. The default inbox is
+// safe only in the tenant's own account: in BUILDQ's it would be every
+// user's replies, the workers' reads of the buckets and of BUILDQ_LOGS
+// included.
 func TenantInboxes(t string) []string {
 	return []string{"_INBOX.>", "_INBOX_" + t + ".>"}
 }
@@ -174,6 +186,10 @@ var workerPublish = []perm{
 		"each); worker to worker: a canceled request is let go",
 		"everywhere, a wake-up of idle dispatchers.",
 	}},
+	{"buildq.logs.>", []string{
+		"Build log chunks into BUILDQ_LOGS (buildq.logs.<key>.<run>);",
+		"tenants never get it: they read a log through the logs service.",
+	}},
 }
 
 var workerSubscribe = []perm{
@@ -186,6 +202,10 @@ var workerSubscribe = []perm{
 		"of each tenant, answered for the subject's tenant only.",
 	}},
 	{"buildq.api.cancel.*", nil},
+	{"buildq.api.logs.*", []string{
+		"The logs service: a build's log, served to a tenant one of",
+		"whose requests the build answered.",
+	}},
 	{"buildq.cancel.*.*", []string{"The first version's cancel subject, buildq.cancel.<tenant>.<name>."}},
 	{"buildq.internal.>", nil},
 }

@@ -157,7 +157,7 @@ func TestJWTSetupRoundTrip(t *testing.T) {
 	}
 	vr := jwt.CreateValidationResults()
 	ac.Validate(vr)
-	if vr.IsBlocking(true) || len(ac.Imports) != 6 || ac.Name != "tenant-initech" {
+	if vr.IsBlocking(true) || len(ac.Imports) != len(TenantServices("initech"))+len(TenantStreams("initech")) || ac.Name != "tenant-initech" {
 		t.Fatalf("initech's account: %v %+v", vr.Errors(), ac)
 	}
 	for _, imp := range ac.Imports {

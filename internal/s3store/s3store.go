@@ -13,6 +13,7 @@
 package s3store
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -565,4 +566,41 @@ func (s *Store) PresignGet(ctx context.Context, bucket, key string, ttl time.Dur
 		return "", fmt.Errorf("s3store: presign %s/%s: %w", bucket, key, err)
 	}
 	return u.String(), nil
+}
+
+// LogsPrefix is where build logs are archived (v1.ArchiveObject).
+const LogsPrefix = "logs/"
+
+// PutLog stores a build log archive (gzip) as object in the store's
+// bucket, in one PutObject, and returns the bucket.
+func (s *Store) PutLog(ctx context.Context, object string, data []byte) (string, error) {
+	if !strings.HasPrefix(object, LogsPrefix) {
+		return "", fmt.Errorf("s3store: log object %q is not under %s", object, LogsPrefix)
+	}
+	if _, err := s.client.PutObject(ctx, s.bucket, object, bytes.NewReader(data), int64(len(data)), minio.PutObjectOptions{
+		ContentType:          "application/gzip",
+		DisableContentSha256: s.unsignedPayload,
+	}); err != nil {
+		return "", fmt.Errorf("s3store: upload %s/%s: %w", s.bucket, object, err)
+	}
+	return s.bucket, nil
+}
+
+// ExpireLogs deletes the archived logs last written before cutoff and
+// returns how many it deleted.
+func (s *Store) ExpireLogs(ctx context.Context, cutoff time.Time) (int, error) {
+	n := 0
+	for obj := range s.client.ListObjects(ctx, s.bucket, minio.ListObjectsOptions{Prefix: LogsPrefix, Recursive: true}) {
+		if obj.Err != nil {
+			return n, fmt.Errorf("s3store: list %s/%s: %w", s.bucket, LogsPrefix, obj.Err)
+		}
+		if !obj.LastModified.Before(cutoff) {
+			continue
+		}
+		if err := s.client.RemoveObject(ctx, s.bucket, obj.Key, minio.RemoveObjectOptions{}); err != nil && !isNotFound(err) {
+			return n, fmt.Errorf("s3store: delete %s/%s: %w", s.bucket, obj.Key, err)
+		}
+		n++
+	}
+	return n, nil
 }

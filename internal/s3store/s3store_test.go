@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/minio/minio-go/v7"
 )
@@ -197,5 +198,37 @@ func TestPutArchiveStoresUnderTheTenantsKeyOnce(t *testing.T) {
 	}
 	if _, err := s.PutArchive(ctx, "sha256:../../x", strings.NewReader(archive), int64(len(archive))); err == nil {
 		t.Fatal("a malformed digest was stored")
+	}
+}
+
+func TestPutLogAndExpire(t *testing.T) {
+	t.Parallel()
+	f := newFakeS3(t)
+	s := f.store(t, f.config(), tuning{})
+	ctx := context.Background()
+	if _, err := s.PutLog(ctx, "contexts/x", []byte("z")); err == nil {
+		t.Fatal("a log was stored outside logs/")
+	}
+	bucket, err := s.PutLog(ctx, "logs/acme/k/r1.log.gz", []byte("gz"))
+	if err != nil || bucket != testBucket {
+		t.Fatalf("PutLog = %q, %v", bucket, err)
+	}
+	body, err := s.Open(ctx, bucket, "logs/acme/k/r1.log.gz")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(body)
+	_ = body.Close()
+	if string(b) != "gz" {
+		t.Fatalf("stored %q", b)
+	}
+	if n, err := s.ExpireLogs(ctx, time.Now().Add(-time.Hour)); err != nil || n != 0 {
+		t.Fatalf("ExpireLogs of an hour ago = %d, %v; want nothing deleted", n, err)
+	}
+	if n, err := s.ExpireLogs(ctx, time.Now().Add(time.Hour)); err != nil || n != 1 {
+		t.Fatalf("ExpireLogs = %d, %v; want the one log deleted", n, err)
+	}
+	if ok, _ := s.Exists(ctx, bucket, "logs/acme/k/r1.log.gz"); ok {
+		t.Fatal("the expired log is still there")
 	}
 }

@@ -20,6 +20,7 @@ import (
 	"go.uber.org/zap"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/worker/internal/buildlog"
 	"github.com/buildq/buildq/worker/internal/ledger"
 	"github.com/buildq/buildq/worker/internal/mutant"
 	"github.com/buildq/buildq/worker/internal/runs"
@@ -56,6 +57,10 @@ type Config struct {
 	// ReplyRefused counts a request left unanswered for its reply subject
 	// (may be nil).
 	ReplyRefused func(tenant string)
+	// Logs reads runs' logs from BUILDQ_LOGS, Archive their archives (nil
+	// Logs: build logs are off, and the logs service says so).
+	Logs    *buildlog.Reader
+	Archive buildlog.Archive
 }
 
 // Service is a worker's tenant API.
@@ -63,8 +68,10 @@ type Service struct {
 	cfg Config
 	// held: the requests this worker's handlers hold, to cancel them.
 	held heldRequests
-	// sem bounds the requests answered at once (apiConcurrency).
-	sem chan struct{}
+	// sem bounds the requests answered at once (apiConcurrency), logsSem
+	// the logs requests (logsConcurrency).
+	sem     chan struct{}
+	logsSem chan struct{}
 }
 
 // New returns the service; Serve starts it.
@@ -75,7 +82,8 @@ func New(cfg Config) *Service {
 	if cfg.ReplyRefused == nil {
 		cfg.ReplyRefused = func(string) {}
 	}
-	return &Service{cfg: cfg, held: heldRequests{m: map[string]context.CancelCauseFunc{}}, sem: make(chan struct{}, apiConcurrency)}
+	return &Service{cfg: cfg, held: heldRequests{m: map[string]context.CancelCauseFunc{}}, sem: make(chan struct{}, apiConcurrency),
+		logsSem: make(chan struct{}, logsConcurrency)}
 }
 
 // Hold registers the handling of the request with ledger key lk, so a
@@ -126,6 +134,11 @@ func (w *Service) Serve(ctx context.Context) (func(), error) {
 		subject, queue string
 		fn             func(m *nats.Msg)
 	}{
+		{v1.APILogsPrefix + ".*", "buildq-api", func(m *nats.Msg) {
+			w.respond(ctx, m, func(cctx context.Context, tenant string) any {
+				return w.logs(cctx, tenant, m.Data)
+			})
+		}},
 		{v1.APIStatusPrefix + ".*", "buildq-api", func(m *nats.Msg) {
 			w.respond(ctx, m, func(cctx context.Context, tenant string) any {
 				return w.status(cctx, tenant, strings.TrimSpace(string(m.Data)))
@@ -154,10 +167,14 @@ func (w *Service) Serve(ctx context.Context) (func(), error) {
 			// status or cancel behind one: each is answered on its own,
 			// up to apiConcurrency at once (then the subscription waits,
 			// and the queue group sends work to the other workers).
-			fn := h.fn
+			fn, sem := h.fn, w.sem
+			if h.subject == v1.APILogsPrefix+".*" {
+				// A follower's request waits for new lines: apart.
+				sem = w.logsSem
+			}
 			s, err = w.cfg.NC.QueueSubscribe(h.subject, h.queue, func(m *nats.Msg) {
-				w.sem <- struct{}{}
-				go func() { defer func() { <-w.sem }(); fn(m) }()
+				sem <- struct{}{}
+				go func() { defer func() { <-sem }(); fn(m) }()
 			})
 		} else {
 			s, err = w.cfg.NC.Subscribe(h.subject, h.fn)

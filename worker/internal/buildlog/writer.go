@@ -1,0 +1,532 @@
+// Package buildlog keeps the logs of build runs in the JetStream stream
+// BUILDQ_LOGS, one subject per run (v1.LogsSubject), and archives each
+// finished run's log to S3.
+//
+// A run's log is a sequence of chunks, each one message: whole lines in
+// the stored format (v1.LogLine), at most ChunkBytes or FlushEvery's worth.
+// Every chunk carries in its headers where the capture stood after its
+// last line (the pod, the container, the kubelet timestamp of the
+// container's last line and how many lines carried it), so whoever
+// captures next — the same worker after a broken stream, another after a
+// crash — resumes exactly there. Chunks are published with the subject's
+// last sequence as a precondition: two capturers of one run cannot both
+// append, and a publish whose outcome was lost is found by its totals,
+// so the stored log holds every line once.
+package buildlog
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	v1 "github.com/buildq/buildq/api/v1"
+)
+
+// Defaults of a writer.
+const (
+	DefaultCap        = 10 << 20
+	DefaultChunkBytes = 64 << 10
+	DefaultFlushEvery = 250 * time.Millisecond
+)
+
+// Headers of a chunk.
+const (
+	hdrPod       = "Buildq-Log-Pod"
+	hdrContainer = "Buildq-Log-Container"
+	hdrTime      = "Buildq-Log-Time"
+	hdrCount     = "Buildq-Log-Count"
+	hdrAttempt   = "Buildq-Log-Attempt"
+	hdrBytes     = "Buildq-Log-Bytes"
+	hdrLines     = "Buildq-Log-Lines"
+	hdrTruncated = "Buildq-Log-Truncated"
+	// hdrEnd marks the run's last chunk: the run's state.
+	hdrEnd    = "Buildq-Log-End"
+	hdrReason = "Buildq-Log-Reason"
+	// hdrObject names the archive object the run's log goes to.
+	hdrObject = "Buildq-Log-Object"
+)
+
+// ErrConflict: the stored log moved on under the writer (another capturer
+// appended, or a publish of unknown outcome was not ours). The writer
+// has dropped what it buffered and taken the stored state: the caller
+// resumes from Position.
+var ErrConflict = errors.New("buildlog: the run's log was appended to by another writer")
+
+// Position is where the capture of a run stands: the last line stored of
+// the executor's output.
+type Position struct {
+	Pod       string
+	Container string
+	// Time is the kubelet timestamp of the container's last line; Count
+	// how many of its lines carried exactly that time.
+	Time    time.Time
+	Count   int
+	Attempt int
+}
+
+// Options of a writer.
+type Options struct {
+	// Cap bounds the log's bytes (DefaultCap); the line that would pass it
+	// is replaced by a marker line saying so, and later lines are dropped.
+	Cap int64
+	// Mask are secret values, written as "***" wherever they appear.
+	Mask []string
+	// ChunkBytes and FlushEvery bound a chunk (DefaultChunkBytes,
+	// DefaultFlushEvery): whichever comes first.
+	ChunkBytes int
+	FlushEvery time.Duration
+	Now        func() time.Time
+	// Object is the archive object the log will go to (v1.ArchiveObject),
+	// recorded with the end of the log.
+	Object string
+}
+
+func (o Options) withDefaults() Options {
+	if o.Cap <= 0 {
+		o.Cap = DefaultCap
+	}
+	if o.ChunkBytes <= 0 {
+		o.ChunkBytes = DefaultChunkBytes
+	}
+	if o.FlushEvery <= 0 {
+		o.FlushEvery = DefaultFlushEvery
+	}
+	if o.Now == nil {
+		o.Now = time.Now
+	}
+	// Longest first: a secret that contains another is masked whole.
+	var mask []string
+	for _, m := range o.Mask {
+		if m != "" {
+			mask = append(mask, m)
+		}
+	}
+	sort.Slice(mask, func(i, j int) bool { return len(mask[i]) > len(mask[j]) })
+	o.Mask = mask
+	return o
+}
+
+// state is what the stored log says (and, ahead of it, what the writer
+// has buffered).
+type state struct {
+	pos       Position
+	bytes     int64
+	lines     int64
+	truncated bool
+	ended     bool
+}
+
+// Writer appends to one run's log. It is safe for concurrent use.
+type Writer struct {
+	js      jetstream.JetStream
+	subject string
+	run     string
+	opts    Options
+
+	mu sync.Mutex
+	// stored is the state after the last stored chunk; last its sequence
+	// (0: the subject has none).
+	stored state
+	last   uint64
+	// next is the state after the buffered lines.
+	next  state
+	buf   []byte
+	since time.Time // when the first buffered line was added
+}
+
+// Open returns a writer for run of key, resuming after what is stored.
+func Open(ctx context.Context, js jetstream.JetStream, key, run string, opts Options) (*Writer, error) {
+	w := &Writer{js: js, subject: v1.LogsSubject(key, run), run: run, opts: opts.withDefaults()}
+	if err := w.resync(ctx); err != nil {
+		return nil, err
+	}
+	return w, nil
+}
+
+// Position is where the stored log's capture stands (buffered lines not
+// counted).
+func (w *Writer) Position() Position {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.stored.pos
+}
+
+// Ended reports whether the log is ended (End was stored).
+func (w *Writer) Ended() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.next.ended
+}
+
+// Truncated reports whether the log reached its cap: further executor
+// lines are dropped, so there is no need to read them.
+func (w *Writer) Truncated() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.next.truncated
+}
+
+// AddMask adds secret values to mask in the lines added from now on.
+func (w *Writer) AddMask(values []string) {
+	if len(values) == 0 {
+		return
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.opts.Mask = append(w.opts.Mask, values...)
+	w.opts = w.opts.withDefaults()
+}
+
+// Lines is how many lines the log holds (buffered ones included).
+func (w *Writer) Lines() int64 {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.next.lines
+}
+
+// Subject is the run's log subject.
+func (w *Writer) Subject() string { return w.subject }
+
+// Line adds one line of the executor's output: printed by container of
+// pod (attempt) at ts. It flushes when the chunk is full.
+func (w *Writer) Line(ctx context.Context, pod, container string, attempt int, ts time.Time, text []byte) error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.next.ended {
+		return nil
+	}
+	p := &w.next.pos
+	if p.Pod == pod && p.Container == container && p.Time.Equal(ts) {
+		p.Count++
+	} else {
+		p.Time, p.Count = ts, 1
+	}
+	p.Pod, p.Container, p.Attempt = pod, container, attempt
+	if w.next.truncated {
+		// Dropped, but the position moves: a resumed capture does not
+		// read it again.
+		return nil
+	}
+	return w.add(ctx, v1.LogLine{Time: ts, Stream: container, Attempt: attempt, Text: w.mask(text)})
+}
+
+// Own adds a line buildq writes itself (stream v1.LogStreamBuildq), at
+// the current time.
+func (w *Writer) Own(ctx context.Context, text string) error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.next.ended || w.next.truncated {
+		return nil
+	}
+	return w.add(ctx, w.own(text))
+}
+
+// Attempt records that the capture moved on to pod, a new attempt of the
+// build (the Job retried): a line says so, and a resumed capture starts
+// there.
+func (w *Writer) Attempt(ctx context.Context, pod string, attempt int, reason string) error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.next.ended {
+		return nil
+	}
+	w.next.pos = Position{Pod: pod, Attempt: attempt}
+	if w.next.truncated {
+		return nil
+	}
+	msg := fmt.Sprintf("attempt %d: pod %s", attempt, pod)
+	if reason != "" {
+		msg += " (" + reason + ")"
+	}
+	return w.add(ctx, w.own(msg))
+}
+
+func (w *Writer) own(text string) v1.LogLine {
+	attempt := max(w.next.pos.Attempt, 1)
+	return v1.LogLine{Time: w.opts.Now().UTC(), Stream: v1.LogStreamBuildq, Attempt: attempt, Text: []byte(strings.ReplaceAll(text, "\n", " "))}
+}
+
+// add buffers l, or the marker when l would pass the cap; w.mu is held.
+func (w *Writer) add(ctx context.Context, l v1.LogLine) error {
+	if l.Attempt == 0 {
+		l.Attempt = 1
+	}
+	// A line longer than a chunk is split: a chunk must fit a message.
+	limit := w.opts.ChunkBytes - 128 - len(l.Stream)
+	for len(l.Text) > limit {
+		head := l
+		head.Text = l.Text[:limit]
+		if err := w.add(ctx, head); err != nil {
+			return err
+		}
+		l.Text = l.Text[limit:]
+	}
+	line := v1.AppendLogLine(nil, l)
+	if w.next.bytes+int64(len(line)) > w.opts.Cap && l.Stream != v1.LogStreamBuildq {
+		w.next.truncated = true
+		line = v1.AppendLogLine(nil, w.own(fmt.Sprintf("log truncated: it reached the cap of %d bytes; the build's further output is not kept", w.opts.Cap)))
+	}
+	if len(w.buf)+len(line) > w.opts.ChunkBytes {
+		if err := w.flushLocked(ctx); err != nil {
+			return err
+		}
+	}
+	if len(w.buf) == 0 {
+		w.since = w.opts.Now()
+	}
+	w.buf = append(w.buf, line...)
+	w.next.bytes += int64(len(line))
+	w.next.lines++
+	return nil
+}
+
+func (w *Writer) mask(text []byte) []byte {
+	if len(w.opts.Mask) == 0 {
+		return text
+	}
+	s := string(text)
+	changed := false
+	for _, m := range w.opts.Mask {
+		if strings.Contains(s, m) {
+			s, changed = strings.ReplaceAll(s, m, "***"), true
+		}
+	}
+	if !changed {
+		return text
+	}
+	return []byte(s)
+}
+
+// Due reports whether buffered lines have waited FlushEvery.
+func (w *Writer) Due() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return len(w.buf) > 0 && w.opts.Now().Sub(w.since) >= w.opts.FlushEvery
+}
+
+// Flush stores the buffered lines.
+func (w *Writer) Flush(ctx context.Context) error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.flushLocked(ctx)
+}
+
+// Run flushes every FlushEvery until ctx ends (then once more, within a
+// moment, for what is buffered). A conflict is returned.
+func (w *Writer) Run(ctx context.Context) error {
+	t := time.NewTicker(w.opts.FlushEvery / 2)
+	defer t.Stop()
+	for {
+		select {
+		case <-t.C:
+			if w.Due() {
+				if err := w.Flush(ctx); err != nil {
+					if ctx.Err() != nil {
+						return nil
+					}
+					return err
+				}
+			}
+		case <-ctx.Done():
+			return nil
+		}
+	}
+}
+
+// End stores the end of the log: what is buffered, then a line with the
+// run's outcome, marked as the end. The end is stored once: a writer of
+// an ended log does nothing.
+func (w *Writer) End(ctx context.Context, state, reason string) error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.stored.ended {
+		return nil
+	}
+	msg := "build " + state
+	if reason != "" {
+		msg += ": " + reason
+	}
+	// The end line is written past the cap: it is the log's last word.
+	line := v1.AppendLogLine(nil, w.own(msg))
+	if len(w.buf)+len(line) > w.opts.ChunkBytes {
+		if err := w.flushLocked(ctx); err != nil {
+			return err
+		}
+	}
+	w.buf = append(w.buf, line...)
+	w.next.bytes += int64(len(line))
+	w.next.lines++
+	w.next.ended = true
+	err := w.publish(ctx, func(h nats.Header) {
+		h.Set(hdrEnd, state)
+		if reason != "" {
+			h.Set(hdrReason, reason)
+		}
+		if w.opts.Object != "" {
+			h.Set(hdrObject, w.opts.Object)
+		}
+	})
+	return err
+}
+
+// flushLocked stores the buffered lines as one chunk.
+func (w *Writer) flushLocked(ctx context.Context) error {
+	if len(w.buf) == 0 {
+		return nil
+	}
+	return w.publish(ctx, nil)
+}
+
+// publishAttempts bounds the retries of a chunk whose publish failed and
+// did not land.
+const publishAttempts = 5
+
+// publish stores the buffer as one chunk with w.next's state, expecting
+// the subject's last sequence to be w.last; w.mu is held.
+func (w *Writer) publish(ctx context.Context, extra func(nats.Header)) error {
+	m := nats.NewMsg(w.subject)
+	m.Data = w.buf
+	putState(m.Header, w.next)
+	if extra != nil {
+		extra(m.Header)
+	}
+	// Unique per chunk of the run: a retry of a publish that landed is
+	// dropped by the stream's duplicate window.
+	m.Header.Set(nats.MsgIdHdr, w.run+"/"+strconv.FormatInt(w.next.bytes, 10)+"/"+strconv.FormatInt(w.next.lines, 10))
+	backoff := 100 * time.Millisecond
+	for attempt := 1; ; attempt++ {
+		ack, err := w.js.PublishMsg(ctx, m, jetstream.WithExpectLastSequencePerSubject(w.last))
+		if err == nil {
+			w.last = ack.Sequence
+			w.stored = w.next
+			w.buf = w.buf[:0]
+			return nil
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		// Did it land (a lost PubAck), or did another writer append?
+		st, seq, rerr := w.readLast(ctx)
+		switch {
+		case rerr != nil:
+			// Unknown: try again with the same precondition.
+		case seq == w.last:
+			// Nothing was stored: try again.
+		case st.bytes == w.next.bytes && st.lines == w.next.lines && st.pos == w.next.pos && st.ended == w.next.ended:
+			w.last, w.stored = seq, w.next
+			w.buf = w.buf[:0]
+			return nil
+		default:
+			w.take(st, seq)
+			return ErrConflict
+		}
+		if attempt >= publishAttempts {
+			return fmt.Errorf("buildlog: store a chunk of %s: %w", w.subject, err)
+		}
+		select {
+		case <-time.After(backoff):
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		backoff *= 2
+	}
+}
+
+// take makes st, stored at seq, the writer's state, dropping the buffer.
+func (w *Writer) take(st state, seq uint64) {
+	w.stored, w.next, w.last = st, st, seq
+	w.buf = w.buf[:0]
+}
+
+// resync takes the stored log's state.
+func (w *Writer) resync(ctx context.Context) error {
+	st, seq, err := w.readLast(ctx)
+	if err != nil {
+		return err
+	}
+	w.mu.Lock()
+	w.take(st, seq)
+	w.mu.Unlock()
+	return nil
+}
+
+// Resync drops what is buffered and takes the stored log's state.
+func (w *Writer) Resync(ctx context.Context) error { return w.resync(ctx) }
+
+// readLast reads the state of the subject's last chunk (zero and 0 when
+// there is none).
+func (w *Writer) readLast(ctx context.Context) (state, uint64, error) {
+	s, err := w.js.Stream(ctx, v1.LogsStream)
+	if err != nil {
+		return state{}, 0, fmt.Errorf("buildlog: %w", err)
+	}
+	m, err := s.GetLastMsgForSubject(ctx, w.subject)
+	if errors.Is(err, jetstream.ErrMsgNotFound) {
+		return state{}, 0, nil
+	}
+	if err != nil {
+		return state{}, 0, fmt.Errorf("buildlog: read the last chunk of %s: %w", w.subject, err)
+	}
+	st, err := getState(m.Header)
+	if err != nil {
+		return state{}, 0, fmt.Errorf("buildlog: chunk %d of %s: %w", m.Sequence, w.subject, err)
+	}
+	return st, m.Sequence, nil
+}
+
+func putState(h nats.Header, st state) {
+	if st.pos.Pod != "" {
+		h.Set(hdrPod, st.pos.Pod)
+	}
+	if st.pos.Container != "" {
+		h.Set(hdrContainer, st.pos.Container)
+	}
+	if !st.pos.Time.IsZero() {
+		h.Set(hdrTime, st.pos.Time.UTC().Format(time.RFC3339Nano))
+		h.Set(hdrCount, strconv.Itoa(st.pos.Count))
+	}
+	h.Set(hdrAttempt, strconv.Itoa(st.pos.Attempt))
+	h.Set(hdrBytes, strconv.FormatInt(st.bytes, 10))
+	h.Set(hdrLines, strconv.FormatInt(st.lines, 10))
+	if st.truncated {
+		h.Set(hdrTruncated, "true")
+	}
+}
+
+func getState(h nats.Header) (state, error) {
+	var (
+		st  state
+		err error
+	)
+	st.pos.Pod, st.pos.Container = h.Get(hdrPod), h.Get(hdrContainer)
+	num := func(name string) int64 {
+		v := h.Get(name)
+		if v == "" || err != nil {
+			return 0
+		}
+		n, perr := strconv.ParseInt(v, 10, 64)
+		if perr != nil {
+			err = fmt.Errorf("header %s: %w", name, perr)
+		}
+		return n
+	}
+	if v := h.Get(hdrTime); v != "" {
+		if st.pos.Time, err = time.Parse(time.RFC3339Nano, v); err != nil {
+			return state{}, fmt.Errorf("header %s: %w", hdrTime, err)
+		}
+	}
+	st.pos.Count = int(num(hdrCount))
+	st.pos.Attempt = int(num(hdrAttempt))
+	st.bytes, st.lines = num(hdrBytes), num(hdrLines)
+	st.truncated = h.Get(hdrTruncated) == "true"
+	st.ended = h.Get(hdrEnd) != ""
+	return st, err
+}

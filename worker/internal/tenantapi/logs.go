@@ -1,0 +1,418 @@
+package tenantapi
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/worker/internal/buildlog"
+)
+
+// The logs service (buildq.api.logs.<tenant>): a page of the log of the
+// build that answers one of the tenant's requests, from the stream while
+// it is kept there, from the archive afterwards. A tenant reads a build's
+// log only through one of its own requests (by request id), or by build
+// key when its own request claimed the build or waits on it — the same
+// answer whether another tenant's build of the key exists or not.
+
+// logsConcurrency bounds the logs requests a worker holds at once: a
+// follower's request waits up to v1.MaxLogsWait for new lines, apart
+// from the status and cancel requests.
+const logsConcurrency = 256
+
+// logsIdle: a log with no end stored whose request is answered (its run
+// ended by a worker that died before ending the log) is over once no
+// line came for this long.
+const logsIdle = 30 * time.Second
+
+// logCursor is where a reader stands in a run's log: after stream
+// sequence seq, or (archive) after off bytes. Both carry off.
+type logCursor struct {
+	run     string
+	seq     uint64
+	off     int64
+	archive bool
+}
+
+func (c logCursor) String() string {
+	if c.archive {
+		return c.run + ":a:" + strconv.FormatInt(c.off, 10)
+	}
+	return c.run + ":" + strconv.FormatUint(c.seq, 10) + ":" + strconv.FormatInt(c.off, 10)
+}
+
+func parseCursor(s string) (logCursor, error) {
+	if s == "" {
+		return logCursor{}, nil
+	}
+	f := strings.Split(s, ":")
+	if len(f) != 3 || f[0] == "" {
+		return logCursor{}, fmt.Errorf("cursor %q is not one this service gave", s)
+	}
+	c := logCursor{run: f[0]}
+	var err error
+	if f[1] == "a" {
+		c.archive = true
+	} else if c.seq, err = strconv.ParseUint(f[1], 10, 64); err != nil {
+		return logCursor{}, fmt.Errorf("cursor %q is not one this service gave", s)
+	}
+	if c.off, err = strconv.ParseInt(f[2], 10, 64); err != nil || c.off < 0 {
+		return logCursor{}, fmt.Errorf("cursor %q is not one this service gave", s)
+	}
+	return c, nil
+}
+
+// logTarget is the run whose log answers a logs request.
+type logTarget struct {
+	key, run string
+	note     string
+	ref      *v1.LogRef
+	// answered: the request has its result (state, reason); a log that
+	// never got its end is over when idle.
+	answered      bool
+	state, reason string
+}
+
+// parseLogsRequest reads a JSON LogsRequest, or a bare target.
+func parseLogsRequest(data []byte) (v1.LogsRequest, error) {
+	data = bytes.TrimSpace(data)
+	var r v1.LogsRequest
+	if len(data) > 0 && data[0] == '{' {
+		if err := json.Unmarshal(data, &r); err != nil {
+			return r, fmt.Errorf("the logs request is not valid JSON: %v", err)
+		}
+	} else {
+		r.Target = string(data)
+	}
+	r.Target = strings.TrimSpace(r.Target)
+	if r.Target == "" || len(r.Target) > v1.MaxRequestIDLen {
+		return r, fmt.Errorf("send a build key (64 hex digits) or a request id")
+	}
+	if r.MaxBytes <= 0 || r.MaxBytes > v1.MaxLogsPage {
+		r.MaxBytes = v1.MaxLogsPage
+	}
+	r.WaitMs = min(max(r.WaitMs, 0), v1.MaxLogsWait.Milliseconds())
+	return r, nil
+}
+
+// logs answers one logs request of tenant.
+func (w *Service) logs(ctx context.Context, tenant string, data []byte) v1.LogsReply {
+	if w.cfg.Logs == nil {
+		return v1.LogsReply{Error: "build logs are not enabled on this deployment"}
+	}
+	req, err := parseLogsRequest(data)
+	if err != nil {
+		return v1.LogsReply{Error: err.Error()}
+	}
+	cur, err := parseCursor(req.Cursor)
+	if err != nil {
+		return v1.LogsReply{Error: err.Error()}
+	}
+	deadline := time.Now().Add(time.Duration(req.WaitMs) * time.Millisecond)
+	for {
+		t, errMsg := w.logTarget(ctx, tenant, req.Target)
+		if errMsg != "" {
+			return v1.LogsReply{Error: errMsg}
+		}
+		rep := v1.LogsReply{Key: t.key, Run: t.run, Note: t.note, Cursor: cur.String()}
+		if t.run == "" {
+			// Not started yet (queued, its source being prepared).
+			if !w.wait(ctx, "", deadline) {
+				return rep
+			}
+			continue
+		}
+		if cur.run != t.run {
+			if cur.run != "" {
+				// The build was started again (another run of the key):
+				// its log starts anew.
+				rep.Data = v1.AppendLogLine(nil, v1.LogLine{Time: w.cfg.Now().UTC(), Stream: v1.LogStreamBuildq, Attempt: 1,
+					Text: []byte(fmt.Sprintf("the build was started again as run %s; its log follows", t.run))})
+			}
+			cur = logCursor{run: t.run}
+		}
+		page, err := w.page(ctx, t, &cur, req)
+		if err != nil {
+			return v1.LogsReply{Key: t.key, Run: t.run, Error: err.Error()}
+		}
+		rep.Data = append(rep.Data, page.data...)
+		rep.Cursor, rep.Done, rep.State, rep.Reason, rep.Archive = cur.String(), page.done, page.state, page.reason, t.ref
+		if len(rep.Data) > 0 || rep.Done || !w.wait(ctx, v1.LogsSubject(t.key, t.run), deadline) {
+			return rep
+		}
+	}
+}
+
+// wait waits for a chunk on subject (any change when empty: a short
+// poll) until deadline; false when the deadline passed.
+func (w *Service) wait(ctx context.Context, subject string, deadline time.Time) bool {
+	d := time.Until(deadline)
+	if d <= 0 {
+		return false
+	}
+	if subject == "" {
+		d = min(d, time.Second)
+		select {
+		case <-time.After(d):
+			return true
+		case <-ctx.Done():
+			return false
+		}
+	}
+	ch := make(chan *nats.Msg, 1)
+	sub, err := w.cfg.NC.ChanSubscribe(subject, ch)
+	if err != nil {
+		return false
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	// A chunk stored before the subscription is read by the caller's
+	// next page: wait a short while only, then look again.
+	d = min(d, 2*time.Second)
+	select {
+	case <-ch:
+	case <-time.After(d):
+	case <-ctx.Done():
+		return false
+	}
+	return true
+}
+
+type logPage struct {
+	data          []byte
+	done          bool
+	state, reason string
+}
+
+// page reads the log of t after cur, advancing it.
+func (w *Service) page(ctx context.Context, t logTarget, cur *logCursor, req v1.LogsRequest) (logPage, error) {
+	if !cur.archive {
+		p, gone, err := w.streamPage(ctx, t, cur, req)
+		if err != nil || !gone {
+			return p, err
+		}
+		// The stream no longer holds the rest: the archive does.
+		if !t.ref.Archived() {
+			if t.ref != nil && t.ref.Error != "" {
+				return logPage{}, fmt.Errorf("the log of run %s is no longer in the stream, and was not archived: %s", t.run, t.ref.Error)
+			}
+			if t.answered || t.ref != nil {
+				return logPage{}, fmt.Errorf("the log of run %s of build %s is no longer kept", t.run, t.key)
+			}
+			return logPage{}, fmt.Errorf("the log of run %s of build %s is not in the stream (yet)", t.run, t.key)
+		}
+		cur.archive = true
+	}
+	return w.archivePage(ctx, t, cur, req)
+}
+
+// streamPage reads chunks after cur from the stream; gone reports that
+// the stream no longer holds the chunk after cur.
+func (w *Service) streamPage(ctx context.Context, t logTarget, cur *logCursor, req v1.LogsRequest) (p logPage, gone bool, err error) {
+	if t.ref.Archived() && cur.seq == 0 {
+		// Ended and archived: served from the archive.
+		return logPage{}, true, nil
+	}
+	for len(p.data) < req.MaxBytes {
+		c, err := w.cfg.Logs.Next(ctx, t.key, t.run, cur.seq)
+		if err != nil {
+			return logPage{}, false, err
+		}
+		if c == nil {
+			if cur.seq == 0 && t.ref != nil {
+				return logPage{}, true, nil // the whole log aged out
+			}
+			if t.answered && cur.seq > 0 {
+				// A log whose end was never stored: over once idle.
+				last, err := w.cfg.Logs.Next(ctx, t.key, t.run, cur.seq-1)
+				if err == nil && last != nil && last.Seq == cur.seq && time.Since(last.Time) > logsIdle {
+					p.done, p.state, p.reason = true, t.state, t.reason
+				}
+			}
+			return p, false, nil
+		}
+		if c.Bytes-int64(len(c.Data)) != cur.off {
+			// Chunks between are gone (aged out or dropped by the
+			// stream's limits).
+			return p, true, nil
+		}
+		p.data = appendSince(p.data, c.Data, req.Since)
+		cur.seq, cur.off = c.Seq, c.Bytes
+		if c.Ended {
+			p.done, p.state, p.reason = true, c.State, c.Reason
+			return p, false, nil
+		}
+	}
+	return p, false, nil
+}
+
+// archivePage reads the archive after cur.off.
+func (w *Service) archivePage(ctx context.Context, t logTarget, cur *logCursor, req v1.LogsRequest) (logPage, error) {
+	if w.cfg.Archive == nil {
+		return logPage{}, fmt.Errorf("the log of run %s is archived, but this worker cannot read the archive", t.run)
+	}
+	data, err := buildlog.ReadArchive(ctx, w.cfg.Archive, t.ref)
+	if err != nil {
+		return logPage{}, err
+	}
+	if cur.off > int64(len(data)) {
+		return logPage{}, fmt.Errorf("cursor past the end of the log of run %s", t.run)
+	}
+	rest := data[cur.off:]
+	if len(rest) > req.MaxBytes {
+		// Whole lines only.
+		cut := bytes.LastIndexByte(rest[:req.MaxBytes], '\n')
+		if cut < 0 {
+			cut = bytes.IndexByte(rest, '\n')
+		}
+		rest = rest[:cut+1]
+	}
+	cur.off += int64(len(rest))
+	p := logPage{data: appendSince(nil, rest, req.Since)}
+	if cur.off == int64(len(data)) {
+		p.done, p.state, p.reason = true, t.state, t.reason
+		if last := lastLine(data); last != nil {
+			// The end line says how the run ended.
+			if s, r, ok := endOf(last); ok {
+				p.state, p.reason = s, r
+			}
+		}
+	}
+	return p, nil
+}
+
+// appendSince appends the lines of data printed at or after since.
+func appendSince(dst, data []byte, since time.Time) []byte {
+	if since.IsZero() {
+		return append(dst, data...)
+	}
+	for len(data) > 0 {
+		line := data
+		if i := bytes.IndexByte(data, '\n'); i >= 0 {
+			line, data = data[:i+1], data[i+1:]
+		} else {
+			data = nil
+		}
+		if l, err := v1.ParseLogLine(line); err == nil && !l.Time.Before(since) {
+			dst = append(dst, line...)
+		}
+	}
+	return dst
+}
+
+func lastLine(data []byte) []byte {
+	data = bytes.TrimSuffix(data, []byte("\n"))
+	if i := bytes.LastIndexByte(data, '\n'); i >= 0 {
+		return data[i+1:]
+	}
+	return data
+}
+
+// endOf reads the state and reason of a log's end line ("build
+// <state>[: <reason>]", buildq's own).
+func endOf(line []byte) (state, reason string, ok bool) {
+	l, err := v1.ParseLogLine(line)
+	if err != nil || !l.Own() {
+		return "", "", false
+	}
+	rest, ok := strings.CutPrefix(string(l.Text), "build ")
+	if !ok {
+		return "", "", false
+	}
+	state, reason, _ = strings.Cut(rest, ": ")
+	return state, reason, true
+}
+
+// logTarget finds the run whose log answers target for tenant, or says
+// why there is none.
+func (w *Service) logTarget(ctx context.Context, tenant, target string) (logTarget, string) {
+	le, err := w.cfg.Ledger.Get(ctx, tenant, target)
+	if err != nil {
+		return logTarget{}, err.Error()
+	}
+	if le != nil {
+		e := le.E
+		t := logTarget{key: e.Key}
+		if r := e.Result; r != nil {
+			t.answered, t.state, t.reason = true, string(r.Status), r.Reason
+			if r.Logs != nil {
+				t.run, t.ref = r.Logs.Run, r.Logs
+			}
+		}
+		if e.Key == "" {
+			if t.answered {
+				return logTarget{}, fmt.Sprintf("request %s was answered without a build (%s %s): it has no build log", target, t.state, t.reason)
+			}
+			return t, "" // its source is being prepared
+		}
+		if t.run == "" {
+			rec, _, err := w.cfg.Runs.Get(ctx, e.Key)
+			if err != nil {
+				return logTarget{}, err.Error()
+			}
+			switch {
+			case t.answered:
+				return logTarget{}, fmt.Sprintf("no log is kept of the build that answered request %s (%s): it was built before logs were kept, or its log aged out", target, e.Key)
+			case rec != nil:
+				t.run = rec.Run
+				if rec.Logs != nil && rec.Logs.Run == rec.Run {
+					t.ref = rec.Logs
+				}
+			}
+		}
+		switch e.Origin {
+		case v1.OriginCache:
+			t.note = fmt.Sprintf("request %s was answered from the cache: this is the log of build %s (run %s), which made the image", target, short(e.Key), t.run)
+		case v1.OriginInflight:
+			t.note = fmt.Sprintf("request %s joined build %s (run %s), started by another request: this is its log", target, short(e.Key), t.run)
+		}
+		return t, ""
+	}
+	if !v1.IsBuildKey(target) {
+		return logTarget{}, fmt.Sprintf("no request %s of tenant %s is known (still queued, or older than the results' max age)", target, tenant)
+	}
+	none := fmt.Sprintf("no build of tenant %s is known for key %s", tenant, target)
+	rec, _, err := w.cfg.Runs.Get(ctx, target)
+	if err != nil {
+		return logTarget{}, err.Error()
+	}
+	if rec == nil {
+		return logTarget{}, none
+	}
+	if rec.Tenant != tenant {
+		// Another tenant's build: readable only while a request of this
+		// tenant waits on it.
+		ws, err := w.cfg.Ledger.Waiters(ctx, target)
+		if err != nil {
+			return logTarget{}, err.Error()
+		}
+		mine := false
+		for _, le := range ws {
+			mine = mine || le.E.Tenant == tenant
+		}
+		if !mine {
+			return logTarget{}, none
+		}
+	}
+	t := logTarget{key: target, run: rec.Run}
+	if rec.Logs != nil && rec.Logs.Run == rec.Run {
+		t.ref = rec.Logs
+	}
+	if rec.Final() {
+		t.answered, t.state, t.reason = true, rec.State, rec.Reason
+	}
+	return t, ""
+}
+
+func short(key string) string {
+	if len(key) > 12 {
+		return key[:12]
+	}
+	return key
+}
