@@ -10,6 +10,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
@@ -122,7 +123,28 @@ func (s *suite) buildqLogs(t *testing.T, tenant, id string, args ...string) (str
 	return stdout.String(), nil
 }
 
-var tickRe = regexp.MustCompile(`^tick (\d+) (\d+)$`)
+// tickRe matches a tick line: its number and the host's uptime when it
+// was printed (/proc/uptime: busybox's date has no sub-second format).
+var tickRe = regexp.MustCompile(`^tick (\d+) (\d+\.\d+)$`)
+
+// uptimeClock turns /proc/uptime readings into wall-clock times.
+func uptimeClock(t *testing.T) func(up string) time.Time {
+	t.Helper()
+	b, err := os.ReadFile("/proc/uptime")
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	cur, err := strconv.ParseFloat(strings.Fields(string(b))[0], 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	boot := now.Add(-time.Duration(cur * float64(time.Second)))
+	return func(up string) time.Time {
+		f, _ := strconv.ParseFloat(up, 64)
+		return boot.Add(time.Duration(f * float64(time.Second)))
+	}
+}
 
 // testLogsOnRealNode: a RUN that prints a line a second, followed with
 // `buildq logs -f` while it runs — through the kill of the worker that
@@ -133,7 +155,7 @@ func testLogsOnRealNode(t *testing.T, node *realNode) {
 	res := s.collect()
 	const ticks = 14
 	dir := contextDir(t, map[string]string{"Dockerfile": "ARG BASE\nFROM $BASE\n" +
-		"RUN for i in $(seq 1 " + strconv.Itoa(ticks) + "); do echo \"tick $i $(date +%s%N)\"; sleep 1; done\n"})
+		"RUN for i in $(seq 1 " + strconv.Itoa(ticks) + "); do echo \"tick $i $(cut -d' ' -f1 /proc/uptime)\"; sleep 1; done\n"})
 	req := s.submitWith(dir, "ticks", 1, func(r *v1.Request) { r.BuildArgs = map[string]string{"BASE": node.images.base} })[0]
 	f := s.followLogs(t, req.Tenant, req.RequestID)
 
@@ -153,6 +175,7 @@ func testLogsOnRealNode(t *testing.T, node *realNode) {
 		t.Fatalf("buildq logs -f of a succeeded build: %v\n%s", f.err, f.out.String())
 	}
 	lines := f.snapshot()
+	wall := uptimeClock(t)
 	var (
 		seen    = map[int]int{}
 		lags    []time.Duration
@@ -169,10 +192,10 @@ func testLogsOnRealNode(t *testing.T, node *realNode) {
 			continue
 		}
 		i, _ := strconv.Atoi(m[1])
-		ns, _ := strconv.ParseInt(m[2], 10, 64)
+		at := wall(m[2])
 		seen[i]++
-		printed[i], shown[i] = time.Unix(0, ns), l.at
-		lags = append(lags, l.at.Sub(time.Unix(0, ns)))
+		printed[i], shown[i] = at, l.at
+		lags = append(lags, l.at.Sub(at))
 	}
 	for i := 1; i <= ticks; i++ {
 		if seen[i] != 1 {
@@ -234,7 +257,7 @@ func testLogsOnRealNode(t *testing.T, node *realNode) {
 		t.Fatal(err)
 	}
 	for i := 1; i <= ticks; i++ {
-		if n := len(regexp.MustCompile(fmt.Sprintf(`(?m)^tick %d \d+$`, i)).FindAllString(text, -1)); n != 1 {
+		if n := len(regexp.MustCompile(fmt.Sprintf(`(?m)^tick %d [\d.]+$`, i)).FindAllString(text, -1)); n != 1 {
 			t.Errorf("buildq logs after the build shows tick %d %d times:\n%s", i, n, text)
 		}
 	}
@@ -255,7 +278,7 @@ func testLogCapOnRealNode(t *testing.T, node *realNode) {
 	s.startWorker("w1")
 	res := s.collect()
 	dir := contextDir(t, map[string]string{"Dockerfile": "ARG BASE\nFROM $BASE\n" +
-		"RUN head -c 52428800 /dev/zero | tr '\\0' 'a' | fold -w 99 && echo printed-50MiB\n"})
+		"RUN head -c 52428800 /dev/zero | tr '\\0' 'a' | fold -w 99 && echo printed-$((25*2))MiB\n"})
 	req := s.submitWith(dir, "loud", 1, func(r *v1.Request) { r.BuildArgs = map[string]string{"BASE": node.images.base} })[0]
 	r := res.wait(t, 1, 10*time.Minute)[0]
 	if r.Data.Status != v1.StatusSucceeded {
@@ -269,7 +292,7 @@ func testLogCapOnRealNode(t *testing.T, node *realNode) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !strings.Contains(text, "[buildq] log truncated: it reached the cap of") || strings.Contains(text, "printed-50MiB") {
+	if !strings.Contains(text, "[buildq] log truncated: it reached the cap of") || strings.Contains(text, "\nprinted-50MiB") {
 		t.Fatalf("the capped log's end:\n%s", tail(text, 2000))
 	}
 	if !strings.HasSuffix(strings.TrimSpace(text), "[buildq] build succeeded") {

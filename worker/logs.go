@@ -96,7 +96,7 @@ func (l *buildLogs) open(ctx context.Context, claim *v1.BuildRecord, req *v1.Req
 	octx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	lw, err := l.open_(octx, claim.Key, claim.Run, buildlog.Options{Cap: l.cfg.Logs.Cap, Mask: mask, Now: l.cfg.Now,
-		Object: v1.ArchiveObject(claim.Tenant, claim.Key, claim.Run)})
+		Object: v1.ArchiveObject(claim.Tenant, claim.Key, claim.Run), Stored: l.cfg.Metrics.logStored})
 	if err != nil {
 		l.log.Warn("the build's log is not captured: its stream cannot be read", zap.String("key", claim.Key), zap.String("run", claim.Run), zap.Error(err))
 		return nil

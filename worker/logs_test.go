@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"strings"
 	"sync"
@@ -13,6 +14,8 @@ import (
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/s3store"
+	"github.com/buildq/buildq/internal/testnats"
+	"github.com/buildq/buildq/worker/internal/buildlog"
 )
 
 // memLogArchive is a LogArchive in memory.
@@ -201,5 +204,73 @@ func TestBuildLogArchiveFailureIsReported(t *testing.T) {
 	text, rep := logsOf(t, e, "acme", r.RequestID)
 	if !rep.Done || !strings.Contains(text, "local COPY app /app") {
 		t.Fatalf("log from the stream:\n%s\n%s", text, mustJSON(t, rep))
+	}
+}
+
+// Two capturers of one run — a worker that lost the run but still reads
+// its Pod, and the one that took it over — each append what they read
+// from where they last saw the stored log end: the second one's chunk
+// fails its precondition, it resumes from the stored position, and the
+// log holds every line once, in order.
+func TestBuildLogTwoCapturersStoreEachLineOnce(t *testing.T) {
+	t.Parallel()
+	_, _, js := testnats.JetStream(t)
+	ctx := context.Background()
+	if _, err := buildlog.EnsureStream(ctx, js, buildlog.StreamConfig{}); err != nil {
+		t.Fatal(err)
+	}
+	key := hex64("two capturers")
+	t0 := time.Date(2026, 12, 2, 3, 0, 0, 0, time.UTC)
+	// capture reads the Pod's lines 1..upto after the writer's stored
+	// position, as the follower does, and stores them.
+	capture := func(lw *buildlog.Writer, upto int) error {
+		pos := lw.Position()
+		for i := 1; i <= upto; i++ {
+			ts := t0.Add(time.Duration(i) * time.Millisecond)
+			if pos.Container == "kaniko" && !ts.After(pos.Time) {
+				continue
+			}
+			if err := lw.Line(ctx, "pod-1", "kaniko", 1, ts, []byte(fmt.Sprintf("line %d", i))); err != nil {
+				return err
+			}
+		}
+		return lw.Flush(ctx)
+	}
+	a, err := buildlog.Open(ctx, js, key, "r1", buildlog.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := buildlog.Open(ctx, js, key, "r1", buildlog.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := capture(a, 10); err != nil {
+		t.Fatal(err)
+	}
+	err = capture(b, 15)
+	if errors.Is(err, buildlog.ErrConflict) {
+		err = capture(b, 20) // resumes after what a stored
+	} else if err == nil {
+		err = capture(b, 20)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.End(ctx, "succeeded", ""); err != nil {
+		t.Fatal(err)
+	}
+	data, _, err := buildlog.NewReader(js).ReadAll(ctx, key, "r1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	_ = v1.EachLogLine(data, func(l v1.LogLine) bool { got = append(got, string(l.Text)); return true })
+	var want []string
+	for i := 1; i <= 20; i++ {
+		want = append(want, fmt.Sprintf("line %d", i))
+	}
+	want = append(want, "build succeeded")
+	if strings.Join(got, "|") != strings.Join(want, "|") {
+		t.Fatalf("stored log:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
 	}
 }

@@ -97,7 +97,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	}, []string{"outcome"})
 	m.logBytes = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "buildq_build_log_bytes_total",
-		Help: "Bytes of build log lines this worker captured into BUILDQ_LOGS.",
+		Help: "Bytes of build log lines this worker stored into BUILDQ_LOGS.",
 	})
 	reg.MustRegister(m.results, m.inFlight, m.queueWait, m.buildTime, m.retries, m.dupes, m.parks, m.requeues, m.parkedNow,
 		m.running, m.queued, m.dead, m.ready, m.refused, m.logs, m.logBytes)
@@ -107,6 +107,12 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 func (m *Metrics) logArchived(outcome string) {
 	if m != nil {
 		m.logs.WithLabelValues(outcome).Inc()
+	}
+}
+
+func (m *Metrics) logStored(bytes int) {
+	if m != nil {
+		m.logBytes.Add(float64(bytes))
 	}
 }
 

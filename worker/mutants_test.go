@@ -65,6 +65,8 @@ var mutantCatalogue = []mutantCase{
 	{"share-foreign-failure", "a failed run of another tenant's request answers nobody else", []string{"TestClaimersCredentialFailureDoesNotFailTheJoiner"}},
 	{"skip-possession", "a request is answered only for content its tenant shows it holds", []string{"TestForeignBuildNeedsPossession", "TestJoiningAForeignBuildNeedsPossession"}},
 	{"reply-anywhere", "the tenant API answers only on a service import's or the tenant's own inbox's reply", []string{"TestAPIAnswersOnlyOnATenantsOwnReplies"}},
+	{"log-append-blind", "a chunk is appended to a run's log only where its writer last saw it end: two capturers never store a line twice", []string{"TestBuildLogTwoCapturersStoreEachLineOnce"}},
+	{"logs-any-tenant", "a build's log is served by key only to the tenant that claimed it or waits on it", []string{"TestBuildLogsOfALocalBuild"}},
 }
 
 func TestMutants(t *testing.T) {

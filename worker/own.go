@@ -57,7 +57,7 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 			}
 			flushCtx, stopFlush := context.WithCancel(runCtx)
 			defer stopFlush()
-			go func() { _ = lw.Run(flushCtx) }()
+			go lw.Run(flushCtx)
 		}
 	}
 	out, err := w.backend.Run(runCtx, Build{Request: rreq, Key: claim.Key, Run: claim.Run, Destinations: claim.Destinations, Current: hold.Current, Log: lw}, func(job string, created bool, _ string) {

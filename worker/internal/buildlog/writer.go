@@ -28,6 +28,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/worker/internal/mutant"
 )
 
 // Defaults of a writer.
@@ -87,6 +88,8 @@ type Options struct {
 	// Object is the archive object the log will go to (v1.ArchiveObject),
 	// recorded with the end of the log.
 	Object string
+	// Stored, when set, is told the size of every chunk stored.
+	Stored func(bytes int)
 }
 
 func (o Options) withDefaults() Options {
@@ -140,6 +143,10 @@ type Writer struct {
 	next  state
 	buf   []byte
 	since time.Time // when the first buffered line was added
+	// conflict: a flush found the stored log moved on (ErrConflict) and
+	// dropped the buffer; the next Line or Attempt says so, so its
+	// caller resumes from Position instead of going on after a gap.
+	conflict bool
 }
 
 // Open returns a writer for run of key, resuming after what is stored.
@@ -203,6 +210,10 @@ func (w *Writer) Line(ctx context.Context, pod, container string, attempt int, t
 	if w.next.ended {
 		return nil
 	}
+	if w.conflict {
+		w.conflict = false
+		return ErrConflict
+	}
 	p := &w.next.pos
 	if p.Pod == pod && p.Container == container && p.Time.Equal(ts) {
 		p.Count++
@@ -215,7 +226,15 @@ func (w *Writer) Line(ctx context.Context, pod, container string, attempt int, t
 		// read it again.
 		return nil
 	}
-	return w.add(ctx, v1.LogLine{Time: ts, Stream: container, Attempt: attempt, Text: w.mask(text)})
+	return w.told(w.add(ctx, v1.LogLine{Time: ts, Stream: container, Attempt: attempt, Text: w.mask(text)}))
+}
+
+// told clears the pending conflict when err reports it to the caller.
+func (w *Writer) told(err error) error {
+	if errors.Is(err, ErrConflict) {
+		w.conflict = false
+	}
+	return err
 }
 
 // Own adds a line buildq writes itself (stream v1.LogStreamBuildq), at
@@ -238,6 +257,10 @@ func (w *Writer) Attempt(ctx context.Context, pod string, attempt int, reason st
 	if w.next.ended {
 		return nil
 	}
+	if w.conflict {
+		w.conflict = false
+		return ErrConflict
+	}
 	w.next.pos = Position{Pod: pod, Attempt: attempt}
 	if w.next.truncated {
 		return nil
@@ -246,7 +269,7 @@ func (w *Writer) Attempt(ctx context.Context, pod string, attempt int, reason st
 	if reason != "" {
 		msg += " (" + reason + ")"
 	}
-	return w.add(ctx, w.own(msg))
+	return w.told(w.add(ctx, w.own(msg)))
 }
 
 func (w *Writer) own(text string) v1.LogLine {
@@ -312,31 +335,35 @@ func (w *Writer) Due() bool {
 	return len(w.buf) > 0 && w.opts.Now().Sub(w.since) >= w.opts.FlushEvery
 }
 
-// Flush stores the buffered lines.
+// Flush stores the buffered lines. ErrConflict tells the caller to
+// resume from Position.
 func (w *Writer) Flush(ctx context.Context) error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	return w.flushLocked(ctx)
+	if w.conflict {
+		w.conflict = false
+		return ErrConflict
+	}
+	return w.told(w.flushLocked(ctx))
 }
 
-// Run flushes every FlushEvery until ctx ends (then once more, within a
-// moment, for what is buffered). A conflict is returned.
-func (w *Writer) Run(ctx context.Context) error {
+// Run flushes buffered lines once they waited FlushEvery, until ctx ends.
+func (w *Writer) Run(ctx context.Context) {
 	t := time.NewTicker(w.opts.FlushEvery / 2)
 	defer t.Stop()
 	for {
 		select {
 		case <-t.C:
 			if w.Due() {
-				if err := w.Flush(ctx); err != nil {
-					if ctx.Err() != nil {
-						return nil
-					}
-					return err
-				}
+				// A conflict stays pending for the capturer's next line.
+				// Any other failure is tried again at the next tick (the
+				// lines stay buffered).
+				w.mu.Lock()
+				_ = w.flushLocked(ctx)
+				w.mu.Unlock()
 			}
 		case <-ctx.Done():
-			return nil
+			return
 		}
 	}
 }
@@ -403,10 +430,17 @@ func (w *Writer) publish(ctx context.Context, extra func(nats.Header)) error {
 	m.Header.Set(nats.MsgIdHdr, w.run+"/"+strconv.FormatInt(w.next.bytes, 10)+"/"+strconv.FormatInt(w.next.lines, 10))
 	backoff := 100 * time.Millisecond
 	for attempt := 1; ; attempt++ {
-		ack, err := w.js.PublishMsg(ctx, m, jetstream.WithExpectLastSequencePerSubject(w.last))
+		opts := []jetstream.PublishOpt{jetstream.WithExpectLastSequencePerSubject(w.last)}
+		if mutant.On("log-append-blind") {
+			opts = nil
+		}
+		ack, err := w.js.PublishMsg(ctx, m, opts...)
 		if err == nil {
 			w.last = ack.Sequence
 			w.stored = w.next
+			if w.opts.Stored != nil {
+				w.opts.Stored(len(w.buf))
+			}
 			w.buf = w.buf[:0]
 			return nil
 		}
@@ -426,6 +460,7 @@ func (w *Writer) publish(ctx context.Context, extra func(nats.Header)) error {
 			return nil
 		default:
 			w.take(st, seq)
+			w.conflict = true
 			return ErrConflict
 		}
 		if attempt >= publishAttempts {
@@ -444,6 +479,7 @@ func (w *Writer) publish(ctx context.Context, extra func(nats.Header)) error {
 func (w *Writer) take(st state, seq uint64) {
 	w.stored, w.next, w.last = st, st, seq
 	w.buf = w.buf[:0]
+	w.conflict = false
 }
 
 // resync takes the stored log's state.
