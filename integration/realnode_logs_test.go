@@ -210,6 +210,9 @@ func testLogsOnRealNode(t *testing.T, node *realNode) {
 	if !shown[1].Before(printed[ticks]) {
 		t.Errorf("tick 1 shown at %s, after the last tick was printed at %s", shown[1], printed[ticks])
 	}
+	if seen[1] == 1 && seen[2] == 1 {
+		t.Logf("lag of the lines printed before the kill: tick 1 %s, tick 2 %s", shown[1].Sub(printed[1]).Round(time.Millisecond), shown[2].Sub(printed[2]).Round(time.Millisecond))
+	}
 	sort.Slice(lags, func(i, j int) bool { return lags[i] < lags[j] })
 	if len(lags) > 0 {
 		t.Logf("lag from a line printed to buildq logs -f showing it: p50 %s, max %s (a worker killed and replaced in between)",

@@ -99,7 +99,21 @@ func (k *KubeBackend) capture(ctx context.Context, name string, lw LogWriter) {
 			return done
 		},
 	}
+	resync := false
 	for ctx.Err() == nil && !lw.Ended() {
+		if resync {
+			// After a failure the writer may hold lines it could not
+			// store: drop them and take the stored state, which the
+			// follower resumes from (it reads them again).
+			if err := lw.Resync(ctx); err != nil {
+				k.log.Warn("reading the build's stored log failed; retrying", zap.String("job", name), zap.Error(err))
+				if !sleepCtx(ctx, time.Second) {
+					return
+				}
+				continue
+			}
+			resync = false
+		}
 		pos := lw.Position()
 		err := f.Follow(ctx, kube.LogPosition{Pod: pos.Pod, Container: pos.Container, Time: pos.Time, Count: pos.Count},
 			func(e kube.PodLogEvent) error {
@@ -114,22 +128,36 @@ func (k *KubeBackend) capture(ctx context.Context, name string, lw LogWriter) {
 				}
 				return nil
 			})
-		switch {
-		case err == nil || errors.Is(err, errLogTruncated):
-			if ferr := lw.Flush(ctx); !errors.Is(ferr, buildlog.ErrConflict) {
+		if err == nil || errors.Is(err, errLogTruncated) {
+			err = lw.Flush(ctx)
+			if err == nil {
 				return
 			}
+		}
+		switch {
 		case errors.Is(err, buildlog.ErrConflict):
-			// Another writer appended: resume where the stored log stands.
+			// Another writer appended: resume where the stored log stands
+			// (the writer has taken it).
 		case ctx.Err() != nil:
 			return
 		default:
 			k.log.Warn("following the build's log failed; resuming", zap.String("job", name), zap.Error(err))
-			select {
-			case <-time.After(time.Second):
-			case <-ctx.Done():
+			resync = true
+			if !sleepCtx(ctx, time.Second) {
 				return
 			}
 		}
+	}
+}
+
+// sleepCtx waits d; false when ctx ended first.
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
 	}
 }

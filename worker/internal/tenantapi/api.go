@@ -72,6 +72,8 @@ type Service struct {
 	// the logs requests (logsConcurrency).
 	sem     chan struct{}
 	logsSem chan struct{}
+	// polls: each tenant's logs requests waiting for lines.
+	polls pollCounts
 }
 
 // New returns the service; Serve starts it.

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -27,6 +28,12 @@ import (
 // follower's request waits up to v1.MaxLogsWait for new lines, apart
 // from the status and cancel requests.
 const logsConcurrency = 256
+
+// logsPollsPerTenant bounds the logs requests of one tenant that wait
+// for new lines at once on a worker: past it a request is answered at
+// once (the client asks again), so one tenant's followers cannot hold
+// every other tenant's back.
+const logsPollsPerTenant = 16
 
 // logsIdle: a log with no end stored whose request is answered (its run
 // ended by a worker that died before ending the log) is over once no
@@ -68,6 +75,33 @@ func parseCursor(s string) (logCursor, error) {
 		return logCursor{}, fmt.Errorf("cursor %q is not one this service gave", s)
 	}
 	return c, nil
+}
+
+// pollCounts counts each tenant's waiting logs requests.
+type pollCounts struct {
+	mu sync.Mutex
+	n  map[string]int
+}
+
+func (p *pollCounts) take(tenant string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.n == nil {
+		p.n = map[string]int{}
+	}
+	if p.n[tenant] >= logsPollsPerTenant {
+		return false
+	}
+	p.n[tenant]++
+	return true
+}
+
+func (p *pollCounts) give(tenant string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.n[tenant]--; p.n[tenant] <= 0 {
+		delete(p.n, tenant)
+	}
 }
 
 // logTarget is the run whose log answers a logs request.
@@ -117,6 +151,13 @@ func (w *Service) logs(ctx context.Context, tenant string, data []byte) v1.LogsR
 		return v1.LogsReply{Error: err.Error()}
 	}
 	deadline := time.Now().Add(time.Duration(req.WaitMs) * time.Millisecond)
+	if req.WaitMs > 0 {
+		if !w.polls.take(tenant) {
+			deadline = time.Now() // this tenant waits on enough already
+		} else {
+			defer w.polls.give(tenant)
+		}
+	}
 	for {
 		t, errMsg := w.logTarget(ctx, tenant, req.Target)
 		if errMsg != "" {
