@@ -554,6 +554,8 @@ func (k *KubeBackend) reconcileJob(ctx context.Context, name string, finish func
 		return 0, ctx.Err() == nil
 	}
 	out.Run = job.Annotations[kaniko.AnnotationRun]
+	secrets := kaniko.SecretValues(job)
+	out.Message, out.LogTail = maskSecrets(out.Message, secrets), maskSecrets(out.LogTail, secrets)
 	return finish(ctx, key, out), false
 }
 

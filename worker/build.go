@@ -266,7 +266,7 @@ func (w *builder) newClaim(req *v1.Request, key, repo string, dests []string, se
 		RequestID: req.RequestID, Seq: seq, Tenant: req.Tenant, Name: req.Name,
 		Holder:     ledger.Key(req.Tenant, req.RequestID),
 		Repository: repo, Destinations: dests, StartedAt: now,
-		Source: &src, Timeout: req.Timeout,
+		Source: &src, Timeout: req.Timeout, SecretBuildArgs: req.SecretBuildArgs,
 	}
 }
 

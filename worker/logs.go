@@ -2,6 +2,7 @@ package worker
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"time"
@@ -89,10 +90,7 @@ func (l *buildLogs) open(ctx context.Context, claim *v1.BuildRecord, req *v1.Req
 	if l == nil || !l.cfg.Logs.Enabled {
 		return nil
 	}
-	var mask []string
-	for _, k := range req.SecretBuildArgs {
-		mask = append(mask, req.BuildArgs[k])
-	}
+	mask := secretValues(req, claim)
 	octx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	lw, err := l.open_(octx, claim.Key, claim.Run, buildlog.Options{Cap: l.cfg.Logs.Cap, Mask: mask, Now: l.cfg.Now,
@@ -102,6 +100,36 @@ func (l *buildLogs) open(ctx context.Context, claim *v1.BuildRecord, req *v1.Req
 		return nil
 	}
 	return lw
+}
+
+// secretValues are the values of the build arguments that req or the
+// run's claimer marked secret (one key, so the same values).
+func secretValues(req *v1.Request, claim *v1.BuildRecord) []string {
+	var out []string
+	for _, names := range [][]string{req.SecretBuildArgs, claim.SecretBuildArgs} {
+		for _, k := range names {
+			if v := req.BuildArgs[k]; v != "" {
+				out = append(out, v)
+			}
+		}
+	}
+	return out
+}
+
+// maskSecrets masks the secret build argument values in s (a result's
+// message or log tail).
+func maskSecrets(s string, secrets []string) string {
+	if len(secrets) == 0 || s == "" {
+		return s
+	}
+	return string(buildlog.Mask([]byte(s), secrets))
+}
+
+// endRun ends and archives the log of a run ended from outside its owner
+// (a cancel): final is its final record.
+func (l *buildLogs) endRun(ctx context.Context, final *v1.BuildRecord) {
+	lw := l.open(ctx, final, &v1.Request{Tenant: final.Tenant, Name: final.Name, RequestID: final.RequestID})
+	l.finish(ctx, lw, final)
 }
 
 // logArchiveAttempts bounds the tries to archive a log.
@@ -120,7 +148,11 @@ func (l *buildLogs) finish(ctx context.Context, lw *buildlog.Writer, rec *v1.Bui
 	if reason == v1.ReasonCanceled {
 		state, reason = string(v1.StatusCanceled), ""
 	}
-	if err := lw.End(ctx, state, reason); err != nil {
+	err := lw.End(ctx, state, reason)
+	if errors.Is(err, buildlog.ErrConflict) && lw.Ended() {
+		err = nil // another writer stored the end (a cancel's)
+	}
+	if err != nil {
 		l.log.Warn("the end of the build's log was not stored", zap.String("key", rec.Key), zap.String("run", rec.Run), zap.Error(err))
 		l.cfg.Metrics.logArchived("failed")
 		return &v1.LogRef{Key: rec.Key, Run: rec.Run, Error: "the end of the log was not stored: " + err.Error()}
@@ -129,7 +161,7 @@ func (l *buildLogs) finish(ctx context.Context, lw *buildlog.Writer, rec *v1.Bui
 	if l.cfg.Logs.Archive == nil {
 		return &v1.LogRef{Key: rec.Key, Run: rec.Run}
 	}
-	var err error
+
 	for attempt := 1; attempt <= logArchiveAttempts; attempt++ {
 		var ref *v1.LogRef
 		if ref, err = buildlog.Store(ctx, l.reader, l.cfg.Logs.Archive, rec.Key, rec.Run, object); err == nil {

@@ -46,29 +46,33 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 	// The run's log: its own lines say who runs it, the backend writes
 	// the build's output (logs.go).
 	lw := w.logs.open(ctx, claim, rreq)
-	if lw != nil {
-		if lw.Ended() {
-			lw = nil // its end is stored: a takeover of a run that ended
-		} else {
-			if lw.Lines() == 0 {
-				_ = lw.Own(ctx, fmt.Sprintf("build %s claimed by worker %s for request %s/%s", claim.Key, w.cfg.ID, req.Tenant, req.RequestID))
-			} else {
-				_ = lw.Own(ctx, fmt.Sprintf("worker %s runs the build from here (request %s/%s)", w.cfg.ID, req.Tenant, req.RequestID))
-			}
-			flushCtx, stopFlush := context.WithCancel(runCtx)
-			defer stopFlush()
-			go lw.Run(flushCtx)
-		}
+	secrets := secretValues(rreq, claim)
+	// live is the log the backend writes into: none once the log has
+	// ended (a take-over of a run whose end was stored; it is archived
+	// again below, which changes nothing).
+	live := lw
+	if lw != nil && lw.Ended() {
+		live = nil
 	}
-	out, err := w.backend.Run(runCtx, Build{Request: rreq, Key: claim.Key, Run: claim.Run, Destinations: claim.Destinations, Current: hold.Current, Log: lw}, func(job string, created bool, _ string) {
+	if live != nil {
+		if lw.Lines() == 0 {
+			_ = lw.Own(ctx, fmt.Sprintf("build %s claimed by worker %s for request %s/%s", claim.Key, w.cfg.ID, req.Tenant, req.RequestID))
+		} else {
+			_ = lw.Own(ctx, fmt.Sprintf("worker %s runs the build from here (request %s/%s)", w.cfg.ID, req.Tenant, req.RequestID))
+		}
+		flushCtx, stopFlush := context.WithCancel(runCtx)
+		defer stopFlush()
+		go lw.Run(flushCtx)
+	}
+	out, err := w.backend.Run(runCtx, Build{Request: rreq, Key: claim.Key, Run: claim.Run, Destinations: claim.Destinations, Current: hold.Current, Log: live}, func(job string, created bool, _ string) {
 		msg := "created job " + job
 		phase := v1.PhaseJobCreated
 		if !created {
 			msg = "adopted job " + job + " of a build in progress"
 			phase = v1.PhaseRunning
 		}
-		if lw != nil {
-			_ = lw.Own(runCtx, msg)
+		if live != nil {
+			_ = live.Own(runCtx, msg)
 		}
 		w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: claim.Key, Phase: phase, Job: job, Message: msg})
 		hold.Started(runCtx, job)
@@ -98,6 +102,16 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 				return w.build(ctx, req, held.Key, repo, dests, seq, nil)
 			}
 		}
+		if ctx.Err() != nil && lw != nil {
+			// Stopped from outside: a run a cancel ended has its log
+			// ended here (a shutdown leaves it to the worker that takes
+			// the run over).
+			fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+			if cur, _, gerr := w.runs.Get(fctx, held.Key); gerr == nil && cur != nil && cur.Run == held.Run && cur.Final() {
+				w.logs.finish(fctx, lw, cur)
+			}
+			cancel()
+		}
 		// Shutdown or trouble: let the claim go so another worker takes
 		// the run over now rather than after the lease; parked requests
 		// are requeued, and one of them takes it over.
@@ -108,6 +122,8 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 		return nil, "", false, fmt.Errorf("run build: %w", err)
 	}
 
+	// Secret build arguments are masked in what the result says too.
+	out.Message, out.LogTail = maskSecrets(out.Message, secrets), maskSecrets(out.LogTail, secrets)
 	final := finalRecord(&held, out, w.cfg.Now())
 	final.Logs = w.logs.finish(ctx, lw, final)
 	if w.faults != nil && w.faults.beforeFinalize != nil {

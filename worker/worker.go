@@ -20,6 +20,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap"
+	"golang.org/x/sync/errgroup"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/worker/internal/buildlog"
@@ -106,16 +107,16 @@ func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 		MaxDeliver: cfg.MaxDeliver, MaxInFlight: cfg.MaxInFlight, Now: cfg.Now, Log: log, Metrics: queueMetrics{cfg.Metrics}, Ledger: w.ledger})
 	w.park = &parking{cfg: &w.cfg, ledger: w.ledger, runs: w.runs, js: js, log: log, bg: &w.bg,
 		publish: w.publish, answer: w.resultVerdict, parked: parkWatch{seen: map[string]observed{}}}
-	apiCfg := tenantapi.Config{Ledger: w.ledger, Runs: w.runs, NC: nc, Log: log, Now: cfg.Now, AnyReply: cfg.AnyReply,
-		StopBuild: w.stopBuild, AnswerParked: w.park.answerWaiters, ReplyRefused: cfg.Metrics.replyRefused}
-	if cfg.Logs.Enabled {
-		apiCfg.Logs, apiCfg.Archive = buildlog.NewReader(js), cfg.Logs.Archive
-	}
-	w.api = tenantapi.New(apiCfg)
 	w.logs = &buildLogs{cfg: &w.cfg, reader: buildlog.NewReader(js), log: log,
 		open_: func(ctx context.Context, key, run string, opts buildlog.Options) (*buildlog.Writer, error) {
 			return buildlog.Open(ctx, js, key, run, opts)
 		}}
+	apiCfg := tenantapi.Config{Ledger: w.ledger, Runs: w.runs, NC: nc, Log: log, Now: cfg.Now, AnyReply: cfg.AnyReply,
+		StopBuild: w.stopBuild, AnswerParked: w.park.answerWaiters, ReplyRefused: cfg.Metrics.replyRefused}
+	if cfg.Logs.Enabled {
+		apiCfg.Logs, apiCfg.Archive, apiCfg.EndLog = buildlog.NewReader(js), cfg.Logs.Archive, w.logs.endRun
+	}
+	w.api = tenantapi.New(apiCfg)
 	w.builds = &builder{Worker: w, orphans: orphanWatch{seen: map[string]observed{}}}
 	// Every write that ends or lets go a run answers its parked requests.
 	w.runs.OnEnded(w.park.answerWaiters)
@@ -181,27 +182,36 @@ func setupRetryable(err error) bool {
 }
 
 func (w *Worker) setup(ctx context.Context) error {
-	kv, cons, err := EnsureStreams(ctx, w.js, w.cfg)
-	if err != nil {
+	// The groups are independent: created at once, a replicated
+	// cluster's slow stream creations overlap instead of adding up.
+	var (
+		g                errgroup.Group
+		builds, ledgerKV jetstream.KeyValue
+		cons             jetstream.Consumer
+	)
+	g.Go(func() (err error) {
+		builds, cons, err = EnsureStreams(ctx, w.js, w.cfg)
+		return err
+	})
+	g.Go(func() error { return w.fq.Setup(ctx, w.cfg.Storage, w.cfg.Replicas, w.cfg.DuplicateWindow) })
+	g.Go(func() (err error) {
+		ledgerKV, err = ledger.EnsureBucket(ctx, w.js, ledger.BucketConfig{TTL: w.cfg.ResultsMaxAge, Storage: w.cfg.Storage, Replicas: w.cfg.Replicas})
+		return err
+	})
+	if w.cfg.Logs.Enabled {
+		g.Go(func() error {
+			_, err := buildlog.EnsureStream(ctx, w.js, buildlog.StreamConfig{MaxAge: w.cfg.Logs.MaxAge, MaxBytes: w.cfg.Logs.MaxBytes,
+				Storage: w.cfg.Storage, Replicas: w.cfg.Replicas, Duplicates: w.cfg.DuplicateWindow})
+			return err
+		})
+	}
+	if err := g.Wait(); err != nil {
 		return err
 	}
-	w.runs.UseBucket(kv)
+	w.runs.UseBucket(builds)
 	w.cons = cons
 	w.ackWait.Store(int64(cons.CachedInfo().Config.AckWait))
-	if err := w.fq.Setup(ctx, w.cfg.Storage, w.cfg.Replicas, w.cfg.DuplicateWindow); err != nil {
-		return err
-	}
-	kv, err = ledger.EnsureBucket(ctx, w.js, ledger.BucketConfig{TTL: w.cfg.ResultsMaxAge, Storage: w.cfg.Storage, Replicas: w.cfg.Replicas})
-	if err != nil {
-		return err
-	}
-	w.ledger.UseBucket(kv)
-	if w.cfg.Logs.Enabled {
-		if _, err := buildlog.EnsureStream(ctx, w.js, buildlog.StreamConfig{MaxAge: w.cfg.Logs.MaxAge, MaxBytes: w.cfg.Logs.MaxBytes,
-			Storage: w.cfg.Storage, Replicas: w.cfg.Replicas, Duplicates: w.cfg.DuplicateWindow}); err != nil {
-			return err
-		}
-	}
+	w.ledger.UseBucket(ledgerKV)
 	return nil
 }
 
@@ -210,6 +220,34 @@ func (w *Worker) setup(ctx context.Context) error {
 // stream, the buildq-workers consumer and the buildq-builds bucket.
 func EnsureStreams(ctx context.Context, js jetstream.JetStream, cfg Config) (jetstream.KeyValue, jetstream.Consumer, error) {
 	cfg = cfg.WithDefaults()
+	// Independent resources are created at once (a replicated cluster's
+	// creations overlap); the consumer follows its stream.
+	var (
+		g    errgroup.Group
+		kv   jetstream.KeyValue
+		cons jetstream.Consumer
+	)
+	g.Go(func() error {
+		if err := createRequests(ctx, js, cfg); err != nil {
+			return err
+		}
+		var err error
+		cons, err = createWorkersConsumer(ctx, js, cfg)
+		return err
+	})
+	g.Go(func() error { return createResults(ctx, js, cfg) })
+	g.Go(func() error { return createDeadLetter(ctx, js, cfg) })
+	g.Go(func() (err error) {
+		kv, err = createBuilds(ctx, js, cfg)
+		return err
+	})
+	if err := g.Wait(); err != nil {
+		return nil, nil, err
+	}
+	return kv, cons, nil
+}
+
+func createRequests(ctx context.Context, js jetstream.JetStream, cfg Config) error {
 	if _, err := js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
 		Name:        v1.RequestsStream,
 		Description: "buildq build requests (work queue)",
@@ -219,8 +257,12 @@ func EnsureStreams(ctx context.Context, js jetstream.JetStream, cfg Config) (jet
 		Replicas:    cfg.Replicas,
 		Duplicates:  cfg.DuplicateWindow,
 	}); err != nil {
-		return nil, nil, fmt.Errorf("create stream %s: %w", v1.RequestsStream, err)
+		return fmt.Errorf("create stream %s: %w", v1.RequestsStream, err)
 	}
+	return nil
+}
+
+func createResults(ctx context.Context, js jetstream.JetStream, cfg Config) error {
 	if _, err := js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
 		Name:        v1.ResultsStream,
 		Description: "buildq build results (CloudEvents), one per request",
@@ -240,8 +282,12 @@ func EnsureStreams(ctx context.Context, js jetstream.JetStream, cfg Config) (jet
 		Replicas:         cfg.Replicas,
 		Duplicates:       cfg.DuplicateWindow,
 	}); err != nil {
-		return nil, nil, fmt.Errorf("create stream %s: %w", v1.ResultsStream, err)
+		return fmt.Errorf("create stream %s: %w", v1.ResultsStream, err)
 	}
+	return nil
+}
+
+func createDeadLetter(ctx context.Context, js jetstream.JetStream, cfg Config) error {
 	if _, err := js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
 		Name:        v1.DeadLetterStream,
 		Description: "buildq requests that exhausted their deliveries",
@@ -252,8 +298,12 @@ func EnsureStreams(ctx context.Context, js jetstream.JetStream, cfg Config) (jet
 		Replicas:    cfg.Replicas,
 		Duplicates:  cfg.DuplicateWindow,
 	}); err != nil {
-		return nil, nil, fmt.Errorf("create stream %s: %w", v1.DeadLetterStream, err)
+		return fmt.Errorf("create stream %s: %w", v1.DeadLetterStream, err)
 	}
+	return nil
+}
+
+func createWorkersConsumer(ctx context.Context, js jetstream.JetStream, cfg Config) (jetstream.Consumer, error) {
 	cons, err := js.CreateOrUpdateConsumer(ctx, v1.RequestsStream, jetstream.ConsumerConfig{
 		Durable:     v1.WorkersConsumer,
 		Description: "buildq workers (shared)",
@@ -268,8 +318,12 @@ func EnsureStreams(ctx context.Context, js jetstream.JetStream, cfg Config) (jet
 		FilterSubject: v1.RequestsPrefix + ".>",
 	})
 	if err != nil {
-		return nil, nil, fmt.Errorf("create consumer %s: %w", v1.WorkersConsumer, err)
+		return nil, fmt.Errorf("create consumer %s: %w", v1.WorkersConsumer, err)
 	}
+	return cons, nil
+}
+
+func createBuilds(ctx context.Context, js jetstream.JetStream, cfg Config) (jetstream.KeyValue, error) {
 	kv, err := js.CreateOrUpdateKeyValue(ctx, jetstream.KeyValueConfig{
 		Bucket:      v1.BuildsBucket,
 		Description: "buildq build claims and the build key → digest index",
@@ -283,9 +337,9 @@ func EnsureStreams(ctx context.Context, js jetstream.JetStream, cfg Config) (jet
 		Replicas: cfg.Replicas,
 	})
 	if err != nil {
-		return nil, nil, fmt.Errorf("create key-value bucket %s: %w", v1.BuildsBucket, err)
+		return nil, fmt.Errorf("create key-value bucket %s: %w", v1.BuildsBucket, err)
 	}
-	return kv, cons, nil
+	return kv, nil
 }
 
 // Run consumes requests until ctx ends. Then it stops fetching and hands

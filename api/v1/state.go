@@ -137,7 +137,10 @@ type BuildRecord struct {
 	// from them, not from the taking request's.
 	Source  *Source  `json:"source,omitempty"`
 	Timeout Duration `json:"timeout,omitzero"`
-	Image   string   `json:"image,omitempty"`
+	// SecretBuildArgs names the build arguments the claimer marked secret
+	// (names only): the run's log masks them whoever runs it.
+	SecretBuildArgs []string `json:"secretBuildArgs,omitempty"`
+	Image           string   `json:"image,omitempty"`
 	// Pushed lists every repo:tag known to point at Digest.
 	Pushed  []string `json:"pushed,omitempty"`
 	Digest  string   `json:"digest,omitempty"`

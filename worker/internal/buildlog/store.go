@@ -32,7 +32,7 @@ type StreamConfig struct {
 // Defaults of the stream.
 const (
 	DefaultMaxAge   = 24 * time.Hour
-	DefaultMaxBytes = 1 << 30
+	DefaultMaxBytes = 256 << 20
 )
 
 // EnsureStream creates or updates BUILDQ_LOGS.

@@ -15,10 +15,12 @@
 package buildlog
 
 import (
+	"bytes"
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
-	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -105,16 +107,34 @@ func (o Options) withDefaults() Options {
 	if o.Now == nil {
 		o.Now = time.Now
 	}
-	// Longest first: a secret that contains another is masked whole.
-	var mask []string
-	for _, m := range o.Mask {
-		if m != "" {
-			mask = append(mask, m)
+	o.Mask = maskValues(o.Mask)
+	return o
+}
+
+// maskValues are the strings to mask for secret values: each non-empty
+// value, and each line (of 4 bytes or more) of a value that holds
+// several, since an executor prints such a value a line at a time.
+func maskValues(secrets []string) []string {
+	seen := map[string]bool{}
+	var out []string
+	add := func(v string) {
+		if v != "" && !seen[v] {
+			seen[v] = true
+			out = append(out, v)
 		}
 	}
-	sort.Slice(mask, func(i, j int) bool { return len(mask[i]) > len(mask[j]) })
-	o.Mask = mask
-	return o
+	for _, v := range secrets {
+		if !strings.ContainsAny(v, "\r\n") {
+			add(v)
+			continue
+		}
+		for _, line := range strings.FieldsFunc(v, func(r rune) bool { return r == '\n' || r == '\r' }) {
+			if len(line) >= 4 {
+				add(line)
+			}
+		}
+	}
+	return out
 }
 
 // state is what the stored log says (and, ahead of it, what the writer
@@ -133,6 +153,8 @@ type Writer struct {
 	subject string
 	run     string
 	opts    Options
+	// id tells this writer's chunks from another's (Nats-Msg-Id).
+	id string
 
 	mu sync.Mutex
 	// stored is the state after the last stored chunk; last its sequence
@@ -151,7 +173,9 @@ type Writer struct {
 
 // Open returns a writer for run of key, resuming after what is stored.
 func Open(ctx context.Context, js jetstream.JetStream, key, run string, opts Options) (*Writer, error) {
-	w := &Writer{js: js, subject: v1.LogsSubject(key, run), run: run, opts: opts.withDefaults()}
+	var id [6]byte
+	_, _ = rand.Read(id[:])
+	w := &Writer{js: js, subject: v1.LogsSubject(key, run), run: run, opts: opts.withDefaults(), id: hex.EncodeToString(id[:])}
 	if err := w.resync(ctx); err != nil {
 		return nil, err
 	}
@@ -274,13 +298,18 @@ func (w *Writer) Attempt(ctx context.Context, pod string, attempt int, reason st
 
 func (w *Writer) own(text string) v1.LogLine {
 	attempt := max(w.next.pos.Attempt, 1)
-	return v1.LogLine{Time: w.opts.Now().UTC(), Stream: v1.LogStreamBuildq, Attempt: attempt, Text: []byte(strings.ReplaceAll(text, "\n", " "))}
+	return v1.LogLine{Time: w.opts.Now().UTC(), Stream: v1.LogStreamBuildq, Attempt: attempt, Text: w.mask([]byte(text))}
 }
 
 // add buffers l, or the marker when l would pass the cap; w.mu is held.
 func (w *Writer) add(ctx context.Context, l v1.LogLine) error {
 	if l.Attempt == 0 {
 		l.Attempt = 1
+	}
+	if bytes.IndexByte(l.Text, '\n') >= 0 {
+		// A line is a line: a newline in its text would start another,
+		// which could pass for one of buildq's own.
+		l.Text = bytes.ReplaceAll(l.Text, []byte("\n"), []byte(" "))
 	}
 	// A line longer than a chunk is split: a chunk must fit a message.
 	limit := w.opts.ChunkBytes - 128 - len(l.Stream)
@@ -311,21 +340,49 @@ func (w *Writer) add(ctx context.Context, l v1.LogLine) error {
 	return nil
 }
 
-func (w *Writer) mask(text []byte) []byte {
-	if len(w.opts.Mask) == 0 {
+func (w *Writer) mask(text []byte) []byte { return maskBytes(text, w.opts.Mask) }
+
+// Mask masks secret values in text as a writer does.
+func Mask(text []byte, secrets []string) []byte { return maskBytes(text, maskValues(secrets)) }
+
+// maskBytes replaces every byte of text that any of masks covers with
+// "***", one per run of covered bytes: overlapping and nested secrets are
+// masked whole, whatever their order.
+func maskBytes(text []byte, masks []string) []byte {
+	if len(masks) == 0 {
 		return text
 	}
-	s := string(text)
-	changed := false
-	for _, m := range w.opts.Mask {
-		if strings.Contains(s, m) {
-			s, changed = strings.ReplaceAll(s, m, "***"), true
+	var covered []bool
+	for _, m := range masks {
+		for from := 0; from < len(text); {
+			i := bytes.Index(text[from:], []byte(m))
+			if i < 0 {
+				break
+			}
+			if covered == nil {
+				covered = make([]bool, len(text))
+			}
+			for j := from + i; j < from+i+len(m); j++ {
+				covered[j] = true
+			}
+			from += i + 1
 		}
 	}
-	if !changed {
+	if covered == nil {
 		return text
 	}
-	return []byte(s)
+	out := make([]byte, 0, len(text))
+	for i := 0; i < len(text); i++ {
+		if !covered[i] {
+			out = append(out, text[i])
+			continue
+		}
+		out = append(out, "***"...)
+		for i+1 < len(text) && covered[i+1] {
+			i++
+		}
+	}
+	return out
 }
 
 // Due reports whether buffered lines have waited FlushEvery.
@@ -425,9 +482,10 @@ func (w *Writer) publish(ctx context.Context, extra func(nats.Header)) error {
 	if extra != nil {
 		extra(m.Header)
 	}
-	// Unique per chunk of the run: a retry of a publish that landed is
-	// dropped by the stream's duplicate window.
-	m.Header.Set(nats.MsgIdHdr, w.run+"/"+strconv.FormatInt(w.next.bytes, 10)+"/"+strconv.FormatInt(w.next.lines, 10))
+	// Unique per chunk of this writer: its retry of a publish that landed
+	// is dropped by the stream's duplicate window; another writer's chunk
+	// with the same totals is not.
+	m.Header.Set(nats.MsgIdHdr, w.run+"/"+w.id+"/"+strconv.FormatInt(w.next.bytes, 10)+"/"+strconv.FormatInt(w.next.lines, 10))
 	backoff := 100 * time.Millisecond
 	for attempt := 1; ; attempt++ {
 		opts := []jetstream.PublishOpt{jetstream.WithExpectLastSequencePerSubject(w.last)}

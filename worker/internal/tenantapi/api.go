@@ -57,6 +57,9 @@ type Config struct {
 	// ReplyRefused counts a request left unanswered for its reply subject
 	// (may be nil).
 	ReplyRefused func(tenant string)
+	// EndLog ends and archives the log of a run a cancel ended (its
+	// final record); nil: nothing to do.
+	EndLog func(ctx context.Context, final *v1.BuildRecord)
 	// Logs reads runs' logs from BUILDQ_LOGS, Archive their archives (nil
 	// Logs: build logs are off, and the logs service says so).
 	Logs    *buildlog.Reader
@@ -72,8 +75,10 @@ type Service struct {
 	// the logs requests (logsConcurrency).
 	sem     chan struct{}
 	logsSem chan struct{}
-	// polls: each tenant's logs requests waiting for lines.
-	polls pollCounts
+	// polls: each tenant's logs requests waiting for lines; archives:
+	// the last log archive read.
+	polls    pollCounts
+	archives archiveCache
 }
 
 // New returns the service; Serve starts it.
@@ -176,7 +181,17 @@ func (w *Service) Serve(ctx context.Context) (func(), error) {
 			}
 			s, err = w.cfg.NC.QueueSubscribe(h.subject, h.queue, func(m *nats.Msg) {
 				sem <- struct{}{}
-				go func() { defer func() { <-sem }(); fn(m) }()
+				go func() {
+					defer func() { <-sem }()
+					// A request that panics the service is a bug to fix,
+					// never a way for a tenant to stop the worker.
+					defer func() {
+						if p := recover(); p != nil {
+							w.cfg.Log.Error("tenant API request panicked", zap.String("subject", m.Subject), zap.Any("panic", p), zap.Stack("stack"))
+						}
+					}()
+					fn(m)
+				}()
 			})
 		} else {
 			s, err = w.cfg.NC.Subscribe(h.subject, h.fn)
@@ -461,12 +476,23 @@ func (w *Service) stopBuild(ctx context.Context, tenant, key string, hadRequests
 		case cur.Final():
 			return false, "the build already finished: " + cur.State
 		}
-		ok, err := w.cfg.Runs.EndAt(ctx, runs.Canceled(cur, w.cfg.Now()), rev)
+		final := runs.Canceled(cur, w.cfg.Now())
+		ok, err := w.cfg.Runs.EndAt(ctx, final, rev)
 		if err != nil {
 			return false, err.Error()
 		}
 		if !ok {
 			continue
+		}
+		if w.cfg.EndLog != nil {
+			// The owner's capture stops with its Job; the log ends here,
+			// so its followers stop too. Apart from the reply: it reads
+			// the log back to archive it.
+			go func() {
+				lctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+				defer cancel()
+				w.cfg.EndLog(lctx, final)
+			}()
 		}
 		// The owner notices at its next renewal; stop the build now so
 		// nothing is pushed after the cancel.

@@ -14,6 +14,7 @@ import (
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/worker/internal/buildlog"
+	"github.com/buildq/buildq/worker/internal/ledger"
 	"github.com/buildq/buildq/worker/internal/mutant"
 )
 
@@ -24,10 +25,14 @@ import (
 // key when its own request claimed the build or waits on it — the same
 // answer whether another tenant's build of the key exists or not.
 
-// logsConcurrency bounds the logs requests a worker holds at once: a
-// follower's request waits up to v1.MaxLogsWait for new lines, apart
-// from the status and cancel requests.
-const logsConcurrency = 256
+// logsConcurrency bounds the logs requests a worker holds at once, apart
+// from the status and cancel requests; logsPolls bounds those of them
+// that wait for new lines (up to v1.MaxLogsWait): past it a request is
+// answered at once, so the bound on waiting never holds up the others.
+const (
+	logsConcurrency = 1024
+	logsPolls       = 256
+)
 
 // logsPollsPerTenant bounds the logs requests of one tenant that wait
 // for new lines at once on a worker: past it a request is answered at
@@ -77,10 +82,43 @@ func parseCursor(s string) (logCursor, error) {
 	return c, nil
 }
 
+// archiveCache keeps the last archive read, decompressed: a reader pages
+// through one archive, and each page would otherwise read and inflate it
+// whole again.
+type archiveCache struct {
+	mu   sync.Mutex
+	ref  v1.LogRef
+	data []byte
+}
+
+// maxCachedArchive bounds the archive kept.
+const maxCachedArchive = 64 << 20
+
+func (c *archiveCache) read(ctx context.Context, a buildlog.Archive, ref *v1.LogRef) ([]byte, error) {
+	c.mu.Lock()
+	if c.data != nil && c.ref == *ref {
+		data := c.data
+		c.mu.Unlock()
+		return data, nil
+	}
+	c.mu.Unlock()
+	data, err := buildlog.ReadArchive(ctx, a, ref)
+	if err != nil {
+		return nil, err
+	}
+	if len(data) <= maxCachedArchive {
+		c.mu.Lock()
+		c.ref, c.data = *ref, data
+		c.mu.Unlock()
+	}
+	return data, nil
+}
+
 // pollCounts counts each tenant's waiting logs requests.
 type pollCounts struct {
-	mu sync.Mutex
-	n  map[string]int
+	mu    sync.Mutex
+	n     map[string]int
+	total int
 }
 
 func (p *pollCounts) take(tenant string) bool {
@@ -89,16 +127,18 @@ func (p *pollCounts) take(tenant string) bool {
 	if p.n == nil {
 		p.n = map[string]int{}
 	}
-	if p.n[tenant] >= logsPollsPerTenant {
+	if p.n[tenant] >= logsPollsPerTenant || p.total >= logsPolls {
 		return false
 	}
 	p.n[tenant]++
+	p.total++
 	return true
 }
 
 func (p *pollCounts) give(tenant string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	p.total--
 	if p.n[tenant]--; p.n[tenant] <= 0 {
 		delete(p.n, tenant)
 	}
@@ -296,10 +336,13 @@ func (w *Service) streamPage(ctx context.Context, t logTarget, cur *logCursor, r
 
 // archivePage reads the archive after cur.off.
 func (w *Service) archivePage(ctx context.Context, t logTarget, cur *logCursor, req v1.LogsRequest) (logPage, error) {
+	if !t.ref.Archived() {
+		return logPage{}, fmt.Errorf("the cursor names the archive of the log of run %s, which has none", t.run)
+	}
 	if w.cfg.Archive == nil {
 		return logPage{}, fmt.Errorf("the log of run %s is archived, but this worker cannot read the archive", t.run)
 	}
-	data, err := buildlog.ReadArchive(ctx, w.cfg.Archive, t.ref)
+	data, err := w.archives.read(ctx, w.cfg.Archive, t.ref)
 	if err != nil {
 		return logPage{}, err
 	}
@@ -398,14 +441,27 @@ func (w *Service) logTarget(ctx context.Context, tenant, target string) (logTarg
 			if err != nil {
 				return logTarget{}, err.Error()
 			}
+			// The key's current run answers the request only when the
+			// tenant's own request claimed it, or this request waits on
+			// it — registered as a waiter once it was shown to hold the
+			// content (a request with the key of another tenant's build
+			// sees nothing of it before that).
+			mine := rec != nil && rec.Tenant == tenant
+			if rec != nil && !mine && !t.answered {
+				if mine, err = w.waits(ctx, e.Key, func(le *ledger.Entry) bool {
+					return le.E.Tenant == tenant && le.E.RequestID == e.RequestID
+				}); err != nil {
+					return logTarget{}, err.Error()
+				}
+			}
 			switch {
-			case t.answered:
-				return logTarget{}, fmt.Sprintf("no log is kept of the build that answered request %s (%s): it was built before logs were kept, or its log aged out", target, e.Key)
-			case rec != nil:
+			case mine:
 				t.run = rec.Run
 				if rec.Logs != nil && rec.Logs.Run == rec.Run {
 					t.ref = rec.Logs
 				}
+			case t.answered:
+				return logTarget{}, fmt.Sprintf("no log is kept of the build that answered request %s (%s): it was built before logs were kept, or its log aged out", target, e.Key)
 			}
 		}
 		switch e.Origin {
@@ -430,13 +486,9 @@ func (w *Service) logTarget(ctx context.Context, tenant, target string) (logTarg
 	if rec.Tenant != tenant && !mutant.On("logs-any-tenant") {
 		// Another tenant's build: readable only while a request of this
 		// tenant waits on it.
-		ws, err := w.cfg.Ledger.Waiters(ctx, target)
+		mine, err := w.waits(ctx, target, func(le *ledger.Entry) bool { return le.E.Tenant == tenant })
 		if err != nil {
 			return logTarget{}, err.Error()
-		}
-		mine := false
-		for _, le := range ws {
-			mine = mine || le.E.Tenant == tenant
 		}
 		if !mine {
 			return logTarget{}, none
@@ -450,6 +502,20 @@ func (w *Service) logTarget(ctx context.Context, tenant, target string) (logTarg
 		t.answered, t.state, t.reason = true, rec.State, rec.Reason
 	}
 	return t, ""
+}
+
+// waits reports whether a request that match accepts waits on key.
+func (w *Service) waits(ctx context.Context, key string, match func(*ledger.Entry) bool) (bool, error) {
+	ws, err := w.cfg.Ledger.Waiters(ctx, key)
+	if err != nil {
+		return false, err
+	}
+	for _, le := range ws {
+		if match(le) {
+			return true, nil
+		}
+	}
+	return false, nil
 }
 
 func short(key string) string {

@@ -1,6 +1,7 @@
 package tenantapi
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -78,6 +79,16 @@ func TestPollsPerTenant(t *testing.T) {
 	p.give("acme")
 	if !p.take("acme") {
 		t.Fatal("a poll given back was not free again")
+	}
+	// The bound over all tenants.
+	var q pollCounts
+	for i := range logsPolls {
+		if !q.take(fmt.Sprint("t", i/logsPollsPerTenant)) {
+			t.Fatalf("poll %d under the total was refused", i)
+		}
+	}
+	if q.take("another") {
+		t.Fatal("a poll past the total was taken")
 	}
 }
 
