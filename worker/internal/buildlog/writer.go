@@ -165,6 +165,10 @@ type Writer struct {
 	next  state
 	buf   []byte
 	since time.Time // when the first buffered line was added
+	// flushed is when a chunk was last stored: a line after a quiet
+	// FlushEvery is stored at once (leading edge), the lines that follow
+	// it within FlushEvery wait for the next chunk.
+	flushed time.Time
 	// conflict: a flush found the stored log moved on (ErrConflict) and
 	// dropped the buffer; the next Line or Attempt says so, so its
 	// caller resumes from Position instead of going on after a gap.
@@ -331,12 +335,16 @@ func (w *Writer) add(ctx context.Context, l v1.LogLine) error {
 			return err
 		}
 	}
+	now := w.opts.Now()
 	if len(w.buf) == 0 {
-		w.since = w.opts.Now()
+		w.since = now
 	}
 	w.buf = append(w.buf, line...)
 	w.next.bytes += int64(len(line))
 	w.next.lines++
+	if now.Sub(w.flushed) >= w.opts.FlushEvery {
+		return w.flushLocked(ctx)
+	}
 	return nil
 }
 
@@ -496,6 +504,7 @@ func (w *Writer) publish(ctx context.Context, extra func(nats.Header)) error {
 		if err == nil {
 			w.last = ack.Sequence
 			w.stored = w.next
+			w.flushed = w.opts.Now()
 			if w.opts.Stored != nil {
 				w.opts.Stored(len(w.buf))
 			}

@@ -169,10 +169,13 @@ func TestWriterConflict(t *testing.T) {
 	if err := a.Flush(ctx); err != nil {
 		t.Fatal(err)
 	}
-	_ = b.Line(ctx, "p1", "kaniko", 1, t0, []byte("one"))
-	_ = b.Line(ctx, "p1", "kaniko", 1, t0.Add(time.Second), []byte("two"))
-	if err := b.Flush(ctx); !errors.Is(err, ErrConflict) {
-		t.Fatalf("second writer's flush: %v, want ErrConflict", err)
+	// b read another line at the same place: its chunk is refused.
+	err := b.Line(ctx, "p1", "kaniko", 1, t0, []byte("not one"))
+	if err == nil {
+		err = b.Flush(ctx)
+	}
+	if !errors.Is(err, ErrConflict) {
+		t.Fatalf("second writer's append: %v, want ErrConflict", err)
 	}
 	if p := b.Position(); !p.Time.Equal(t0) || p.Count != 1 {
 		t.Fatalf("after the conflict the writer stands at %+v", p)
@@ -345,18 +348,23 @@ func TestWriterPeriodicConflictReachesTheCapturer(t *testing.T) {
 	js, _ := setup(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	a, _ := Open(ctx, js, testKey, "r1", Options{})
-	b, _ := Open(ctx, js, testKey, "r1", Options{FlushEvery: 20 * time.Millisecond})
-	_ = a.Line(ctx, "p", "kaniko", 1, t0, []byte("a's"))
-	if err := a.Flush(ctx); err != nil {
+	b, _ := Open(ctx, js, testKey, "r1", Options{FlushEvery: 300 * time.Millisecond})
+	// b's first line is stored at once (nothing stored for a while).
+	if err := b.Line(ctx, "p", "kaniko", 1, t0, []byte("b0")); err != nil {
 		t.Fatal(err)
 	}
-	if err := b.Line(ctx, "p", "kaniko", 1, t0.Add(time.Second), []byte("b's")); err != nil {
+	a, _ := Open(ctx, js, testKey, "r1", Options{})
+	if err := a.Line(ctx, "p", "kaniko", 1, t0.Add(time.Second), []byte("a1")); err != nil {
+		t.Fatal(err)
+	}
+	// b's next line waits for its next chunk, which the periodic flush
+	// stores — or finds a's there.
+	if err := b.Line(ctx, "p", "kaniko", 1, t0.Add(time.Second), []byte("b1, another line")); err != nil {
 		t.Fatal(err)
 	}
 	go b.Run(ctx)
 	deadline := time.Now().Add(5 * time.Second)
-	for b.Lines() != 1 || b.Position().Time != t0 {
+	for b.Lines() != 2 || !b.Position().Time.Equal(t0.Add(time.Second)) || b.Due() {
 		if time.Now().After(deadline) {
 			t.Fatalf("b's flush did not meet the conflict: lines %d, position %+v", b.Lines(), b.Position())
 		}
@@ -365,7 +373,7 @@ func TestWriterPeriodicConflictReachesTheCapturer(t *testing.T) {
 	if err := b.Line(ctx, "p", "kaniko", 1, t0.Add(2*time.Second), []byte("next")); !errors.Is(err, ErrConflict) {
 		t.Fatalf("the line after a dropped flush: %v, want ErrConflict", err)
 	}
-	if err := b.Line(ctx, "p", "kaniko", 1, t0.Add(time.Second), []byte("b's")); err != nil {
+	if err := b.Line(ctx, "p", "kaniko", 1, t0.Add(2*time.Second), []byte("next")); err != nil {
 		t.Fatalf("the resumed line: %v", err)
 	}
 }
