@@ -414,7 +414,7 @@ func (w *Writer) Flush(ctx context.Context) error {
 
 // Run flushes buffered lines once they waited FlushEvery, until ctx ends.
 func (w *Writer) Run(ctx context.Context) {
-	t := time.NewTicker(w.opts.FlushEvery / 2)
+	t := time.NewTicker(w.opts.FlushEvery / 5)
 	defer t.Stop()
 	for {
 		select {
