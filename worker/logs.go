@@ -77,10 +77,10 @@ type LogWriter = *buildlog.Writer
 
 // buildLogs opens and ends runs' logs.
 type buildLogs struct {
-	cfg    *Config
-	reader *buildlog.Reader
-	log    *zap.Logger
-	open_  func(ctx context.Context, key, run string, opts buildlog.Options) (*buildlog.Writer, error)
+	cfg     *Config
+	reader  *buildlog.Reader
+	log     *zap.Logger
+	openLog func(ctx context.Context, key, run string, opts buildlog.Options) (*buildlog.Writer, error)
 }
 
 // open returns the writer of claim's run, or nil when logs are off or
@@ -93,7 +93,7 @@ func (l *buildLogs) open(ctx context.Context, claim *v1.BuildRecord, req *v1.Req
 	mask := secretValues(req, claim)
 	octx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	lw, err := l.open_(octx, claim.Key, claim.Run, buildlog.Options{Cap: l.cfg.Logs.Cap, Mask: mask, Now: l.cfg.Now,
+	lw, err := l.openLog(octx, claim.Key, claim.Run, buildlog.Options{Cap: l.cfg.Logs.Cap, Mask: mask, Now: l.cfg.Now,
 		Object: v1.ArchiveObject(claim.Tenant, claim.Key, claim.Run), Stored: l.cfg.Metrics.logStored})
 	if err != nil {
 		l.log.Warn("the build's log is not captured: its stream cannot be read", zap.String("key", claim.Key), zap.String("run", claim.Run), zap.Error(err))

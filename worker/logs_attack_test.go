@@ -615,7 +615,7 @@ func TestLogAttackLongPollFloodDoesNotStarveOthers(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer sub.Unsubscribe()
+	defer func() { _ = sub.Unsubscribe() }()
 	b, _ := json.Marshal(v1.LogsRequest{Target: flood.RequestID, Cursor: floodCur, WaitMs: 10_000})
 	sent := time.Now()
 	for i := range polls {
@@ -642,7 +642,7 @@ func TestLogAttackLongPollFloodDoesNotStarveOthers(t *testing.T) {
 	// The flood past its 16: answered at once.
 	quick := 0
 	deadline := time.After(12 * time.Second)
-	for got := 0; got < polls; got++ {
+	for got := range polls {
 		select {
 		case at := <-replies:
 			if at.Sub(sent) < 3*time.Second {
@@ -668,7 +668,7 @@ func TestLogAttackLongPollFloodDoesNotStarveOthers(t *testing.T) {
 func TestLogAttackReplyNotTheTenantsInbox(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
-	e.startLogWorker("w1", &scriptBackend{run: func(ctx context.Context, b Build) (Outcome, error) { return scriptFailure(), nil }}, &memLogArchive{}, nil, nil)
+	e.startLogWorker("w1", &scriptBackend{run: func(context.Context, Build) (Outcome, error) { return scriptFailure(), nil }}, &memLogArchive{}, nil, nil)
 	got := make(chan string, 8)
 	refused := []string{"_INBOX_mallory.x", "_INBOX.x", "$KV.buildq-builds.x", "_INBOX_acme"}
 	for _, s := range append(refused, "_INBOX_acme.ok") {
@@ -676,7 +676,7 @@ func TestLogAttackReplyNotTheTenantsInbox(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		defer sub.Unsubscribe()
+		t.Cleanup(func() { _ = sub.Unsubscribe() })
 	}
 	// The worker answers once its API is up.
 	eventually(t, 5*time.Second, "the logs service", func() bool {

@@ -108,7 +108,7 @@ func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 	w.park = &parking{cfg: &w.cfg, ledger: w.ledger, runs: w.runs, js: js, log: log, bg: &w.bg,
 		publish: w.publish, answer: w.resultVerdict, parked: parkWatch{seen: map[string]observed{}}}
 	w.logs = &buildLogs{cfg: &w.cfg, reader: buildlog.NewReader(js), log: log,
-		open_: func(ctx context.Context, key, run string, opts buildlog.Options) (*buildlog.Writer, error) {
+		openLog: func(ctx context.Context, key, run string, opts buildlog.Options) (*buildlog.Writer, error) {
 			return buildlog.Open(ctx, js, key, run, opts)
 		}}
 	apiCfg := tenantapi.Config{Ledger: w.ledger, Runs: w.runs, NC: nc, Log: log, Now: cfg.Now, AnyReply: cfg.AnyReply,

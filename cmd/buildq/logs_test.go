@@ -120,7 +120,8 @@ const logsID = "01J9Z3Y8X6V5W4T3S2R1Q0P9N8"
 func logsWorld(t *testing.T) (*testnats.Server, *nats.Conn) {
 	t.Helper()
 	ns := testnats.Start(t, testnats.Config{NoJetStream: true})
-	return ns, ns.Connect(t)
+	nc := ns.Connect(t)
+	return ns, nc
 }
 
 func logsCLI(t *testing.T, ns *testnats.Server, args ...string) (int, string, string) {

@@ -463,7 +463,6 @@ func (r *followRun) followContainer(ctx context.Context, pl podPlan, container s
 			if err := r.wait(ctx, d); err != nil {
 				return false, err
 			}
-			needWait = false
 		}
 		if err := ctx.Err(); err != nil {
 			return false, err
@@ -514,7 +513,7 @@ func (r *followRun) followContainer(ctx context.Context, pl podPlan, container s
 		if err := ctx.Err(); err != nil {
 			return false, err
 		}
-		if final && readErr == io.EOF {
+		if final && errors.Is(readErr, io.EOF) {
 			return false, nil
 		}
 		if progress {

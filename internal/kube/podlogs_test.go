@@ -144,13 +144,6 @@ func (k *fakeKube) addPod(name string, created time.Time, initContainers, contai
 	k.change()
 }
 
-func (k *fakeKube) deletePod(name string) {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	delete(k.pods, name)
-	k.change()
-}
-
 func (k *fakeKube) setPhase(pod string, phase corev1.PodPhase) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
@@ -461,7 +454,7 @@ func assertEvents(t *testing.T, got []PodLogEvent, want ...string) {
 }
 
 // follow runs f.Follow in the background; the returned func waits for it.
-func follow(t *testing.T, ctx context.Context, f *LogFollower, from LogPosition, c *collector) func() error {
+func follow(ctx context.Context, t *testing.T, f *LogFollower, from LogPosition, c *collector) func() error {
 	t.Helper()
 	done := make(chan error, 1)
 	go func() { done <- f.Follow(ctx, from, c.emit) }()
@@ -492,7 +485,7 @@ func TestPodLogTwoContainersLive(t *testing.T) {
 	// shows kaniko running.
 	k.failOpen("p1", "kaniko", apierrors.NewBadRequest(`container "kaniko" in pod "p1" is waiting to start: ContainerCreating`))
 	c := newCollector()
-	wait := follow(t, t.Context(), k.follower(true), LogPosition{}, c)
+	wait := follow(t.Context(), t, k.follower(true), LogPosition{}, c)
 
 	time.Sleep(20 * time.Millisecond) // nothing has started: the follower waits
 	k.run("p1", "fetch-context")
@@ -543,7 +536,7 @@ func TestPodLogRetryNewAttempt(t *testing.T) {
 	k.run("buildq-x-abc", "kaniko")
 	k.line("buildq-x-abc", "kaniko", at(time.Second), "building")
 	c := newCollector()
-	wait := follow(t, t.Context(), k.follower(false), LogPosition{}, c) // no Changed: polls
+	wait := follow(t.Context(), t, k.follower(false), LogPosition{}, c) // no Changed: polls
 	c.waitFor(t, 1)
 	k.line("buildq-x-abc", "kaniko", at(2*time.Second), "error building image")
 	k.exit("buildq-x-abc", "kaniko", 1, true)
@@ -713,7 +706,7 @@ func TestPodLogStreamBreaks(t *testing.T) {
 	k.mu.Unlock()
 	k.cut("p1", "kaniko", cuts...)
 	c := newCollector()
-	wait := follow(t, t.Context(), k.follower(true), LogPosition{}, c)
+	wait := follow(t.Context(), t, k.follower(true), LogPosition{}, c)
 	c.waitFor(t, 4)
 	k.line("p1", "kaniko", at(5*time.Second), "five")
 	k.exit("p1", "kaniko", 0, true)
@@ -851,7 +844,7 @@ func TestPodLogResumeAfterPodDeleted(t *testing.T) {
 		k.status("p3", "kaniko").State = corev1.ContainerState{Running: &corev1.ContainerStateRunning{}}
 		k.mu.Unlock()
 		c := newCollector()
-		wait := follow(t, t.Context(), k.follower(true), LogPosition{Pod: "p2"}, c)
+		wait := follow(t.Context(), t, k.follower(true), LogPosition{Pod: "p2"}, c)
 		c.waitFor(t, 3)
 		k.cacheTerminated("p3", "kaniko", 0)
 		k.setPhase("p3", corev1.PodSucceeded)
@@ -900,7 +893,7 @@ func TestPodLogLongLines(t *testing.T) {
 		k := build()
 		k.cut("p1", "kaniko", fakeCut{after: 36 + mib + mib/2})
 		c := newCollector()
-		wait := follow(t, t.Context(), k.follower(true), LogPosition{}, c)
+		wait := follow(t.Context(), t, k.follower(true), LogPosition{}, c)
 		c.waitFor(t, 5)
 		time.Sleep(30 * time.Millisecond)
 		if n := len(c.got()); n != 5 { // the last line may still grow
@@ -1003,7 +996,7 @@ func TestPodLogContextEnds(t *testing.T) {
 		k.line("p1", "kaniko", at(time.Second), "a")
 		ctx, cancel := context.WithCancel(t.Context())
 		c := newCollector()
-		wait := follow(t, ctx, k.follower(true), LogPosition{}, c)
+		wait := follow(ctx, t, k.follower(true), LogPosition{}, c)
 		c.waitFor(t, 1)
 		cancel()
 		if err := wait(); !errors.Is(err, context.Canceled) {
@@ -1051,7 +1044,7 @@ func TestPodLogFinishedBeforePodCached(t *testing.T) {
 	f := k.follower(true)
 	f.finishGrace = 2 * time.Second
 	c := newCollector()
-	wait := follow(t, t.Context(), f, LogPosition{}, c)
+	wait := follow(t.Context(), t, f, LogPosition{}, c)
 	time.Sleep(20 * time.Millisecond)
 	k.addPod("p1", base, nil, []string{"kaniko"})
 	k.run("p1", "kaniko")
@@ -1111,7 +1104,7 @@ func TestPodLogSplitLines(t *testing.T) {
 			got = append(got, fmt.Sprintf("%s %q", ts.Sub(base), text))
 			return nil
 		})
-		if rerr != io.EOF || herr != nil {
+		if !errors.Is(rerr, io.EOF) || herr != nil {
 			t.Fatalf("splitLines = %v, %v", rerr, herr)
 		}
 		want := []string{`1s "a"`, `1s "not a stamp"`, `2.5s ""`, `3s ""`}

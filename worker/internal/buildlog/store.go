@@ -118,11 +118,11 @@ func (r *Reader) First(ctx context.Context, key, run string) (*Chunk, error) {
 	return r.Next(ctx, key, run, 0)
 }
 
-// ErrIncomplete: the stream no longer holds the whole log (it aged out or
+// ErrIncomplete means the stream no longer holds the whole log (it aged out or
 // the stream's limits dropped some of it).
 var ErrIncomplete = errors.New("buildlog: the stream no longer holds the whole log")
 
-// ErrNotEnded: the log has no end yet.
+// ErrNotEnded means the log has no end yet.
 var ErrNotEnded = errors.New("buildlog: the log has not ended")
 
 // ReadAll returns the whole stored log of run of key and its last chunk;

@@ -57,7 +57,7 @@ const (
 	hdrObject = "Buildq-Log-Object"
 )
 
-// ErrConflict: the stored log moved on under the writer (another capturer
+// ErrConflict means the stored log moved on under the writer (another capturer
 // appended, or a publish of unknown outcome was not ours). The writer
 // has dropped what it buffered and taken the stored state: the caller
 // resumes from Position.

@@ -161,7 +161,7 @@ func parseLogsRequest(data []byte) (v1.LogsRequest, error) {
 	var r v1.LogsRequest
 	if len(data) > 0 && data[0] == '{' {
 		if err := json.Unmarshal(data, &r); err != nil {
-			return r, fmt.Errorf("the logs request is not valid JSON: %v", err)
+			return r, fmt.Errorf("the logs request is not valid JSON: %w", err)
 		}
 	} else {
 		r.Target = string(data)
