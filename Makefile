@@ -106,6 +106,7 @@ image: ## Build the buildq image without Docker and push it: make image IMAGE=re
 	$(GO) run ./hack/image --repo $(IMAGE) --platform $(PLATFORMS) $(if $(TAG),--tag $(TAG)) $(if $(INSECURE),--insecure)
 
 dev: ## Run the embedded stack: NATS, S3, registry and a local-executor worker
+	@echo "make dev: compiling buildq (the first time this takes a few minutes; later runs start at once)..."
 	$(GO) run ./cmd/buildq dev
 
 e2e: ## Docker-host end-to-end tests (k3s + real kaniko); skip without Docker

@@ -208,6 +208,8 @@ func newCancelCmd() *cobra.Command {
 	var (
 		nf     natsFlags
 		tenant string
+		output string
+		wait   bool
 	)
 	cmd := &cobra.Command{
 		Use:   "cancel KEY|REQUEST_ID",
@@ -216,7 +218,11 @@ func newCancelCmd() *cobra.Command {
 tenant's requests waiting on a build key. Each gets the result "canceled".
 The build itself is stopped (its Job deleted) only when no other request —
 of any tenant — still waits on it. --tenant names the tenant; a worker
-answers on buildq.api.cancel.<tenant>.`,
+answers on buildq.api.cancel.<tenant>.
+
+The answer comes as soon as the cancel is recorded; the request's
+"canceled" result is published by the worker that holds it a moment
+later. --wait waits for that result (a request id only).`,
 		Args: exactArgs(1, "KEY|REQUEST_ID"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := bindEnv(cmd, natsEnv); err != nil {
@@ -224,6 +230,9 @@ answers on buildq.api.cancel.<tenant>.`,
 			}
 			if p := v1.DNSLabelProblem(tenant); p != "" {
 				return usageErr("--tenant %s", p)
+			}
+			if output != "text" && output != "json" {
+				return usageErr("-o must be text or json, got %q", output)
 			}
 			nf.name = "buildq-cancel"
 			nc, err := nf.connect()
@@ -235,7 +244,42 @@ answers on buildq.api.cancel.<tenant>.`,
 			if err := apiRequest(cmd.Context(), nc, tenant, v1.APICancelSubject(tenant), args[0], &rep); err != nil {
 				return err
 			}
-			fmt.Fprintln(cmd.OutOrStdout(), rep.Message)
+			var result *v1.Result
+			if wait && rep.Canceled {
+				if rep.Key == args[0] {
+					return usageErr("--wait needs a request id; %s is a build key", args[0])
+				}
+				pub, err := publisher.New(nc)
+				if err != nil {
+					return failed(err)
+				}
+				ctx, cancel := context.WithTimeout(cmd.Context(), 2*time.Minute)
+				defer cancel()
+				if result, err = pub.Wait(ctx, tenant, "", args[0], time.Time{}); err != nil {
+					return failed(fmt.Errorf("the cancel is recorded, but its result did not come: %w", err))
+				}
+			}
+			if output == "json" {
+				out := struct {
+					v1.CancelReply
+					Result *v1.ResultData `json:"result,omitempty"`
+				}{CancelReply: rep}
+				if result != nil {
+					out.Result = &result.Data
+				}
+				if err := writeJSON(cmd.OutOrStdout(), out); err != nil {
+					return failed(err)
+				}
+			} else {
+				msg := rep.Message
+				switch {
+				case result != nil:
+					msg += fmt.Sprintf("; request %s's result: %s", args[0], result.Data.Status)
+				case rep.Canceled && !wait:
+					msg += " (the canceled result follows; --wait waits for it)"
+				}
+				fmt.Fprintln(cmd.OutOrStdout(), msg)
+			}
 			if !rep.Canceled {
 				return &exitError{code: exitFailed, err: errors.New("")}
 			}
@@ -244,5 +288,7 @@ answers on buildq.api.cancel.<tenant>.`,
 	}
 	nf.register(cmd.Flags())
 	cmd.Flags().StringVar(&tenant, "tenant", "default", "tenant whose requests to cancel")
+	cmd.Flags().StringVarP(&output, "output", "o", "text", "output: text or json (the reply, and with --wait the result's data)")
+	cmd.Flags().BoolVar(&wait, "wait", false, "wait for the canceled request's result (request ids only)")
 	return cmd
 }
