@@ -4,7 +4,8 @@ package worker
 // service, secrets, workers killed at the worst moment, NATS restarting
 // under a build. Each test names its attack and the outcome expected. A
 // test marked "held" passed when written and guards what it shows; every
-// other test failed when written: it is a break until fixed.
+// other test failed when written, and passes since its break was fixed
+// (issue 27).
 
 import (
 	"context"
@@ -203,7 +204,7 @@ func checkArchive(t *testing.T, a *memLogArchive, ref *v1.LogRef, data []byte) {
 // the stored log, the archive, the result (message, log tail) and the
 // progress events — the log masks it, but the result and the finished
 // event carry the executor's message as is.
-func TestLogAttackSecretInLocalErrorReachesTheResult(t *testing.T) {
+func TestLogAttackSecretMaskedInTheResult(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
@@ -260,7 +261,7 @@ func TestLogAttackSecretInLocalErrorReachesTheResult(t *testing.T) {
 // buildq's own ("pushed", "build succeeded") that buildq did not write,
 // and the whole log parses (a reader stops at the first line that does
 // not).
-func TestLogAttackDockerfileForgesBuildqLines(t *testing.T) {
+func TestLogAttackDockerfileCannotForgeBuildqLines(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
@@ -304,12 +305,12 @@ func TestLogAttackDockerfileForgesBuildqLines(t *testing.T) {
 // Attack: follow the log of a build its tenant canceled (the owner is
 // alive). Expected: the log gets its end ("build canceled") soon after the
 // cancel, so `buildq logs -f` stops, and the tenant reads it by the
-// canceled request's id. Today the cancel ends the owner's handling
+// canceled request's id. Before the fix, the cancel ends the owner's handling
 // (its context), so own() takes the shutdown path: nobody writes the end
 // (the service's 30 s idle rule is the only way out), and the canceled
 // result carries no data.logs, so by request id the service answers "no
 // log is kept" although the stream holds it.
-func TestLogAttackCanceledBuildLogNeverEnds(t *testing.T) {
+func TestLogAttackCanceledBuildLogEnds(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	started := make(chan Build, 1)
@@ -384,7 +385,7 @@ func (g *gateArchive) PutLog(ctx context.Context, object string, data []byte) (s
 // stored log.
 //
 //   - between End and the archive: the log's end is stored, its archive is
-//     not. Today the new owner opens the log, finds it ended and drops
+//     not. Before the fix, the new owner opens the log, finds it ended and drops
 //     the writer (own.go: "a takeover of a run that ended"), so it never
 //     archives it: the result has no data.logs at all, no archive exists,
 //     and the request's log is "not kept" by request id.
@@ -721,9 +722,9 @@ func TestLogAttackReplyNotTheTenantsInbox(t *testing.T) {
 // it) does not. The first claims the run, the second joins it; the first
 // is canceled and hands the run over. Expected: the run's log — one log,
 // archived under the claimer's tenant — never holds the value the claimer
-// marked secret; today the masks are those of whichever request runs the
+// marked secret; before the fix the masks are those of whichever request runs the
 // build at the moment.
-func TestLogAttackSecretUnmaskedAfterHandOverToANonSecretJoiner(t *testing.T) {
+func TestLogAttackSecretMaskedAfterHandOverToANonSecretJoiner(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	const secret = "handover-s3cret-99"
@@ -810,9 +811,9 @@ func (s slowContexts) Open(ctx context.Context, bucket, key string) (io.ReadClos
 // its time. The ledger entry of her request holds the key from the start.
 // Expected: the logs service serves her nothing of acme's build (the
 // status service, for the same entry, shows acme's record to acme only);
-// today the request-id path resolves the entry's key to the key's current
+// before the fix the request-id path resolves the entry's key to the key's current
 // run, whoever's it is, and serves acme's log.
-func TestLogAttackForeignLogBeforePossessionIsShown(t *testing.T) {
+func TestLogAttackNoForeignLogBeforePossession(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	digest, tgz := packDir(t, map[string]string{"Dockerfile": "FROM scratch\nCOPY app /app\n", "app": "acme's private app"})

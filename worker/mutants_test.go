@@ -66,6 +66,7 @@ var mutantCatalogue = []mutantCase{
 	{"skip-possession", "a request is answered only for content its tenant shows it holds", []string{"TestForeignBuildNeedsPossession", "TestJoiningAForeignBuildNeedsPossession"}},
 	{"reply-anywhere", "the tenant API answers only on a service import's or the tenant's own inbox's reply", []string{"TestAPIAnswersOnlyOnATenantsOwnReplies"}},
 	{"log-append-blind", "a chunk is appended to a run's log only where its writer last saw it end: two capturers never store a line twice", []string{"TestBuildLogTwoCapturersStoreEachLineOnce"}},
+	{"logs-before-possession", "a request id reaches another tenant's build's log only once the request waits on it (possession shown)", []string{"TestLogAttackNoForeignLogBeforePossession"}},
 	{"logs-any-tenant", "a build's log is served by key only to the tenant that claimed it or waits on it", []string{"TestBuildLogsOfALocalBuild"}},
 }
 

@@ -40,9 +40,9 @@ func storedLines(t *testing.T, r *Reader, w *Writer, run string) (raw []byte, li
 // newline cannot start a line of its own, let alone a forged line of
 // buildq's own stream (a fake "build succeeded", a fake "pushed"), and
 // readers (v1.EachLogLine stops at the first line that does not parse)
-// still read the whole log. Today Line stores the text verbatim: a forged
+// still read the whole log. Before the fix, Line stores the text verbatim: a forged
 // buildq line appears in the log, or the rest of the log stops parsing.
-func TestLogAttackNewlineInLineForgesOwnLines(t *testing.T) {
+func TestLogAttackNewlineInLineCannotForgeOwnLines(t *testing.T) {
 	t.Parallel()
 	js, r := setup(t)
 	ctx := context.Background()
@@ -78,9 +78,9 @@ func TestLogAttackNewlineInLineForgesOwnLines(t *testing.T) {
 // Attack: a multi-line secret (a PEM key, a kubeconfig: build argument
 // values may hold newlines, only NUL is refused). An executor prints it
 // as it prints everything: one line at a time. Expected: no line of the
-// secret reaches the stored log. Today the mask is only ever compared
+// secret reaches the stored log. Before the fix, the mask is only ever compared
 // with a whole single line, and a value with a newline never matches one.
-func TestLogAttackMultiLineSecretIsStoredInClear(t *testing.T) {
+func TestLogAttackMultiLineSecretIsMasked(t *testing.T) {
 	t.Parallel()
 	js, r := setup(t)
 	ctx := context.Background()
@@ -104,7 +104,7 @@ func TestLogAttackMultiLineSecretIsStoredInClear(t *testing.T) {
 // replaced first, which eats the start of the other, and the rest of the
 // other is left in clear. Expected: every byte of text covered by a secret
 // is masked.
-func TestLogAttackOverlappingSecretsLeaveAPartInClear(t *testing.T) {
+func TestLogAttackOverlappingSecretsMaskedWhole(t *testing.T) {
 	t.Parallel()
 	js, r := setup(t)
 	ctx := context.Background()
@@ -126,7 +126,7 @@ func TestLogAttackOverlappingSecretsLeaveAPartInClear(t *testing.T) {
 // destination tags, context object): a secret value that coincides with
 // one is written by Own unmasked. Expected: the masks apply to every line
 // stored ("replaced by *** before anything is stored").
-func TestLogAttackOwnLinesAreNotMasked(t *testing.T) {
+func TestLogAttackOwnLinesAreMasked(t *testing.T) {
 	t.Parallel()
 	js, r := setup(t)
 	ctx := context.Background()

@@ -144,11 +144,11 @@ func hexKey(s string) string {
 
 // Attack: an archive cursor ("<run>:a:<off>") on a log that has no
 // archive (the run is still building, or its archive failed). Expected:
-// an error reply. Today archivePage hands buildlog.ReadArchive a nil
+// an error reply. Before the fix, archivePage hands buildlog.ReadArchive a nil
 // reference, which dereferences it: a panic in the request's goroutine —
 // one tenant request kills the worker serving it (and, one by one, every
 // worker of the queue group).
-func TestLogAttackArchiveCursorOnUnarchivedLogPanics(t *testing.T) {
+func TestLogAttackArchiveCursorOnUnarchivedLogIsRefused(t *testing.T) {
 	t.Parallel()
 	w := newLogsWorld(t)
 	key := hexKey("building")
