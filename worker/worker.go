@@ -20,7 +20,6 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap"
-	"golang.org/x/sync/errgroup"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/worker/internal/buildlog"
@@ -182,31 +181,26 @@ func setupRetryable(err error) bool {
 }
 
 func (w *Worker) setup(ctx context.Context) error {
-	// The groups are independent: created at once, a replicated
-	// cluster's slow stream creations overlap instead of adding up.
-	var (
-		g                errgroup.Group
-		builds, ledgerKV jetstream.KeyValue
-		cons             jetstream.Consumer
-	)
-	g.Go(func() (err error) {
-		builds, cons, err = EnsureStreams(ctx, w.js, w.cfg)
+	// One after another: against a cluster that is still forming, many
+	// stream creations at once (each worker's, of every resource) were
+	// refused as "no suitable peers for placement" for over a minute,
+	// where one at a time go through.
+	builds, cons, err := EnsureStreams(ctx, w.js, w.cfg)
+	if err != nil {
 		return err
-	})
-	g.Go(func() error { return w.fq.Setup(ctx, w.cfg.Storage, w.cfg.Replicas, w.cfg.DuplicateWindow) })
-	g.Go(func() (err error) {
-		ledgerKV, err = ledger.EnsureBucket(ctx, w.js, ledger.BucketConfig{TTL: w.cfg.ResultsMaxAge, Storage: w.cfg.Storage, Replicas: w.cfg.Replicas})
-		return err
-	})
-	if w.cfg.Logs.Enabled {
-		g.Go(func() error {
-			_, err := buildlog.EnsureStream(ctx, w.js, buildlog.StreamConfig{MaxAge: w.cfg.Logs.MaxAge, MaxBytes: w.cfg.Logs.MaxBytes,
-				Storage: w.cfg.Storage, Replicas: w.cfg.Replicas, Duplicates: w.cfg.DuplicateWindow})
-			return err
-		})
 	}
-	if err := g.Wait(); err != nil {
+	if err := w.fq.Setup(ctx, w.cfg.Storage, w.cfg.Replicas, w.cfg.DuplicateWindow); err != nil {
 		return err
+	}
+	ledgerKV, err := ledger.EnsureBucket(ctx, w.js, ledger.BucketConfig{TTL: w.cfg.ResultsMaxAge, Storage: w.cfg.Storage, Replicas: w.cfg.Replicas})
+	if err != nil {
+		return err
+	}
+	if w.cfg.Logs.Enabled {
+		if _, err := buildlog.EnsureStream(ctx, w.js, buildlog.StreamConfig{MaxAge: w.cfg.Logs.MaxAge, MaxBytes: w.cfg.Logs.MaxBytes,
+			Storage: w.cfg.Storage, Replicas: w.cfg.Replicas, Duplicates: w.cfg.DuplicateWindow}); err != nil {
+			return err
+		}
 	}
 	w.runs.UseBucket(builds)
 	w.cons = cons
@@ -220,28 +214,21 @@ func (w *Worker) setup(ctx context.Context) error {
 // stream, the buildq-workers consumer and the buildq-builds bucket.
 func EnsureStreams(ctx context.Context, js jetstream.JetStream, cfg Config) (jetstream.KeyValue, jetstream.Consumer, error) {
 	cfg = cfg.WithDefaults()
-	// Independent resources are created at once (a replicated cluster's
-	// creations overlap); the consumer follows its stream.
-	var (
-		g    errgroup.Group
-		kv   jetstream.KeyValue
-		cons jetstream.Consumer
-	)
-	g.Go(func() error {
-		if err := createRequests(ctx, js, cfg); err != nil {
-			return err
-		}
-		var err error
-		cons, err = createWorkersConsumer(ctx, js, cfg)
-		return err
-	})
-	g.Go(func() error { return createResults(ctx, js, cfg) })
-	g.Go(func() error { return createDeadLetter(ctx, js, cfg) })
-	g.Go(func() (err error) {
-		kv, err = createBuilds(ctx, js, cfg)
-		return err
-	})
-	if err := g.Wait(); err != nil {
+	if err := createRequests(ctx, js, cfg); err != nil {
+		return nil, nil, err
+	}
+	if err := createResults(ctx, js, cfg); err != nil {
+		return nil, nil, err
+	}
+	if err := createDeadLetter(ctx, js, cfg); err != nil {
+		return nil, nil, err
+	}
+	cons, err := createWorkersConsumer(ctx, js, cfg)
+	if err != nil {
+		return nil, nil, err
+	}
+	kv, err := createBuilds(ctx, js, cfg)
+	if err != nil {
 		return nil, nil, err
 	}
 	return kv, cons, nil
