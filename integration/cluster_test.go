@@ -300,6 +300,7 @@ func TestClusterStreamLeaderKilledMidBuild(t *testing.T) {
 // run from many workers at once") and serve.
 func TestClusterWorkersStartTogether(t *testing.T) {
 	s := newSuite(t, options{clusterNodes: 3, workerArgs: []string{"--replicas", "3"}})
+	start := time.Now()
 	ws := []*workerProc{s.startWorker("w1"), s.startWorker("w2")}
 	res := s.collect()
 	for i, w := range ws {
@@ -312,6 +313,7 @@ func TestClusterWorkersStartTogether(t *testing.T) {
 			return strings.Contains(w.out.String(), "worker started")
 		})
 	}
+	t.Logf("both workers started %s after they were launched together", time.Since(start).Round(100*time.Millisecond))
 	reqs := s.submit(contextDir(t, file("cluster start together "+s.ns)), "cstart", 2)
 	got := s.answeredOnce(res, ids(reqs), 2*time.Minute)
 	checkSucceeded(t, reqs, got)

@@ -127,12 +127,17 @@ func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 //
 // A JetStream that is not ready yet — a cluster still electing its meta
 // leader, a node restarting, workers racing to create the same streams —
-// is waited for, retrying with backoff until ctx ends; other errors are
-// returned at once. ctx's deadline bounds the whole, never one request:
-// a JetStream API request sent while a cluster elects its meta leader
-// gets no answer at all, and under ctx's deadline it would wait out all
-// of it. Each request has JetStream's own timeout instead (5 s), as
-// without a deadline, and is retried.
+// is waited for, retrying until ctx ends; other errors are returned at
+// once. ctx's deadline bounds the whole, never one request: a JetStream
+// API request sent while a cluster elects its meta leader gets no answer
+// at all, and under ctx's deadline it would wait out all of it. Each
+// resource gets setupRequestTimeout per request instead, and a request
+// left unanswered is sent again at once. Two workers that create the same
+// stream of a cluster at the same moment are both left unanswered (the
+// second, equal proposal takes the first one's reply), so a fresh
+// Deployment's replicas pay that timeout once per resource: it is short
+// for that reason. The request sent again finds the resource and updates
+// it, which is answered.
 func (w *Worker) Setup(ctx context.Context) error {
 	w.setupMu.Lock()
 	defer w.setupMu.Unlock()
@@ -140,10 +145,11 @@ func (w *Worker) Setup(ctx context.Context) error {
 		return nil
 	}
 	backoff := 200 * time.Millisecond
+	lastStep, patience := -1, 1
 	for {
 		actx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 		stop := context.AfterFunc(ctx, cancel)
-		err := w.setup(actx)
+		step, err := w.setup(actx, patience)
 		stop()
 		cancel()
 		if err == nil {
@@ -152,6 +158,18 @@ func (w *Worker) Setup(ctx context.Context) error {
 		}
 		if ctx.Err() != nil || !setupRetryable(err) {
 			return err
+		}
+		if errors.Is(err, context.DeadlineExceeded) {
+			// Unanswered: the request itself was the wait. The same step
+			// unanswered again is given longer (a slow server), up to 8
+			// times; a later step starts short again.
+			if step == lastStep {
+				patience = min(2*patience, 8)
+			} else {
+				lastStep, patience = step, 1
+			}
+			w.log.Info("JetStream left a setup request unanswered; sending it again", zap.Error(err))
+			continue
 		}
 		w.log.Warn("JetStream not ready; retrying the setup", zap.Error(err), zap.Duration("backoff", backoff))
 		select {
@@ -180,33 +198,69 @@ func setupRetryable(err error) bool {
 		errors.Is(err, nats.ErrConnectionReconnecting) || errors.Is(err, nats.ErrDisconnected)
 }
 
-func (w *Worker) setup(ctx context.Context) error {
+// A setup step waits setupStepTimeout plus setupRequestTimeout per
+// request it makes, times the patience Setup gives it. A cluster answers
+// a create in well under a second; an unanswered request (see Setup)
+// costs the step's deadline.
+const (
+	setupStepTimeout    = 1500 * time.Millisecond
+	setupRequestTimeout = 250 * time.Millisecond
+)
+
+// setup runs the steps of Setup in order and returns the index of the
+// one that failed.
+func (w *Worker) setup(ctx context.Context, patience int) (int, error) {
 	// One after another: against a cluster that is still forming, many
 	// stream creations at once (each worker's, of every resource) were
 	// refused as "no suitable peers for placement" for over a minute,
 	// where one at a time go through.
-	builds, cons, err := EnsureStreams(ctx, w.js, w.cfg)
-	if err != nil {
-		return err
-	}
-	if err := w.fq.Setup(ctx, w.cfg.Storage, w.cfg.Replicas, w.cfg.DuplicateWindow); err != nil {
-		return err
-	}
-	ledgerKV, err := ledger.EnsureBucket(ctx, w.js, ledger.BucketConfig{TTL: w.cfg.ResultsMaxAge, Storage: w.cfg.Storage, Replicas: w.cfg.Replicas})
-	if err != nil {
-		return err
-	}
-	if w.cfg.Logs.Enabled {
-		if _, err := buildlog.EnsureStream(ctx, w.js, buildlog.StreamConfig{MaxAge: w.cfg.Logs.MaxAge, MaxBytes: w.cfg.Logs.MaxBytes,
-			Storage: w.cfg.Storage, Replicas: w.cfg.Replicas, Duplicates: w.cfg.DuplicateWindow}); err != nil {
+	//
+	// Each step has its own deadline of setupRequestTimeout per request
+	// it makes (CreateOrUpdate is an update, then a create if there is
+	// nothing to update).
+	cfg := w.cfg
+	var builds jetstream.KeyValue
+	var cons jetstream.Consumer
+	var ledgerKV jetstream.KeyValue
+	steps := []struct {
+		requests int
+		do       func(context.Context) error
+	}{
+		{2, func(ctx context.Context) error { return createRequests(ctx, w.js, cfg) }},
+		{2, func(ctx context.Context) error { return createResults(ctx, w.js, cfg) }},
+		{2, func(ctx context.Context) error { return createDeadLetter(ctx, w.js, cfg) }},
+		{2, func(ctx context.Context) (err error) { cons, err = createWorkersConsumer(ctx, w.js, cfg); return err }},
+		{3, func(ctx context.Context) (err error) { builds, err = createBuilds(ctx, w.js, cfg); return err }},
+		{7, func(ctx context.Context) error {
+			return w.fq.Setup(ctx, cfg.Storage, cfg.Replicas, cfg.DuplicateWindow)
+		}},
+		{3, func(ctx context.Context) (err error) {
+			ledgerKV, err = ledger.EnsureBucket(ctx, w.js, ledger.BucketConfig{TTL: cfg.ResultsMaxAge, Storage: cfg.Storage, Replicas: cfg.Replicas})
 			return err
+		}},
+		{2, func(ctx context.Context) error {
+			if !cfg.Logs.Enabled {
+				return nil
+			}
+			_, err := buildlog.EnsureStream(ctx, w.js, buildlog.StreamConfig{MaxAge: cfg.Logs.MaxAge, MaxBytes: cfg.Logs.MaxBytes,
+				Storage: cfg.Storage, Replicas: cfg.Replicas, Duplicates: cfg.DuplicateWindow})
+			return err
+		}},
+	}
+	for i, st := range steps {
+		timeout := time.Duration(patience) * (setupStepTimeout + time.Duration(st.requests)*setupRequestTimeout)
+		sctx, cancel := context.WithTimeout(ctx, timeout)
+		err := st.do(sctx)
+		cancel()
+		if err != nil {
+			return i, err
 		}
 	}
 	w.runs.UseBucket(builds)
 	w.cons = cons
 	w.ackWait.Store(int64(cons.CachedInfo().Config.AckWait))
 	w.ledger.UseBucket(ledgerKV)
-	return nil
+	return len(steps), nil
 }
 
 // EnsureStreams creates or updates everything of the wire contract
