@@ -31,7 +31,7 @@ func fetchArgs() []string {
 // build container has no S3 key, no S3 setting and no URL; the init
 // container has a presigned URL for exactly the request's object.
 func TestFetchContextKeepsS3KeysOutOfBuildPods(t *testing.T) {
-	s := newSuite(t, options{workerArgs: append(fetchArgs(), "--keep-jobs", "--s3-secret", "buildq-s3")})
+	s := newSuite(t, options{workerArgs: append(fetchArgs(), "--keep-jobs", "--s3-credentials-secret", "buildq-s3")})
 	s.startWorker("w1")
 	res := s.collect()
 	req := s.submit(contextDir(t, siteFiles), "fetched", 1)[0]

@@ -42,7 +42,7 @@ func TestDevWithKubeconfigLaunchesKanikoJobs(t *testing.T) {
 	dctx, cancel := context.WithCancel(ctx)
 	dev := exec.CommandContext(dctx, filepath.Join(shared.bin, "buildq"), "dev", "--data", t.TempDir(),
 		"--nats-addr", freeAddr(), "--s3-addr", freeAddr(), "--registry-addr", freeAddr(),
-		"--kubeconfig", shared.kubeconfig, "--namespace", ns, "--executor-image", executorImage, "--s3-secret", "buildq-s3")
+		"--kubeconfig", shared.kubeconfig, "--namespace", ns, "--executor-image", executorImage, "--s3-credentials-secret", "buildq-s3")
 	stderr, err := dev.StderrPipe()
 	if err != nil {
 		t.Fatal(err)

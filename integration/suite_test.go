@@ -285,7 +285,7 @@ func (s *suite) startWorker(id string) *workerProc {
 		"--namespace", s.ns,
 		"--executor-image", s.executorImage,
 		"--s3-endpoint", s.minioEndpoint,
-		"--s3-secret", "buildq-s3",
+		"--s3-credentials-secret", "buildq-s3",
 		"--registry-secret", "buildq-registry",
 		"--registry-config", s.dockerCfg,
 		"--registry", s.registryHost,

@@ -458,7 +458,7 @@ func TestRenderRunsTheWorkersChecks(t *testing.T) {
 		secret string
 	}{
 		"per-tenant secrets": {[]string{"--fetch-image", fetch, "--tenant-registry-secret", "buildq-registry-{tenant}"}, "buildq-registry-acme"},
-		"single tenant":      {[]string{"--single-tenant", "--s3-secret", "buildq-s3", "--registry-secret", "buildq-registry"}, "buildq-registry"},
+		"single tenant":      {[]string{"--single-tenant", "--s3-credentials-secret", "buildq-s3", "--registry-secret", "buildq-registry"}, "buildq-registry"},
 	}
 	for name, c := range accepted {
 		t.Run(name, func(t *testing.T) {

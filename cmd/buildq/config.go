@@ -30,6 +30,8 @@ const (
 // code (worker.go, dev.go) reads only a validated serveConfig.
 type serveConfig struct {
 	cmd command
+	// configFile is worker's --config: flag values from a YAML file.
+	configFile string
 
 	// worker holds what the flags give worker.New: the worker's own flags,
 	// or dev's fixed settings with --max-in-flight and the fair-queueing
@@ -195,7 +197,7 @@ func (c *serveConfig) validateJobs() error {
 			return err
 		}
 	} else if !c.oneTenant() {
-		return usageErr("--fetch-image (the buildq image, pinned by digest) is required: without it kaniko reads s3:// itself with --s3-secret's keys, which a RUN step can read, and nothing checks a context's bytes against its contextDigest, so one tenant can poison another's cached build; --single-tenant accepts that for one trusted tenant")
+		return usageErr("--fetch-image (the buildq image, pinned by digest) is required: without it kaniko reads s3:// itself with --s3-credentials-secret's keys, which a RUN step can read, and nothing checks a context's bytes against its contextDigest, so one tenant can poison another's cached build; --single-tenant accepts that for one trusted tenant")
 	}
 	if kc.TenantRegistrySecret != "" {
 		if !strings.Contains(kc.TenantRegistrySecret, "{tenant}") {

@@ -57,7 +57,7 @@ included): give --s3-addr and --registry-addr an address of this machine
 that the Pods reach (for kind, the gateway of its "kind" docker network),
 together with --unsafe-listen. That exposes both with NO authentication:
 anyone who reaches those addresses can read and replace every context and
-image. NATS always stays on loopback. Without --s3-secret, dev writes the
+image. NATS always stays on loopback. Without --s3-credentials-secret, dev writes the
 dev store's fixed keys into a Secret "buildq-dev-s3" of --namespace for the
 Jobs to read.
 
@@ -82,6 +82,7 @@ In another terminal:
 		},
 	}
 	c.registerDev(cmd.Flags())
+	groupedUsage(cmd)
 	gw.register(cmd.Flags())
 	return cmd
 }
@@ -106,7 +107,7 @@ func ensureDevS3Secret(ctx context.Context, rc *rest.Config, namespace string) e
 		_, err = secrets.Update(ctx, sec, metav1.UpdateOptions{})
 	}
 	if err != nil {
-		return failed(fmt.Errorf("secret %s/%s with the dev S3 keys (or pass --s3-secret): %w", namespace, devS3Secret, err))
+		return failed(fmt.Errorf("secret %s/%s with the dev S3 keys (or pass --s3-credentials-secret): %w", namespace, devS3Secret, err))
 	}
 	return nil
 }

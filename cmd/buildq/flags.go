@@ -26,6 +26,7 @@ const (
 func (c *serveConfig) registerWorker(fs *pflag.FlagSet) {
 	c.cmd = cmdWorker
 	w := &c.worker
+	fs.StringVar(&c.configFile, "config", "", configFileHelp)
 	c.nats.register(fs)
 	fs.StringVar(&w.ID, "id", "", "worker id in claims, events and logs (default: hostname-pid)")
 	fs.IntVar(&w.MaxInFlight, "max-in-flight", 4, "requests this worker holds at once")
@@ -109,7 +110,7 @@ func registerFair(fs *pflag.FlagSet, f *worker.FairConfig) {
 // registerSingleTenant adds --single-tenant (worker and render) and its
 // first name, --allow-unverified-contexts.
 func registerSingleTenant(fs *pflag.FlagSet, v *bool) {
-	fs.BoolVar(v, "single-tenant", false, "serve one trusted tenant: allow a shared --registry-secret (every build Pod, and so every RUN step, holds its push rights), a --cache-repo without {tenant}, and running without --fetch-image (kaniko reads s3:// with --s3-secret's keys, which a RUN step can read, and no context is checked against its contextDigest); a multi-tenant worker refuses all three")
+	fs.BoolVar(v, "single-tenant", false, "serve one trusted tenant: allow a shared --registry-secret (every build Pod, and so every RUN step, holds its push rights), a --cache-repo without {tenant}, and running without --fetch-image (kaniko reads s3:// with --s3-credentials-secret's keys, which a RUN step can read, and no context is checked against its contextDigest); a multi-tenant worker refuses all three")
 	fs.BoolVar(v, "allow-unverified-contexts", false, "the first name of --single-tenant")
 	_ = fs.MarkDeprecated("allow-unverified-contexts", "use --single-tenant")
 }
@@ -124,10 +125,15 @@ func registerKaniko(fs *pflag.FlagSet, kc *kaniko.Config, np *naming.Policy) {
 	fs.StringVar(&kc.ExecutorImage, "executor-image", "", "kaniko executor image, pinned by digest (repo@sha256:…)")
 	fs.StringVar(&kc.S3Endpoint, "s3-endpoint", "", "S3 endpoint for kaniko, with scheme (http://minio.minio:9000)")
 	fs.StringVar(&kc.S3Region, "s3-region", "us-east-1", "S3 region (AWS_REGION in the Job)")
-	fs.StringVar(&kc.S3Secret, "s3-secret", "", "Secret with the S3 keys, read by the Job through secretKeyRef (only without --fetch-image)")
+	fs.StringVar(&kc.S3Secret, "s3-credentials-secret", "", "name of the Secret holding the S3 keys, read by the Job through secretKeyRef (only without --fetch-image)")
 	fs.StringVar(&kc.FetchImage, "fetch-image", "", "buildq image, pinned by digest, whose fetch-context init container downloads each S3 context through a presigned URL and checks its digest: the build container holds no S3 key")
-	fs.StringVar(&kc.S3AccessKeyField, "s3-access-key-field", "AWS_ACCESS_KEY_ID", "key of the access key in --s3-secret")
-	fs.StringVar(&kc.S3SecretKeyField, "s3-secret-key-field", "AWS_SECRET_ACCESS_KEY", "key of the secret key in --s3-secret")
+	fs.StringVar(&kc.S3AccessKeyField, "s3-credentials-access-key-field", "AWS_ACCESS_KEY_ID", "the field of --s3-credentials-secret holding the access key")
+	fs.StringVar(&kc.S3SecretKeyField, "s3-credentials-secret-key-field", "AWS_SECRET_ACCESS_KEY", "the field of --s3-credentials-secret holding the secret key")
+	// The first names, kept for one release: --s3-secret-key (the
+	// worker's own key) read as its neighbour --s3-secret (a Secret's name).
+	renameFlag(fs, "s3-secret", "s3-credentials-secret")
+	renameFlag(fs, "s3-access-key-field", "s3-credentials-access-key-field")
+	renameFlag(fs, "s3-secret-key-field", "s3-credentials-secret-key-field")
 	fs.StringVar(&kc.RegistrySecret, "registry-secret", "", "kubernetes.io/dockerconfigjson Secret mounted as kaniko's docker config, shared by every tenant (see --tenant-registry-secret)")
 	fs.StringVar(&kc.TenantRegistrySecret, "tenant-registry-secret", "", "each tenant's own kubernetes.io/dockerconfigjson Secret, {tenant} standing for the tenant (buildq-registry-{tenant}): a build Pod holds only its tenant's push rights; replaces --registry-secret")
 	fs.StringSliceVar(&kc.InsecureRegistries, "insecure-registry", nil, "registries kaniko pushes to over plain HTTP (development only)")

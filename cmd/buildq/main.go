@@ -94,10 +94,31 @@ result event per request. Run "buildq dev" for the whole stack on a laptop.`,
 // underscores), unless it was given on the command line. Extra maps flag
 // names to further variables (NATS_URL for --nats-url).
 func bindEnv(cmd *cobra.Command, extra map[string]string) error {
+	_, err := bindEnvTracked(cmd, extra)
+	return err
+}
+
+// bindEnvTracked is bindEnv that also returns the flags set other than
+// by their own name on the command line: from the environment, or by a
+// renamed flag's old name. A renamed flag's old variable is read only
+// when neither the flag nor its new variable is set.
+func bindEnvTracked(cmd *cobra.Command, extra map[string]string) (map[string]bool, error) {
 	var errs []error
-	cmd.Flags().VisitAll(func(f *pflag.Flag) {
-		if f.Changed || f.Name == "help" {
+	set := map[string]bool{}
+	renamed := deprecatedNames(cmd.Flags())
+	for from, to := range renamed {
+		if f := cmd.Flags().Lookup(from); f != nil && f.Changed {
+			set[to] = true // given on the command line by its old name
+		}
+	}
+	bind := func(f *pflag.Flag) {
+		if f.Changed || set[f.Name] || f.Name == "help" {
 			return
+		}
+		if to, ok := renamed[f.Name]; ok {
+			if nf := cmd.Flags().Lookup(to); nf != nil && (nf.Changed || set[to]) {
+				return
+			}
 		}
 		names := []string{"BUILDQ_" + strings.ToUpper(strings.ReplaceAll(f.Name, "-", "_"))}
 		if e, ok := extra[f.Name]; ok {
@@ -108,6 +129,10 @@ func bindEnv(cmd *cobra.Command, extra map[string]string) error {
 			if !ok {
 				continue
 			}
+			set[f.Name] = true
+			if to, ok := renamed[f.Name]; ok {
+				set[to] = true
+			}
 			if sv, isSlice := f.Value.(pflag.SliceValue); isSlice {
 				if err := sv.Replace(splitList(v)); err != nil {
 					errs = append(errs, fmt.Errorf("%s: %w", n, err))
@@ -117,11 +142,22 @@ func bindEnv(cmd *cobra.Command, extra map[string]string) error {
 			}
 			return
 		}
-	})
-	if err := errors.Join(errs...); err != nil {
-		return usageErr("%v", err)
 	}
-	return nil
+	var old []*pflag.Flag
+	cmd.Flags().VisitAll(func(f *pflag.Flag) {
+		if _, ok := renamed[f.Name]; ok {
+			old = append(old, f)
+			return
+		}
+		bind(f)
+	})
+	for _, f := range old {
+		bind(f)
+	}
+	if err := errors.Join(errs...); err != nil {
+		return nil, usageErr("%v", err)
+	}
+	return set, nil
 }
 
 func splitList(v string) []string {

@@ -33,10 +33,22 @@ through informers, and publishes one result per request. SIGTERM hands held
 requests back at once. Give every worker the same fair-queueing flags.
 
 Every flag can also be set as BUILDQ_<FLAG> (e.g. BUILDQ_EXECUTOR_IMAGE);
---nats-url also reads NATS_URL.`,
+--nats-url also reads NATS_URL. --config reads them from a YAML file, in
+sections named as the groups below:
+
+  nats:
+    nats-url: nats://nats.buildq:4222
+    replicas: 3
+  kubernetes:
+    namespace: buildq-builds
+    executor-image: gcr.io/kaniko-project/executor@sha256:…
+  tenants:
+    tenant-weight: {acme: 2, "*": 1}
+
+A flag on the command line wins over its variable, and both over the file.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := bindEnv(cmd, mergeEnv(natsEnv, map[string]string{"s3-access-key": "AWS_ACCESS_KEY_ID", "s3-secret-key": "AWS_SECRET_ACCESS_KEY"})); err != nil {
+			if err := c.loadWorker(cmd); err != nil {
 				return err
 			}
 			if err := c.Validate(); err != nil {
@@ -46,7 +58,21 @@ Every flag can also be set as BUILDQ_<FLAG> (e.g. BUILDQ_EXECUTOR_IMAGE);
 		},
 	}
 	c.registerWorker(cmd.Flags())
+	groupedUsage(cmd)
 	return cmd
+}
+
+// loadWorker completes worker's flags from the environment and --config:
+// the command line wins over BUILDQ_* variables, and both over the file.
+func (c *serveConfig) loadWorker(cmd *cobra.Command) error {
+	fromEnv, err := bindEnvTracked(cmd, mergeEnv(natsEnv, map[string]string{"s3-access-key": "AWS_ACCESS_KEY_ID", "s3-secret-key": "AWS_SECRET_ACCESS_KEY"}))
+	if err != nil {
+		return err
+	}
+	if c.configFile == "" {
+		return nil
+	}
+	return applyConfigFile(cmd.Flags(), c.configFile, fromEnv)
 }
 
 // runWorker runs a worker from a validated configuration until ctx ends.
@@ -82,7 +108,7 @@ func runWorker(ctx context.Context, c *serveConfig) error {
 		// Finished build logs are archived under logs/ in the same bucket.
 		cfg.Logs.Archive = store
 	} else {
-		log.Warn("--single-tenant without --fetch-image: build Pods read S3 contexts with the keys of --s3-secret, which a RUN step can read, and contexts are not checked against their digest; set --fetch-image for untrusted tenants")
+		log.Warn("--single-tenant without --fetch-image: build Pods read S3 contexts with the keys of --s3-credentials-secret, which a RUN step can read, and contexts are not checked against their digest; set --fetch-image for untrusted tenants")
 	}
 	if c.job.TenantRegistrySecret == "" && c.job.RegistrySecret != "" {
 		log.Warn("--single-tenant with --registry-secret: every build Pod mounts the shared push Secret; give each tenant its own with --tenant-registry-secret for untrusted tenants")
