@@ -52,11 +52,17 @@ func kustomize(t *testing.T, dir string) []*unstructured.Unstructured {
 	}
 	var out []*unstructured.Unstructured
 	for _, r := range m.Resources() {
-		obj, err := r.Map()
+		// Through JSON, as the API machinery decodes it: integers as
+		// int64, so the unstructured helpers can read and copy them.
+		b, err := r.MarshalJSON()
 		if err != nil {
 			t.Fatal(err)
 		}
-		out = append(out, &unstructured.Unstructured{Object: obj})
+		u := &unstructured.Unstructured{}
+		if err := u.UnmarshalJSON(b); err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, u)
 	}
 	return out
 }
@@ -145,16 +151,13 @@ func readYAML(t *testing.T, path string) []*unstructured.Unstructured {
 	}
 }
 
-// TestDeployPackageAppliesServerSide renders deploy/ (the base, both
-// overlays, both components) with kustomize and applies it to the API
-// server with server-side apply: KEDA's and the Prometheus Operator's CRDs
-// from their own modules, then the production overlay for real (its
-// Deployment has no node to run on here), and the dev overlay as a dry run.
-// The worker's ServiceAccount may do what a build needs and no more,
-// asked through SubjectAccessReview.
-func TestDeployPackageAppliesServerSide(t *testing.T) {
+// installDeployCRDs applies the CRDs of the production overlay's
+// components (KEDA's ScaledObject, the Prometheus Operator's
+// ServiceMonitor and PrometheusRule) from their own modules and waits
+// until they are established.
+func installDeployCRDs(t *testing.T, a *applier) {
+	t.Helper()
 	ctx := context.Background()
-	a := newApplier(t, shared.restConfig)
 	var crds []*unstructured.Unstructured
 	crds = append(crds, readYAML(t, filepath.Join(moduleDir(t, kedaModule), "config/crd/bases/keda.sh_scaledobjects.yaml"))...)
 	po := filepath.Join(moduleDir(t, promOpModule), "example/prometheus-operator-crd")
@@ -182,6 +185,19 @@ func TestDeployPackageAppliesServerSide(t *testing.T) {
 		})
 	}
 	a.mapper.Reset()
+}
+
+// TestDeployPackageAppliesServerSide renders deploy/ (the base, both
+// overlays, both components) with kustomize and applies it to the API
+// server with server-side apply: KEDA's and the Prometheus Operator's CRDs
+// from their own modules, then the production overlay for real (its
+// Deployment has no node to run on here), and the dev overlay as a dry run.
+// The worker's ServiceAccount may do what a build needs and no more,
+// asked through SubjectAccessReview.
+func TestDeployPackageAppliesServerSide(t *testing.T) {
+	ctx := context.Background()
+	a := newApplier(t, shared.restConfig)
+	installDeployCRDs(t, a)
 
 	base := kustomize(t, "../deploy/base")
 	prod := kustomize(t, "../deploy/overlays/production")
@@ -195,8 +211,28 @@ func TestDeployPackageAppliesServerSide(t *testing.T) {
 			t.Errorf("deploy/base has no %s", k)
 		}
 	}
+	// Every overlay renders with its shipped site values into manifests
+	// without a placeholder: no REPLACE, no all-zero digest, no image
+	// without a digest.
+	for name, objs := range map[string][]*unstructured.Unstructured{"production": prod, "dev": dev} {
+		for _, o := range objs {
+			b, _ := json.Marshal(o.Object)
+			if strings.Contains(string(b), "REPLACE") || strings.Contains(string(b), "sha256:"+strings.Repeat("0", 64)) {
+				t.Errorf("%s overlay: %s %s holds a placeholder: %.300s", name, o.GetKind(), o.GetName(), b)
+			}
+			for _, path := range [][]string{{"spec", "template", "spec", "containers"}} {
+				cs, _, _ := unstructured.NestedSlice(o.Object, path...)
+				for _, c := range cs {
+					if img, _ := c.(map[string]any)["image"].(string); !strings.Contains(img, "@sha256:") {
+						t.Errorf("%s overlay: %s %s runs %q, not pinned by digest", name, o.GetKind(), o.GetName(), img)
+					}
+				}
+			}
+		}
+	}
+
 	t.Cleanup(func() {
-		for _, ns := range []string{"buildq", "buildq-builds"} {
+		for _, ns := range []string{"buildq", "buildq-builds", "nats"} {
 			_ = shared.kube.CoreV1().Namespaces().Delete(context.Background(), ns, metav1.DeleteOptions{})
 		}
 	})
@@ -230,9 +266,49 @@ func TestDeployPackageAppliesServerSide(t *testing.T) {
 	for _, e := range c.Env {
 		env[e.Name] = e.Value
 	}
+	// KEDA alone owns the workers' replicas: the overlay sets none.
+	for _, o := range prod {
+		if o.GetKind() == "Deployment" && o.GetName() == "buildq-worker" {
+			if r, found, _ := unstructured.NestedFieldNoCopy(o.Object, "spec", "replicas"); found {
+				t.Errorf("the production overlay sets the worker's replicas (%v) and also has KEDA's ScaledObject: every apply would fight its HPA", r)
+			}
+		}
+		if o.GetKind() == "ScaledObject" {
+			lo, _, _ := unstructured.NestedInt64(o.Object, "spec", "minReplicaCount")
+			hi, _, _ := unstructured.NestedInt64(o.Object, "spec", "maxReplicaCount")
+			if lo < 2 || hi < lo {
+				t.Errorf("ScaledObject min %d max %d", lo, hi)
+			}
+		}
+		// Monitoring is selected by kube-prometheus-stack's default
+		// selector (release=<its Helm release>), from the site values.
+		if k := o.GetKind(); (k == "ServiceMonitor" || k == "PrometheusRule") && o.GetLabels()["release"] != "kube-prometheus-stack" {
+			t.Errorf("%s labels %v, want release=kube-prometheus-stack", k, o.GetLabels())
+		}
+	}
+	// NATS: three servers with routes in production, one in dev.
+	for name, objs := range map[string][]*unstructured.Unstructured{"production": prod, "dev": dev} {
+		want := map[string]int64{"production": 3, "dev": 1}[name]
+		var replicas int64
+		var conf string
+		for _, o := range objs {
+			switch {
+			case o.GetKind() == "StatefulSet" && o.GetName() == "nats":
+				replicas, _, _ = unstructured.NestedInt64(o.Object, "spec", "replicas")
+			case o.GetKind() == "ConfigMap" && strings.HasPrefix(o.GetName(), "nats-config"):
+				conf, _, _ = unstructured.NestedString(o.Object, "data", "cluster.conf")
+			}
+		}
+		if replicas != want || (want > 1) != strings.Contains(conf, "routes: [") {
+			t.Errorf("%s overlay: NATS StatefulSet replicas %d (want %d), cluster.conf %q", name, replicas, want, conf)
+		}
+	}
+
 	switch {
-	case d.Spec.Replicas == nil || *d.Spec.Replicas != 3:
-		t.Errorf("production replicas %v, want 3", d.Spec.Replicas)
+	case d.Spec.Replicas == nil || *d.Spec.Replicas != 1:
+		t.Errorf("production replicas %v, want the API server's default 1 until KEDA scales", d.Spec.Replicas)
+	case c.StartupProbe == nil || c.StartupProbe.HTTPGet == nil || c.StartupProbe.PeriodSeconds*c.StartupProbe.FailureThreshold < 120:
+		t.Errorf("startup probe %+v: want one that waits 2 minutes at least for the informers to sync", c.StartupProbe)
 	case !strings.Contains(c.Image, "@sha256:"):
 		t.Errorf("production image %q is not pinned by digest", c.Image)
 	case env["BUILDQ_FETCH_IMAGE"] != c.Image:
@@ -282,6 +358,56 @@ func TestDeployPackageAppliesServerSide(t *testing.T) {
 		}
 		if r.Status.Allowed != q.allowed {
 			t.Errorf("buildq-worker %s %s/%s (%s) in %q: allowed %v, want %v", q.verb, q.resource, q.sub, q.group, q.ns, r.Status.Allowed, q.allowed)
+		}
+	}
+
+	// The workers may open the API server's port only at the site's
+	// address: every egress rule of their policies names where it goes.
+	for _, o := range prod {
+		if o.GetKind() != "NetworkPolicy" || o.GetNamespace() != "buildq" {
+			continue
+		}
+		rules, _, _ := unstructured.NestedSlice(o.Object, "spec", "egress")
+		for _, r := range rules {
+			if to, _ := r.(map[string]any)["to"].([]any); len(to) == 0 {
+				t.Errorf("NetworkPolicy %s: egress rule %v allows its ports to any address", o.GetName(), r)
+			}
+		}
+		if o.GetName() == "buildq-worker-apiserver" {
+			if cidr, _ := json.Marshal(rules); !strings.Contains(string(cidr), `"cidr":"192.0.2.1/32"`) {
+				t.Errorf("buildq-worker-apiserver: %s, want the site value SITE_API_SERVER_CIDR", cidr)
+			}
+		}
+	}
+
+	// Started as the production Deployment starts it, with the shipped
+	// site values, the worker stops at once, naming each value to set.
+	var site []string
+	for _, o := range prod {
+		if o.GetKind() == "ConfigMap" && strings.HasPrefix(o.GetName(), "buildq-site") {
+			data, _, _ := unstructured.NestedStringMap(o.Object, "data")
+			for k, v := range data {
+				site = append(site, k+"="+v)
+			}
+		}
+	}
+	for _, e := range c.Env {
+		if e.ValueFrom == nil {
+			site = append(site, e.Name+"="+e.Value)
+		}
+	}
+	wctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(wctx, filepath.Join(shared.bin, "buildq"), c.Args...)
+	cmd.Env = append(os.Environ(), append(site, "AWS_ACCESS_KEY_ID=k", "AWS_SECRET_ACCESS_KEY=s", "BUILDQ_METRICS_ADDR=")...)
+	out, err := cmd.CombinedOutput()
+	var ee *exec.ExitError
+	if !errors.As(err, &ee) || ee.ExitCode() != 2 {
+		t.Errorf("buildq worker with the shipped site values: %v, want exit 2\n%s", err, out)
+	}
+	for _, k := range []string{"SITE_WORKER_IMAGE", "SITE_NATS_IMAGE", "BUILDQ_EXECUTOR_IMAGE", "BUILDQ_S3_ENDPOINT", "BUILDQ_REGISTRY", "SITE_API_SERVER_CIDR", "SITE_BASE_IMAGE_CIDR"} {
+		if !strings.Contains(string(out), k+"=") {
+			t.Errorf("buildq worker with the shipped site values does not name %s:\n%s", k, out)
 		}
 	}
 

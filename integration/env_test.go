@@ -151,7 +151,7 @@ func startKCM(logPath string) (func(), error) {
 	}
 	cmd := exec.Command(filepath.Join(shared.tools, "kube-controller-manager"),
 		"--kubeconfig="+shared.kubeconfig,
-		"--controllers=job,ttl-after-finished,garbagecollector,deployment,replicaset,namespace",
+		"--controllers=job,ttl-after-finished,garbagecollector,deployment,replicaset,statefulset,namespace",
 		"--leader-elect=false",
 		"--use-service-account-credentials=false",
 		"--secure-port=0",

@@ -33,6 +33,7 @@ type nodeImages struct {
 	pause  string // the Pod sandbox: busybox sleeping
 	base   string // FROM image of the node tests: Debian's busybox-static
 	buildq string // buildq itself, static, for the fetch-context init container
+	nats   string // nats-server from its Go module, static: deploy/nats's image
 }
 
 // tarEntry is one file of a layer built in memory.
@@ -162,6 +163,26 @@ func buildqImage(ctx context.Context) (gcr.Image, error) {
 	return bqimage.Build(bin, bqimage.Options{Platform: gcr.Platform{OS: "linux", Architecture: runtime.GOARCH}, Created: time.Unix(0, 0).UTC()})
 }
 
+// natsServerLayer is nats-server built from its Go module (the version
+// go.mod requires), static, at /nats-server as in the official image.
+func natsServerLayer(ctx context.Context) (gcr.Layer, error) {
+	dir, err := os.MkdirTemp("", "buildq-nats-server-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(dir)
+	cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-o", filepath.Join(dir, "nats-server"), "github.com/nats-io/nats-server/v2")
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return nil, fmt.Errorf("build static nats-server: %w\n%s", err, out)
+	}
+	bin, err := os.ReadFile(filepath.Join(dir, "nats-server"))
+	if err != nil {
+		return nil, err
+	}
+	return layer([]tarEntry{{name: "nats-server", mode: 0o755, body: bin}})
+}
+
 // pushNodeImages builds the node's images and pushes them through push
 // (the registry's loopback address); the references it returns name them
 // by digest at podHost, the same registry as the Pods reach it.
@@ -176,6 +197,10 @@ func pushNodeImages(ctx context.Context, push, podHost string) (nodeImages, erro
 		return imgs, err
 	}
 	bq, err := buildqImage(ctx)
+	if err != nil {
+		return imgs, err
+	}
+	nl, err := natsServerLayer(ctx)
 	if err != nil {
 		return imgs, err
 	}
@@ -199,6 +224,7 @@ func pushNodeImages(ctx context.Context, push, podHost string) (nodeImages, erro
 			Entrypoint: []string{"/kaniko/executor"},
 		}, &imgs.kaniko},
 		{"node/buildq", nil, gcr.Config{}, &imgs.buildq},
+		{"node/nats", []gcr.Layer{nl}, gcr.Config{Entrypoint: []string{"/nats-server"}}, &imgs.nats},
 	} {
 		img := bq
 		if im.layers != nil {

@@ -14,10 +14,13 @@ import (
 	"go.uber.org/zap"
 )
 
-// serveMetrics serves Prometheus metrics and health endpoints: /healthz
-// (liveness) answers while the process serves HTTP; /readyz (readiness)
-// answers 503 with the reason until the worker takes requests, and while
-// its NATS connection is down.
+// serveMetrics serves Prometheus metrics and health endpoints. The worker
+// starts it first, before it waits for anything: /healthz (liveness)
+// answers 200 from then on, while the process serves HTTP, so a worker
+// that is only waiting (for its informers to sync, for NATS) is never
+// restarted for it; /readyz (readiness) answers 503 with what ready
+// reports — what the worker still waits for — until it takes requests,
+// and again while its NATS connection is down.
 //
 // With withPprof it also serves net/http/pprof's profiles — but not
 // /debug/pprof/cmdline, which would show flags such as --s3-secret-key.

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"os"
 	"sync/atomic"
 
 	"github.com/nats-io/nats.go"
@@ -77,6 +78,12 @@ func (c *serveConfig) loadWorker(cmd *cobra.Command) error {
 
 // runWorker runs a worker from a validated configuration until ctx ends.
 func runWorker(ctx context.Context, c *serveConfig) error {
+	// deploy/'s site values (the worker's environment): an example value
+	// left in place stops the worker here, named, before it connects to
+	// anything.
+	if err := checkSiteValues(os.Environ()); err != nil {
+		return usageErr("%v", err)
+	}
 	log, err := newLogger(c.logLevel, c.logFormat)
 	if err != nil {
 		return err
@@ -113,11 +120,33 @@ func runWorker(ctx context.Context, c *serveConfig) error {
 	if c.job.TenantRegistrySecret == "" && c.job.RegistrySecret != "" {
 		log.Warn("--single-tenant with --registry-secret: every build Pod mounts the shared push Secret; give each tenant its own with --tenant-registry-secret for untrusted tenants")
 	}
-	var promReg *prometheus.Registry
+	// Health is served from here on: /healthz answers at once (the
+	// process works), /readyz names what the worker still waits for —
+	// the Job and Pod caches (up to 2 minutes), then NATS and its streams
+	// — until it takes requests.
+	var (
+		running atomic.Pointer[worker.Worker]
+		waiting atomic.Pointer[string]
+	)
+	setWaiting := func(what string) { waiting.Store(&what) }
+	setWaiting("not taking requests: waiting for the Job and Pod caches")
 	if c.metricsAddr != "" {
-		promReg = prometheus.NewRegistry()
+		promReg := prometheus.NewRegistry()
 		// Before the first Kubernetes client: every API request counts.
 		kube.NewRequestMetrics(promReg).Install()
+		promReg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+		cfg.Metrics = worker.NewMetrics(promReg)
+		ready := func() error {
+			if w := running.Load(); w != nil {
+				return w.Ready()
+			}
+			return errors.New(*waiting.Load())
+		}
+		stop, err := serveMetrics(c.metricsAddr, promReg, ready, c.pprof, log)
+		if err != nil {
+			return failed(err)
+		}
+		defer stop()
 	}
 	rc, err := restConfig(c.kubeconfig)
 	if err != nil {
@@ -129,23 +158,8 @@ func runWorker(ctx context.Context, c *serveConfig) error {
 	}
 	defer stopKube()
 	backend.WithDigestResolver(reg.Head).WithPresigner(presign)
+	setWaiting("not taking requests: connecting to NATS")
 
-	var running atomic.Pointer[worker.Worker]
-	if c.metricsAddr != "" {
-		promReg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-		cfg.Metrics = worker.NewMetrics(promReg)
-		ready := func() error {
-			if w := running.Load(); w != nil {
-				return w.Ready()
-			}
-			return errors.New("not taking requests: connecting to NATS")
-		}
-		stop, err := serveMetrics(c.metricsAddr, promReg, ready, c.pprof, log)
-		if err != nil {
-			return failed(err)
-		}
-		defer stop()
-	}
 	c.nats.name = "buildq-worker " + cfg.ID
 	nc, err := c.nats.connect(nats.MaxReconnects(-1))
 	if err != nil {
