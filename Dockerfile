@@ -1,4 +1,10 @@
-# The buildq binary in a minimal image (worker, dev, and the client commands).
+# The buildq binary in a minimal image (worker, dev, and the client commands),
+# for a Docker host that can pull golang and distroless. Nothing in this
+# repository needs it: make image (hack/image) and make docker-images
+# (hack/docker/images) build the same image without a Dockerfile and without
+# pulling, and docker-compose.yml and make e2e use theirs. Its base images
+# are tags, not digests: their digests can only be had from their
+# registries, which the project's machines do not reach.
 FROM golang:1.26 AS build
 WORKDIR /src
 COPY go.mod go.sum ./

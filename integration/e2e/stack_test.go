@@ -5,261 +5,171 @@ package e2e
 import (
 	"context"
 	"fmt"
+	"io"
+	"net"
+	"net/http"
 	"os"
-	"sort"
+	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/docker/docker/api/types/container"
 	"github.com/nats-io/nats.go"
 	"github.com/testcontainers/testcontainers-go"
-	"github.com/testcontainers/testcontainers-go/modules/k3s"
-	tcminio "github.com/testcontainers/testcontainers-go/modules/minio"
-	tcnats "github.com/testcontainers/testcontainers-go/modules/nats"
-	tcregistry "github.com/testcontainers/testcontainers-go/modules/registry"
-	"github.com/testcontainers/testcontainers-go/network"
-	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
 	"golang.org/x/crypto/bcrypt"
-	"golang.org/x/sync/errgroup"
-	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/types"
 	kwait "k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/tools/clientcmd"
+	"sigs.k8s.io/controller-runtime/pkg/envtest"
 
-	"github.com/buildq/buildq/internal/kaniko"
-	"github.com/buildq/buildq/internal/kube"
-	"github.com/buildq/buildq/internal/naming"
 	"github.com/buildq/buildq/internal/registry"
 	"github.com/buildq/buildq/internal/s3store"
 	"github.com/buildq/buildq/publisher"
-	"github.com/buildq/buildq/worker"
 )
 
-// Images of the stack; each can be replaced through its environment
-// variable (a mirror, a newer release).
+// The stack on the Docker host:
+//
+//   - containers, from images this project builds and loads into the
+//     engine pinned by digest (hack/docker/images): NATS with JetStream,
+//     MinIO, the distribution registry (htpasswd), and `buildq worker`
+//     itself; all with host networking on 127.0.0.1 (the suite's engine
+//     runs with --bridge=none, so nothing touches the host's firewall);
+//   - Kubernetes: the integration suite's own control plane (envtest's
+//     etcd and kube-apiserver, kube-controller-manager) and its real node
+//     (containerd, runc, a CNI bridge, kubelet, kube-scheduler; node_*.go),
+//     all built from Go modules by integration/tools/build.sh; the worker
+//     container reaches the API server through a kubeconfig;
+//   - the real kaniko executor (built from its module, in upstream's image
+//     layout) running in the Jobs on that node.
 const (
-	defaultK3sImage      = "rancher/k3s:v1.33.5-k3s1"                 // BUILDQ_E2E_K3S_IMAGE
-	defaultMinioImage    = "minio/minio:RELEASE.2024-01-16T16-07-38Z" // BUILDQ_E2E_MINIO_IMAGE
-	defaultRegistryImage = "registry:2.8.3"                           // BUILDQ_E2E_REGISTRY_IMAGE
-	defaultNATSImage     = "nats:2.11.7"                              // BUILDQ_E2E_NATS_IMAGE
-)
-
-// Names shared by the containers, the cluster and the worker.
-const (
-	namespace          = "builds"
-	bucket             = "buildq"
+	namespace          = "buildq-e2e"
 	s3SecretName       = "buildq-s3"
 	registrySecretName = "buildq-registry"
-	s3AccessKey        = "buildq-e2e"
 	registryUser       = "buildq"
-
-	// Network aliases on the stack's Docker network. The k3s node (its
-	// containerd) resolves them through Docker's DNS; pods resolve them
-	// through CoreDNS, which the stack teaches them (see teachCoreDNS).
-	minioAlias    = "buildq-minio"
-	registryAlias = "buildq-registry"
-	natsAlias     = "buildq-nats"
-	k3sAlias      = "buildq-k3s"
-
-	// registryInCluster is the registry as kaniko, the k3s node and the
-	// image names see it; the host reaches it through aliasTransport.
-	registryInCluster = registryAlias + ":5000"
-	// s3InCluster is MinIO as kaniko sees it.
-	s3InCluster = "http://" + minioAlias + ":9000"
+	s3AccessKey        = "buildq-e2e"
+	bucket             = "buildq"
 )
 
-// stack is everything the scenarios use: the cluster, the context store,
-// the publisher, and the registry as seen from the host.
+// shared is what the copied real-node harness (node_*.go) reads, named
+// as in the integration suite.
+var shared struct {
+	tools         string // directory of the built binaries (integration/tools/build.sh)
+	kube          kubernetes.Interface
+	kubeconfig    string
+	registryHost  string // the registry container, 127.0.0.1:port
+	registryUser  string
+	registryPass  string
+	minioEndpoint string // the MinIO container, http://127.0.0.1:port
+}
+
+// images are the Docker images of the stack, repo@sha256:… each.
+type images struct {
+	worker, nats, minio, registry string
+}
+
+// stackImages reads the images make e2e loaded (hack/docker/images).
+func stackImages(t *testing.T) images {
+	t.Helper()
+	im := images{
+		worker:   os.Getenv("BUILDQ_WORKER_IMAGE"),
+		nats:     os.Getenv("BUILDQ_NATS_IMAGE"),
+		minio:    os.Getenv("BUILDQ_MINIO_IMAGE"),
+		registry: os.Getenv("BUILDQ_REGISTRY_IMAGE"),
+	}
+	for k, v := range map[string]string{"BUILDQ_WORKER_IMAGE": im.worker, "BUILDQ_NATS_IMAGE": im.nats, "BUILDQ_MINIO_IMAGE": im.minio, "BUILDQ_REGISTRY_IMAGE": im.registry} {
+		if !strings.Contains(v, "@sha256:") {
+			fail(t, "e2e: %s=%q is not an image pinned by digest; make e2e builds and loads the images (hack/docker/images) and sets it", k, v)
+		}
+	}
+	return im
+}
+
+// stack is everything the scenarios use.
 type stack struct {
 	kube  kubernetes.Interface
 	store *s3store.Store
 	pub   *publisher.Client
-	// registryHost is host:port of the registry's published port.
+	node  *realNode
+	reg   *registry.Client
+	// registryHost is the registry as the Pods, the worker and the image
+	// names see it (the node's bridge gateway, forwarded to the container).
 	registryHost string
-	registryPass string
 }
 
-// startStack starts MinIO, the registry, NATS and k3s on one Docker
-// network, prepares the cluster (namespace, Secrets, DNS) and runs a worker
-// in process, the way `buildq worker` wires one. Everything is torn down
-// by t's cleanups.
-func startStack(t *testing.T, executor string) *stack {
+func startStack(t *testing.T, im images) *stack {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()
-	s := &stack{registryPass: randomHex(t, 16)}
+
+	tools, err := exec.Command("bash", "../tools/build.sh").Output()
+	if err != nil {
+		t.Fatalf("e2e: build the tools (integration/tools/build.sh): %v", err)
+	}
+	shared.tools = strings.TrimSpace(string(tools))
+	startControlPlane(t)
+
+	// The containers, on 127.0.0.1 through host networking.
+	shared.registryUser, shared.registryPass = registryUser, randomHex(t, 16)
 	s3Secret := randomHex(t, 16)
+	shared.registryHost = startRegistry(ctx, t, im.registry)
+	shared.minioEndpoint = startMinio(ctx, t, im.minio, s3Secret)
+	natsURL := startNATS(ctx, t, im.nats)
+	t.Logf("e2e: registry %s, minio %s, nats %s (containers)", shared.registryHost, shared.minioEndpoint, natsURL)
 
-	nw, err := network.New(ctx)
-	testcontainers.CleanupNetwork(t, nw)
-	if err != nil {
-		t.Fatalf("e2e: create the Docker network: %v", err)
-	}
+	node := startRealNode(t)
+	s := &stack{kube: shared.kube, node: node, registryHost: node.registryHost}
 
-	hash, err := bcrypt.GenerateFromPassword([]byte(s.registryPass), bcrypt.DefaultCost)
-	if err != nil {
-		t.Fatal(err)
-	}
-	htpasswd := writeFile(t, "htpasswd", []byte(registryUser+":"+string(hash)+"\n"))
-	// The k3s node pulls built images (the run check) from the plain-HTTP
-	// registry: containerd must be told so, and given the credentials.
-	registriesYAML := fmt.Sprintf(`mirrors:
-  %[1]q:
-    endpoint:
-      - "http://%[1]s"
-configs:
-  %[1]q:
-    auth:
-      username: %[2]q
-      password: %[3]q
-`, registryInCluster, registryUser, s.registryPass)
-
-	var (
-		mc  *tcminio.MinioContainer
-		rc  *tcregistry.RegistryContainer
-		ncc *tcnats.NATSContainer
-		kc  *k3s.K3sContainer
-	)
-	t.Logf("e2e: starting k3s, MinIO, the registry and NATS on Docker network %s", nw.Name)
-	g, gctx := errgroup.WithContext(ctx)
-	g.Go(func() error {
-		c, err := tcminio.Run(gctx, envOr("BUILDQ_E2E_MINIO_IMAGE", defaultMinioImage),
-			tcminio.WithUsername(s3AccessKey), tcminio.WithPassword(s3Secret),
-			network.WithNetwork([]string{minioAlias}, nw))
-		testcontainers.CleanupContainer(t, c)
-		mc = c
-		return labelErr("minio", err)
-	})
-	g.Go(func() error {
-		c, err := tcregistry.Run(gctx, envOr("BUILDQ_E2E_REGISTRY_IMAGE", defaultRegistryImage),
-			tcregistry.WithHtpasswdFile(htpasswd),
-			network.WithNetwork([]string{registryAlias}, nw))
-		testcontainers.CleanupContainer(t, c)
-		rc = c
-		return labelErr("registry", err)
-	})
-	g.Go(func() error {
-		c, err := tcnats.Run(gctx, envOr("BUILDQ_E2E_NATS_IMAGE", defaultNATSImage),
-			network.WithNetwork([]string{natsAlias}, nw))
-		testcontainers.CleanupContainer(t, c)
-		ncc = c
-		return labelErr("nats", err)
-	})
-	g.Go(func() error {
-		c, err := k3s.Run(gctx, envOr("BUILDQ_E2E_K3S_IMAGE", defaultK3sImage),
-			network.WithNetwork([]string{k3sAlias}, nw),
-			testcontainers.WithFiles(testcontainers.ContainerFile{
-				Reader:            strings.NewReader(registriesYAML),
-				ContainerFilePath: "/etc/rancher/k3s/registries.yaml",
-				FileMode:          0o600,
-			}))
-		testcontainers.CleanupContainer(t, c)
-		kc = c
-		return labelErr("k3s", err)
-	})
-	if err := g.Wait(); err != nil {
-		t.Fatalf("e2e: start the stack: %v", err)
-	}
-
-	// Addresses: published ports for the host, network IPs for CoreDNS.
-	minioHost, err := mc.ConnectionString(ctx)
-	must(t, "minio address", err)
-	s.registryHost, err = rc.HostAddress(ctx)
-	must(t, "registry address", err)
-	natsURL, err := ncc.ConnectionString(ctx)
-	must(t, "nats address", err)
-	minioIP, err := networkIP(ctx, mc, nw.Name)
-	must(t, "minio network IP", err)
-	registryIP, err := networkIP(ctx, rc, nw.Name)
-	must(t, "registry network IP", err)
-	kubeconfig, err := kc.GetKubeConfig(ctx)
-	must(t, "k3s kubeconfig", err)
-	t.Logf("e2e: minio %s (%s), registry %s (%s), nats %s", minioHost, minioIP, s.registryHost, registryIP, natsURL)
-
-	// The context store, from the host.
-	s.store, err = s3store.New(s3store.Config{Endpoint: "http://" + minioHost, AccessKey: s3AccessKey, SecretKey: s3Secret, Bucket: bucket})
+	s.store, err = s3store.New(s3store.Config{Endpoint: node.minioEndpoint, AccessKey: s3AccessKey, SecretKey: s3Secret, Bucket: bucket})
 	must(t, "s3 store", err)
 	must(t, "create bucket "+bucket, s.store.EnsureBucket(ctx))
 
-	// The cluster.
-	rcfg, err := clientcmd.RESTConfigFromKubeConfig(kubeconfig)
-	must(t, "k3s rest config", err)
-	rcfg.UserAgent = "buildq-worker"
-	client, err := kubernetes.NewForConfig(rcfg)
-	must(t, "kubernetes client", err)
-	s.kube = client
-	dockerConfig, err := registry.DockerConfigJSON(registryInCluster, registryUser, s.registryPass)
+	dockerConfig, err := registry.DockerConfigJSON(s.registryHost, registryUser, shared.registryPass)
 	must(t, "docker config", err)
-	prepareCluster(ctx, t, client, s3Secret, dockerConfig)
-	teachCoreDNS(ctx, t, client, map[string]string{minioAlias: minioIP, registryAlias: registryIP})
+	prepareCluster(ctx, t, shared.kube, s3Secret, dockerConfig)
 	t.Cleanup(func() {
 		if t.Failed() {
-			s.dumpDiagnostics(t)
+			dumpNamespace(t, namespace)
 		}
 	})
 
-	// The worker, wired as cmd/buildq's runWorker and kubeBackend do.
-	reg, err := registry.New(registry.Options{
-		DockerConfig: writeFile(t, "config.json", dockerConfig),
-		Insecure:     []string{registryInCluster},
-		Transport:    aliasTransport(map[string]string{registryInCluster: s.registryHost}),
-		UserAgent:    "buildq-e2e",
-	})
+	// The worker's files, readable by the image's non-root user.
+	wdir := t.TempDir()
+	must(t, "chmod", os.Chmod(wdir, 0o755))
+	put := func(name string, b []byte) string {
+		p := filepath.Join(wdir, name)
+		must(t, "write "+name, os.WriteFile(p, b, 0o644))
+		return p
+	}
+	kc, err := os.ReadFile(shared.kubeconfig)
+	must(t, "read kubeconfig", err)
+	put("kubeconfig", kc)
+	put("config.json", dockerConfig)
+	put("job-template.yaml", []byte(nodeJobTemplate))
+	s.reg, err = registry.New(registry.Options{DockerConfig: filepath.Join(wdir, "config.json"), Insecure: []string{s.registryHost}})
 	must(t, "registry client", err)
-	kcfg := kaniko.Config{
-		Namespace:          namespace,
-		ExecutorImage:      executor,
-		S3Endpoint:         s3InCluster,
-		S3Secret:           s3SecretName,
-		RegistrySecret:     registrySecretName,
-		InsecureRegistries: []string{registryInCluster},
-		DefaultTimeout:     15 * time.Minute,
-	}
-	factory := kube.NewInformerFactory(client, namespace)
-	watcher, err := kube.NewWatcher(factory, nil)
-	must(t, "watcher", err)
-	backend, err := worker.NewKubeBackend(client, watcher, kcfg)
-	must(t, "kube backend", err)
-	stopInformers := make(chan struct{})
-	factory.Start(stopInformers)
-	t.Cleanup(func() { close(stopInformers); factory.Shutdown() })
-	if !watcher.WaitForSync(ctx) {
-		t.Fatalf("e2e: the Job and Pod informers of namespace %s did not sync", namespace)
-	}
-	backend.WithDigestResolver(reg.Head)
 
-	wnc, err := nats.Connect(natsURL, nats.Name("buildq-e2e-worker"), nats.MaxReconnects(-1))
-	must(t, "worker NATS connection", err)
-	t.Cleanup(wnc.Close)
-	w, err := worker.New(wnc, backend, worker.Config{
-		ID:              "e2e-worker",
-		MaxInFlight:     4,
-		Naming:          naming.Policy{Registry: registryInCluster, Mode: naming.ModeProject},
-		Registry:        reg,
-		Logger:          newLogger(),
-		ShutdownTimeout: 10 * time.Second,
-	})
-	must(t, "worker", err)
-	// Streams first, so that publishing cannot race the worker's start.
-	must(t, "worker setup", w.Setup(ctx))
-	runCtx, stopWorker := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- w.Run(runCtx) }()
-	t.Cleanup(func() {
-		stopWorker()
-		select {
-		case err := <-done:
-			if err != nil {
-				t.Errorf("e2e: worker: %v", err)
-			}
-		case <-time.After(time.Minute):
-			t.Errorf("e2e: the worker did not stop within a minute")
-		}
+	startWorker(ctx, t, im.worker, wdir, []string{"worker",
+		"--id", "e2e-worker",
+		"--nats-url", natsURL,
+		"--kubeconfig", "/etc/buildq/kubeconfig",
+		"--namespace", namespace,
+		"--executor-image", node.images.kaniko,
+		"--fetch-image", node.images.buildq,
+		"--job-template", "/etc/buildq/job-template.yaml",
+		"--s3-endpoint", node.minioEndpoint,
+		"--s3-credentials-secret", s3SecretName,
+		"--s3-access-key", s3AccessKey,
+		"--s3-secret-key", s3Secret,
+		"--registry-secret", registrySecretName,
+		"--registry-config", "/etc/buildq/config.json",
+		"--registry", s.registryHost,
+		"--insecure-registry", s.registryHost,
+		"--single-tenant",
+		"--max-in-flight", "4",
+		"--log-format", "console",
 	})
 
 	pnc, err := nats.Connect(natsURL, nats.Name("buildq-e2e-publisher"))
@@ -267,13 +177,208 @@ configs:
 	t.Cleanup(pnc.Close)
 	s.pub, err = publisher.New(pnc)
 	must(t, "publisher", err)
-	t.Logf("e2e: stack ready; executor %s", executor)
+	t.Logf("e2e: stack ready; executor %s", node.images.kaniko)
 	return s
 }
 
+// startControlPlane runs envtest's etcd and kube-apiserver from the tools
+// directory, an admin kubeconfig, and kube-controller-manager.
+func startControlPlane(t *testing.T) {
+	t.Helper()
+	env := &envtest.Environment{
+		BinaryAssetsDirectory:    shared.tools,
+		ControlPlaneStartTimeout: 2 * time.Minute,
+		ControlPlaneStopTimeout:  time.Minute,
+	}
+	// The real node is known by its InternalIP only.
+	env.ControlPlane.GetAPIServer().Configure().Set("kubelet-preferred-address-types", "InternalIP")
+	cfg, err := env.Start()
+	if err != nil {
+		t.Fatalf("e2e: start envtest: %v", err)
+	}
+	t.Cleanup(func() { _ = env.Stop() })
+	shared.kube, err = kubernetes.NewForConfig(cfg)
+	must(t, "kubernetes client", err)
+	admin, err := env.AddUser(envtest.User{Name: "buildq-admin", Groups: []string{"system:masters"}}, nil)
+	must(t, "admin user", err)
+	kc, err := admin.KubeConfig()
+	must(t, "admin kubeconfig", err)
+	shared.kubeconfig = filepath.Join(t.TempDir(), "kubeconfig")
+	must(t, "write kubeconfig", os.WriteFile(shared.kubeconfig, kc, 0o600))
+
+	logPath := filepath.Join(t.TempDir(), "kcm.log")
+	logf, err := os.Create(logPath)
+	must(t, "kcm log", err)
+	cmd := exec.Command(filepath.Join(shared.tools, "kube-controller-manager"),
+		"--kubeconfig="+shared.kubeconfig,
+		"--controllers=job,ttl-after-finished,garbagecollector,namespace",
+		"--leader-elect=false",
+		"--use-service-account-credentials=false",
+		"--secure-port=0",
+	)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	must(t, "start kube-controller-manager", cmd.Start())
+	exited := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(exited) }()
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		<-exited
+		logf.Close()
+		if t.Failed() {
+			b, _ := os.ReadFile(logPath)
+			t.Logf("kube-controller-manager log:\n%s", tail(string(b), 3000))
+		}
+	})
+	select {
+	case <-exited:
+		b, _ := os.ReadFile(logPath)
+		t.Fatalf("e2e: kube-controller-manager exited:\n%s", tail(string(b), 3000))
+	case <-time.After(2 * time.Second):
+	}
+}
+
+// run starts a container with host networking and registers its removal.
+// files are host paths bind-mounted read-only (host path -> container path).
+func run(ctx context.Context, t *testing.T, what, image string, cmd, env []string, binds []string, user string) testcontainers.Container {
+	t.Helper()
+	envMap := map[string]string{}
+	for _, kv := range env {
+		k, v, _ := strings.Cut(kv, "=")
+		envMap[k] = v
+	}
+	req := testcontainers.ContainerRequest{
+		Image: image,
+		Cmd:   cmd,
+		Env:   envMap,
+		User:  user,
+		Name:  fmt.Sprintf("buildq-e2e-%s-%s", what, randomHex(t, 4)),
+		// The images are in the engine already (make e2e loads them);
+		// nothing is pulled.
+		AlwaysPullImage: false,
+		HostConfigModifier: func(hc *container.HostConfig) {
+			hc.NetworkMode = "host"
+			hc.Binds = append(hc.Binds, binds...)
+		},
+	}
+	// A provider whose default network is the host's: without it,
+	// testcontainers (finding no "bridge" network on an engine started
+	// with --bridge=none) would create a bridge network of its own.
+	p, err := testcontainers.NewDockerProvider(testcontainers.DefaultNetwork("host")) //nolint:staticcheck // deprecated without a replacement; the only way to keep testcontainers from creating a bridge network here
+	must(t, "testcontainers provider", err)
+	c, err := p.CreateContainer(ctx, req)
+	testcontainers.CleanupContainer(t, c)
+	if err != nil {
+		t.Fatalf("e2e: create the %s container (%s): %v", what, image, err)
+	}
+	if err := c.Start(ctx); err != nil {
+		t.Fatalf("e2e: start the %s container (%s): %v", what, image, err)
+	}
+	t.Cleanup(func() {
+		if !t.Failed() {
+			return
+		}
+		if rc, err := c.Logs(context.Background()); err == nil {
+			b, _ := io.ReadAll(rc)
+			rc.Close()
+			t.Logf("%s container log:\n%s", what, tail(string(b), 4000))
+		}
+	})
+	return c
+}
+
+func startRegistry(ctx context.Context, t *testing.T, image string) string {
+	t.Helper()
+	addr := freeAddr()
+	dir := t.TempDir()
+	must(t, "chmod", os.Chmod(dir, 0o755))
+	hash, err := bcrypt.GenerateFromPassword([]byte(shared.registryPass), bcrypt.MinCost)
+	must(t, "bcrypt", err)
+	must(t, "htpasswd", os.WriteFile(filepath.Join(dir, "htpasswd"), []byte(registryUser+":"+string(hash)+"\n"), 0o644))
+	cfg := fmt.Sprintf(`version: 0.1
+log:
+  level: warn
+storage:
+  filesystem:
+    rootdirectory: /data
+  delete:
+    enabled: true
+http:
+  addr: %s
+auth:
+  htpasswd:
+    realm: buildq-e2e
+    path: /etc/distribution/htpasswd
+`, addr)
+	must(t, "registry config", os.WriteFile(filepath.Join(dir, "config.yml"), []byte(cfg), 0o644))
+	run(ctx, t, "registry", image, nil, []string{"OTEL_TRACES_EXPORTER=none"},
+		[]string{dir + "/config.yml:/etc/distribution/config.yml:ro", dir + "/htpasswd:/etc/distribution/htpasswd:ro"}, "")
+	waitFor(t, "the registry", func() error { return httpStatus("http://"+addr+"/v2/", http.StatusUnauthorized) })
+	return addr
+}
+
+func startMinio(ctx context.Context, t *testing.T, image, secret string) string {
+	t.Helper()
+	addr, console := freeAddr(), freeAddr()
+	run(ctx, t, "minio", image, []string{"server", "--quiet", "--address", addr, "--console-address", console, "/data"},
+		[]string{"MINIO_ROOT_USER=" + s3AccessKey, "MINIO_ROOT_PASSWORD=" + secret, "MINIO_BROWSER=off"}, nil, "")
+	endpoint := "http://" + addr
+	waitFor(t, "MinIO", func() error { return httpStatus(endpoint+"/minio/health/ready", http.StatusOK) })
+	return endpoint
+}
+
+func startNATS(ctx context.Context, t *testing.T, image string) string {
+	t.Helper()
+	addr := freeAddr()
+	host, port, _ := strings.Cut(addr, ":")
+	run(ctx, t, "nats", image, []string{"-js", "-a", host, "-p", port, "-sd", "/data"}, nil, nil, "")
+	url := "nats://" + addr
+	waitFor(t, "nats-server", func() error {
+		nc, err := nats.Connect(url)
+		if err != nil {
+			return err
+		}
+		nc.Close()
+		return nil
+	})
+	return url
+}
+
+// startWorker runs `buildq worker` from the worker image; dir is mounted at
+// /etc/buildq. The scenarios wait for its results; nothing to wait for here.
+func startWorker(ctx context.Context, t *testing.T, image, dir string, args []string) {
+	t.Helper()
+	run(ctx, t, "worker", image, args, nil, []string{dir + ":/etc/buildq:ro"}, "")
+}
+
+func httpStatus(url string, want int) error {
+	resp, err := http.Get(url) //nolint:gosec,noctx // a startup probe of the test's own server
+	if err != nil {
+		return err
+	}
+	resp.Body.Close()
+	if resp.StatusCode != want {
+		return fmt.Errorf("%s answered %d, want %d", url, resp.StatusCode, want)
+	}
+	return nil
+}
+
+func waitFor(t *testing.T, what string, probe func() error) {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		err := probe()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("e2e: %s not ready after a minute: %v", what, err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
 // prepareCluster creates the builds namespace and the two Secrets the
-// Jobs read, and waits for the namespace's default service account (pods
-// are refused until it exists).
+// Jobs read, and waits for the namespace's default service account.
 func prepareCluster(ctx context.Context, t *testing.T, client kubernetes.Interface, s3Secret string, dockerConfig []byte) {
 	t.Helper()
 	_, err := client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: namespace}}, metav1.CreateOptions{})
@@ -290,6 +395,11 @@ func prepareCluster(ctx context.Context, t *testing.T, client kubernetes.Interfa
 		Data:       map[string][]byte{corev1.DockerConfigJsonKey: dockerConfig},
 	}, metav1.CreateOptions{})
 	must(t, "create secret "+registrySecretName, err)
+	// envtest runs no service account controller: make the default one.
+	_, err = client.CoreV1().ServiceAccounts(namespace).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "default"}}, metav1.CreateOptions{})
+	if err != nil && !strings.Contains(err.Error(), "already exists") {
+		must(t, "create service account "+namespace+"/default", err)
+	}
 	err = kwait.PollUntilContextTimeout(ctx, time.Second, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
 		_, err := client.CoreV1().ServiceAccounts(namespace).Get(ctx, "default", metav1.GetOptions{})
 		return err == nil, nil
@@ -297,154 +407,20 @@ func prepareCluster(ctx context.Context, t *testing.T, client kubernetes.Interfa
 	must(t, "wait for service account "+namespace+"/default", err)
 }
 
-// corednsCustom is the ConfigMap k3s's CoreDNS imports *.server and
-// *.override files from.
-const corednsCustom = "coredns-custom"
-
-// teachCoreDNS makes pods resolve the Docker network aliases. Pods cannot
-// use Docker's embedded DNS (127.0.0.11 exists only in the node's network
-// namespace, so k3s points CoreDNS elsewhere), so CoreDNS gets a server
-// block answering the aliases with the containers' network IPs, and is
-// restarted to load it at once.
-func teachCoreDNS(ctx context.Context, t *testing.T, client kubernetes.Interface, hosts map[string]string) {
-	t.Helper()
-	deployments := client.AppsV1().Deployments("kube-system")
-	var dep *appsv1.Deployment
-	err := kwait.PollUntilContextTimeout(ctx, 2*time.Second, 3*time.Minute, true, func(ctx context.Context) (bool, error) {
-		d, err := deployments.Get(ctx, "coredns", metav1.GetOptions{})
-		if err != nil {
-			return false, nil //nolint:nilerr // a failed Get is polled again until the timeout
-		}
-		dep = d
-		return true, nil
-	})
-	must(t, "wait for deployment kube-system/coredns", err)
-	mounted := false
-	for _, v := range dep.Spec.Template.Spec.Volumes {
-		if v.ConfigMap != nil && v.ConfigMap.Name == corednsCustom {
-			mounted = true
-		}
-	}
-	if !mounted {
-		t.Fatalf("e2e: this k3s's CoreDNS does not mount ConfigMap kube-system/%s, so pods could not resolve the stack's aliases: use a newer k3s (BUILDQ_E2E_K3S_IMAGE)", corednsCustom)
-	}
-
-	names := make([]string, 0, len(hosts))
-	for n := range hosts {
-		names = append(names, n)
-	}
-	sort.Strings(names)
-	var b strings.Builder
-	for i, n := range names {
-		if i > 0 {
-			b.WriteByte(' ')
-		}
-		b.WriteString(n + ":53")
-	}
-	b.WriteString(" {\n    errors\n    hosts {\n")
-	for _, n := range names {
-		fmt.Fprintf(&b, "        %s %s\n", hosts[n], n)
-	}
-	b.WriteString("    }\n}\n")
-
-	cm := &corev1.ConfigMap{
-		ObjectMeta: metav1.ObjectMeta{Name: corednsCustom, Namespace: "kube-system"},
-		Data:       map[string]string{"buildq-e2e.server": b.String()},
-	}
-	_, err = client.CoreV1().ConfigMaps("kube-system").Create(ctx, cm, metav1.CreateOptions{})
-	if apierrors.IsAlreadyExists(err) {
-		cur, gerr := client.CoreV1().ConfigMaps("kube-system").Get(ctx, corednsCustom, metav1.GetOptions{})
-		must(t, "get configmap "+corednsCustom, gerr)
-		if cur.Data == nil {
-			cur.Data = map[string]string{}
-		}
-		cur.Data["buildq-e2e.server"] = b.String()
-		_, err = client.CoreV1().ConfigMaps("kube-system").Update(ctx, cur, metav1.UpdateOptions{})
-	}
-	must(t, "write configmap kube-system/"+corednsCustom, err)
-
-	// kubectl rollout restart, then wait for the rollout.
-	patch := fmt.Sprintf(`{"spec":{"template":{"metadata":{"annotations":{"buildq.dev/e2e-restarted-at":%q}}}}}`, time.Now().UTC().Format(time.RFC3339Nano))
-	_, err = deployments.Patch(ctx, "coredns", types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{})
-	must(t, "restart deployment kube-system/coredns", err)
-	err = kwait.PollUntilContextTimeout(ctx, 2*time.Second, 5*time.Minute, true, func(ctx context.Context) (bool, error) {
-		d, err := deployments.Get(ctx, "coredns", metav1.GetOptions{})
-		if err != nil {
-			return false, nil //nolint:nilerr // a failed Get is polled again until the timeout
-		}
-		want := int32(1)
-		if d.Spec.Replicas != nil {
-			want = *d.Spec.Replicas
-		}
-		st := d.Status
-		return st.ObservedGeneration >= d.Generation && st.UpdatedReplicas == want &&
-			st.Replicas == want && st.AvailableReplicas == want, nil
-	})
-	must(t, "wait for the CoreDNS rollout", err)
-	t.Logf("e2e: CoreDNS answers %s", strings.Join(names, ", "))
-}
-
-// networkIP returns the container's address on the named Docker network.
-func networkIP(ctx context.Context, c testcontainers.Container, networkName string) (string, error) {
-	info, err := c.Inspect(ctx)
+func freeAddr() string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		return "", err
+		panic(err)
 	}
-	if info.NetworkSettings != nil {
-		if ep, ok := info.NetworkSettings.Networks[networkName]; ok && ep != nil && ep.IPAddress != "" {
-			return ep.IPAddress, nil
-		}
-	}
-	return "", fmt.Errorf("container %s has no address on network %s", c.GetContainerID(), networkName)
+	defer l.Close()
+	return l.Addr().String()
 }
 
-// dumpDiagnostics logs what the cluster knows after a failure: the pods of
-// the builds namespace and of kube-system, and the recent events.
-func (s *stack) dumpDiagnostics(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	for _, ns := range []string{namespace, "kube-system"} {
-		pods, err := s.kube.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
-		if err != nil {
-			t.Logf("diagnostics: list pods in %s: %v", ns, err)
-			continue
-		}
-		for _, p := range pods.Items {
-			t.Logf("diagnostics: pod %s/%s phase=%s %s", ns, p.Name, p.Status.Phase, p.Status.Message)
-			for _, cs := range p.Status.ContainerStatuses {
-				switch {
-				case cs.State.Waiting != nil:
-					t.Logf("diagnostics:   %s waiting: %s %s", cs.Name, cs.State.Waiting.Reason, cs.State.Waiting.Message)
-				case cs.State.Terminated != nil:
-					t.Logf("diagnostics:   %s terminated: exit %d %s %s", cs.Name, cs.State.Terminated.ExitCode, cs.State.Terminated.Reason, oneLine(cs.State.Terminated.Message))
-				}
-			}
-		}
-		events, err := s.kube.CoreV1().Events(ns).List(ctx, metav1.ListOptions{})
-		if err != nil {
-			t.Logf("diagnostics: list events in %s: %v", ns, err)
-			continue
-		}
-		for _, e := range events.Items {
-			if ns == namespace || e.Type != corev1.EventTypeNormal {
-				t.Logf("diagnostics: event %s %s/%s %s: %s", e.Type, e.InvolvedObject.Kind, e.InvolvedObject.Name, e.Reason, e.Message)
-			}
-		}
+func tail(s string, n int) string {
+	if len(s) <= n {
+		return s
 	}
-}
-
-// newLogger logs the worker to stderr, readable next to go test -v.
-func newLogger() *zap.Logger {
-	enc := zap.NewDevelopmentEncoderConfig()
-	core := zapcore.NewCore(zapcore.NewConsoleEncoder(enc), zapcore.Lock(os.Stderr), zap.InfoLevel)
-	return zap.New(core).Named("worker")
-}
-
-func labelErr(what string, err error) error {
-	if err != nil {
-		return fmt.Errorf("%s: %w", what, err)
-	}
-	return nil
+	return "…" + s[len(s)-n:]
 }
 
 func must(t *testing.T, what string, err error) {
