@@ -38,6 +38,7 @@ import (
 	kwait "k8s.io/apimachinery/pkg/util/wait"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/integration/internal/realnode"
 	"github.com/buildq/buildq/internal/contexttar"
 )
 
@@ -70,7 +71,7 @@ func TestE2E(t *testing.T) {
 func (s *stack) scenarioWithRun(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), scenarioTimeout)
 	defer cancel()
-	d := s.build(ctx, t, filepath.Join("..", "..", "examples", "with-run"), "with-run", map[string]string{"BASE": s.node.images.base})
+	d := s.build(ctx, t, filepath.Join("..", "..", "examples", "with-run"), "with-run", map[string]string{"BASE": s.node.Images.Base})
 	requireSucceeded(t, d)
 	if d.Origin != v1.OriginBuild {
 		t.Errorf("origin = %q, want %q", d.Origin, v1.OriginBuild)
@@ -102,7 +103,7 @@ func (s *stack) scenarioSyntaxError(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), scenarioTimeout)
 	defer cancel()
 	dir := t.TempDir()
-	writeTo(t, dir, "Dockerfile", "FROM "+s.node.images.base+"\nNOTANINSTRUCTION this is not a Dockerfile\n")
+	writeTo(t, dir, "Dockerfile", "FROM "+s.node.Images.Base+"\nNOTANINSTRUCTION this is not a Dockerfile\n")
 	d := s.build(ctx, t, dir, "syntax-error", nil)
 	if d.Status != v1.StatusFailed {
 		t.Fatalf("status = %q, want %q (%s: %s)", d.Status, v1.StatusFailed, d.Reason, d.Message)
@@ -129,7 +130,7 @@ func (s *stack) scenarioCache(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), scenarioTimeout)
 	defer cancel()
 	dir := t.TempDir()
-	writeTo(t, dir, "Dockerfile", "FROM "+s.node.images.base+"\nCOPY stamp.txt /stamp.txt\n")
+	writeTo(t, dir, "Dockerfile", "FROM "+s.node.Images.Base+"\nCOPY stamp.txt /stamp.txt\n")
 	writeTo(t, dir, "stamp.txt", "buildq e2e: the cache scenario\n")
 
 	first := s.build(ctx, t, dir, "cache", nil)
@@ -225,8 +226,8 @@ func (s *stack) runImage(ctx context.Context, t *testing.T, image string) string
 		Spec: corev1.PodSpec{
 			RestartPolicy:                corev1.RestartPolicyNever,
 			AutomountServiceAccountToken: &noToken,
-			NodeSelector:                 map[string]string{nodeTaint: "true"},
-			Tolerations:                  []corev1.Toleration{{Key: nodeTaint, Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoSchedule}},
+			NodeSelector:                 map[string]string{realnode.Taint: "true"},
+			Tolerations:                  []corev1.Toleration{{Key: realnode.Taint, Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoSchedule}},
 			Containers:                   []corev1.Container{{Name: "app", Image: image}},
 		},
 	}, metav1.CreateOptions{})

@@ -25,6 +25,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 
+	"github.com/buildq/buildq/integration/internal/realnode"
 	"github.com/buildq/buildq/internal/registry"
 	"github.com/buildq/buildq/internal/s3store"
 	"github.com/buildq/buildq/publisher"
@@ -39,8 +40,9 @@ import (
 //     runs with --bridge=none, so nothing touches the host's firewall);
 //   - Kubernetes: the integration suite's own control plane (envtest's
 //     etcd and kube-apiserver, kube-controller-manager) and its real node
-//     (containerd, runc, a CNI bridge, kubelet, kube-scheduler; node_*.go),
-//     all built from Go modules by integration/tools/build.sh; the worker
+//     (containerd, runc, a CNI bridge, kubelet, kube-scheduler;
+//     integration/internal/realnode), all built from Go modules by
+//     integration/tools/build.sh; the worker
 //     container reaches the API server through a kubeconfig;
 //   - the real kaniko executor (built from its module, in upstream's image
 //     layout) running in the Jobs on that node.
@@ -53,8 +55,8 @@ const (
 	bucket             = "buildq"
 )
 
-// shared is what the copied real-node harness (node_*.go) reads, named
-// as in the integration suite.
+// shared is what the real node (integration/internal/realnode, started
+// by startRealNode) reads, named as in the integration suite.
 var shared struct {
 	tools         string // directory of the built binaries (integration/tools/build.sh)
 	kube          kubernetes.Interface
@@ -92,7 +94,7 @@ type stack struct {
 	kube  kubernetes.Interface
 	store *s3store.Store
 	pub   *publisher.Client
-	node  *realNode
+	node  *realnode.Node
 	reg   *registry.Client
 	// registryHost is the registry as the Pods, the worker and the image
 	// names see it (the node's bridge gateway, forwarded to the container).
@@ -120,9 +122,9 @@ func startStack(t *testing.T, im images) *stack {
 	t.Logf("e2e: registry %s, minio %s, nats %s (containers)", shared.registryHost, shared.minioEndpoint, natsURL)
 
 	node := startRealNode(t)
-	s := &stack{kube: shared.kube, node: node, registryHost: node.registryHost}
+	s := &stack{kube: shared.kube, node: node, registryHost: node.RegistryHost}
 
-	s.store, err = s3store.New(s3store.Config{Endpoint: node.minioEndpoint, AccessKey: s3AccessKey, SecretKey: s3Secret, Bucket: bucket})
+	s.store, err = s3store.New(s3store.Config{Endpoint: node.MinioEndpoint, AccessKey: s3AccessKey, SecretKey: s3Secret, Bucket: bucket})
 	must(t, "s3 store", err)
 	must(t, "create bucket "+bucket, s.store.EnsureBucket(ctx))
 
@@ -131,7 +133,7 @@ func startStack(t *testing.T, im images) *stack {
 	prepareCluster(ctx, t, shared.kube, s3Secret, dockerConfig)
 	t.Cleanup(func() {
 		if t.Failed() {
-			dumpNamespace(t, namespace)
+			realnode.DumpNamespace(t, shared.kube, namespace)
 		}
 	})
 
@@ -147,7 +149,7 @@ func startStack(t *testing.T, im images) *stack {
 	must(t, "read kubeconfig", err)
 	put("kubeconfig", kc)
 	put("config.json", dockerConfig)
-	put("job-template.yaml", []byte(nodeJobTemplate))
+	put("job-template.yaml", []byte(realnode.JobTemplate))
 	s.reg, err = registry.New(registry.Options{DockerConfig: filepath.Join(wdir, "config.json"), Insecure: []string{s.registryHost}})
 	must(t, "registry client", err)
 
@@ -156,10 +158,10 @@ func startStack(t *testing.T, im images) *stack {
 		"--nats-url", natsURL,
 		"--kubeconfig", "/etc/buildq/kubeconfig",
 		"--namespace", namespace,
-		"--executor-image", node.images.kaniko,
-		"--fetch-image", node.images.buildq,
+		"--executor-image", node.Images.Kaniko,
+		"--fetch-image", node.Images.Buildq,
 		"--job-template", "/etc/buildq/job-template.yaml",
-		"--s3-endpoint", node.minioEndpoint,
+		"--s3-endpoint", node.MinioEndpoint,
 		"--s3-credentials-secret", s3SecretName,
 		"--s3-access-key", s3AccessKey,
 		"--s3-secret-key", s3Secret,
@@ -177,7 +179,7 @@ func startStack(t *testing.T, im images) *stack {
 	t.Cleanup(pnc.Close)
 	s.pub, err = publisher.New(pnc)
 	must(t, "publisher", err)
-	t.Logf("e2e: stack ready; executor %s", node.images.kaniko)
+	t.Logf("e2e: stack ready; executor %s", node.Images.Kaniko)
 	return s
 }
 

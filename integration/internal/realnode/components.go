@@ -1,10 +1,6 @@
-//go:build e2e
+//go:build integration || e2e
 
-// Copied from integration/node_components_test.go (package integration, whose test files
-// no other package can import); keep the two in step. The e2e suite runs
-// the same real node, under the same machine-wide lock.
-
-package e2e
+package realnode
 
 import (
 	"context"
@@ -20,7 +16,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
-func (n *realNode) startContainerd() {
+func (n *Node) startContainerd() {
 	n.containerdSock = n.path("containerd", "containerd.sock")
 	cni := n.write("cni/net.d/10-buildq.conflist", fmt.Sprintf(`{
   "cniVersion": "0.4.0",
@@ -34,8 +30,8 @@ func (n *realNode) startContainerd() {
     "ipam": {"type": "host-local", "subnet": %q, "dataDir": %q, "routes": []}
   }]
 }
-`, nodeBridge, nodeSubnet, n.path("cni", "ipam")))
-	reg := n.registryHost
+`, Bridge, Subnet, n.path("cni", "ipam")))
+	reg := n.RegistryHost
 	cfg := n.write("containerd/config.toml", fmt.Sprintf(`version = 2
 root = %q
 state = %q
@@ -78,7 +74,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
     username = %q
     password = %q
 `, n.path("containerd", "root"), n.path("containerd", "state"), n.containerdSock, n.containerdSock+".ttrpc",
-		n.path("containerd", "opt"), n.images.pause, filepath.Dir(cni), reg, reg, reg, shared.registryUser, shared.registryPass))
+		n.path("containerd", "opt"), n.Images.Pause, filepath.Dir(cni), reg, reg, reg, n.env.RegistryUser, n.env.RegistryPass))
 	p := n.start("containerd", "containerd", "--config", cfg)
 	deadline := time.Now().Add(time.Minute)
 	for {
@@ -93,7 +89,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 	}
 }
 
-func (n *realNode) startKubelet() {
+func (n *Node) startKubelet() {
 	resolv := n.write("kubelet/resolv.conf", "")
 	cfg := n.write("kubelet/config.yaml", fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
@@ -120,37 +116,37 @@ authentication:
   webhook: {enabled: false}
 authorization:
   mode: AlwaysAllow
-`, nodeGateway, freePort(nodeGateway), n.containerdSock, resolv, n.path("pod-logs"), nodeTaint))
-	n.start("kubelet", filepath.Join(shared.tools, "kubelet"),
+`, Gateway, freePort(Gateway), n.containerdSock, resolv, n.path("pod-logs"), Taint))
+	n.start("kubelet", filepath.Join(n.env.Tools, "kubelet"),
 		"--config", cfg,
-		"--kubeconfig", shared.kubeconfig,
+		"--kubeconfig", n.env.Kubeconfig,
 		"--root-dir", n.path("kubelet", "root"),
 		"--cert-dir", n.path("kubelet", "pki"),
-		"--node-ip", nodeGateway,
-		"--hostname-override", nodeName,
-		"--node-labels", nodeTaint+"=true",
+		"--node-ip", Gateway,
+		"--hostname-override", Name,
+		"--node-labels", Taint+"=true",
 		"--v", "2",
 	)
 }
 
-func (n *realNode) startScheduler() {
+func (n *Node) startScheduler() {
 	// Its own copy of the kubeconfig, so that its command line names the
 	// node's directory (sweepLeftovers finds it by that).
-	kc, err := os.ReadFile(shared.kubeconfig)
+	kc, err := os.ReadFile(n.env.Kubeconfig)
 	if err != nil {
 		n.t.Fatal(err)
 	}
-	n.start("kube-scheduler", filepath.Join(shared.tools, "kube-scheduler"),
+	n.start("kube-scheduler", filepath.Join(n.env.Tools, "kube-scheduler"),
 		"--kubeconfig", n.write("kube-scheduler/kubeconfig", string(kc)),
 		"--leader-elect=false",
 		"--secure-port=0",
 	)
 }
 
-func (n *realNode) waitReady(ctx context.Context) {
+func (n *Node) waitReady(ctx context.Context) {
 	kubelet := n.procs[len(n.procs)-1]
 	for {
-		node, err := shared.kube.CoreV1().Nodes().Get(ctx, nodeName, metav1.GetOptions{})
+		node, err := n.env.Kube.CoreV1().Nodes().Get(ctx, Name, metav1.GetOptions{})
 		if err == nil {
 			for _, c := range node.Status.Conditions {
 				if c.Type == corev1.NodeReady && c.Status == corev1.ConditionTrue {
@@ -164,7 +160,7 @@ func (n *realNode) waitReady(ctx context.Context) {
 						return
 					}
 					node.Spec.Taints = kept
-					if _, err := shared.kube.CoreV1().Nodes().Update(ctx, node, metav1.UpdateOptions{}); err == nil {
+					if _, err := n.env.Kube.CoreV1().Nodes().Update(ctx, node, metav1.UpdateOptions{}); err == nil {
 						return
 					}
 				}

@@ -1,10 +1,6 @@
-//go:build e2e
+//go:build integration || e2e
 
-// Copied from integration/node_teardown_test.go (package integration, whose test files
-// no other package can import); keep the two in step. The e2e suite runs
-// the same real node, under the same machine-wide lock.
-
-package e2e
+package realnode
 
 import (
 	"bufio"
@@ -30,7 +26,7 @@ import (
 // CNI releases their addresses and network namespaces); kubelet; any
 // container still running; containerd and its shims; the mounts under the
 // node's directory; the bridge; the directory.
-func (n *realNode) stop() {
+func (n *Node) stop() {
 	t := n.t
 	for _, p := range n.procs {
 		if p.name == "kube-scheduler" {
@@ -54,7 +50,7 @@ func (n *realNode) stop() {
 		}
 	}
 	n.killShims()
-	_ = shared.kube.CoreV1().Nodes().Delete(ctx, nodeName, metav1.DeleteOptions{})
+	_ = n.env.Kube.CoreV1().Nodes().Delete(ctx, Name, metav1.DeleteOptions{})
 	for i := len(n.cleanups) - 1; i >= 0; i-- {
 		n.cleanups[i]()
 	}
@@ -72,15 +68,15 @@ func (n *realNode) stop() {
 
 // drain deletes every Pod bound to the node and waits until kubelet has
 // removed them.
-func (n *realNode) drain(ctx context.Context) error {
-	pods := shared.kube.CoreV1().Pods("")
-	sel := metav1.ListOptions{FieldSelector: "spec.nodeName=" + nodeName}
+func (n *Node) drain(ctx context.Context) error {
+	pods := n.env.Kube.CoreV1().Pods("")
+	sel := metav1.ListOptions{FieldSelector: "spec.nodeName=" + Name}
 	list, err := pods.List(ctx, sel)
 	if err != nil {
 		return err
 	}
 	for _, p := range list.Items {
-		_ = shared.kube.CoreV1().Pods(p.Namespace).Delete(ctx, p.Name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)})
+		_ = n.env.Kube.CoreV1().Pods(p.Namespace).Delete(ctx, p.Name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)})
 	}
 	for {
 		list, err := pods.List(ctx, sel)
@@ -100,7 +96,7 @@ func (n *realNode) drain(ctx context.Context) error {
 // killContainers stops and removes whatever containerd still runs: Pod
 // sandboxes whose network kubelet did not get to tear down, and their
 // containers.
-func (n *realNode) killContainers() {
+func (n *Node) killContainers() {
 	ctr := func(args ...string) string {
 		out, _ := exec.Command("ctr", append([]string{"--address", n.containerdSock, "--namespace", "k8s.io"}, args...)...).Output()
 		return string(out)
@@ -120,7 +116,7 @@ func (n *realNode) killContainers() {
 // killShims ends every process whose command line names the node's
 // directory: containerd's shims (they outlive containerd by design), and
 // after a crash containerd, kubelet and kube-scheduler themselves.
-func (n *realNode) killShims() {
+func (n *Node) killShims() {
 	entries, _ := os.ReadDir("/proc")
 	for _, e := range entries {
 		pid, err := strconv.Atoi(e.Name())
@@ -138,7 +134,7 @@ func (n *realNode) killShims() {
 // unmountAll detaches every mount under the node's directory (kubelet's
 // bind mount of its root, volumes, overlay snapshots) and the network
 // namespaces CNI made for Pods that never got torn down.
-func (n *realNode) unmountAll() {
+func (n *Node) unmountAll() {
 	f, err := os.Open("/proc/self/mountinfo")
 	if err != nil {
 		return
@@ -186,7 +182,7 @@ func unescapeMount(s string) string {
 
 // removeLogLinks removes kubelet's /var/log/containers links into this
 // node's pod logs (a path kubelet does not let one configure).
-func (n *realNode) removeLogLinks() { removeLogLinksTo(n.dir) }
+func (n *Node) removeLogLinks() { removeLogLinksTo(n.dir) }
 
 func removeLogLinksTo(dir string) {
 	entries, _ := os.ReadDir("/var/log/containers")
@@ -209,7 +205,7 @@ func sweepLeftovers(t *testing.T) {
 	}
 	t.Logf("real node: removing what an interrupted run left: %v", old)
 	for _, dir := range old {
-		n := &realNode{t: t, dir: dir}
+		n := &Node{t: t, dir: dir}
 		n.killShims() // and every other process started from that directory
 		n.unmountAll()
 		removeLogLinksTo(dir)
@@ -218,7 +214,7 @@ func sweepLeftovers(t *testing.T) {
 		}
 	}
 	removeCNICache()
-	_ = exec.Command("ip", "link", "del", nodeBridge).Run()
+	_ = exec.Command("ip", "link", "del", Bridge).Run()
 }
 
 // netnsNames lists the named network namespaces (containerd's CRI keeps a

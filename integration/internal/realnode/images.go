@@ -1,6 +1,6 @@
-//go:build integration
+//go:build integration || e2e
 
-package integration
+package realnode
 
 import (
 	"archive/tar"
@@ -26,14 +26,14 @@ import (
 	bqimage "github.com/buildq/buildq/internal/image"
 )
 
-// nodeImages are the real node's images, referenced by digest at the
+// Images are the real node's images, referenced by digest at the
 // registry address the Pods use.
-type nodeImages struct {
-	kaniko string // the kaniko executor in upstream's image layout
-	pause  string // the Pod sandbox: busybox sleeping
-	base   string // FROM image of the node tests: Debian's busybox-static
-	buildq string // buildq itself, static, for the fetch-context init container
-	nats   string // nats-server from its Go module, static: deploy/nats's image
+type Images struct {
+	Kaniko string // the kaniko executor in upstream's image layout
+	Pause  string // the Pod sandbox: busybox sleeping
+	Base   string // FROM image of the node tests: Debian's busybox-static
+	Buildq string // buildq itself, static, for the fetch-context init container
+	NATS   string // nats-server from its Go module, static: deploy/nats's image (Env.NATSImage)
 }
 
 // tarEntry is one file of a layer built in memory.
@@ -117,9 +117,10 @@ func busyboxLayer() (gcr.Layer, error) {
 }
 
 // kanikoLayer is the executor in upstream's layout (/kaniko/executor, the
-// CA bundle under /kaniko/ssl/certs, /kaniko/.docker, /etc/nsswitch.conf).
-func kanikoLayer() (gcr.Layer, error) {
-	exe, err := os.ReadFile(filepath.Join(shared.tools, "kaniko-executor"))
+// CA bundle under /kaniko/ssl/certs, /kaniko/.docker, /etc/nsswitch.conf),
+// from the directory of the built binaries.
+func kanikoLayer(tools string) (gcr.Layer, error) {
+	exe, err := os.ReadFile(filepath.Join(tools, "kaniko-executor"))
 	if err != nil {
 		return nil, err
 	}
@@ -183,16 +184,17 @@ func natsServerLayer(ctx context.Context) (gcr.Layer, error) {
 	return layer([]tarEntry{{name: "nats-server", mode: 0o755, body: bin}})
 }
 
-// pushNodeImages builds the node's images and pushes them through push
-// (the registry's loopback address); the references it returns name them
-// by digest at podHost, the same registry as the Pods reach it.
-func pushNodeImages(ctx context.Context, push, podHost string) (nodeImages, error) {
-	var imgs nodeImages
+// pushImages builds the node's images and pushes them through
+// env.RegistryHost (the registry's loopback address); the references it
+// returns name them by digest at podHost, the same registry as the Pods
+// reach it.
+func pushImages(ctx context.Context, env Env, podHost string) (Images, error) {
+	var imgs Images
 	bb, err := busyboxLayer()
 	if err != nil {
 		return imgs, err
 	}
-	kl, err := kanikoLayer()
+	kl, err := kanikoLayer(env.Tools)
 	if err != nil {
 		return imgs, err
 	}
@@ -200,19 +202,16 @@ func pushNodeImages(ctx context.Context, push, podHost string) (nodeImages, erro
 	if err != nil {
 		return imgs, err
 	}
-	nl, err := natsServerLayer(ctx)
-	if err != nil {
-		return imgs, err
-	}
 	path := "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-	for _, im := range []struct {
+	type nodeImage struct {
 		repo   string
 		layers []gcr.Layer
 		cfg    gcr.Config
 		out    *string
-	}{
-		{"node/busybox", []gcr.Layer{bb}, gcr.Config{Env: []string{"PATH=" + path}, Cmd: []string{"sh"}}, &imgs.base},
-		{"node/pause", []gcr.Layer{bb}, gcr.Config{Env: []string{"PATH=" + path}, Entrypoint: []string{"/bin/busybox", "sleep", "2147483647"}}, &imgs.pause},
+	}
+	all := []nodeImage{
+		{"node/busybox", []gcr.Layer{bb}, gcr.Config{Env: []string{"PATH=" + path}, Cmd: []string{"sh"}}, &imgs.Base},
+		{"node/pause", []gcr.Layer{bb}, gcr.Config{Env: []string{"PATH=" + path}, Entrypoint: []string{"/bin/busybox", "sleep", "2147483647"}}, &imgs.Pause},
 		{"node/kaniko", []gcr.Layer{kl}, gcr.Config{
 			Env: []string{
 				"HOME=/root", "USER=root",
@@ -222,21 +221,28 @@ func pushNodeImages(ctx context.Context, push, podHost string) (nodeImages, erro
 			},
 			WorkingDir: "/workspace",
 			Entrypoint: []string{"/kaniko/executor"},
-		}, &imgs.kaniko},
-		{"node/buildq", nil, gcr.Config{}, &imgs.buildq},
-		{"node/nats", []gcr.Layer{nl}, gcr.Config{Entrypoint: []string{"/nats-server"}}, &imgs.nats},
-	} {
+		}, &imgs.Kaniko},
+		{"node/buildq", nil, gcr.Config{}, &imgs.Buildq},
+	}
+	if env.NATSImage {
+		nl, err := natsServerLayer(ctx)
+		if err != nil {
+			return imgs, err
+		}
+		all = append(all, nodeImage{"node/nats", []gcr.Layer{nl}, gcr.Config{Entrypoint: []string{"/nats-server"}}, &imgs.NATS})
+	}
+	for _, im := range all {
 		img := bq
 		if im.layers != nil {
 			if img, err = image(im.layers, im.cfg); err != nil {
 				return imgs, err
 			}
 		}
-		ref, err := name.ParseReference(push+"/"+im.repo+":latest", name.Insecure)
+		ref, err := name.ParseReference(env.RegistryHost+"/"+im.repo+":latest", name.Insecure)
 		if err != nil {
 			return imgs, err
 		}
-		auth := remote.WithAuth(&authn.Basic{Username: shared.registryUser, Password: shared.registryPass})
+		auth := remote.WithAuth(&authn.Basic{Username: env.RegistryUser, Password: env.RegistryPass})
 		if err := remote.Write(ref, img, auth, remote.WithContext(ctx)); err != nil {
 			return imgs, fmt.Errorf("push %s: %w", ref, err)
 		}
