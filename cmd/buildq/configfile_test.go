@@ -41,7 +41,11 @@ func TestWorkerHelpGroupsFlags(t *testing.T) {
 	if code != 0 {
 		t.Fatalf("worker --help: exit %d", code)
 	}
-	out = out[strings.Index(out, "Usage:"):]
+	_, usage, ok := strings.Cut(out, "Usage:")
+	if !ok {
+		t.Fatalf("worker --help has no Usage:\n%s", out)
+	}
+	out = usage
 	at := func(s string) int {
 		i := strings.Index(out, s)
 		if i < 0 {
@@ -76,7 +80,8 @@ func workerFlags(t *testing.T, args ...string) (*serveConfig, error) {
 	if err := cmd.ParseFlags(args); err != nil {
 		t.Fatal(err)
 	}
-	return c, c.loadWorker(cmd)
+	err := c.loadWorker(cmd)
+	return c, err
 }
 
 func writeConfig(t *testing.T, body string) string {

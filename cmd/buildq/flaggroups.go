@@ -110,15 +110,15 @@ func printGroupedFlags(w io.Writer, all *pflag.FlagSet) {
 }
 
 // renameFlag keeps old as a deprecated, hidden alias of the flag now
-// called new, for one release: it sets the same value.
-func renameFlag(fs *pflag.FlagSet, old, new string) {
-	f := fs.Lookup(new)
+// called name, for one release: it sets the same value.
+func renameFlag(fs *pflag.FlagSet, old, name string) {
+	f := fs.Lookup(name)
 	alias := *f
 	alias.Name = old
 	alias.Shorthand = ""
-	alias.Usage = "old name of --" + new
+	alias.Usage = "old name of --" + name
 	fs.AddFlag(&alias)
-	_ = fs.MarkDeprecated(old, "use --"+new)
+	_ = fs.MarkDeprecated(old, "use --"+name)
 }
 
 // deprecatedNames lists each renamed flag's old name.
