@@ -7,7 +7,7 @@ PKGS := ./...
 # outside the clone, see integration/README.md).
 INTEGRATION_TIMEOUT ?= 40m
 
-.PHONY: all build test test-unit sim-race test-integration lint fmt vet bench bench-e2e bench-report bench-scale dev e2e tools node-packages clean sim soak mutants image
+.PHONY: all build install test test-unit sim-race test-integration lint fmt vet bench bench-e2e bench-report bench-scale dev e2e tools node-packages clean sim soak mutants image
 
 all: build
 
@@ -105,12 +105,55 @@ image: ## Build the buildq image without Docker and push it: make image IMAGE=re
 	@test -n "$(IMAGE)" || { echo "make image IMAGE=<registry>/<repository> (credentials: your docker config)"; exit 2; }
 	$(GO) run ./hack/image --repo $(IMAGE) --platform $(PLATFORMS) $(if $(TAG),--tag $(TAG)) $(if $(INSECURE),--insecure)
 
-dev: ## Run the embedded stack: NATS, S3, registry and a local-executor worker
-	@echo "make dev: compiling buildq (the first time this takes a few minutes; later runs start at once)..."
-	$(GO) run ./cmd/buildq dev
+# dev builds bin/buildq, then replaces make's shell with it (exec), so the
+# binary's own exit code is the recipe's: Ctrl-C stops the stack and it
+# exits 0 (`go run` would turn that into "exit status 1" and make's
+# "Error 1"). DEV_ARGS are passed on, e.g. DEV_ARGS="--data .data".
+dev: ## Build bin/buildq and run the embedded stack: NATS, S3, registry and a local-executor worker (Ctrl-C stops it)
+	@echo "make dev: compiling buildq into $(BIN)/buildq (the first time this takes a few minutes; later runs start at once)..."
+	@$(GO) build -o $(BIN)/buildq ./cmd/buildq
+	@exec $(BIN)/buildq dev $(DEV_ARGS)
 
-e2e: ## Docker-host end-to-end tests (k3s + real kaniko); skip without Docker
-	$(GO) test -tags e2e -count=1 -timeout 30m -v ./integration/e2e/...
+# install puts buildq where `go install` puts binaries — $(go env GOBIN),
+# or the first GOPATH's bin — and says whether that directory is on PATH.
+install: ## go install ./cmd/buildq, and say where it went and whether that is on PATH
+	@$(GO) install ./cmd/buildq
+	@dir="$$($(GO) env GOBIN)"; [ -n "$$dir" ] || dir="$$($(GO) env GOPATH | cut -d: -f1)/bin"; \
+	echo "installed $$dir/buildq"; \
+	case ":$$PATH:" in \
+	  *":$$dir:"*) echo "$$dir is on PATH: run buildq";; \
+	  *) echo "$$dir is not on PATH; add it, e.g.: export PATH=\"$$dir:\$$PATH\"";; \
+	esac
+
+# The Docker-host path (integration/e2e, README "Tests"): Debian's docker.io
+# engine, started isolated by hack/docker/start.sh (its own root, socket
+# and containerd; no iptables, no bridge; stopped again by hack/docker/stop.sh
+# whatever the outcome), the stack's images built by the project and loaded
+# pinned by digest (make docker-images), the integration suite's control
+# plane and real node for Kubernetes. Needs root and Debian (apt-get).
+DOCKER_DIR ?= $(or $(BUILDQ_DOCKER_DIR),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/buildq/docker)
+DOCKER_IMAGES_ENV ?= $(DOCKER_DIR)/images.env
+.PHONY: docker-engine docker-start docker-stop docker-images
+docker-engine: ## Install Debian's Docker engine (docker.io) when missing
+	bash hack/docker/install.sh
+
+docker-start: docker-engine ## Start the isolated dockerd; prints its DOCKER_HOST
+	@bash hack/docker/start.sh
+
+docker-stop: ## Stop the dockerd of make docker-start
+	bash hack/docker/stop.sh
+
+docker-images: tools docker-engine ## Build buildq, nats-server, MinIO and registry images, load them into the engine pinned by digest; writes $(DOCKER_IMAGES_ENV) (docker compose --env-file)
+	@set -e; host=$$(bash hack/docker/start.sh); export DOCKER_HOST=$$host; \
+	  $(GO) run ./hack/docker/images --tools "$$(bash integration/tools/build.sh)" --env $(DOCKER_IMAGES_ENV)
+
+e2e: tools node-packages docker-engine ## Docker-host end-to-end tests: the stack in the Docker engine, kaniko Jobs on the real node
+	@set -o pipefail; trap 'bash hack/docker/stop.sh' EXIT; \
+	  host=$$(bash hack/docker/start.sh) || { echo "make e2e: the Docker engine did not start; its own error is above (log: $(DOCKER_DIR)/dockerd.log)"; exit 1; }; \
+	  export DOCKER_HOST=$$host; \
+	  $(GO) run ./hack/docker/images --tools "$$(bash integration/tools/build.sh)" --env $(DOCKER_IMAGES_ENV) >/dev/null || exit 1; \
+	  set -a; . $(DOCKER_IMAGES_ENV); set +a; \
+	  BUILDQ_E2E_REQUIRE=1 TESTCONTAINERS_RYUK_DISABLED=true $(GO) test -tags e2e -count=1 -timeout 30m -v ./integration/e2e/... 2>&1 | tee /tmp/buildq-e2e.log
 
 clean:
 	rm -rf $(BIN)

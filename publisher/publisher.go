@@ -20,7 +20,9 @@
 //	nc, err := nats.Connect(url, nats.UserCredentials("acme.creds")) // or nats.Nkey…
 //
 // Watch replays the BUILDQ_RESULTS stream through the JetStream API; it is
-// for operators, whose users may read the stream.
+// for operators, whose users may read the stream. A tenant's Follow fills
+// the gap of a reconnection through its stored-results service
+// (buildq.api.results.<tenant>) instead.
 package publisher
 
 import (
@@ -157,7 +159,12 @@ func (f Filter) subject() (string, error) {
 
 // Watch calls fn for every result that matches f, in stream order, until
 // ctx ends or fn returns an error (which Watch returns; return ErrStop to
-// end without error).
+// end without error). It reads BUILDQ_RESULTS with an ordered consumer
+// (an operator's user: tenants may not read the stream) and resumes it
+// from the stream sequence after the last result it delivered whenever
+// it breaks (a NATS restart, a lost server) or stays quiet, so nothing is
+// missed or delivered twice; errors before the first consumer existed
+// (no stream, no permission) end it.
 func (c *Client) Watch(ctx context.Context, f Filter, fn func(v1.Result) error) error {
 	subj, err := f.subject()
 	if err != nil {
@@ -173,20 +180,38 @@ func (c *Client) Watch(ctx context.Context, f Filter, fn func(v1.Result) error) 
 		cfg.DeliverPolicy = jetstream.DeliverByStartTimePolicy
 		cfg.OptStartTime = &since
 	}
+	w := &follower{f: f, fn: fn, seen: newSeenSet(seenCap)}
+	started := false
+	backoff := 250 * time.Millisecond
 	for {
-		last, err := c.watchOnce(ctx, cfg, f, fn)
-		if err != nil || ctx.Err() != nil {
-			if errors.Is(err, ErrStop) {
+		ok, last, err := c.watchOnce(ctx, cfg, w)
+		started = started || ok
+		var fnErr fnError
+		switch {
+		case errors.As(err, &fnErr):
+			if errors.Is(fnErr.err, ErrStop) {
 				return nil
 			}
-			if err == nil {
-				err = ctx.Err()
-			}
+			return fnErr.err
+		case ctx.Err() != nil:
+			return ctx.Err()
+		case err != nil && !started:
 			return err
+		case err != nil:
+			// Broken (a restart, a lost server): again from where this
+			// watch is, after a pause.
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(backoff):
+			}
+			backoff = min(2*backoff, 5*time.Second)
+		default:
+			backoff = 250 * time.Millisecond
 		}
-		// Quiet for a while: the ordered consumer (one replica on one
-		// server) may sit on a server that went away. Recreate it from
-		// where this watch is, level-triggered, rather than trust it.
+		// Quiet for a while, or broken: the ordered consumer (one replica
+		// on one server) may sit on a server that went away. Recreate it
+		// from where this watch is, level-triggered, rather than trust it.
 		switch {
 		case last > 0:
 			cfg.DeliverPolicy, cfg.OptStartSeq, cfg.OptStartTime = jetstream.DeliverByStartSequencePolicy, last+1, nil
@@ -202,25 +227,26 @@ func (c *Client) Watch(ctx context.Context, f Filter, fn func(v1.Result) error) 
 const watchIdle = 15 * time.Second
 
 // watchOnce delivers results through one ordered consumer until it has
-// been quiet for watchIdle (then err is nil) or fn or ctx ends the watch.
+// been quiet for watchIdle (then err is nil) or fn (a fnError), ctx or
+// the consumer ends the watch. ok reports that the consumer was made;
 // last is the stream sequence of the last result delivered (0: none).
-func (c *Client) watchOnce(ctx context.Context, cfg jetstream.OrderedConsumerConfig, f Filter, fn func(v1.Result) error) (last uint64, err error) {
+func (c *Client) watchOnce(ctx context.Context, cfg jetstream.OrderedConsumerConfig, w *follower) (ok bool, last uint64, err error) {
 	last = cfg.OptStartSeq
 	if last > 0 {
 		last--
 	}
 	cons, err := c.js.OrderedConsumer(ctx, v1.ResultsStream, cfg)
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
-		return last, ErrNoWorkers
+		return false, last, ErrNoWorkers
 	}
 	if err != nil {
-		return last, fmt.Errorf("watch results: %w", err)
+		return false, last, fmt.Errorf("watch results: %w", err)
 	}
 	// Short pulls with frequent heartbeats, so a consumer whose server is
 	// gone is noticed in seconds.
 	it, err := cons.Messages(jetstream.PullExpiry(5*time.Second), jetstream.PullHeartbeat(time.Second))
 	if err != nil {
-		return last, fmt.Errorf("watch results: %w", err)
+		return false, last, fmt.Errorf("watch results: %w", err)
 	}
 	stop := context.AfterFunc(ctx, it.Stop)
 	defer stop()
@@ -230,26 +256,21 @@ func (c *Client) watchOnce(ctx context.Context, cfg jetstream.OrderedConsumerCon
 		if err != nil {
 			switch {
 			case ctx.Err() != nil:
-				return last, ctx.Err()
+				return true, last, ctx.Err()
 			case errors.Is(err, nats.ErrTimeout):
-				return last, nil
+				return true, last, nil
 			case errors.Is(err, jetstream.ErrMsgIteratorClosed):
-				return last, ctx.Err()
+				return true, last, ctx.Err()
 			}
-			return last, fmt.Errorf("watch results: %w", err)
+			return true, last, fmt.Errorf("watch results: %w", err)
 		}
+		var seq uint64
 		if meta, err := msg.Metadata(); err == nil {
-			last = meta.Sequence.Stream
+			seq = meta.Sequence.Stream
+			last = seq
 		}
-		var r v1.Result
-		if err := json.Unmarshal(msg.Data(), &r); err != nil {
-			continue // not ours to judge; skip what we cannot read
-		}
-		if f.RequestID != "" && r.ID != f.RequestID {
-			continue
-		}
-		if err := fn(r); err != nil {
-			return last, err
+		if _, err := w.deliver(seq, msg.Data()); err != nil {
+			return true, last, fnError{err}
 		}
 	}
 }
@@ -428,58 +449,6 @@ func (c *Client) permissionError(op, subject string) error {
 		return fmt.Errorf("%w: this NATS user may not use %s (a tenant's user needs its own subjects, see deploy/nats)", err, subject)
 	}
 	return nil
-}
-
-// Follow calls fn for every result that matches f as it is published,
-// on a core NATS subscription (no JetStream access needed: a tenant's NATS
-// user may follow its own results), until ctx ends or fn returns an error
-// (which Follow returns; return ErrStop to end without error). Since and
-// DeliverAll are not supported: replaying stored results is Watch's. A
-// result published twice (a worker that lost its PubAck publishes the same
-// decision again) is seen twice here, once in the stream.
-func (c *Client) Follow(ctx context.Context, f Filter, fn func(v1.Result) error) error {
-	if f.DeliverAll || !f.Since.IsZero() {
-		return errors.New("follow: replaying stored results needs Watch")
-	}
-	subj, err := f.subject()
-	if err != nil {
-		return err
-	}
-	msgs := make(chan *nats.Msg, 256)
-	sub, err := c.nc.ChanSubscribe(subj, msgs)
-	if err != nil {
-		return fmt.Errorf("subscribe to %s: %w", subj, err)
-	}
-	defer func() { _ = sub.Unsubscribe() }()
-	if err := c.flush(ctx); err != nil {
-		if ctx.Err() != nil {
-			return ctx.Err()
-		}
-		return fmt.Errorf("subscribe to %s: %w", subj, err)
-	}
-	if err := c.permissionError("Subscription to", subj); err != nil {
-		return err
-	}
-	for {
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case m := <-msgs:
-			var r v1.Result
-			if json.Unmarshal(m.Data, &r) != nil {
-				continue
-			}
-			if f.RequestID != "" && r.ID != f.RequestID {
-				continue
-			}
-			if err := fn(r); err != nil {
-				if errors.Is(err, ErrStop) {
-					return nil
-				}
-				return err
-			}
-		}
-	}
 }
 
 // Events calls fn for each progress event of tenant/name (core NATS, not

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -28,14 +29,20 @@ func newWatchCmd() *cobra.Command {
 		Use:   "watch",
 		Short: "Print result events as they arrive",
 		Long: `Print result events as they arrive, optionally filtered by tenant and
-name. With -o json each event is printed as one line of JSON (the full
-CloudEvent). Stops on Ctrl-C.
+name. With -o json each result is printed as one line of JSON: its data,
+the same object ` + "`buildq submit --wait -o json`" + ` prints. Stops on Ctrl-C.
 
 Without --all or --since it subscribes to buildq.results.<tenant>.<name>
 (core NATS), which a tenant's NATS user may do for its own tenant (pass
---tenant, and --inbox-prefix as configured for that user). --all and
---since replay the BUILDQ_RESULTS stream through the JetStream API, which
-needs an operator's permissions.`,
+--tenant). --all and --since replay the BUILDQ_RESULTS stream through the
+JetStream API, which needs an operator's permissions.
+
+A watch misses nothing across a NATS restart or a lost connection: it
+keeps reconnecting, and once back it fetches the results stored after the
+last one it printed — a tenant's from its stored-results service
+(buildq.api.results.<tenant>, answered by the workers), an operator's from
+the stream — and prints those it had not, each result once. When the
+stream no longer holds them (older than its max age) it says so on stderr.`,
 		Example: `  buildq watch
   buildq watch --tenant acme --name web -o json
   buildq watch --all            # replay everything stored first (operators)`,
@@ -54,35 +61,27 @@ needs an operator's permissions.`,
 			if err := f.Validate(); err != nil {
 				return usageErr("%v", err)
 			}
-			nc, pub, err := nf.publisher("buildq-watch")
+			nf.name = "buildq-watch"
+			// A watch outlives a NATS restart: reconnect for as long as it
+			// runs (it fills the gap once back).
+			nc, err := nf.connect(nats.MaxReconnects(-1), nats.ReconnectWait(time.Second))
 			if err != nil {
 				return err
 			}
 			defer nc.Close()
-			out := cmd.OutOrStdout()
-			watch := pub.Follow
-			if f.DeliverAll || !f.Since.IsZero() {
-				watch = pub.Watch
+			pub, err := publisher.New(nc)
+			if err != nil {
+				return failed(err)
 			}
-			err = watch(cmd.Context(), f, func(r v1.Result) error {
-				if output == "json" {
-					b, err := json.Marshal(r)
-					if err != nil {
-						return err
-					}
-					_, err = fmt.Fprintln(out, string(b))
-					return err
-				}
-				d := r.Data
-				line := fmt.Sprintf("%s  %s/%s  %-9s", r.Time.Local().Format("2006-01-02 15:04:05"), d.Tenant, d.Name, d.Status)
-				if d.Status == v1.StatusSucceeded {
-					line += fmt.Sprintf(" %-8s %s", d.Origin, d.ImageRef)
-				} else {
-					line += fmt.Sprintf(" %s: %s", d.Reason, d.Message)
-				}
-				_, err := fmt.Fprintf(out, "%s  (request %s)\n", line, d.RequestID)
-				return err
-			})
+			out, stderr := cmd.OutOrStdout(), cmd.ErrOrStderr()
+			show := func(r v1.Result) error { return printWatched(out, r, output == "json") }
+			if f.DeliverAll || !f.Since.IsZero() {
+				err = pub.Watch(cmd.Context(), f, show)
+			} else {
+				err = pub.Follow(cmd.Context(), f, show, publisher.OnGap(func(g publisher.Gap) {
+					reportGap(stderr, g)
+				}))
+			}
 			if err != nil && !errors.Is(err, context.Canceled) {
 				return failed(err)
 			}
@@ -92,10 +91,45 @@ needs an operator's permissions.`,
 	nf.register(cmd.Flags())
 	cmd.Flags().StringVar(&tenant, "tenant", "", "only this tenant")
 	cmd.Flags().StringVar(&name, "name", "", "only this build name")
-	cmd.Flags().StringVarP(&output, "output", "o", "text", "output: text or json (one CloudEvent per line)")
+	cmd.Flags().StringVarP(&output, "output", "o", "text", "output: text or json (one result's data per line, as submit -o json prints it)")
 	cmd.Flags().BoolVar(&all, "all", false, "replay every stored result first")
 	cmd.Flags().DurationVar(&since, "since", 0, "replay results of the last D first (e.g. 1h)")
 	return cmd
+}
+
+// printWatched prints one result of a watch: a line of text, or its data
+// as one line of JSON (the object submit -o json prints).
+func printWatched(out io.Writer, r v1.Result, asJSON bool) error {
+	d := r.Data
+	if asJSON {
+		b, err := json.Marshal(d)
+		if err != nil {
+			return err
+		}
+		_, err = fmt.Fprintln(out, string(b))
+		return err
+	}
+	line := fmt.Sprintf("%s  %s/%s  %-9s", r.Time.Local().Format("2006-01-02 15:04:05"), d.Tenant, d.Name, d.Status)
+	if d.Status == v1.StatusSucceeded {
+		line += fmt.Sprintf(" %-8s %s", d.Origin, d.ImageRef)
+	} else {
+		line += fmt.Sprintf(" %s: %s", d.Reason, d.Message)
+	}
+	_, err := fmt.Fprintf(out, "%s  (request %s)\n", line, d.RequestID)
+	return err
+}
+
+// reportGap tells on stderr what a watch did after a reconnection.
+func reportGap(stderr io.Writer, g publisher.Gap) {
+	from := fmt.Sprintf("after stream sequence %d", g.AfterSeq)
+	if g.AfterSeq == 0 {
+		from = "since " + g.Since.Local().Format("15:04:05")
+	}
+	if g.Err != nil {
+		fmt.Fprintf(stderr, "buildq watch: reconnected; %d missed result(s) printed, but not every result stored %s could be fetched: %v\n", g.Replayed, from, g.Err)
+		return
+	}
+	fmt.Fprintf(stderr, "buildq watch: reconnected; %d result(s) published while disconnected printed (stored %s)\n", g.Replayed, from)
 }
 
 func newStatusCmd() *cobra.Command {

@@ -161,7 +161,12 @@ func ServerConfig(o ConfigOptions) ([]byte, error) {
 					"BUILDQ_LOGS stream) stay in BUILDQ: no subscription, no",
 					"JetStream API.",
 				}},
-				{TenantServices(t)[4], []string{"The first version's cancel subject, for its own names."}},
+				{TenantServices(t)[4], []string{
+					"Its stored-results service: " + t + "'s own results stored",
+					"after a point (what a watch missed while disconnected),",
+					"read from BUILDQ_RESULTS for it by the workers.",
+				}},
+				{TenantServices(t)[5], []string{"The first version's cancel subject, for its own names."}},
 			})
 			writePerms(w, "subscribe", []perm{
 				{TenantStreams(t)[0], []string{

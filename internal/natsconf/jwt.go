@@ -40,10 +40,13 @@ func (a Account) PublicKey() string {
 //
 // BUILDQ's exports are wildcards and private (they need an activation
 // token): services buildq.requests.*, buildq.api.status.*,
-// buildq.api.cancel.*, buildq.api.logs.*, buildq.cancel.*.* and streams
-// buildq.results.*.>, buildq.events.*.>. The build logs themselves
-// (buildq.logs.>, the BUILDQ_LOGS stream) and the JetStream API are not
-// exported: a tenant reads a log only through its logs service. Tenant T's account imports TenantServices(T) and
+// buildq.api.cancel.*, buildq.api.logs.*, buildq.api.results.*,
+// buildq.cancel.*.* and streams buildq.results.*.>, buildq.events.*.>.
+// The build logs themselves (buildq.logs.>, the BUILDQ_LOGS stream), the
+// stored results (BUILDQ_RESULTS) and the JetStream API are not
+// exported: a tenant reads a log only through its logs service, and
+// what it missed of its results through its stored-results service.
+// Tenant T's account imports TenantServices(T) and
 // TenantStreams(T), each with an activation token that BUILDQ's key signed
 // for T's account and exactly that subject; the server refuses an import
 // whose subject is not contained in its token's. So a new tenant is one new
@@ -167,7 +170,7 @@ func buildqExports() jwt.Exports {
 // MissingExports are the subjects BUILDQ exports now (buildqExports) that
 // the setup's BUILDQ account JWT does not: a setup made by an earlier
 // buildq lacks the services added since (buildq.api.logs.* for build
-// logs). Its tenants' imports of those subjects authorize nothing (the
+// logs, buildq.api.results.* for stored results). Its tenants' imports of those subjects authorize nothing (the
 // server skips an import of a subject the exporter does not export), so
 // those services are out of their reach until the setup is made anew.
 func (s *JWTSetup) MissingExports() ([]string, error) {

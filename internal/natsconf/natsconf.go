@@ -7,11 +7,11 @@
 // server itself would write the PubAck into the bucket. So the streams and
 // buckets live in the BUILDQ account (with the worker and operator users),
 // and every tenant is an account of its own that imports from BUILDQ exactly
-// its own subjects: its request subject and its status, cancel and logs
-// services as services (the server gives each request a fresh _R_.… reply
-// subject in BUILDQ and routes the answer, or the PubAck, back into the
-// tenant's account, so a reply subject can name nothing of BUILDQ), and its
-// results and progress events as streams. Build logs (the BUILDQ_LOGS
+// its own subjects: its request subject and its status, cancel, logs and
+// stored-results services as services (the server gives each request a
+// fresh _R_.… reply subject in BUILDQ and routes the answer, or the
+// PubAck, back into the tenant's account, so a reply subject can name
+// nothing of BUILDQ), and its results and progress events as streams. Build logs (the BUILDQ_LOGS
 // stream, buildq.logs.>) stay in BUILDQ: a tenant reads a log only through
 // its logs service.
 //
@@ -119,18 +119,21 @@ func Users(tenants []string) []string {
 // TenantServices are the subjects tenant t imports from BUILDQ as services
 // (request/reply; the request subject is a JetStream publish whose PubAck
 // is the reply), in the order they are written: its request subject, its
-// status, cancel and logs services, and the first version's cancel subject.
+// status, cancel, logs and stored-results services, and the first
+// version's cancel subject.
 //
 // No tenant gets anything of the build logs but its logs service: the
 // logs themselves (buildq.logs.>, the BUILDQ_LOGS stream) are neither
 // exported nor in any tenant's permissions, and tenants have no JetStream
-// API.
+// API. Nor does any tenant read BUILDQ_RESULTS: what it missed of its
+// own results it asks its stored-results service for.
 func TenantServices(t string) []string {
 	return []string{
 		v1.RequestSubject(t),
 		v1.APIStatusSubject(t),
 		v1.APICancelSubject(t),
 		v1.APILogsSubject(t),
+		v1.APIResultsSubject(t),
 		v1.CancelPrefix + "." + t + ".*",
 	}
 }
@@ -205,6 +208,11 @@ var workerSubscribe = []perm{
 	{"buildq.api.logs.*", []string{
 		"The logs service: a build's log, served to a tenant one of",
 		"whose requests the build answered.",
+	}},
+	{"buildq.api.results.*", []string{
+		"The stored-results service: a tenant's own results stored",
+		"after a point, read from BUILDQ_RESULTS for it (a watch that",
+		"was disconnected asks it for what it missed).",
 	}},
 	{"buildq.cancel.*.*", []string{"The first version's cancel subject, buildq.cancel.<tenant>.<name>."}},
 	{"buildq.internal.>", nil},

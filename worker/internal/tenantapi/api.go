@@ -1,7 +1,7 @@
-// Package tenantapi is the tenant API service of a worker: status and
-// cancel as NATS request/reply services, so a tenant needs no access to
-// the KV buckets or the streams, and sees and cancels only its own
-// requests. The tenant is the subject's last token, which NATS
+// Package tenantapi is the tenant API service of a worker: status,
+// cancel, logs and stored results as NATS request/reply services, so a
+// tenant needs no access to the KV buckets or the streams, and sees and
+// cancels only its own requests. The tenant is the subject's last token, which NATS
 // permissions guard. It reads the request ledger and the build records,
 // ends a canceled build's run, and tells the handlers of every worker
 // when a request they hold was canceled.
@@ -144,6 +144,11 @@ func (w *Service) Serve(ctx context.Context) (func(), error) {
 		{v1.APILogsPrefix + ".*", "buildq-api", func(m *nats.Msg) {
 			w.respond(ctx, m, func(cctx context.Context, tenant string) any {
 				return w.logs(cctx, tenant, m.Data)
+			})
+		}},
+		{v1.APIResultsPrefix + ".*", "buildq-api", func(m *nats.Msg) {
+			w.respond(ctx, m, func(cctx context.Context, tenant string) any {
+				return w.results(cctx, tenant, m.Data)
 			})
 		}},
 		{v1.APIStatusPrefix + ".*", "buildq-api", func(m *nats.Msg) {
