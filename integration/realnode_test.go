@@ -154,6 +154,44 @@ COPY hello.txt /srv/hello.txt
 		}
 	})
 
+	// Issue 28: kaniko's own words for a FROM image the registry does not
+	// have ("error building image: … MANIFEST_UNKNOWN / NAME_UNKNOWN")
+	// make a BaseImageNotFound failure: one Pod, one attempt, at once, no
+	// dead letter.
+	t.Run("a base image missing from the registry is BaseImageNotFound, once", func(t *testing.T) {
+		s := newSuite(t, options{node: node})
+		pods := s.podsCreated()
+		s.startWorker("w1")
+		res := s.collect()
+		ref, err := name.ParseReference(node.images.base)
+		if err != nil {
+			t.Fatal(err)
+		}
+		missing := ref.Context().RegistryStr() + "/acme/no-such-base:1"
+		dir := contextDir(t, map[string]string{"Dockerfile": "ARG BASE\nFROM $BASE\nCOPY f /f\n", "f": "x"})
+		start := time.Now()
+		s.submitWith(dir, "nobase", 1, func(r *v1.Request) { r.BuildArgs = map[string]string{"BASE": missing} })
+		r := res.wait(t, 1, 5*time.Minute)[0]
+		took := time.Since(start)
+		d := r.Data
+		if d.Status != v1.StatusFailed || d.Reason != v1.ReasonBaseImageNotFound || d.Attempts != 1 {
+			t.Fatalf("result %s, want failed/%s after 1 attempt", mustJSON(r), v1.ReasonBaseImageNotFound)
+		}
+		if !strings.Contains(d.Message, "acme/no-such-base") || !(strings.Contains(d.Message, "NAME_UNKNOWN") || strings.Contains(d.Message, "MANIFEST_UNKNOWN")) {
+			t.Errorf("message %q: want the image and the registry's words", d.Message)
+		}
+		if n := pods(); n != 1 {
+			t.Errorf("%d pods ran, want 1", n)
+		}
+		if n := streamMsgs(context.Background(), t, s.js(), v1.DeadLetterStream); n != 0 {
+			t.Errorf("%d dead letters, want none", n)
+		}
+		t.Logf("answered %s in %s: %s", d.Reason, took.Round(100*time.Millisecond), d.Message)
+		if took > time.Minute {
+			t.Errorf("answered after %s: want one quick attempt", took)
+		}
+	})
+
 	t.Run("RUN exit 3 fails once with the command's output", func(t *testing.T) {
 		s := newSuite(t, options{node: node, workerArgs: []string{"--keep-jobs"}})
 		pods := s.podsCreated()

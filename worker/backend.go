@@ -1,10 +1,12 @@
 package worker
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"strings"
 	"time"
 
@@ -43,6 +45,10 @@ type Build struct {
 	// Log is the run's log, for the backend to write the build's output
 	// into as it goes (nil: not captured).
 	Log LogWriter
+	// Progress, when set, is told of a new attempt inside the build (a
+	// Job that runs its Pod again) and why, for the request's progress
+	// events and the run's log.
+	Progress func(msg string)
 }
 
 // errNotCurrent: the run ended while its build was being started.
@@ -70,6 +76,13 @@ type Outcome struct {
 // the backend adopted a build that already existed, creator names the
 // request that started it.
 type Started func(job string, created bool, creator string)
+
+// StartDescriber is a Backend whose builds are not Kubernetes Jobs: it
+// says what it started (or joined), for the progress event and the run's
+// log, instead of "created job …".
+type StartDescriber interface {
+	DescribeStart(job string, created bool) string
+}
 
 // Backend runs builds. The worker holds the build key's claim around Run.
 type Backend interface {
@@ -240,6 +253,7 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 	// still exists; once seen, the informer alone decides.
 	unseen := time.NewTicker(k.digestGrace)
 	defer unseen.Stop()
+	var attempts podAttempts
 	for {
 		cur, pods, ok := k.watcher.Get(k.cfg.Namespace, name)
 		if ok && created && cur.UID != createdUID {
@@ -265,6 +279,7 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 				return k.deleted(name), nil
 			}
 			jobUID = cur.UID
+			attempts.see(name, pods, b.Progress)
 			o := kube.JobOutcome(cur, pods)
 			// A failure's log tail is on its Pod, which can reach the cache
 			// after the Job: wait for it as for a success's digest.
@@ -300,6 +315,56 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 	}
 }
 
+// podAttempts follows the Pods of one build's Job, to say when the Job
+// runs the build again in a new Pod and why the last one ended (its
+// executor killed, the Pod disrupted or deleted): each retry inside the
+// Job is a progress event with its reason.
+type podAttempts struct {
+	// last is the newest Pod seen, and what was last seen of it.
+	last, why string
+	seen      map[string]bool
+}
+
+func (a *podAttempts) see(job string, pods []*corev1.Pod, progress func(string)) {
+	sorted := slices.Clone(pods)
+	slices.SortStableFunc(sorted, func(x, y *corev1.Pod) int {
+		return cmp.Or(x.CreationTimestamp.Compare(y.CreationTimestamp.Time), strings.Compare(x.Name, y.Name))
+	})
+	for _, p := range sorted {
+		if a.seen[p.Name] {
+			if p.Name == a.last {
+				a.why = podEnd(p)
+			}
+			continue
+		}
+		if a.seen == nil {
+			a.seen = map[string]bool{}
+		}
+		if a.last != "" && progress != nil {
+			progress(fmt.Sprintf("job %s runs the build again in pod %s: %s", job, p.Name, a.why))
+		}
+		a.seen[p.Name], a.last, a.why = true, p.Name, podEnd(p)
+	}
+}
+
+// podEnd says how a build Pod ended, as far as its status shows.
+func podEnd(p *corev1.Pod) string {
+	for _, c := range p.Status.Conditions {
+		if c.Type == corev1.DisruptionTarget && c.Status == corev1.ConditionTrue {
+			return fmt.Sprintf("pod %s was disrupted (%s: %s)", p.Name, c.Reason, c.Message)
+		}
+	}
+	for _, cs := range p.Status.ContainerStatuses {
+		if t := cs.State.Terminated; cs.Name == kaniko.ContainerName && t != nil {
+			return fmt.Sprintf("the executor in pod %s exited %d (%s)", p.Name, t.ExitCode, t.Reason)
+		}
+	}
+	if p.DeletionTimestamp != nil {
+		return fmt.Sprintf("pod %s was deleted", p.Name)
+	}
+	return fmt.Sprintf("pod %s ended (%s)", p.Name, cmp.Or(string(p.Status.Phase), "gone"))
+}
+
 func (k *KubeBackend) deleted(name string) Outcome {
 	return Outcome{Reason: v1.ReasonJobDeleted, Job: name, Message: fmt.Sprintf("job %s was deleted before it finished", name)}
 }
@@ -313,7 +378,11 @@ func (k *KubeBackend) outcome(ctx context.Context, name string, uid types.UID, d
 		if tail, err := k.logTail(ctx, o.LogPod); err == nil && tail != "" {
 			out.LogTail = tail
 			if out.Reason == v1.ReasonBuildFailed {
-				out.Reason = kube.ClassifyLog(tail)
+				reason, message := kube.ClassifyFailure(tail)
+				out.Reason = reason
+				if message != "" {
+					out.Message = message
+				}
 			}
 		}
 	}

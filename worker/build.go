@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"math"
 	"reflect"
+	"strings"
+	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -32,6 +34,8 @@ type builder struct {
 	orphans orphanWatch
 	// possessed: tenants shown to hold a context (possession.go).
 	possessed possessions
+	// letGo: why this worker let go of runs it held.
+	letGo letGo
 }
 
 // errAnswered: the request was answered by another handler of its message
@@ -121,7 +125,7 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 				continue // another worker claimed it first: look again
 			}
 			waits()
-			return w.own(ctx, req, claim, rev, repo, dests, seq)
+			return w.own(ctx, req, claim, rev, repo, dests, seq, "")
 
 		case cur.State == v1.StateSucceeded:
 			if mine(cur) {
@@ -147,7 +151,8 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 						continue
 					}
 					waits()
-					return w.own(ctx, req, claim, rev, repo, dests, seq)
+					return w.own(ctx, req, claim, rev, repo, dests, seq,
+						fmt.Sprintf("building again: the image built before (%s@%s) is gone from the registry", cur.Repository, cur.Digest))
 				case err != nil:
 					return nil, "", false, Transient(fmt.Errorf("check %s in the registry: %w", cur.Repository, err))
 				}
@@ -169,7 +174,7 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 				continue
 			}
 			waits()
-			return w.own(ctx, req, claim, rev, repo, dests, seq)
+			return w.own(ctx, req, claim, rev, repo, dests, seq, "a new run: the last run of this build failed ("+failedWhy(cur)+")")
 
 		case cur.Owner == "":
 			// Released by an owner that stopped: take the run over now.
@@ -247,14 +252,80 @@ func (w *builder) takeOver(ctx context.Context, req *v1.Request, cur *v1.BuildRe
 	if !ok {
 		return nil, "", false, false, nil
 	}
-	w.log.Info("took over a build run", zap.String("key", claim.Key), zap.String("run", claim.Run), zap.String("previousOwner", cur.Owner))
-	out, origin, owned, err := w.own(ctx, req, &claim, nrev, repo, dests, seq)
+	note := w.takeOverNote(cur)
+	out, origin, owned, err := w.own(ctx, req, &claim, nrev, repo, dests, seq, note)
 	if err == nil && origin != v1.OriginBuild && out != nil && !sharedFailure(out, req, repo) {
 		w.log.Info("the run taken over failed for its claimer's own inputs; building with this request's",
 			zap.String("key", claim.Key), zap.String("reason", out.Reason))
 		return nil, "", false, false, nil
 	}
 	return out, origin, owned, true, err
+}
+
+// takeOverNote logs a take-over of run cur and says, for the progress
+// event, why the run is run again: this worker let it go itself (a
+// transient failure, the backend's trouble) and now retries it, or
+// another worker let it go or stopped renewing its claim.
+func (w *builder) takeOverNote(cur *v1.BuildRecord) string {
+	fields := []zap.Field{zap.String("key", cur.Key), zap.String("run", cur.Run)}
+	why, mine := w.letGo.get(cur.Run)
+	switch {
+	case mine:
+		w.log.Info("retries its build run", append(fields, zap.String("previousOwner", w.cfg.ID), zap.String("why", why))...)
+		return "retrying the run after " + why
+	case cur.Owner == w.cfg.ID:
+		// This worker's own claim, lapsed: it stopped renewing (a stall,
+		// or a restart under the same id).
+		w.log.Info("retries its build run, whose claim lapsed", append(fields, zap.String("previousOwner", cur.Owner))...)
+		return "retrying the run: this worker's claim on it lapsed"
+	case cur.Owner == "":
+		w.log.Info("took over a build run its worker let go", fields...)
+		return "took over the run: the worker running it let it go (a failure or a shutdown)"
+	}
+	w.log.Info("took over a build run", append(fields, zap.String("previousOwner", cur.Owner))...)
+	return fmt.Sprintf("took over the run of worker %s, which stopped renewing its claim", cur.Owner)
+}
+
+// failedWhy is what a failed record says of its failure, short.
+func failedWhy(r *v1.BuildRecord) string {
+	if r.Message == "" {
+		return r.Reason
+	}
+	m := r.Message
+	if i := strings.IndexByte(m, '\n'); i >= 0 {
+		m = m[:i]
+	}
+	if len(m) > 200 {
+		m = m[:200] + "…"
+	}
+	return r.Reason + ": " + m
+}
+
+// letGo remembers why this worker let go of build runs (by run id), so
+// that when it runs one again — the same request retried, or a parked one
+// requeued — its log and progress events say it retries its own run and
+// why. Bounded: it forgets everything past maxLetGo runs.
+type letGo struct {
+	mu  sync.Mutex
+	why map[string]string
+}
+
+const maxLetGo = 1024
+
+func (l *letGo) put(run, why string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.why == nil || len(l.why) >= maxLetGo {
+		l.why = map[string]string{}
+	}
+	l.why[run] = why
+}
+
+func (l *letGo) get(run string) (string, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	why, ok := l.why[run]
+	return why, ok
 }
 
 func (w *builder) newClaim(req *v1.Request, key, repo string, dests []string, seq uint64) *v1.BuildRecord {

@@ -129,6 +129,7 @@ func (w *Worker) decide(ctx context.Context, in fairq.Incoming) fairq.Action {
 		return fairq.Action{Kind: fairq.HandBack, RequestID: v.Data.RequestID}
 	case err != nil && IsTransient(err) && spend():
 		a := retryIn()
+		w.retrying(v, le, meta, a.Delay, v1.ReasonInfrastructureError+": "+err.Error())
 		log.Warn("transient failure; retrying later", zap.Error(err), zap.Duration("delay", a.Delay))
 		w.cfg.Metrics.retried()
 		return a
@@ -184,7 +185,9 @@ func (w *Worker) decide(ctx context.Context, in fairq.Incoming) fairq.Action {
 		// another worker's publish.
 		if spend() {
 			log.Error("publish result failed; retrying the request", zap.Error(pe.Err), zap.String("requestId", v.Data.RequestID))
-			return retryIn()
+			a := retryIn()
+			w.retrying(v, le, meta, a.Delay, "publishing the result failed: "+pe.Err.Error())
+			return a
 		}
 		log.Error("publish result failed on the last delivery; the request goes to the dead-letter stream",
 			zap.Error(pe.Err), zap.String("requestId", v.Data.RequestID))
@@ -207,7 +210,9 @@ func (w *Worker) decide(ctx context.Context, in fairq.Incoming) fairq.Action {
 	case err != nil:
 		// Recording the decision failed, and the retry budget allows
 		// another try (Unrecorded said so).
-		return retryIn()
+		a := retryIn()
+		w.retrying(v, le, meta, a.Delay, "recording the decision failed: "+err.Error())
+		return a
 	}
 	v.Decision = res.Decision
 	if v.waiter && le != nil {
@@ -270,8 +275,25 @@ func (w *Worker) safeProcess(ctx context.Context, h *handling) (err error) {
 	return err
 }
 
+// retrying tells the request's watchers that it goes back to the queue
+// for another try, and why: every retry's reason is in a progress event
+// ("waiting": the request waits for its next delivery).
+func (w *Worker) retrying(v verdict, le *ledger.Entry, meta *jetstream.MsgMetadata, delay time.Duration, why string) {
+	n := int(meta.NumDelivered)
+	if le != nil {
+		n = le.E.TransientFailures
+	}
+	w.event(v.Tenant, v.Name, v1.Event{RequestID: v.Data.RequestID, Key: v.Data.Key, Phase: v1.PhaseWaiting,
+		Message: fmt.Sprintf("retrying in %s (transient failure %d of at most %d): %s", delay, n, w.cfg.MaxDeliver, why)})
+}
+
 func finishedMessage(d v1.ResultData) string {
 	if d.Status == v1.StatusSucceeded {
+		if d.Origin == v1.OriginCache {
+			// Nothing was built or pushed: the image was there already
+			// (tagged into this request's destinations where missing).
+			return fmt.Sprintf("succeeded (%s): answered from the cache, nothing built: %s", d.Origin, d.ImageRef)
+		}
 		return fmt.Sprintf("succeeded (%s): %s", d.Origin, d.ImageRef)
 	}
 	return fmt.Sprintf("%s: %s", d.Status, d.Reason)

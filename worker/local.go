@@ -5,13 +5,17 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
+	"net/http"
 	"os"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	ggcrv1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
+	"github.com/google/go-containerregistry/pkg/v1/remote/transport"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/contexttar"
@@ -119,6 +123,15 @@ func (l *LocalBackend) Run(ctx context.Context, b Build, started Started) (Outco
 	r.out, r.err = l.buildWithin(bctx, b)
 	r.out.Job, r.out.JobUID, r.out.Run = name, b.Run, b.Run
 	return r.out, r.err
+}
+
+// DescribeStart implements StartDescriber: a local build is no Job, it
+// runs in the worker's own process.
+func (l *LocalBackend) DescribeStart(_ string, created bool) string {
+	if created {
+		return "building locally (in-process executor, no Job)"
+	}
+	return "joined the local build of this key already running in this process"
 }
 
 // LocalDefaultTimeout is the build timeout of requests without one, as the
@@ -245,6 +258,12 @@ func (l *LocalBackend) build(ctx context.Context, b Build) (Outcome, error) {
 		if errors.As(err, &be) {
 			return fail(v1.ReasonBuildFailed, err.Error())
 		}
+		if reason, msg := baseImageFailure(err); reason != "" {
+			return fail(reason, msg)
+		}
+		if unreachable(err) {
+			return Outcome{}, Transient(fmt.Errorf("a base image's registry could not be reached from the worker: %w", err))
+		}
 		return Outcome{}, Transient(err)
 	}
 	own("pushing to %s", strings.Join(b.Destinations, ", "))
@@ -257,6 +276,47 @@ func (l *LocalBackend) build(ctx context.Context, b Build) (Outcome, error) {
 	}
 	own("pushed %s", digest)
 	return Outcome{Succeeded: true, Digest: digest, StartedAt: start, FinishedAt: time.Now().UTC()}, nil
+}
+
+// baseImageFailure classifies a failed pull of a base image by the
+// registry's answer (go-containerregistry's transport.Error, which the
+// local executor's pull wraps): not there (404, MANIFEST_UNKNOWN,
+// NAME_UNKNOWN) or refused (401, 403, UNAUTHORIZED, DENIED). Both fail
+// the build at once — the same inputs get the same answer — with the
+// registry's words in the message. reason is "" for anything else
+// (a 5xx, TOOMANYREQUESTS, a network error: transient).
+func baseImageFailure(err error) (reason, message string) {
+	var te *transport.Error
+	if !errors.As(err, &te) {
+		return "", ""
+	}
+	notFound := te.StatusCode == http.StatusNotFound
+	refused := te.StatusCode == http.StatusUnauthorized || te.StatusCode == http.StatusForbidden
+	for _, d := range te.Errors {
+		switch d.Code {
+		case transport.ManifestUnknownErrorCode, transport.NameUnknownErrorCode:
+			notFound = true
+		case transport.UnauthorizedErrorCode, transport.DeniedErrorCode:
+			refused = true
+		}
+	}
+	switch {
+	case notFound:
+		return v1.ReasonBaseImageNotFound, "base image not found: " + err.Error()
+	case refused:
+		return v1.ReasonBaseImageUnauthorized, "the registry refused the base image to this build's credentials: " + err.Error()
+	}
+	return "", ""
+}
+
+// unreachable reports whether err is a connection that could not be made
+// (refused, timed out, no route).
+func unreachable(err error) bool {
+	var op *net.OpError
+	if errors.As(err, &op) && op.Op == "dial" {
+		return true
+	}
+	return errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.EHOSTUNREACH) || errors.Is(err, syscall.ENETUNREACH)
 }
 
 // Cleanup implements Backend: a finished local build leaves nothing behind;

@@ -16,8 +16,16 @@ import (
 // its outcome. repo and dests are the request's own (build's), not the
 // run's: a run taken over pushes to its claimer's repository, and when the
 // record moves on the request follows it with its own inputs.
-func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecord, rev uint64, repo string, dests []string, seq uint64) (*v1.BuildRecord, v1.Origin, bool, error) {
-	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: claim.Key, Phase: v1.PhaseClaimed, Message: "claimed build by " + w.cfg.ID})
+//
+// note, when not empty, says why the build runs again (a new run after a
+// failed one, a run taken over or retried); the "claimed" progress event
+// carries it.
+func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecord, rev uint64, repo string, dests []string, seq uint64, note string) (*v1.BuildRecord, v1.Origin, bool, error) {
+	claimed := "claimed build by " + w.cfg.ID
+	if note != "" {
+		claimed += ": " + note
+	}
+	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: claim.Key, Phase: v1.PhaseClaimed, Message: claimed})
 	origin := v1.OriginInflight
 	if claim.RequestID == req.RequestID && claim.Seq == seq {
 		origin = v1.OriginBuild
@@ -36,7 +44,7 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 		// instead of after a lapse; the panic goes on to the handler.
 		if p := recover(); p != nil {
 			held, heldRev := hold.Held()
-			w.releaseClaim(ctx, &held, heldRev)
+			w.releaseClaim(ctx, &held, heldRev, fmt.Sprintf("%s: the build panicked: %v", v1.ReasonInfrastructureError, p))
 			panic(p)
 		}
 	}()
@@ -64,12 +72,23 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 		defer stopFlush()
 		go lw.Run(flushCtx)
 	}
-	out, err := w.backend.Run(runCtx, Build{Request: rreq, Key: claim.Key, Run: claim.Run, Destinations: claim.Destinations, Current: hold.Current, Log: live}, func(job string, created bool, _ string) {
+	// A new attempt inside the build (the Job runs its Pod again): the
+	// progress events and the run's log say so, and why.
+	progress := func(msg string) {
+		if live != nil {
+			_ = live.Own(runCtx, msg)
+		}
+		w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: claim.Key, Phase: v1.PhaseRunning, Message: msg})
+	}
+	out, err := w.backend.Run(runCtx, Build{Request: rreq, Key: claim.Key, Run: claim.Run, Destinations: claim.Destinations, Current: hold.Current, Log: live, Progress: progress}, func(job string, created bool, _ string) {
 		msg := "created job " + job
 		phase := v1.PhaseJobCreated
 		if !created {
 			msg = "adopted job " + job + " of a build in progress"
 			phase = v1.PhaseRunning
+		}
+		if d, ok := w.backend.(StartDescriber); ok {
+			msg = d.DescribeStart(job, created)
 		}
 		if live != nil {
 			_ = live.Own(runCtx, msg)
@@ -115,7 +134,11 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 		// Shutdown or trouble: let the claim go so another worker takes
 		// the run over now rather than after the lease; parked requests
 		// are requeued, and one of them takes it over.
-		w.releaseClaim(ctx, &held, heldRev)
+		why := v1.ReasonInfrastructureError + ": " + err.Error()
+		if ctx.Err() != nil {
+			why = "the worker stopped handling the request (" + context.Cause(ctx).Error() + ")"
+		}
+		w.releaseClaim(ctx, &held, heldRev, maskSecrets(why, secrets))
 		if ctx.Err() != nil || IsTransient(err) {
 			return nil, "", false, err
 		}
@@ -173,8 +196,9 @@ func finalRecord(claim *v1.BuildRecord, out Outcome, now time.Time) *v1.BuildRec
 
 // releaseClaim lets go of a run this worker holds, so the next worker
 // takes it over at once (parked requests are requeued, and one of them
-// takes it over).
-func (w *builder) releaseClaim(ctx context.Context, claim *v1.BuildRecord, rev uint64) {
+// takes it over). why is remembered for when this worker runs it again.
+func (w *builder) releaseClaim(ctx context.Context, claim *v1.BuildRecord, rev uint64, why string) {
+	w.letGo.put(claim.Run, why)
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
 	if _, err := w.runs.Release(ctx, claim, rev); err != nil {

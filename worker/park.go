@@ -166,7 +166,15 @@ func (w *parking) settleWaiter(ctx context.Context, key string, it ledger.Waiter
 		drop()
 		return nil
 	case cur.State == "" || (cur.State == v1.StateBuilding && (cur.Owner == "" || lapsed)):
-		return w.requeue(ctx, it)
+		why := "the build it waited on is gone"
+		switch {
+		case cur.State == "":
+		case cur.Owner == "":
+			why = "the worker running the build it waited on let it go"
+		default:
+			why = "the worker running the build it waited on stopped renewing its claim"
+		}
+		return w.requeue(ctx, it, why)
 	case cur.State == v1.StateBuilding:
 		return nil // still building: stays parked
 	}
@@ -178,7 +186,7 @@ func (w *parking) settleWaiter(ctx context.Context, key string, it ledger.Waiter
 		if le.E.Source == nil {
 			// Parked before its source was packed cannot be: handled
 			// again, it is packed then.
-			return w.requeue(ctx, it)
+			return w.requeue(ctx, it, "its source is not packed yet")
 		}
 		resolveTo(req, le.E.Source)
 	}
@@ -189,7 +197,7 @@ func (w *parking) settleWaiter(ctx context.Context, key string, it ledger.Waiter
 	if !sharedFailure(cur, req, repo) {
 		// The run failed for its claimer's own inputs: this request
 		// builds with its own.
-		return w.requeue(ctx, it)
+		return w.requeue(ctx, it, "the build it joined failed for its claimer's own inputs ("+failedWhy(cur)+"); it builds with its own")
 	}
 	v := w.parkedVerdict(it.V, key, le)
 	v, err = w.answer(ctx, v, req, cur, v1.OriginInflight, false, repo, naming.Destinations(repo, key, req.Tags))
@@ -197,7 +205,7 @@ func (w *parking) settleWaiter(ctx context.Context, key string, it ledger.Waiter
 	case err != nil && IsTransient(err):
 		// Registry trouble copying the image into the request's own
 		// repository: handled like any request, with its retry budget.
-		return w.requeue(ctx, it)
+		return w.requeue(ctx, it, v1.ReasonInfrastructureError+": "+err.Error())
 	case err != nil:
 		v.Data.Status, v.Data.Reason, v.Data.Message = v1.StatusFailed, v1.ReasonInfrastructureError, err.Error()
 		v.Data.Digest, v.Data.Image, v.Data.ImageRef, v.Data.LogTail = "", "", "", ""
@@ -254,8 +262,8 @@ func (w *parking) deliver(ctx context.Context, le *ledger.Entry, v verdict) erro
 // requeue publishes a parked request again, carrying its first message's
 // identity, and then drops its waiter entry (at the revision read: a
 // second requeuer of the same revision publishes the same message id,
-// which JetStream drops).
-func (w *parking) requeue(ctx context.Context, it ledger.WaiterItem) error {
+// which JetStream drops). why goes into the request's progress event.
+func (w *parking) requeue(ctx context.Context, it ledger.WaiterItem, why string) error {
 	p := it.V
 	if len(p.Body) == 0 || p.Subject == "" {
 		// An entry of the first version (not parked): nothing to requeue.
@@ -279,7 +287,12 @@ func (w *parking) requeue(ctx context.Context, it ledger.WaiterItem) error {
 	}
 	w.ledger.DropWaiterAt(ctx, it)
 	w.cfg.Metrics.requeued()
-	w.log.Info("parked request requeued", zap.String("requestId", p.RequestID), zap.String("tenant", p.Tenant))
+	w.log.Info("parked request requeued", zap.String("requestId", p.RequestID), zap.String("tenant", p.Tenant), zap.String("why", why))
+	if w.event != nil && !ack.Duplicate {
+		if req, err := v1.DecodeRequest(p.Body); err == nil {
+			w.event(p.Tenant, req.Name, v1.Event{RequestID: p.RequestID, Phase: v1.PhaseWaiting, Message: "requeued: " + why})
+		}
+	}
 	return nil
 }
 
@@ -296,6 +309,8 @@ type parking struct {
 	bg *sync.WaitGroup
 	// publish publishes a decision's result (the worker's publisher).
 	publish func(context.Context, ledger.Decision) error
+	// event publishes a progress event (nil: none).
+	event func(tenant, name string, e v1.Event)
 	// answer completes a parked request's verdict from the final record
 	// of the run it waited on (the handler's resultVerdict: the image
 	// tagged into the request's own repository).

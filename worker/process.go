@@ -85,8 +85,14 @@ func (w *Worker) processRequest(ctx context.Context, h *handling) (verdict, *led
 			return expiredVerdict(v, message), le, nil
 		}
 	}
-	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: key, Phase: v1.PhaseQueued,
-		Message: fmt.Sprintf("taken by %s after %s in the queue", w.cfg.ID, time.Duration(timings.QueueWaitMs)*time.Millisecond)})
+	taken := fmt.Sprintf("taken by %s after %s in the queue", w.cfg.ID, time.Duration(timings.QueueWaitMs)*time.Millisecond)
+	switch {
+	case le.E.TransientFailures > 0:
+		taken += fmt.Sprintf(" (retry after transient failure %d of at most %d)", le.E.TransientFailures, w.cfg.MaxDeliver)
+	case meta.NumDelivered > 1:
+		taken += fmt.Sprintf(" (delivery %d)", meta.NumDelivered)
+	}
+	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: key, Phase: v1.PhaseQueued, Message: taken})
 	if req.Source.Git != nil {
 		defer w.sourceInfo.drop(req.Tenant, req.RequestID)
 		info, reason, message, err := w.prepareSource(ctx, req, le)

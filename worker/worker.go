@@ -105,7 +105,7 @@ func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 	w.fq = fairq.New(js, nc, queueHandler{w}, fairq.Options{Fair: cfg.Fair, ID: cfg.ID, Lease: cfg.Lease, AckWait: cfg.AckWait,
 		MaxDeliver: cfg.MaxDeliver, MaxInFlight: cfg.MaxInFlight, Now: cfg.Now, Log: log, Metrics: queueMetrics{cfg.Metrics}, Ledger: w.ledger})
 	w.park = &parking{cfg: &w.cfg, ledger: w.ledger, runs: w.runs, js: js, log: log, bg: &w.bg,
-		publish: w.publish, answer: w.resultVerdict, parked: parkWatch{seen: map[string]observed{}}}
+		publish: w.publish, event: w.event, answer: w.resultVerdict, parked: parkWatch{seen: map[string]observed{}}}
 	w.logs = &buildLogs{cfg: &w.cfg, reader: buildlog.NewReader(js), log: log,
 		openLog: func(ctx context.Context, key, run string, opts buildlog.Options) (*buildlog.Writer, error) {
 			return buildlog.Open(ctx, js, key, run, opts)

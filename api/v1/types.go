@@ -258,6 +258,23 @@ const (
 	// of requests waiting; the request was refused without a build.
 	ReasonQuotaExceeded = "QuotaExceeded"
 
+	// Base images (FROM, COPY --from): each fails the build at once, with
+	// the registry's words in the message, and is never retried as an
+	// infrastructure error.
+	//
+	// ReasonBaseImageNotFound: the registry has no such image (404,
+	// MANIFEST_UNKNOWN, NAME_UNKNOWN).
+	ReasonBaseImageNotFound = "BaseImageNotFound"
+	// ReasonBaseImageUnauthorized: the registry refused to serve the image
+	// with the tenant's credentials, or without any (401, 403,
+	// UNAUTHORIZED, DENIED).
+	ReasonBaseImageUnauthorized = "BaseImageUnauthorized"
+	// ReasonBaseImageUnreachable: a build Pod could not connect to a base
+	// image's registry (connection refused, timeout, no route); most
+	// often the build Pods' egress NetworkPolicy does not allow it. The
+	// message says so.
+	ReasonBaseImageUnreachable = "BaseImageUnreachable"
+
 	// Git sources: each fails at once, with the git server's words in
 	// the message, and is never retried as an infrastructure error.
 	//

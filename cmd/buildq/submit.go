@@ -286,15 +286,26 @@ func printResult(stdout io.Writer, res *v1.Result, asJSON bool) error {
 	return nil
 }
 
-// phaseWord is the word a person reads for a progress event.
+// phaseWord is the word a person reads for a progress event: what
+// happened, not only the phase. The finished event's message starts with
+// the status and the origin ("succeeded (cache): …", the worker's
+// finishedMessage): a build (this request's, or one it joined) pushed;
+// a cache hit built and pushed nothing.
 func phaseWord(e v1.Event) string {
 	switch e.Phase {
 	case v1.PhaseJobCreated, v1.PhaseRunning:
 		return "building"
 	case v1.PhaseSource:
 		return "git"
+	case v1.PhaseWaiting:
+		if strings.HasPrefix(e.Message, "retrying") || strings.HasPrefix(e.Message, "requeued") {
+			return "retry"
+		}
 	case v1.PhaseFinished:
-		if strings.HasPrefix(e.Message, string(v1.StatusSucceeded)) {
+		switch {
+		case strings.HasPrefix(e.Message, string(v1.StatusSucceeded)+" ("+string(v1.OriginCache)+")"):
+			return "cached"
+		case strings.HasPrefix(e.Message, string(v1.StatusSucceeded)):
 			return "pushed"
 		}
 		return "finished"

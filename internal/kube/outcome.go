@@ -1,6 +1,7 @@
 package kube
 
 import (
+	"fmt"
 	"regexp"
 	"sort"
 	"strings"
@@ -134,7 +135,11 @@ func JobOutcome(job *batchv1.Job, pods []*corev1.Pod) Outcome {
 		}
 	}
 	if out.Reason == v1.ReasonBuildFailed {
-		out.Reason = ClassifyLog(out.LogTail)
+		reason, message := ClassifyFailure(out.LogTail)
+		out.Reason = reason
+		if message != "" {
+			out.Message = message
+		}
 	}
 	return out
 }
@@ -159,17 +164,100 @@ func StripUsage(log string) string {
 // everything through its log and exit code 1, so its wording is the only
 // signal there is.
 func ClassifyLog(tail string) string {
+	reason, _ := ClassifyFailure(tail)
+	return reason
+}
+
+// ClassifyFailure picks a reason from the executor's log tail, and for a
+// base image that could not be pulled a message that says which image and
+// why, in the registry's own words (message is "" otherwise: the Job's
+// condition says enough).
+func ClassifyFailure(tail string) (reason, message string) {
+	if reason, message := classifyBaseImage(tail); reason != "" {
+		return reason, message
+	}
 	l := strings.ToLower(tail)
 	switch {
 	case strings.Contains(l, "error pushing image"), strings.Contains(l, "failed to push"),
 		strings.Contains(l, "push access denied"), strings.Contains(l, "checking push permissions"),
 		strings.Contains(l, "unauthorized"):
-		return v1.ReasonPushFailed
+		return v1.ReasonPushFailed, ""
 	case strings.Contains(l, "nosuchkey"), strings.Contains(l, "failed to get context"),
 		strings.Contains(l, "error retrieving context"), strings.Contains(l, "context missing"):
-		return v1.ReasonContextMissing
+		return v1.ReasonContextMissing, ""
 	}
-	return v1.ReasonBuildFailed
+	return v1.ReasonBuildFailed, ""
+}
+
+// BuildPodEgressPolicy names what most often keeps a build Pod from a
+// base image's registry: the build Pods' egress NetworkPolicy, which
+// (as shipped in deploy/base) allows DNS, the push registry and the S3
+// store only.
+const BuildPodEgressPolicy = "the build Pods' egress NetworkPolicy (buildq-builds in namespace buildq-builds, shipped in deploy/base)"
+
+// kaniko ends a failed build with one line on stderr, "error building
+// image: <cause>"; a base image it could not get (FROM, COPY --from, an
+// image's layers) is a cause in go-containerregistry's words, e.g.
+// "GET https://r/v2/a/manifests/1: MANIFEST_UNKNOWN: manifest unknown",
+// "… UNAUTHORIZED: authentication required", "unexpected status code 404
+// Not Found", "dial tcp 1.2.3.4:443: i/o timeout". Before it, an info line
+// "Retrieving image manifest <ref>" names the image being pulled. A
+// failing instruction (RUN, ADD of a URL) is "… failed to execute
+// command: …" and is not a base image's (its output comes on lines of
+// its own, and is not looked at). The registry's error codes are matched
+// as the registry spells them (upper case), so a "permission denied" of a
+// file is not one.
+var (
+	retrievingRe = regexp.MustCompile(`Retrieving image (?:manifest )?(\S+)`)
+
+	baseNotFound = []string{"MANIFEST_UNKNOWN", "NAME_UNKNOWN", "404 Not Found",
+		"image not found on any configured mapped registries"}
+	baseUnauthorized = []string{"UNAUTHORIZED", "DENIED", "401 Unauthorized", "403 Forbidden"}
+	baseUnreachable  = []string{"dial tcp", "connection refused", "i/o timeout", "no route to host", "network is unreachable",
+		"TLS handshake timeout", "connection reset by peer", "Client.Timeout exceeded", "context deadline exceeded"}
+)
+
+// classifyBaseImage reads kaniko's final error line for a base image it
+// could not pull; reason is "" when the failure is something else.
+func classifyBaseImage(tail string) (reason, message string) {
+	lines := strings.Split(tail, "\n")
+	at := -1
+	for i := len(lines) - 1; i >= 0; i-- {
+		if strings.Contains(lines[i], "error building image:") {
+			at = i
+			break
+		}
+	}
+	if at < 0 || strings.Contains(lines[at], "failed to execute command") {
+		return "", ""
+	}
+	words := strings.TrimSpace(lines[at])
+	has := func(marks []string) bool {
+		for _, m := range marks {
+			if strings.Contains(words, m) {
+				return true
+			}
+		}
+		return false
+	}
+	image := "a base image"
+	for i := at - 1; i >= 0; i-- {
+		if m := retrievingRe.FindStringSubmatch(lines[i]); m != nil {
+			image = "base image " + strings.Trim(m[1], `"`)
+			break
+		}
+	}
+	switch {
+	case has(baseNotFound):
+		return v1.ReasonBaseImageNotFound, fmt.Sprintf("%s does not exist in its registry; the registry answered: %s", image, words)
+	case has(baseUnauthorized):
+		return v1.ReasonBaseImageUnauthorized, fmt.Sprintf(
+			"the registry refused %s to this build's credentials (its tenant's registry Secret, or none); the registry answered: %s", image, words)
+	case has(baseUnreachable):
+		return v1.ReasonBaseImageUnreachable, fmt.Sprintf(
+			"the build Pod could not reach the registry of %s: %s. The likely cause is %s: allow that registry (or a pull-through mirror) there", image, words, BuildPodEgressPolicy)
+	}
+	return "", ""
 }
 
 func fetchTerminated(p *corev1.Pod) *corev1.ContainerStateTerminated {
