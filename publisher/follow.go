@@ -116,6 +116,12 @@ func (w *follower) deliver(seq uint64, data []byte) (delivered bool, err error) 
 	if w.f.RequestID != "" && r.ID != w.f.RequestID {
 		return false, nil
 	}
+	// The filter holds for a replayed result as for a live one (which
+	// its subject filtered): the stored-results service's answer is
+	// checked, not trusted, to be of the filter's tenant and name.
+	if (w.f.Tenant != "" && r.Data.Tenant != w.f.Tenant) || (w.f.Name != "" && r.Data.Name != w.f.Name) {
+		return false, nil
+	}
 	// Request ids are per tenant.
 	if !w.seen.add(r.Data.Tenant + "/" + r.ID) {
 		return false, nil
@@ -332,6 +338,11 @@ func (c *Client) replayService(ctx context.Context, w *follower, mark Gap, patie
 		w.last = max(w.last, rep.Next)
 		if !rep.More {
 			return lost
+		}
+		if rep.Next <= req.AfterSeq {
+			// More, but from where it was asked again: asking once more
+			// would get the same page, forever.
+			return errors.Join(lost, fmt.Errorf("the stored-results service says there is more after sequence %d but does not move on from %d", rep.Next, req.AfterSeq))
 		}
 		req = v1.ResultsRequest{Name: w.f.Name, AfterSeq: rep.Next}
 	}

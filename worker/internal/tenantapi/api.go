@@ -78,6 +78,8 @@ type Service struct {
 	// polls: each tenant's logs requests waiting for lines; archives:
 	// the last log archive read.
 	polls    pollCounts
+	// reading: each tenant's stored-results requests in progress.
+	reading pollCounts
 	archives archiveCache
 }
 
@@ -90,6 +92,7 @@ func New(cfg Config) *Service {
 		cfg.ReplyRefused = func(string) {}
 	}
 	return &Service{cfg: cfg, held: heldRequests{m: map[string]context.CancelCauseFunc{}}, sem: make(chan struct{}, apiConcurrency),
+		reading: pollCounts{perTenant: resultsPerTenant, max: apiConcurrency / 2},
 		logsSem: make(chan struct{}, logsConcurrency)}
 }
 

@@ -114,11 +114,14 @@ func (c *archiveCache) read(ctx context.Context, a buildlog.Archive, ref *v1.Log
 	return data, nil
 }
 
-// pollCounts counts each tenant's waiting logs requests.
+// pollCounts counts each tenant's requests of one kind in progress, up
+// to perTenant each and max in all (zero: logsPollsPerTenant and
+// logsPolls, the logs requests waiting for lines).
 type pollCounts struct {
-	mu    sync.Mutex
-	n     map[string]int
-	total int
+	mu             sync.Mutex
+	n              map[string]int
+	total          int
+	perTenant, max int
 }
 
 func (p *pollCounts) take(tenant string) bool {
@@ -127,7 +130,11 @@ func (p *pollCounts) take(tenant string) bool {
 	if p.n == nil {
 		p.n = map[string]int{}
 	}
-	if p.n[tenant] >= logsPollsPerTenant || p.total >= logsPolls {
+	perTenant, most := p.perTenant, p.max
+	if perTenant == 0 {
+		perTenant, most = logsPollsPerTenant, logsPolls
+	}
+	if p.n[tenant] >= perTenant || p.total >= most {
 		return false
 	}
 	p.n[tenant]++

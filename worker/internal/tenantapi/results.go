@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"time"
 
@@ -78,11 +79,26 @@ func parseResultsRequest(data []byte) (v1.ResultsRequest, error) {
 }
 
 // results answers one stored-results request of tenant.
+// resultsPerTenant bounds one tenant's stored-results requests in
+// progress on a worker: they share the service's handlers with status
+// and cancel, and past it a request is answered at once (the client asks
+// again after a pause), so one tenant's flood cannot queue every other
+// tenant's requests behind it.
+const resultsPerTenant = 4
+
+// ErrResultsBusy is the reply's error past resultsPerTenant, or when half
+// of the service's handlers read stored results.
+const ErrResultsBusy = "busy: too many stored-results requests at once; ask again shortly"
+
 func (w *Service) results(ctx context.Context, tenant string, data []byte) v1.ResultsReply {
 	req, err := parseResultsRequest(data)
 	if err != nil {
 		return v1.ResultsReply{Error: err.Error()}
 	}
+	if !w.reading.take(tenant) {
+		return v1.ResultsReply{Error: ErrResultsBusy}
+	}
+	defer w.reading.give(tenant)
 	name := req.Name
 	if name == "" {
 		name = "*"
@@ -98,6 +114,11 @@ func (w *Service) results(ctx context.Context, tenant string, data []byte) v1.Re
 		return v1.ResultsReply{Error: "read the results stream: " + st.Error.Description}
 	}
 	rep := v1.ResultsReply{Next: req.AfterSeq, FirstSeq: st.State.FirstSeq}
+	if req.AfterSeq == math.MaxUint64 {
+		// Nothing is stored after the last sequence there can be (and
+		// AfterSeq+1 would wrap to 0: from the first).
+		return rep
+	}
 	switch {
 	case req.AfterSeq > 0:
 		rep.Truncated = req.AfterSeq+1 < st.State.FirstSeq
