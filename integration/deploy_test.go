@@ -206,7 +206,7 @@ func TestDeployPackageAppliesServerSide(t *testing.T) {
 	for _, o := range base {
 		kinds[o.GetKind()]++
 	}
-	for _, k := range []string{"Namespace", "ServiceAccount", "Role", "RoleBinding", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy", "LimitRange", "ResourceQuota"} {
+	for _, k := range []string{"Namespace", "ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy", "LimitRange", "ResourceQuota"} {
 		if kinds[k] == 0 {
 			t.Errorf("deploy/base has no %s", k)
 		}
@@ -345,7 +345,12 @@ func TestDeployPackageAppliesServerSide(t *testing.T) {
 		{"buildq-builds", "update", "batch", "jobs", "", false},
 		{"default", "create", "batch", "jobs", "", false},
 		{"kube-system", "list", "", "pods", "", false},
-		{"", "list", "", "nodes", "", false},
+		// Nodes, read only: a platform no Ready node runs is refused at
+		// once instead of left Pending.
+		{"", "list", "", "nodes", "", true},
+		{"", "watch", "", "nodes", "", true},
+		{"", "update", "", "nodes", "", false},
+		{"", "get", "", "nodes", "status", false},
 		{"", "list", "", "namespaces", "", false},
 		{"", "list", "batch", "jobs", "", false},
 	} {

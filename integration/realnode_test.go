@@ -341,6 +341,13 @@ COPY hello.txt /srv/hello.txt
 
 	t.Run("a worker Pod from deploy/ carries a build", func(t *testing.T) { testWorkerPodFromDeploy(t, node) })
 
+	// Issue 29: where a platform's build runs.
+	t.Run("an arm64 RUN on the amd64 node is PlatformUnsupported", func(t *testing.T) { testPlatformUnsupportedOnRealNode(t, node) })
+
+	t.Run("a 386 build runs on the amd64 node by --platform-node-selector", func(t *testing.T) { test386OnAmd64RealNode(t, node) })
+
+	t.Run("a platform no node runs is refused at once", func(t *testing.T) { testPlatformWithoutNodeRefusedOnRealNode(t, node) })
+
 	t.Run("layer cache reuses the RUN layer", func(t *testing.T) {
 		s := newSuite(t, options{node: node, workerArgs: []string{"--keep-jobs", "--cache-repo", node.registryHost + "/cache/{tenant}/layers"}})
 		s.startWorker("w1")

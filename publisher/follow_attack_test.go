@@ -101,7 +101,7 @@ func TestFollowAttackStoredResultsThatNeverMoveOn(t *testing.T) {
 // name), whatever the service sends, as the live subscription does.
 func TestFollowAttackReplayNeverDeliversAnotherTenantsResult(t *testing.T) {
 	t.Parallel()
-	cl, _ := hostileService(t, "mallory", func(req v1.ResultsRequest) v1.ResultsReply {
+	cl, _ := hostileService(t, "mallory", func(v1.ResultsRequest) v1.ResultsReply {
 		return v1.ResultsReply{Next: 9, Results: []v1.StoredResult{
 			storedEvent(t, 6, "acme", "web", "acme-secret"),
 			storedEvent(t, 7, "mallory", "api", "other-name"),

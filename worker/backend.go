@@ -193,6 +193,13 @@ func (k *KubeBackend) PerTenantCache() bool { return strings.Contains(k.cfg.Cach
 
 // Run implements Backend.
 func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcome, error) {
+	if err := k.placeable(ctx, b); err != nil {
+		// No node runs the platform: refused before any Job exists, not
+		// left Pending until the deadline (invariant 6). A failed record
+		// is built again by the next request, so a node added later
+		// serves it.
+		return Outcome{Reason: v1.ReasonInvalidRequest, Message: err.Error()}, nil
+	}
 	spec := kaniko.Spec{Request: b.Request, Key: b.Key, Destinations: b.Destinations, Run: b.Run}
 	if s3 := b.Request.Source.S3; s3 != nil && k.cfg.FetchImage != "" {
 		if k.presign == nil {
@@ -313,6 +320,30 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 			return Outcome{}, ctx.Err()
 		}
 	}
+}
+
+// nodeSyncWait bounds the one wait for the Node cache (placeable).
+const nodeSyncWait = 10 * time.Second
+
+// placeable checks that some node takes the build Pod of b's platform
+// (its node selector and the job template's tolerations) from the
+// watcher's Node cache; a request without one platform, a run whose Job
+// already exists (adopted after a restart: its Pod may run on a node
+// cordoned since), or a cache that cannot tell, passes (kube.Nodes.Check).
+func (k *KubeBackend) placeable(ctx context.Context, b Build) error {
+	r := b.Request
+	platform := kaniko.Platform(r)
+	if platform == "" {
+		return nil
+	}
+	if cur, _, ok := k.watcher.Get(k.cfg.Namespace, kaniko.JobName(b.Key)); ok && cur.Annotations[kaniko.AnnotationRun] == b.Run {
+		return nil
+	}
+	// Once, while the worker starts: wait a moment for the node list
+	// rather than let a platform no node runs through.
+	k.watcher.Nodes().WaitForSync(ctx, nodeSyncWait)
+	_, overridden := k.cfg.PlatformNodeSelectors[platform]
+	return k.watcher.Nodes().Check(platform, kaniko.NodeSelector(r, k.cfg), k.cfg.Tolerations, overridden)
 }
 
 // podAttempts follows the Pods of one build's Job, to say when the Job

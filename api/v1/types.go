@@ -275,6 +275,12 @@ const (
 	// message says so.
 	ReasonBaseImageUnreachable = "BaseImageUnreachable"
 
+	// ReasonPlatformUnsupported: a RUN step's program could not execute
+	// on the build's node ("exec format error"): the node does not run
+	// the requested platform's programs and has no emulation for them.
+	// The message quotes kaniko's line.
+	ReasonPlatformUnsupported = "PlatformUnsupported"
+
 	// Git sources: each fails at once, with the git server's words in
 	// the message, and is never retried as an infrastructure error.
 	//

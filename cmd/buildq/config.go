@@ -45,6 +45,9 @@ type serveConfig struct {
 	kaniko      kaniko.Config
 	naming      naming.Policy
 	jobTemplate string
+	// platformNodeSelectors is --platform-node-selector as given
+	// (PLATFORM=KEY=VALUE[,KEY=VALUE]…), parsed into c.job by validateJobs.
+	platformNodeSelectors []string
 	// singleTenant accepts what is safe for one trusted tenant only (see
 	// registerSingleTenant); dev always serves one user (oneTenant).
 	singleTenant bool
@@ -104,12 +107,15 @@ func (c *serveConfig) Validate() error {
 			return err
 		}
 	}
-	if c.launchesJobs() {
+	switch {
+	case c.launchesJobs():
 		if err := c.validateJobs(); err != nil {
 			return err
 		}
-	} else if c.jobTemplate != "" {
+	case c.jobTemplate != "":
 		return usageErr("--job-template shapes kaniko Jobs: it needs --kubeconfig")
+	case len(c.platformNodeSelectors) > 0:
+		return usageErr("--platform-node-selector places kaniko Jobs: it needs --kubeconfig")
 	}
 	if c.cmd == cmdWorker {
 		return c.validateWorkerCredentials()
@@ -191,6 +197,9 @@ func (c *serveConfig) validateJobs() error {
 	kc, err := applyJobTemplate(kc, c.jobTemplate)
 	if err != nil {
 		return err
+	}
+	if kc.PlatformNodeSelectors, err = kaniko.ParsePlatformSelectors(c.platformNodeSelectors); err != nil {
+		return usageErr("--platform-node-selector %v", err)
 	}
 	if kc.FetchImage != "" {
 		if err := checkImageDigest("--fetch-image", kc.FetchImage); err != nil {

@@ -32,7 +32,7 @@ var flagGroups = []flagGroup{
 	{"kubernetes", "Kubernetes", []string{
 		"kubeconfig", "kube-api-qps", "kube-api-burst", "namespace", "executor-image", "fetch-image",
 		"job-template", "service-account", "backoff-limit", "ttl-after-finished", "keep-jobs", "push-retry",
-		"cache-repo", "cache-ttl",
+		"cache-repo", "cache-ttl", "platform-node-selector",
 	}},
 	{"storage", "Storage (S3)", []string{
 		"s3-endpoint", "s3-region", "s3-access-key", "s3-secret-key",

@@ -52,7 +52,7 @@ func (c *serveConfig) registerWorker(fs *pflag.FlagSet) {
 	fs.StringVar(&c.s3AccessKey, "s3-access-key", "", "with --fetch-image: S3 access key that signs the context URLs (also AWS_ACCESS_KEY_ID); only the worker holds it")
 	fs.StringVar(&c.s3SecretKey, "s3-secret-key", "", "with --fetch-image: S3 secret key (also AWS_SECRET_ACCESS_KEY)")
 	fs.StringVar(&c.registryConfig, "registry-config", "", "docker config.json the worker checks and tags images with: the same credentials as --registry-secret (mount that Secret); empty: anonymous")
-	registerKaniko(fs, &c.kaniko, &c.naming)
+	registerKaniko(fs, &c.kaniko, &c.naming, &c.platformNodeSelectors)
 	c.git.register(fs, false)
 	registerBuildLogs(fs, &w.Logs)
 
@@ -84,7 +84,7 @@ func (c *serveConfig) registerDev(fs *pflag.FlagSet) {
 	fs.StringVar(&c.kubeconfig, "kubeconfig", "", "launch kaniko Jobs on this cluster instead of building in-process")
 	fs.StringVar(&c.jobTemplate, "job-template", "", "with --kubeconfig: "+jobTemplateHelp)
 	fs.BoolVar(&c.dev.unsafeListen, "unsafe-listen", false, "let --s3-addr and --registry-addr be non-loopback addresses a cluster's Pods can reach; both have no authentication")
-	registerKaniko(fs, &c.kaniko, &c.naming)
+	registerKaniko(fs, &c.kaniko, &c.naming, &c.platformNodeSelectors)
 	registerFair(fs, &c.worker.Fair)
 	c.git.register(fs, true)
 	registerBuildLogs(fs, &c.worker.Logs)
@@ -95,7 +95,7 @@ func (c *serveConfig) registerDev(fs *pflag.FlagSet) {
 // registerRender registers the Job-shaping flags of `buildq render`.
 func (c *serveConfig) registerRender(fs *pflag.FlagSet) {
 	c.cmd = cmdRender
-	registerKaniko(fs, &c.kaniko, &c.naming)
+	registerKaniko(fs, &c.kaniko, &c.naming, &c.platformNodeSelectors)
 	fs.StringVar(&c.jobTemplate, "job-template", "", jobTemplateHelp)
 	registerSingleTenant(fs, &c.singleTenant)
 }
@@ -120,7 +120,7 @@ const jobTemplateHelp = "YAML file with the build pods' resources (default: requ
 
 // registerKaniko registers the flags that shape Jobs and image names; the
 // worker, dev --kubeconfig and render share them.
-func registerKaniko(fs *pflag.FlagSet, kc *kaniko.Config, np *naming.Policy) {
+func registerKaniko(fs *pflag.FlagSet, kc *kaniko.Config, np *naming.Policy, platformSelectors *[]string) {
 	fs.StringVar(&kc.Namespace, "namespace", "default", "namespace of the build Jobs")
 	fs.StringVar(&kc.ExecutorImage, "executor-image", "", "kaniko executor image, pinned by digest (repo@sha256:…)")
 	fs.StringVar(&kc.S3Endpoint, "s3-endpoint", "", "S3 endpoint for kaniko, with scheme (http://minio.minio:9000)")
@@ -145,6 +145,7 @@ func registerKaniko(fs *pflag.FlagSet, kc *kaniko.Config, np *naming.Policy) {
 	fs.StringVar(&kc.CacheRepo, "cache-repo", "", "enable kaniko's layer cache in this repository, {tenant} standing for the request's tenant (required with --tenant-registry-secret: a shared cache repository needs a push right every tenant's build Pod holds)")
 	fs.DurationVar(&kc.CacheTTL, "cache-ttl", 0, "maximum age of cached layers (kaniko --cache-ttl; default kaniko's)")
 	fs.StringVar(&kc.ServiceAccountName, "service-account", "", "service account of the build pods")
+	fs.StringArrayVar(platformSelectors, "platform-node-selector", nil, "PLATFORM=KEY=VALUE[,KEY=VALUE]: the node selector of that platform's builds, replacing the default kubernetes.io/os and kubernetes.io/arch of the platform, for nodes that run its programs natively, e.g. linux/386=kubernetes.io/arch=amd64 (repeatable; kept together with --job-template's nodeSelector)")
 
 	fs.StringVar(&np.Registry, "registry", "", "default registry host[:port] for requests that name no image")
 	fs.StringVar(&np.Mode, "naming-mode", naming.ModeProject, "naming policy: project ({registry}/{tenant}/{name}) or flat ({registry}/{prefix}{tenant}_{name})")

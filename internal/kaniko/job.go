@@ -127,6 +127,12 @@ type Config struct {
 	// for kaniko: the build container then holds no S3 key. Empty: kaniko
 	// reads s3:// itself with the keys of S3Secret (legacy).
 	FetchImage string
+	// PlatformNodeSelectors replaces, per platform, the node selector a
+	// one-platform build gets by default (kubernetes.io/os and
+	// kubernetes.io/arch of the platform): --platform-node-selector,
+	// e.g. linux/386 on kubernetes.io/arch=amd64 nodes, which run 386
+	// programs without emulation (platform.go).
+	PlatformNodeSelectors PlatformSelectors
 	// Template fields copied into the pod spec.
 	NodeSelector       map[string]string
 	Tolerations        []corev1.Toleration
@@ -354,17 +360,9 @@ func Job(spec Spec, cfg Config) (*batchv1.Job, error) {
 		pullSecrets = append(pullSecrets, corev1.LocalObjectReference{Name: s})
 	}
 
-	nodeSelector := maps.Clone(cfg.NodeSelector)
-	if len(r.Platforms) == 1 {
-		// kaniko builds for --custom-platform without emulation: run it on
-		// a node of that platform.
-		parts := strings.Split(r.Platforms[0], "/")
-		if nodeSelector == nil {
-			nodeSelector = map[string]string{}
-		}
-		nodeSelector[corev1.LabelOSStable] = parts[0]
-		nodeSelector[corev1.LabelArchStable] = parts[1]
-	}
+	// kaniko builds for --custom-platform without emulation: run it on a
+	// node that runs the platform's programs (platform.go).
+	nodeSelector := NodeSelector(r, cfg)
 
 	rules := []batchv1.PodFailurePolicyRule{}
 	if fetch {
@@ -510,14 +508,19 @@ func Args(spec Spec, cfg Config) ([]string, error) {
 	for _, k := range slices.Sorted(maps.Keys(r.BuildArgs)) {
 		args = append(args, BuildArgFlag+k+"="+r.BuildArgs[k])
 	}
+	// The platform's predefined build arguments (BuildKit's TARGETPLATFORM
+	// and the rest, platform.go), after the request's own.
+	for _, a := range PlatformBuildArgs(r, cfg) {
+		args = append(args, BuildArgFlag+a)
+	}
 	if r.Target != "" {
 		args = append(args, "--target="+r.Target)
 	}
 	for _, k := range slices.Sorted(maps.Keys(r.Labels)) {
 		args = append(args, "--label="+k+"="+r.Labels[k])
 	}
-	if len(r.Platforms) == 1 {
-		args = append(args, "--custom-platform="+r.Platforms[0])
+	if p := Platform(r); p != "" {
+		args = append(args, "--custom-platform="+p)
 	}
 	if cfg.CacheRepo != "" {
 		args = append(args, "--cache=true", "--cache-repo="+strings.ReplaceAll(cfg.CacheRepo, "{tenant}", r.Tenant))

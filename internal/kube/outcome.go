@@ -173,6 +173,9 @@ func ClassifyLog(tail string) string {
 // why, in the registry's own words (message is "" otherwise: the Job's
 // condition says enough).
 func ClassifyFailure(tail string) (reason, message string) {
+	if reason, message := classifyPlatform(tail); reason != "" {
+		return reason, message
+	}
 	if reason, message := classifyBaseImage(tail); reason != "" {
 		return reason, message
 	}
@@ -187,6 +190,39 @@ func ClassifyFailure(tail string) (reason, message string) {
 		return v1.ReasonContextMissing, ""
 	}
 	return v1.ReasonBuildFailed, ""
+}
+
+// kaniko runs a RUN step's program on the node itself (no emulation of
+// its own): on a node whose kernel cannot execute the platform's binaries
+// starting it fails, and kaniko ends with (chainguard-dev/kaniko v1.25.0:
+// pkg/commands/run.go "starting command", pkg/executor/build.go "failed
+// to execute command" and "error building stage", cmd/executor/cmd/root.go
+// "error building image")
+//
+//	error building image: error building stage: failed to execute command: starting command: fork/exec /bin/sh: exec format error
+//
+// Only that final line counts: a RUN step's own output saying "exec
+// format error" (a script running a foreign binary, exit 126) is that
+// step's failure, and kaniko's line then says "waiting for process to
+// exit".
+const execFormatError = "exec format error"
+
+// classifyPlatform reads kaniko's final error line for a RUN step whose
+// program the node could not execute; reason is "" otherwise.
+func classifyPlatform(tail string) (reason, message string) {
+	lines := strings.Split(tail, "\n")
+	for i := len(lines) - 1; i >= 0; i-- {
+		if !strings.Contains(lines[i], "error building image:") {
+			continue
+		}
+		line := strings.TrimSpace(lines[i])
+		if !strings.Contains(line, execFormatError) {
+			return "", ""
+		}
+		return v1.ReasonPlatformUnsupported, fmt.Sprintf(
+			"a RUN step's program could not execute on the build's node: %q. The node does not run the requested platform's programs and has no emulation for them (binfmt_misc): build the platform on its own nodes (the default node selector), or name nodes that run it natively with the worker's --platform-node-selector", line)
+	}
+	return "", ""
 }
 
 // BuildPodEgressPolicy names what most often keeps a build Pod from a

@@ -38,6 +38,7 @@ func NewInformerFactory(client kubernetes.Interface, namespace string) informers
 type Watcher struct {
 	jobs     cache.SharedIndexInformer
 	pods     cache.SharedIndexInformer
+	nodes    *Nodes
 	mu       sync.Mutex
 	subs     map[string]map[chan struct{}]struct{}
 	finished func(job *batchv1.Job)
@@ -55,14 +56,15 @@ type tombstone struct {
 const tombstoneTTL = 10 * time.Minute
 
 // NewWatcher registers event handlers on the factory's Job and Pod
-// informers. onFinished, if not nil, is called (from the informer's
-// goroutine) for every add or update of a finished Job, including those of
-// the initial list and of every relist: the hook for level-triggered
-// reconciliation. Start the factory and wait for HasSynced afterwards.
+// informers, and a Node informer on it (Nodes). onFinished, if not nil,
+// is called (from the informer's goroutine) for every add or update of a
+// finished Job, including those of the initial list and of every relist:
+// the hook for level-triggered reconciliation. Start the factory and wait for HasSynced afterwards.
 func NewWatcher(factory informers.SharedInformerFactory, onFinished func(job *batchv1.Job)) (*Watcher, error) {
 	w := &Watcher{
 		jobs:     factory.Batch().V1().Jobs().Informer(),
 		pods:     factory.Core().V1().Pods().Informer(),
+		nodes:    NewNodes(factory),
 		subs:     map[string]map[chan struct{}]struct{}{},
 		finished: onFinished,
 		deleted:  map[string]tombstone{},
@@ -94,6 +96,11 @@ func (w *Watcher) OnFinished(f func(job *batchv1.Job)) {
 	w.finished = f
 	w.mu.Unlock()
 }
+
+// Nodes is the Node cache (nodes.go), registered on the same factory. It
+// is not part of HasSynced or WaitForSync: a worker that may not list
+// nodes still runs, without the check.
+func (w *Watcher) Nodes() *Nodes { return w.nodes }
 
 // HasSynced reports whether both caches hold a full list.
 func (w *Watcher) HasSynced() bool { return w.jobs.HasSynced() && w.pods.HasSynced() }
