@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	corev1 "k8s.io/api/core/v1"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/natsconf"
@@ -63,9 +64,16 @@ type natsAuthEnv struct {
 	jwtDir string
 }
 
-// fileModeEnv runs deploy/nats/buildq.conf as it is shipped: the users'
-// public nkeys in $BUILDQ_<USER>_NKEY.
+// fileModeEnv is tenantNATSEnv with builds held until released.
 func fileModeEnv(t *testing.T) *natsAuthEnv {
+	return tenantNATSEnv(t, newHolds(t, "held").fault)
+}
+
+// tenantNATSEnv runs deploy/nats/buildq.conf as it is shipped (an
+// account per tenant, the users' public nkeys in $BUILDQ_<USER>_NKEY),
+// with the test's own build faults.
+func tenantNATSEnv(t *testing.T, faults func(*corev1.Pod) fault) *natsAuthEnv {
+	t.Helper()
 	conf, err := filepath.Abs(filepath.Join("..", "deploy", "nats", "buildq.conf"))
 	if err != nil {
 		t.Fatal(err)
@@ -95,11 +103,10 @@ func fileModeEnv(t *testing.T) *natsAuthEnv {
 		cli:    func(user string) []string { return []string{"--nats-nkey", seed(user)} },
 		cliEnv: func(user string) []string { return []string{"BUILDQ_NATS_NKEY=" + seed(user)} },
 	}
-	h := newHolds(t, "held")
 	e.s = newSuite(t, options{
 		natsConfig: conf, natsEnv: env, natsOptions: []nats.Option{e.auth(t, natsconf.AdminKey)},
 		workerArgs: []string{"--nats-nkey", seed(natsconf.WorkerKey)},
-		faults:     h.fault,
+		faults:     faults,
 	})
 	return e
 }

@@ -6,61 +6,15 @@ import (
 	"context"
 	"encoding/json"
 	"net"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
-	corev1 "k8s.io/api/core/v1"
-
 	v1 "github.com/buildq/buildq/api/v1"
-	"github.com/buildq/buildq/internal/natsconf"
 	"github.com/buildq/buildq/publisher"
 )
-
-// tenantNATSEnv is fileModeEnv (deploy/nats/buildq.conf as shipped, an
-// account per tenant) with the test's own build faults.
-func tenantNATSEnv(t *testing.T, faults func(*corev1.Pod) fault) *natsAuthEnv {
-	t.Helper()
-	conf, err := filepath.Abs(filepath.Join("..", "deploy", "nats", "buildq.conf"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	keys, err := natsconf.NewUserKeys(natsconf.Users([]string{"acme", "globex"}))
-	if err != nil {
-		t.Fatal(err)
-	}
-	dir := t.TempDir()
-	seed := func(user string) string { return filepath.Join(dir, user+".seed") }
-	var env []string
-	for _, k := range keys {
-		if err := os.WriteFile(seed(k.User), k.Seed, 0o600); err != nil {
-			t.Fatal(err)
-		}
-		env = append(env, natsconf.NKeyVar(k.User)+"="+k.Public)
-	}
-	e := &natsAuthEnv{
-		auth: func(t *testing.T, user string) nats.Option {
-			t.Helper()
-			o, err := nats.NkeyOptionFromSeed(seed(user))
-			if err != nil {
-				t.Fatal(err)
-			}
-			return o
-		},
-		cli:    func(user string) []string { return []string{"--nats-nkey", seed(user)} },
-		cliEnv: func(user string) []string { return []string{"BUILDQ_NATS_NKEY=" + seed(user)} },
-	}
-	e.s = newSuite(t, options{
-		natsConfig: conf, natsEnv: env, natsOptions: []nats.Option{e.auth(t, natsconf.AdminKey)},
-		workerArgs: []string{"--nats-nkey", seed(natsconf.WorkerKey)},
-		faults:     faults,
-	})
-	return e
-}
 
 // natsProxy puts a TCP proxy (apiProxy's) in front of the suite's NATS
 // for one client: cut keeps that client away while the server and the
