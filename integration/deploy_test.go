@@ -18,6 +18,7 @@ import (
 	authorizationv1 "k8s.io/api/authorization/v1"
 	corev1 "k8s.io/api/core/v1"
 	apiextv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -231,11 +232,7 @@ func TestDeployPackageAppliesServerSide(t *testing.T) {
 		}
 	}
 
-	t.Cleanup(func() {
-		for _, ns := range []string{"buildq", "buildq-builds", "nats"} {
-			_ = shared.kube.CoreV1().Namespaces().Delete(context.Background(), ns, metav1.DeleteOptions{})
-		}
-	})
+	t.Cleanup(func() { deleteDeployNamespaces(t) })
 	for _, o := range prod {
 		if err := a.apply(ctx, o, false); err != nil {
 			t.Fatalf("production overlay: the API server refuses %s %s: %v", o.GetKind(), o.GetName(), err)
@@ -442,4 +439,39 @@ func TestDeployPackageAppliesServerSide(t *testing.T) {
 	if _, err := shared.kube.CoreV1().Pods("buildq-builds").Create(ctx, priv, dry); err == nil || !strings.Contains(err.Error(), "violates PodSecurity") {
 		t.Fatalf("a privileged Pod in the build namespace: %v, want a PodSecurity refusal", err)
 	}
+}
+
+// deleteDeployNamespaces deletes the namespaces the overlays make, doing
+// the part of the controllers the suite's controller manager does not
+// run: the StatefulSet's volume claims keep the PVC-protection finalizer
+// (no protection controller, no provisioner to bind them), and Pods bound
+// to no running kubelet never finish terminating, so the namespaces would
+// never go and the next test to apply deploy/ would wait for them.
+func deleteDeployNamespaces(t *testing.T) {
+	ctx := context.Background()
+	nss := []string{"buildq", "buildq-builds", "nats"}
+	for _, ns := range nss {
+		_ = shared.kube.CoreV1().Namespaces().Delete(ctx, ns, metav1.DeleteOptions{})
+	}
+	eventually(t, 2*time.Minute, "the deploy test's namespaces gone", func() bool {
+		gone := true
+		for _, ns := range nss {
+			if _, err := shared.kube.CoreV1().Namespaces().Get(ctx, ns, metav1.GetOptions{}); apierrors.IsNotFound(err) {
+				continue
+			}
+			gone = false
+			pvcs, err := shared.kube.CoreV1().PersistentVolumeClaims(ns).List(ctx, metav1.ListOptions{})
+			if err == nil {
+				for _, c := range pvcs.Items {
+					if len(c.Finalizers) > 0 {
+						_, _ = shared.kube.CoreV1().PersistentVolumeClaims(ns).Patch(ctx, c.Name, types.MergePatchType,
+							[]byte(`{"metadata":{"finalizers":null}}`), metav1.PatchOptions{})
+					}
+				}
+			}
+			zero := int64(0)
+			_ = shared.kube.CoreV1().Pods(ns).DeleteCollection(ctx, metav1.DeleteOptions{GracePeriodSeconds: &zero}, metav1.ListOptions{})
+		}
+		return gone
+	})
 }

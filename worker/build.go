@@ -52,6 +52,22 @@ var errAnswered = errors.New("the request was answered by another handler")
 // from another request that reuses the id.
 func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, dests []string, seq uint64, wr *waiterReg) (rec *v1.BuildRecord, origin v1.Origin, owned bool, err error) {
 	mine := func(r *v1.BuildRecord) bool { return r.RequestID == req.RequestID && r.Seq == seq }
+	// ownEnd: r, a run this request claimed, ended for this request. A
+	// run canceled for other requests did not: a cancel stops a run only
+	// when it finds no other request waiting on it, and the waiter index
+	// is best effort (a claimer killed between its claim and its index
+	// entry has none, and its redelivery has not written it yet). A
+	// claimer whose own ledger entry is not canceled builds again.
+	ownEnd := func(r *v1.BuildRecord) bool {
+		if !mine(r) {
+			return false
+		}
+		if r.State != v1.StateFailed || r.Reason != v1.ReasonCanceled || mutant.On("claimer-takes-others-cancel") {
+			return true
+		}
+		le, err := w.ledger.Get(ctx, req.Tenant, req.RequestID)
+		return err != nil || le == nil || le.E.Canceled
+	}
 	// A request that is not answered from the index waits on a build:
 	// index it, so a cancel of the key finds it.
 	waits := func() { wr.add(ctx, w.ledger, key, req.Tenant, req.RequestID) }
@@ -99,7 +115,8 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 				return nil, "", false, err
 			}
 		}
-		fresh := cur == nil || (cur.State == v1.StateFailed && !mine(cur))
+		ended := cur != nil && cur.State == v1.StateFailed && ownEnd(cur)
+		fresh := cur == nil || (cur.State == v1.StateFailed && !ended)
 		if fresh {
 			// Before claiming: the requester's own first tag may already
 			// hold an image (an index lost, a tag pushed by hand). It
@@ -109,7 +126,7 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 				return found, v1.OriginCache, false, err
 			}
 		}
-		if cur == nil || cur.State == v1.StateBuilding || (cur.State == v1.StateFailed && !mine(cur)) {
+		if cur == nil || cur.State == v1.StateBuilding || (cur.State == v1.StateFailed && !ended) {
 			if err := answered(); err != nil {
 				return nil, "", false, err
 			}
@@ -159,7 +176,7 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 			}
 			return cur, v1.OriginCache, false, nil
 
-		case cur.State == v1.StateFailed && mine(cur):
+		case cur.State == v1.StateFailed && ended:
 			return cur, v1.OriginBuild, true, nil
 
 		case cur.State == v1.StateFailed:
@@ -206,7 +223,7 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 				return nil, "", false, err
 			}
 			if final != nil {
-				if mine(final) {
+				if ownEnd(final) {
 					return final, v1.OriginBuild, true, nil
 				}
 				if !sharedFailure(final, req, repo) {

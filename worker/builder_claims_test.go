@@ -20,6 +20,7 @@ import (
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
 	"github.com/buildq/buildq/internal/naming"
+	"github.com/buildq/buildq/worker/internal/runs"
 )
 
 // Origin: dedupe end to end (d7f9faf).
@@ -235,5 +236,93 @@ func TestFinishingRunNeverOverwritesANewerClaim(t *testing.T) {
 	got := byID(results.waitFor(t, 2, 20*time.Second))
 	if d := got[r3.RequestID][0].Data; d.Status != v1.StatusSucceeded || d.Digest != digestOf("second run") || d.Origin != v1.OriginBuild {
 		t.Fatalf("R3 got %s", mustJSON(t, d))
+	}
+}
+
+// A cancel stops a run only when it finds no other request waiting on
+// it, and the waiter index is best effort: a claimer killed between its
+// claim and its index entry has none. Its redelivery then finds its own
+// run ended as Canceled although nobody canceled it. It builds again (a
+// new run) instead of answering "canceled". The mutant
+// "claimer-takes-others-cancel" broke this rule.
+//
+// Origin: the fault simulation, seed 77 under load: request s77-r04 was
+// answered canceled by another request's cancel.
+func TestClaimerNotCanceledBuildsAgainAfterAnotherRequestsCancel(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	b := countingBackend{runs: make(chan Build, 1)}
+	w := ruleWorker(t, e, b)
+	ctx := context.Background()
+
+	req := request("claimer-of-a-canceled-run")
+	const seq = 7
+	key := w.builds.keyOf(req)
+	repo, err := w.cfg.Naming.Repository(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dests := naming.Destinations(repo, key, req.Tags)
+	// The request's ledger entry: undecided, not canceled.
+	entry := v1.RequestEntry{RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, Key: key, State: "building",
+		Seq: seq, UpdatedAt: time.Now().UTC()}
+	raw, _ := json.Marshal(entry)
+	if _, err := w.ledger.Bucket().Put(ctx, RequestIndexKey(req.Tenant, req.RequestID), raw); err != nil {
+		t.Fatal(err)
+	}
+	// Its run, claimed by it and ended by a cancel of another request.
+	claim := w.builds.newClaim(req, key, repo, dests, seq)
+	rev, ok, err := w.runs.Claim(ctx, claim)
+	if err != nil || !ok {
+		t.Fatalf("claim: %v %v", ok, err)
+	}
+	if ok, err := w.runs.EndAt(ctx, runs.Canceled(claim, time.Now()), rev); err != nil || !ok {
+		t.Fatalf("cancel the run: %v %v", ok, err)
+	}
+
+	bctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	done := make(chan error, 1)
+	var rec *v1.BuildRecord
+	go func() {
+		var err error
+		rec, _, _, err = w.builds.build(bctx, req, key, repo, dests, seq, nil)
+		done <- err
+	}()
+	select {
+	case bd := <-b.runs:
+		if bd.Run == claim.Run {
+			t.Fatalf("the canceled run %s was run again; want a new run", bd.Run)
+		}
+	case err := <-done:
+		t.Fatalf("the claimer was answered from the run another request's cancel ended: %+v (%v)", rec, err)
+	}
+	cancel()
+	<-done
+
+	// Canceled itself, the claimer is answered canceled by its run.
+	req2 := request("claimer-canceled-itself")
+	key2 := w.builds.keyOf(req2)
+	repo2, _ := w.cfg.Naming.Repository(req2)
+	dests2 := naming.Destinations(repo2, key2, req2.Tags)
+	entry2 := v1.RequestEntry{RequestID: req2.RequestID, Tenant: req2.Tenant, Name: req2.Name, Key: key2, State: "building",
+		Seq: seq, UpdatedAt: time.Now().UTC(), Canceled: true}
+	raw2, _ := json.Marshal(entry2)
+	if _, err := w.ledger.Bucket().Put(ctx, RequestIndexKey(req2.Tenant, req2.RequestID), raw2); err != nil {
+		t.Fatal(err)
+	}
+	claim2 := w.builds.newClaim(req2, key2, repo2, dests2, seq)
+	rev2, ok, err := w.runs.Claim(ctx, claim2)
+	if err != nil || !ok {
+		t.Fatalf("claim: %v %v", ok, err)
+	}
+	if ok, err := w.runs.EndAt(ctx, runs.Canceled(claim2, time.Now()), rev2); err != nil || !ok {
+		t.Fatalf("cancel the run: %v %v", ok, err)
+	}
+	cctx, ccancel := context.WithTimeout(ctx, 5*time.Second)
+	defer ccancel()
+	got, origin, _, err := w.builds.build(cctx, req2, key2, repo2, dests2, seq, nil)
+	if err != nil || got == nil || got.Reason != v1.ReasonCanceled || origin != v1.OriginBuild {
+		t.Fatalf("a claimer canceled itself: %+v %s %v, want its canceled run", got, origin, err)
 	}
 }

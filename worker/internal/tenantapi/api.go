@@ -77,9 +77,9 @@ type Service struct {
 	logsSem chan struct{}
 	// polls: each tenant's logs requests waiting for lines; archives:
 	// the last log archive read.
-	polls    pollCounts
+	polls pollCounts
 	// reading: each tenant's stored-results requests in progress.
-	reading pollCounts
+	reading  pollCounts
 	archives archiveCache
 }
 
