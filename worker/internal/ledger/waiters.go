@@ -63,8 +63,9 @@ type WaiterItem struct {
 }
 
 // AddWaiter records that a request waits on key (best effort: a cancel
-// that misses it only stops a build one request still waited on, which
-// then answers canceled through the build record). An entry the request
+// that misses it may stop a build that request still waits on; the
+// request, not canceled itself, then builds again — build.go's ownEnd,
+// or sharedFailure for a joiner). An entry the request
 // has already is kept as it is: a handler of an earlier delivery that
 // stalled (a partition) while a later one parked the request must not
 // turn the parked entry into a plain one — the later message is acked,
