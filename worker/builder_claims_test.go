@@ -298,7 +298,9 @@ func TestClaimerNotCanceledBuildsAgainAfterAnotherRequestsCancel(t *testing.T) {
 		t.Fatalf("the claimer was answered from the run another request's cancel ended: %+v (%v)", rec, err)
 	}
 	cancel()
-	<-done
+	if err := <-done; !errors.Is(err, context.Canceled) {
+		t.Errorf("the new run, stopped: %v, want context.Canceled", err)
+	}
 
 	// Canceled itself, the claimer is answered canceled by its run.
 	req2 := request("claimer-canceled-itself")

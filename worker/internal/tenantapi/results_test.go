@@ -11,7 +11,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	v1 "github.com/buildq/buildq/api/v1"
-	"github.com/buildq/buildq/internal/testnats"
 )
 
 // resultsWorld is the stored-results service over a fresh server whose
@@ -25,23 +24,7 @@ type resultsWorld struct {
 
 func newResultsWorld(t *testing.T) *resultsWorld {
 	t.Helper()
-	_, nc, js := testnats.JetStream(t)
-	ctx := context.Background()
-	if _, err := js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
-		Name:             v1.ResultsStream,
-		Subjects:         []string{v1.ResultsIngestPrefix + ".>"},
-		SubjectTransform: &jetstream.SubjectTransformConfig{Source: v1.ResultsIngestPrefix + ".>", Destination: v1.ResultsPrefix + ".>"},
-		RePublish:        &jetstream.RePublish{Source: v1.ResultsPrefix + ".>", Destination: v1.ResultsPrefix + ".>"},
-	}); err != nil {
-		t.Fatal(err)
-	}
-	svc := New(Config{NC: nc, Now: time.Now})
-	stop, err := svc.Serve(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(stop)
-	return &resultsWorld{svc: svc, nc: nc, js: js}
+	return newResultsWorldWith(t, func(*Config) {})
 }
 
 // store publishes a result of tenant/name for the request id given and
