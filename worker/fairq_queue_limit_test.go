@@ -252,6 +252,13 @@ func TestRequeueAtTheQueueLimitSurvivesALedgerReadError(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitParked(t, r.w, key, req.RequestID)
+	// The parked request leaves the queue when its message is acked, just
+	// after its ledger entry says parked: until then it counts against
+	// acme's limit of 1.
+	eventually(t, 10*time.Second, "the parked request's queue message settled", func() bool {
+		msgs, _, _ := e.streamState()
+		return msgs == 0
+	})
 	// acme's queue is at its limit when the parked request comes back.
 	other := request("i24-fills-the-queue")
 	if _, err := e.pub.Publish(ctx, other); err != nil {
