@@ -22,8 +22,8 @@ type LogsConfig struct {
 	// Cap bounds one run's log (default 10 MiB); past it a marker line
 	// says the rest is not kept.
 	Cap int64
-	// MaxAge and MaxBytes bound the stream (default 24 h and 1 GiB); the
-	// archive stays.
+	// MaxAge and MaxBytes bound the stream (default 24 h and 256 MiB,
+	// buildlog.DefaultMaxAge and DefaultMaxBytes); the archive stays.
 	MaxAge   time.Duration
 	MaxBytes int64
 	// Archive keeps finished logs (nil: only the stream keeps them, until

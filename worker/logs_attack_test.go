@@ -56,8 +56,9 @@ func scriptFailure() Outcome {
 	return Outcome{Reason: v1.ReasonBuildFailed, Message: "scripted failure", LogTail: "scripted failure", StartedAt: now, FinishedAt: now}
 }
 
-// withLogsOf turns logs on with archive and a stream of 64 MiB: the
-// default (1 GiB) reserves all the test server's store.
+// withLogsOf turns logs on with archive and a stream of 64 MiB, less
+// than the default (256 MiB): the tests' logs are small, and the test
+// server's whole store is 1 GiB.
 func withLogsOf(a LogArchive) func(*Config) {
 	return func(c *Config) { c.Logs = LogsConfig{Enabled: true, Archive: a, MaxBytes: 64 << 20} }
 }

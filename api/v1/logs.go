@@ -12,7 +12,8 @@ import (
 // stream BUILDQ_LOGS, one subject per run (LogsSubject), and archived to
 // S3 once the run ends (LogRef). Tenants never read the stream: the
 // tenant API's logs service (APILogsSubject) serves the log of a build
-// only to a tenant one of whose requests it answered.
+// only to a tenant one of whose requests it answered or waits on, or (by
+// build key) whose request claimed it.
 const (
 	LogsStream    = "BUILDQ_LOGS"
 	LogsPrefix    = "buildq.logs"

@@ -30,6 +30,52 @@ type logsTimings struct {
 	giveUp time.Duration
 }
 
+// Exit codes of buildq logs besides exitOK (with -f: the build
+// succeeded; without: the log was printed) and exitFailed (with -f: the
+// build failed or was canceled).
+const (
+	// exitLogUnread: the log could not be read (the service refused or
+	// never answered, NATS is out of reach, the output could not be
+	// written): the build's outcome is unknown. DESIGN §6 has 1 for an
+	// operation that failed, 2 for invalid input or usage only: stderr
+	// tells a failed build from a log not read.
+	exitLogUnread = exitFailed
+	// exitInterrupted: SIGINT or SIGTERM before the log ended (128 +
+	// SIGINT, as a shell reports a command it interrupted).
+	exitInterrupted = 130
+)
+
+// unread is an error of reading the log (exitLogUnread).
+func unread(err error) error { return &exitError{code: exitLogUnread, err: err} }
+
+// logsExit maps the outcome of a `buildq logs` to its exit code: nil
+// (0), the followed build's outcome (exitFailed), an interrupt
+// (exitInterrupted), or the log not read (exitLogUnread).
+func logsExit(ctx context.Context, err error, follow bool) error {
+	if err == nil {
+		return nil
+	}
+	if ctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) {
+		msg := "interrupted"
+		if follow {
+			msg = "interrupted: stopped following the log (the build itself is not canceled)"
+		}
+		return &exitError{code: exitInterrupted, err: errors.New(msg)}
+	}
+	var outcome buildOutcome
+	if errors.As(err, &outcome) {
+		return err
+	}
+	var ee *exitError
+	if errors.As(err, &ee) {
+		if ee.code == exitLogUnread {
+			return err
+		}
+		return unread(ee.err)
+	}
+	return unread(err)
+}
+
 // logsTiming is what the command uses; tests shorten it.
 var logsTiming = logsTimings{grace: 10 * time.Second, retryMin: 250 * time.Millisecond, retryMax: 5 * time.Second, giveUp: 2 * time.Minute}
 
@@ -45,9 +91,11 @@ func newLogsCmd() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "logs ID",
 		Short: "Print the log of a build",
-		Long: `Print the log of a build: what the executor printed, byte for byte, and
-the lines buildq itself wrote into it (claimed, attempts, truncation, the
-end), shown as "[buildq] ...".
+		Long: `Print the log of a build: what the executor printed, and the lines
+buildq itself wrote into it (claimed, attempts, truncation, the end),
+shown as "[buildq] ...". The executor's lines are kept byte for byte,
+except lines over about 64 KiB: those are stored split into pieces of
+about 64 KiB, each printed as a line of its own.
 
 ID is one of the tenant's request ids or a build key (64 hex digits). A
 request answered by a build it did not start — it joined a build already
@@ -55,18 +103,32 @@ running, or it was answered from the cache — shows that build's log,
 headed by a note that says so.
 
 Without -f it prints the log as far as it goes now and exits 0. With -f it
-follows the log until the build ends, then exits with the build's outcome:
-0 if it succeeded, 1 if it failed or was canceled (the state and reason on
-stderr). If the connection to NATS is lost it keeps asking, and resumes
-where it left off, for up to 2 minutes.
+follows the log until the build ends, then exits with the build's outcome
+(the state and reason on stderr when it did not succeed). If the
+connection to NATS is lost it keeps asking, and resumes where it left off,
+for up to 2 minutes. A build that stored no log (built before build logs
+were kept, or by a worker with --build-logs=false) has nothing to show:
+the command says so on stderr and ends as for any other log.
 
 Logs are served by the workers' tenant API, on buildq.api.logs.<tenant>
 (--tenant names the tenant), and only to a tenant one of whose requests the
-build answered; a tenant never reads the log stream itself. With -o json
-each line is one JSON object {"time","stream","attempt","own","text"}
-(text with invalid UTF-8 replaced; then "raw" holds the bytes, base64),
-preceded by {"note": ...} and, when the log ended, followed by
-{"done": true, "state": ..., "reason": ...}.`,
+build answered, claimed it or waits on it; a tenant never reads the log
+stream itself. With -o json each line is one JSON object
+{"time","stream","attempt","own","text"} (text with invalid UTF-8
+replaced; then "raw" holds the bytes, base64), preceded by {"note": ...}
+and, when the log ended, followed by {"done": true, "state": ...,
+"reason": ...}.
+
+Exit codes:
+  0    with -f: the build succeeded; without -f: the log was printed,
+       whatever the build's outcome
+  1    with -f: the build failed or was canceled; or the log
+       could not be read (unknown request or build, no worker
+       answering, NATS out of reach, a log no longer kept): stderr
+       says which
+  2    invalid input or usage
+  130  interrupted (SIGINT or SIGTERM) before the log ended; the build
+       itself is not canceled`,
 		Example: `  buildq logs 01J9Z3Y8X6V5W4T3S2R1Q0P9N8 --tenant acme
   buildq logs 01J9Z3Y8X6V5W4T3S2R1Q0P9N8 --tenant acme -f
   buildq logs KEY --tenant acme --since 10m --timestamps
@@ -107,26 +169,23 @@ preceded by {"note": ...} and, when the log ended, followed by
 			// connection drops is lost: ask again, without waiting it out.
 			nc, err := nf.connect(nats.MaxReconnects(-1), nats.DisconnectErrHandler(func(*nats.Conn, error) { l.dropRequest() }))
 			if err != nil {
-				return err
+				return logsExit(cmd.Context(), err, follow)
 			}
 			defer nc.Close()
 			if l.pub, err = publisher.New(nc); err != nil {
-				return failed(err)
+				return logsExit(cmd.Context(), err, follow)
 			}
 			err = l.run(cmd.Context(), req)
 			if ferr := l.out.Flush(); err == nil && ferr != nil {
-				err = failed(ferr)
+				err = unread(ferr)
 			}
-			if errors.Is(err, context.Canceled) {
-				return nil
-			}
-			return err
+			return logsExit(cmd.Context(), err, follow)
 		},
 	}
 	nf.register(cmd.Flags())
 	cmd.Flags().StringVar(&tenant, "tenant", "default", "tenant whose request or build's log to show")
 	cmd.Flags().StringVarP(&output, "output", "o", "text", "output: text (the log's lines) or json (one object per line)")
-	cmd.Flags().BoolVarP(&follow, "follow", "f", false, "follow the log until the build ends; exit 0 if it succeeded, 1 otherwise")
+	cmd.Flags().BoolVarP(&follow, "follow", "f", false, "follow the log until the build ends; exit 0 if it succeeded, 1 if not (see Exit codes)")
 	cmd.Flags().DurationVar(&since, "since", 0, "only lines of the last D (e.g. 10m)")
 	cmd.Flags().BoolVar(&timestamps, "timestamps", false, "prefix each line with its time (RFC 3339, UTC)")
 	return cmd
@@ -173,41 +232,49 @@ func (l *logsRun) run(ctx context.Context, req v1.LogsRequest) error {
 		if err != nil {
 			return err
 		}
-		if rep.Error != "" {
-			return failed(errors.New(rep.Error))
+		if rep.Error != "" && !rep.Done {
+			return unread(errors.New(rep.Error))
 		}
 		if rep.Note != "" && !l.noted {
 			l.noted = true
 			if err := l.note(rep.Note); err != nil {
-				return failed(err)
+				return unread(err)
 			}
 		}
 		if err := l.lines(rep.Data); err != nil {
 			return err
 		}
 		if rep.Done {
+			if err := l.out.Flush(); err != nil {
+				return unread(err)
+			}
+			if rep.Error != "" {
+				// Over, with nothing (more) to show: the service says why
+				// (the build stored no log).
+				fmt.Fprintf(l.stderr, "buildq logs: %s\n", rep.Error)
+			}
 			if l.json {
 				if err := l.writeJSON(logsDone{Done: true, State: rep.State, Reason: rep.Reason}); err != nil {
-					return failed(err)
+					return unread(err)
 				}
 			}
 			if !l.follow || rep.State == string(v1.StatusSucceeded) {
 				return nil
 			}
 			if err := l.out.Flush(); err != nil {
-				return failed(err)
+				return unread(err)
 			}
 			return failed(buildEnded(rep))
 		}
 		if len(rep.Data) > 0 && (rep.Cursor == "" || rep.Cursor == req.Cursor) {
 			// The same cursor again would print the same lines again.
-			return failed(fmt.Errorf("the logs service on %s sent lines without a new cursor", l.subject))
+			return unread(fmt.Errorf("the logs service on %s sent lines without a new cursor", l.subject))
 		}
 		if rep.Cursor != "" {
 			req.Cursor = rep.Cursor
 		}
 		if err := l.out.Flush(); err != nil {
-			return failed(err)
+			return unread(err)
 		}
 		if !l.follow {
 			if len(rep.Data) == 0 {
@@ -225,16 +292,24 @@ func (l *logsRun) run(ctx context.Context, req v1.LogsRequest) error {
 	}
 }
 
+// buildOutcome is how a followed build that did not succeed ended: the
+// one error of buildq logs that is not the command's own (exitFailed).
+type buildOutcome struct{ state, reason string }
+
+func (b buildOutcome) Error() string {
+	if b.reason != "" {
+		return "build " + b.state + ": " + b.reason
+	}
+	return "build " + b.state
+}
+
 // buildEnded says how a build that did not succeed ended.
 func buildEnded(rep v1.LogsReply) error {
 	state := rep.State
 	if state == "" {
 		state = "ended without a state"
 	}
-	if rep.Reason != "" {
-		return fmt.Errorf("build %s: %s", state, rep.Reason)
-	}
-	return fmt.Errorf("build %s", state)
+	return buildOutcome{state: state, reason: rep.Reason}
 }
 
 // page sends req until a reply comes: a request lost (no reply in time, no
@@ -245,7 +320,7 @@ func (l *logsRun) page(ctx context.Context, req v1.LogsRequest) (v1.LogsReply, e
 	var rep v1.LogsReply
 	payload, err := json.Marshal(req)
 	if err != nil {
-		return rep, failed(err)
+		return rep, unread(err)
 	}
 	pause := l.timing.retryMin
 	for {
@@ -260,7 +335,7 @@ func (l *logsRun) page(ctx context.Context, req v1.LogsRequest) (v1.LogsReply, e
 		cancel()
 		if err == nil {
 			if err := json.Unmarshal(msg.Data, &rep); err != nil {
-				return rep, failed(fmt.Errorf("unreadable reply on %s: %w", l.subject, err))
+				return rep, unread(fmt.Errorf("unreadable reply on %s: %w", l.subject, err))
 			}
 			l.answered, l.lastReply, l.lost = true, time.Now(), false
 			return rep, nil
@@ -270,19 +345,19 @@ func (l *logsRun) page(ctx context.Context, req v1.LogsRequest) (v1.LogsReply, e
 		}
 		switch {
 		case errors.Is(err, nats.ErrPermissionViolation), errors.Is(err, nats.ErrConnectionClosed), errors.Is(err, nats.ErrAuthorization):
-			return rep, failed(err)
+			return rep, unread(err)
 		case !l.answered && (errors.Is(err, nats.ErrNoResponders) || errors.Is(err, publisher.ErrNoWorkers)):
 			// Nothing to resume: no worker serves this tenant's logs.
-			return rep, failed(fmt.Errorf("no worker answers %s: is a worker running, one that serves build logs?", l.subject))
+			return rep, unread(fmt.Errorf("no worker answers %s: is a worker running, one that serves build logs?", l.subject))
 		}
 		waited := time.Since(l.lastReply)
 		if waited >= l.timing.giveUp {
-			return rep, failed(fmt.Errorf("no answer from the logs service on %s for %s, giving up: %w", l.subject, waited.Round(time.Second), err))
+			return rep, unread(fmt.Errorf("no answer from the logs service on %s for %s, giving up: %w", l.subject, waited.Round(time.Second), err))
 		}
 		if !l.lost {
 			l.lost = true
 			if err := l.out.Flush(); err != nil {
-				return rep, failed(err)
+				return rep, unread(err)
 			}
 			fmt.Fprintln(l.stderr, "buildq logs: connection lost; resuming…")
 		}
@@ -362,10 +437,10 @@ func (l *logsRun) lines(data []byte) error {
 		return werr == nil
 	})
 	if werr != nil {
-		return failed(werr)
+		return unread(werr)
 	}
 	if err != nil {
-		return failed(fmt.Errorf("the logs service on %s: %w", l.subject, err))
+		return unread(fmt.Errorf("the logs service on %s: %w", l.subject, err))
 	}
 	return nil
 }

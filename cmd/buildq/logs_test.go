@@ -2,12 +2,17 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"encoding/base64"
 	"encoding/json"
+	"fmt"
 	"maps"
+	"os"
+	"os/signal"
 	"slices"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -347,6 +352,7 @@ func TestLogsErrorReplyFails(t *testing.T) {
 		logsPage{reply: v1.LogsReply{Error: "request " + logsID + " of tenant acme: not found"}},
 	)
 	code, stdout, stderr := logsCLI(t, ns, "-f")
+	// Exit 2: the log could not be read (not 1, a failed build).
 	if code != 1 || stderr != "buildq: request "+logsID+" of tenant acme: not found\n" || stdout != "" {
 		t.Fatalf("exit %d, stdout %q, stderr %q", code, stdout, stderr)
 	}
@@ -418,7 +424,8 @@ func TestLogsHelp(t *testing.T) {
 	if code != 0 {
 		t.Fatalf("exit %d", code)
 	}
-	for _, want := range []string{"request id", "build key", "joined", "cache", "note", "buildq.api.logs.<tenant>", "-f", "--since", "--timestamps", "-o"} {
+	for _, want := range []string{"request id", "build key", "joined", "cache", "note", "buildq.api.logs.<tenant>", "-f", "--since", "--timestamps", "-o",
+		"Exit codes", "130", "could not be read", "64 KiB", "stored no log"} {
 		if !strings.Contains(stdout, want) {
 			t.Errorf("--help does not say %q", want)
 		}
@@ -480,5 +487,116 @@ func TestSecretBuildArg(t *testing.T) {
 	code, stdout, _ := cli(t, "submit", "--help")
 	if code != 0 || !strings.Contains(stdout, "--secret-build-arg") || !strings.Contains(stdout, "masked") {
 		t.Errorf("submit --help does not explain --secret-build-arg")
+	}
+}
+
+// The exit code of buildq logs tells the build's outcome from the
+// command's own trouble: 0 the build succeeded (or, without -f, the log
+// was printed), 1 it failed or was canceled (with -f), 2 the log could not
+// be read (as for invalid usage), 130 the command was interrupted. An
+// interrupted follow is never taken for a build that succeeded.
+func TestLogsExitCodes(t *testing.T) {
+	t.Parallel()
+	t.Run("could not read the log", func(t *testing.T) {
+		t.Parallel()
+		ns, nc := logsWorld(t)
+		startFakeLogs(t, nc, "acme",
+			logsPage{reply: v1.LogsReply{Data: logData(own(0, 1, "claimed")), Cursor: "c1"}},
+			logsPage{cursor: "c1", reply: v1.LogsReply{Error: "the log of run r of build k is no longer kept"}},
+		)
+		code, stdout, stderr := logsCLI(t, ns, "-f")
+		if code != 1 || stdout != "[buildq] claimed\n" || stderr != "buildq: the log of run r of build k is no longer kept\n" {
+			t.Fatalf("exit %d, stdout %q, stderr %q; want 1, the lines before, the error", code, stdout, stderr)
+		}
+	})
+	t.Run("no NATS", func(t *testing.T) {
+		t.Parallel()
+		code, _, stderr := cli(t, "logs", logsID, "--tenant", "acme", "--nats-url", "nats://127.0.0.1:1", "-f")
+		if code != 1 || !strings.HasPrefix(stderr, "buildq: ") {
+			t.Fatalf("exit %d, stderr %q; want 1", code, stderr)
+		}
+	})
+	for _, sig := range []syscall.Signal{syscall.SIGINT, syscall.SIGTERM} {
+		for _, follow := range []bool{true, false} {
+			t.Run(fmt.Sprintf("%s, follow %v", sig, follow), func(t *testing.T) {
+				// Not parallel: the signal goes to the whole test process,
+				// caught here as the command's main catches it.
+				ns, nc := logsWorld(t)
+				cursor := ""
+				if follow {
+					cursor = "c1"
+				}
+				f := startFakeLogs(t, nc, "acme",
+					logsPage{reply: v1.LogsReply{Data: logData(own(0, 1, "claimed")), Cursor: "c1"}},
+					// Asked for more (with -f: the build goes on; without:
+					// the rest of a long log): the answer is held back, and
+					// the command is interrupted meanwhile.
+					logsPage{cursor: cursor, drop: true},
+				)
+				ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+				defer stop()
+				f.before = func(i int) {
+					if i == 1 {
+						_ = syscall.Kill(os.Getpid(), sig)
+					}
+				}
+				var out, errb bytes.Buffer
+				args := []string{"logs", logsID, "--tenant", "acme", "--nats-url", ns.URL()}
+				if follow {
+					args = append(args, "-f")
+				} else {
+					// Without -f a page that brought lines is followed by
+					// the next one at once.
+					f.pages[1].cursor = "c1"
+				}
+				done := make(chan int, 1)
+				go func() { done <- run(ctx, args, &out, &errb) }()
+				select {
+				case code := <-done:
+					if code != 130 {
+						t.Fatalf("exit %d, stdout %q, stderr %q; want 130", code, out.String(), errb.String())
+					}
+				case <-time.After(30 * time.Second):
+					t.Fatal("the interrupted command did not end")
+				}
+				if out.String() != "[buildq] claimed\n" || !strings.Contains(errb.String(), "interrupted") {
+					t.Fatalf("stdout %q, stderr %q", out.String(), errb.String())
+				}
+			})
+		}
+	}
+}
+
+// A run that is over and stored no log: the logs service says so (done,
+// with the error saying why). buildq logs prints that on stderr, with or
+// without -f, and ends: with -f with the build's outcome, without it 0.
+func TestLogsOfARunThatStoredNoLog(t *testing.T) {
+	t.Parallel()
+	const why = "the build stored no log (built before build logs were kept, or with --build-logs=false), or it is no longer kept: run r of build k"
+	for _, c := range []struct {
+		name, state, reason string
+		args                []string
+		code                int
+		stdout, stderr      string
+	}{
+		{"succeeded", "succeeded", "", nil, 0, "", "buildq logs: " + why + "\n"},
+		{"succeeded -f", "succeeded", "", []string{"-f"}, 0, "", "buildq logs: " + why + "\n"},
+		{"failed -f", "failed", "BuildFailed", []string{"-f"}, 1, "", "buildq logs: " + why + "\nbuildq: build failed: BuildFailed\n"},
+		{"json", "succeeded", "", []string{"-o", "json"}, 0, `{"done":true,"state":"succeeded","reason":""}` + "\n", "buildq logs: " + why + "\n"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			ns, nc := logsWorld(t)
+			f := startFakeLogs(t, nc, "acme",
+				logsPage{reply: v1.LogsReply{Key: "k", Run: "r", Cursor: "r:0:0", Done: true, State: c.state, Reason: c.reason, Error: why}},
+			)
+			code, stdout, stderr := logsCLI(t, ns, c.args...)
+			if code != c.code || stdout != c.stdout || stderr != c.stderr {
+				t.Fatalf("exit %d, stdout %q, stderr %q; want %d, %q, %q", code, stdout, stderr, c.code, c.stdout, c.stderr)
+			}
+			if n := len(f.requests()); n != 1 {
+				t.Fatalf("%d requests, want 1: the log is over", n)
+			}
+		})
 	}
 }

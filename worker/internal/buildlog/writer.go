@@ -6,12 +6,16 @@
 // the stored format (v1.LogLine), at most ChunkBytes or FlushEvery's worth.
 // Every chunk carries in its headers where the capture stood after its
 // last line (the pod, the container, the kubelet timestamp of the
-// container's last line and how many lines carried it), so whoever
-// captures next — the same worker after a broken stream, another after a
-// crash — resumes exactly there. Chunks are published with the subject's
-// last sequence as a precondition: two capturers of one run cannot both
-// append, and a publish whose outcome was lost is found by its totals,
-// so the stored log holds every line once.
+// container's last line and how many lines carried it): the last line
+// the chunk holds, never one still buffered, so whoever captures next
+// (the same worker after a broken stream, another after a crash) resumes
+// exactly there. A line too long for a chunk is stored in pieces; a
+// chunk that holds only its first pieces says how many of its bytes are
+// stored, and the writer resuming there stores only the rest. Chunks are
+// published with the subject's last sequence as a precondition: two
+// capturers of one run cannot both append, and a publish whose outcome
+// was lost is found by its totals, so the stored log holds every line
+// once.
 package buildlog
 
 import (
@@ -49,6 +53,9 @@ const (
 	hdrBytes     = "Buildq-Log-Bytes"
 	hdrLines     = "Buildq-Log-Lines"
 	hdrTruncated = "Buildq-Log-Truncated"
+	// hdrPart: the bytes stored of the line after the position (the first
+	// pieces of a line longer than a chunk).
+	hdrPart = "Buildq-Log-Part"
 	// hdrEnd marks the run's last chunk: the run's state.
 	hdrEnd    = "Buildq-Log-End"
 	hdrReason = "Buildq-Log-Reason"
@@ -63,7 +70,10 @@ const (
 var ErrConflict = errors.New("buildlog: the run's log was appended to by another writer")
 
 // Position is where the capture of a run stands: the last line stored of
-// the executor's output.
+// the executor's output. When only the first pieces of a line longer than
+// a chunk are stored, it stands just before that line (Count one less,
+// possibly 0: before the first line at Time), and the writer resuming
+// there stores only the rest of the line.
 type Position struct {
 	Pod       string
 	Container string
@@ -81,8 +91,12 @@ type Options struct {
 	Cap int64
 	// Mask are secret values, written as "***" wherever they appear.
 	Mask []string
-	// ChunkBytes and FlushEvery bound a chunk (DefaultChunkBytes,
-	// DefaultFlushEvery): whichever comes first.
+	// ChunkBytes bounds a chunk (DefaultChunkBytes). FlushEvery
+	// (DefaultFlushEvery) is how long lines wait: a line that comes
+	// FlushEvery or more after the last chunk was stored is stored at
+	// once, later ones once the first of them has waited FlushEvery —
+	// which Run checks every FlushEvery/5, so a line waits up to about
+	// 1.2 × FlushEvery.
 	ChunkBytes int
 	FlushEvery time.Duration
 	Now        func() time.Time
@@ -113,7 +127,10 @@ func (o Options) withDefaults() Options {
 // state is what the stored log says (and, ahead of it, what the writer
 // has buffered).
 type state struct {
-	pos       Position
+	pos Position
+	// part: the bytes of the line after pos already stored (its first
+	// pieces), 0 when none.
+	part      int
 	bytes     int64
 	lines     int64
 	truncated bool
@@ -215,19 +232,35 @@ func (w *Writer) Line(ctx context.Context, pod, container string, attempt int, t
 		w.conflict = false
 		return ErrConflict
 	}
-	p := &w.next.pos
-	if p.Pod == pod && p.Container == container && p.Time.Equal(ts) {
-		p.Count++
+	// at is where the capture stands once the line is stored; the state
+	// moves there only then (add), so a chunk stored before never names
+	// it.
+	at := w.next.pos
+	if at.Pod == pod && at.Container == container && at.Time.Equal(ts) {
+		at.Count++
 	} else {
-		p.Time, p.Count = ts, 1
+		at.Time, at.Count = ts, 1
 	}
-	p.Pod, p.Container, p.Attempt = pod, container, attempt
+	at.Pod, at.Container, at.Attempt = pod, container, attempt
 	if w.next.truncated {
 		// Dropped, but the position moves: a resumed capture does not
 		// read it again.
+		w.next.pos, w.next.part = at, 0
 		return nil
 	}
-	return w.told(w.add(ctx, v1.LogLine{Time: ts, Stream: container, Attempt: attempt, Text: w.mask(text)}))
+	text = w.mask(text)
+	part := 0
+	if p := w.next.pos; w.next.part > 0 && p.Pod == pod && p.Container == container && p.Time.Equal(ts) {
+		// The line the stored position stands just before (at.Count is
+		// p.Count+1): its first w.next.part bytes are stored already.
+		part = min(w.next.part, len(text))
+		text = text[part:]
+	}
+	if part > 0 && len(text) == 0 {
+		w.next.pos, w.next.part = at, 0
+		return nil
+	}
+	return w.told(w.add(ctx, v1.LogLine{Time: ts, Stream: container, Attempt: attempt, Text: text}, &at, part))
 }
 
 // told clears the pending conflict when err reports it to the caller.
@@ -246,7 +279,7 @@ func (w *Writer) Own(ctx context.Context, text string) error {
 	if w.next.ended || w.next.truncated {
 		return nil
 	}
-	return w.add(ctx, w.own(text))
+	return w.add(ctx, w.own(text), nil, 0)
 }
 
 // Attempt records that the capture moved on to pod, a new attempt of the
@@ -262,15 +295,18 @@ func (w *Writer) Attempt(ctx context.Context, pod string, attempt int, reason st
 		w.conflict = false
 		return ErrConflict
 	}
-	w.next.pos = Position{Pod: pod, Attempt: attempt}
+	at := Position{Pod: pod, Attempt: attempt}
 	if w.next.truncated {
+		w.next.pos, w.next.part = at, 0
 		return nil
 	}
 	msg := fmt.Sprintf("attempt %d: pod %s", attempt, pod)
 	if reason != "" {
 		msg += " (" + reason + ")"
 	}
-	return w.told(w.add(ctx, w.own(msg)))
+	l := w.own(msg)
+	l.Attempt = max(attempt, 1)
+	return w.told(w.add(ctx, l, &at, 0))
 }
 
 func (w *Writer) own(text string) v1.LogLine {
@@ -279,7 +315,16 @@ func (w *Writer) own(text string) v1.LogLine {
 }
 
 // add buffers l, or the marker when l would pass the cap; w.mu is held.
-func (w *Writer) add(ctx context.Context, l v1.LogLine) error {
+// at is where the capture stands once l is stored (nil: l is one of
+// buildq's own lines, which does not move it), part the bytes of the
+// executor's line stored before l.Text (a resumed long line).
+//
+// A line that does not fit the chunk being filled first stores that
+// chunk, with the state it holds; the state moves to the line only once
+// the line is in the buffer. A line longer than a chunk is stored in
+// pieces (a chunk must fit a message): until its last piece is in, the
+// position stands just before the line and part counts its bytes in.
+func (w *Writer) add(ctx context.Context, l v1.LogLine, at *Position, part int) error {
 	if l.Attempt == 0 {
 		l.Attempt = 1
 	}
@@ -288,37 +333,61 @@ func (w *Writer) add(ctx context.Context, l v1.LogLine) error {
 		// which could pass for one of buildq's own.
 		l.Text = bytes.ReplaceAll(l.Text, []byte("\n"), []byte(" "))
 	}
-	// A line longer than a chunk is split: a chunk must fit a message.
 	limit := w.opts.ChunkBytes - 128 - len(l.Stream)
-	for len(l.Text) > limit {
-		head := l
-		head.Text = l.Text[:limit]
-		if err := w.add(ctx, head); err != nil {
-			return err
+	rest := l.Text
+	for {
+		piece := l
+		piece.Text = rest
+		last := len(rest) <= limit
+		if !last {
+			piece.Text = rest[:limit]
 		}
-		l.Text = l.Text[limit:]
-	}
-	line := v1.AppendLogLine(nil, l)
-	if w.next.bytes+int64(len(line)) > w.opts.Cap && l.Stream != v1.LogStreamBuildq {
-		w.next.truncated = true
-		line = v1.AppendLogLine(nil, w.own(fmt.Sprintf("log truncated: it reached the cap of %d bytes; the build's further output is not kept", w.opts.Cap)))
-	}
-	if len(w.buf)+len(line) > w.opts.ChunkBytes {
-		if err := w.flushLocked(ctx); err != nil {
-			return err
+		line := v1.AppendLogLine(nil, piece)
+		truncate := w.next.bytes+int64(len(line)) > w.opts.Cap && l.Stream != v1.LogStreamBuildq
+		if truncate {
+			m := w.own(fmt.Sprintf("log truncated: it reached the cap of %d bytes; the build's further output is not kept", w.opts.Cap))
+			m.Attempt = l.Attempt
+			line = v1.AppendLogLine(nil, m)
 		}
+		if len(w.buf)+len(line) > w.opts.ChunkBytes {
+			// Stored as it stands: without this line.
+			if err := w.flushLocked(ctx); err != nil {
+				return err
+			}
+		}
+		now := w.opts.Now()
+		if len(w.buf) == 0 {
+			w.since = now
+		}
+		w.buf = append(w.buf, line...)
+		w.next.bytes += int64(len(line))
+		w.next.lines++
+		// The buffer holds the piece (or the marker): the state moves past
+		// it. Past the cap the rest of the line is dropped, and the
+		// position moves past all of it.
+		switch {
+		case at == nil:
+		case last || truncate:
+			w.next.pos, w.next.part = *at, 0
+		default:
+			part += len(piece.Text)
+			before := *at
+			before.Count--
+			w.next.pos, w.next.part = before, part
+		}
+		if truncate {
+			w.next.truncated = true
+		}
+		if now.Sub(w.flushed) >= w.opts.FlushEvery {
+			if err := w.flushLocked(ctx); err != nil {
+				return err
+			}
+		}
+		if last || truncate {
+			return nil
+		}
+		rest = rest[limit:]
 	}
-	now := w.opts.Now()
-	if len(w.buf) == 0 {
-		w.since = now
-	}
-	w.buf = append(w.buf, line...)
-	w.next.bytes += int64(len(line))
-	w.next.lines++
-	if now.Sub(w.flushed) >= w.opts.FlushEvery {
-		return w.flushLocked(ctx)
-	}
-	return nil
 }
 
 // Due reports whether buffered lines have waited FlushEvery.
@@ -449,7 +518,7 @@ func (w *Writer) publish(ctx context.Context, extra func(nats.Header)) error {
 			// Unknown: try again with the same precondition.
 		case seq == w.last:
 			// Nothing was stored: try again.
-		case st.bytes == w.next.bytes && st.lines == w.next.lines && st.pos == w.next.pos && st.ended == w.next.ended:
+		case st.bytes == w.next.bytes && st.lines == w.next.lines && st.pos == w.next.pos && st.part == w.next.part && st.ended == w.next.ended:
 			w.last, w.stored = seq, w.next
 			w.buf = w.buf[:0]
 			return nil
@@ -525,6 +594,9 @@ func putState(h nats.Header, st state) {
 		h.Set(hdrCount, strconv.Itoa(st.pos.Count))
 	}
 	h.Set(hdrAttempt, strconv.Itoa(st.pos.Attempt))
+	if st.part > 0 {
+		h.Set(hdrPart, strconv.Itoa(st.part))
+	}
 	h.Set(hdrBytes, strconv.FormatInt(st.bytes, 10))
 	h.Set(hdrLines, strconv.FormatInt(st.lines, 10))
 	if st.truncated {
@@ -556,6 +628,7 @@ func getState(h nats.Header) (state, error) {
 	}
 	st.pos.Count = int(num(hdrCount))
 	st.pos.Attempt = int(num(hdrAttempt))
+	st.part = int(num(hdrPart))
 	st.bytes, st.lines = num(hdrBytes), num(hdrLines)
 	st.truncated = h.Get(hdrTruncated) == "true"
 	st.ended = h.Get(hdrEnd) != ""

@@ -160,6 +160,9 @@ type logTarget struct {
 	// never got its end is over when idle.
 	answered      bool
 	state, reason string
+	// final: run is over (its record is final, or the result names it):
+	// a log it has not stored by now it never will.
+	final bool
 }
 
 // parseLogsRequest reads a JSON LogsRequest, or a bare target.
@@ -233,6 +236,7 @@ func (w *Service) logs(ctx context.Context, tenant string, data []byte) v1.LogsR
 		}
 		rep.Data = append(rep.Data, page.data...)
 		rep.Cursor, rep.Done, rep.State, rep.Reason, rep.Archive = cur.String(), page.done, page.state, page.reason, t.ref
+		rep.Error = page.none
 		if len(rep.Data) > 0 || rep.Done || !w.wait(ctx, v1.LogsSubject(t.key, t.run), deadline) {
 			return rep
 		}
@@ -277,6 +281,13 @@ type logPage struct {
 	data          []byte
 	done          bool
 	state, reason string
+	// none, with done: the run is over with no chunk in the stream and
+	// no archive, so it stored no log (or none is kept any more): the
+	// reply is done at once, with the run's outcome, and its Error says
+	// why there is nothing to show. Error and Done together mean exactly
+	// that; buildq logs prints the error as a notice and, with -f, exits
+	// with the build's outcome.
+	none string
 }
 
 // page reads the log of t after cur, advancing it.
@@ -316,6 +327,13 @@ func (w *Service) streamPage(ctx context.Context, t logTarget, cur *logCursor, r
 		if c == nil {
 			if cur.seq == 0 && t.ref != nil {
 				return logPage{}, true, nil // the whole log aged out
+			}
+			if cur.seq == 0 && t.final {
+				// Over, and not a chunk stored nor archived: there is
+				// nothing to wait for.
+				p.done, p.state, p.reason = true, t.state, t.reason
+				p.none = fmt.Sprintf("the build stored no log (built before build logs were kept, or with --build-logs=false), or it is no longer kept: run %s of build %s", t.run, short(t.key))
+				return p, false, nil
 			}
 			if t.answered && cur.seq > 0 {
 				// A log whose end was never stored: over once idle.
@@ -434,7 +452,7 @@ func (w *Service) logTarget(ctx context.Context, tenant, target string) (logTarg
 		if r := e.Result; r != nil {
 			t.answered, t.state, t.reason = true, string(r.Status), r.Reason
 			if r.Logs != nil {
-				t.run, t.ref = r.Logs.Run, r.Logs
+				t.run, t.ref, t.final = r.Logs.Run, r.Logs, true
 			}
 		}
 		if e.Key == "" {
@@ -463,7 +481,9 @@ func (w *Service) logTarget(ctx context.Context, tenant, target string) (logTarg
 			}
 			switch {
 			case mine:
-				t.run = rec.Run
+				// Over when the request has its result and the run is
+				// final (not a later run of the key, still going).
+				t.run, t.final = rec.Run, t.answered && rec.Final()
 				if rec.Logs != nil && rec.Logs.Run == rec.Run {
 					t.ref = rec.Logs
 				}
@@ -506,7 +526,7 @@ func (w *Service) logTarget(ctx context.Context, tenant, target string) (logTarg
 		t.ref = rec.Logs
 	}
 	if rec.Final() {
-		t.answered, t.state, t.reason = true, rec.State, rec.Reason
+		t.answered, t.final, t.state, t.reason = true, true, rec.State, rec.Reason
 	}
 	return t, ""
 }
