@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/google/go-containerregistry/pkg/authn"
+	"github.com/google/go-containerregistry/pkg/crane"
 	"github.com/google/go-containerregistry/pkg/name"
 	gcr "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/empty"
@@ -60,6 +61,54 @@ func main() {
 // pushes it to the suite's registry and returns its reference by digest
 // as the Pods reach it.
 func goarchBase(t *testing.T, node *realNode, goarch string) string {
+	t.Helper()
+	img := goarchImage(t, goarch)
+	repo := "node/goarch-" + goarch
+	ref, err := name.ParseReference(shared.registryHost+"/"+repo+":latest", name.Insecure)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := remote.Write(ref, img, registryAuth(), remote.WithContext(context.Background())); err != nil {
+		t.Fatalf("push %s: %v", ref, err)
+	}
+	d, err := img.Digest()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return node.registryHost + "/" + repo + "@" + d.String()
+}
+
+func registryAuth() remote.Option {
+	return remote.WithAuth(&authn.Basic{Username: shared.registryUser, Password: shared.registryPass})
+}
+
+// goarchIndex is goarchBase for several architectures at once: an image
+// index of goarchProgram's image for each, by digest as the Pods reach it.
+func goarchIndex(t *testing.T, node *realNode, goarchs ...string) string {
+	t.Helper()
+	var adds []mutate.IndexAddendum
+	for _, a := range goarchs {
+		adds = append(adds, mutate.IndexAddendum{Add: goarchImage(t, a), Descriptor: gcr.Descriptor{Platform: &gcr.Platform{OS: "linux", Architecture: a}}})
+	}
+	idx := mutate.AppendManifests(mutate.IndexMediaType(empty.Index, "application/vnd.oci.image.index.v1+json"), adds...)
+	repo := "node/goarch-" + strings.Join(goarchs, "-")
+	ref, err := name.ParseReference(shared.registryHost+"/"+repo+":latest", name.Insecure)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := remote.WriteIndex(ref, idx, registryAuth()); err != nil {
+		t.Fatalf("push %s: %v", ref, err)
+	}
+	d, err := idx.Digest()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return node.registryHost + "/" + repo + "@" + d.String()
+}
+
+// goarchImage builds goarchProgram static for linux/goarch into an image
+// whose config names linux/goarch.
+func goarchImage(t *testing.T, goarch string) gcr.Image {
 	t.Helper()
 	ctx := context.Background()
 	dir := t.TempDir()
@@ -109,19 +158,7 @@ func goarchBase(t *testing.T, node *realNode, goarch string) string {
 	if img, err = mutate.ConfigFile(img, cf); err != nil {
 		t.Fatal(err)
 	}
-	repo := "node/goarch-" + goarch
-	ref, err := name.ParseReference(shared.registryHost+"/"+repo+":latest", name.Insecure)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := remote.Write(ref, img, remote.WithAuth(&authn.Basic{Username: shared.registryUser, Password: shared.registryPass}), remote.WithContext(ctx)); err != nil {
-		t.Fatalf("push %s: %v", ref, err)
-	}
-	d, err := img.Digest()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return node.registryHost + "/" + repo + "@" + d.String()
+	return img
 }
 
 // imageConfig reads a pushed image's config, as a third party would.
@@ -243,4 +280,102 @@ func testPlatformWithoutNodeRefusedOnRealNode(t *testing.T, node *realNode) {
 		t.Errorf("refused after %s: want at once", took)
 	}
 	t.Logf("refused in %s: %s", took.Round(100*time.Millisecond), d.Message)
+}
+
+// One request for linux/amd64 and linux/386 with a RUN: one Job per
+// platform on the node (386 placed on amd64 by --platform-node-selector),
+// an OCI image index at the destination naming both, each image's config
+// naming its architecture and holding what its RUN wrote. Read back with
+// crane, as a third party would. Then a one-platform request of the same
+// inputs is a cache hit (no Pod), and linux/arm64 builds COPY-only.
+//
+// Origin: issue 29, tests.
+func testImageIndexOnRealNode(t *testing.T, node *realNode) {
+	s := newSuite(t, options{node: node, workerArgs: []string{
+		"--platform-node-selector", "linux/386=kubernetes.io/arch=amd64",
+		"--platform-node-selector", "linux/arm64=kubernetes.io/arch=amd64"}})
+	pods := s.podsCreated()
+	s.startWorker("w1")
+	res := s.collect()
+	base := goarchIndex(t, node, "amd64", "386", "arm64")
+	dir := contextDir(t, map[string]string{"Dockerfile": "ARG BASE\nFROM $BASE\nRUN [\"/hello\"]\n"})
+	start := time.Now()
+	s.submitWith(dir, "multi", 1, func(r *v1.Request) {
+		r.BuildArgs = map[string]string{"BASE": base}
+		r.Platforms = []string{"linux/amd64", "linux/386"}
+	})
+	r := res.wait(t, 1, 8*time.Minute)[0]
+	d := r.Data
+	if d.Status != v1.StatusSucceeded || len(d.Platforms) != 2 {
+		t.Fatalf("result %s, want an index of two platforms", mustJSON(r))
+	}
+	t.Logf("two platforms built and indexed in %s", time.Since(start).Round(100*time.Millisecond))
+	if n := pods(); n != 2 {
+		t.Errorf("%d pods ran, want one per platform", n)
+	}
+	opts := []crane.Option{crane.Insecure, crane.WithAuth(&authn.Basic{Username: shared.registryUser, Password: shared.registryPass})}
+	raw, err := crane.Manifest(d.ImageRef, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := gcr.ParseIndexManifest(bytes.NewReader(raw))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.MediaType != "application/vnd.oci.image.index.v1+json" || len(m.Manifests) != 2 {
+		t.Fatalf("crane manifest %s:\n%s\nwant an OCI image index of two manifests", d.ImageRef, raw)
+	}
+	for _, desc := range m.Manifests {
+		p := desc.Platform.String()
+		if d.Platforms[p] != desc.Digest.String() {
+			t.Errorf("the index names %s for %s, the result %s", desc.Digest, p, d.Platforms[p])
+		}
+	}
+	for p, goarch := range map[string]string{"linux/amd64": "amd64", "linux/386": "386"} {
+		cfg, err := crane.Config(d.ImageRef, append(opts, crane.WithPlatform(&gcr.Platform{OS: "linux", Architecture: goarch}))...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cf, err := gcr.ParseConfigFile(bytes.NewReader(cfg))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if cf.Architecture != goarch {
+			t.Errorf("crane config --platform %s: architecture %s", p, cf.Architecture)
+		}
+		if got := string(imageFiles(t, d.Image+"@"+d.Platforms[p])["arch"].body); got != goarch {
+			t.Errorf("%s's /arch holds %q, want %q (its RUN ran the %s program)", p, got, goarch, goarch)
+		}
+	}
+
+	// One platform of it: from the cache, no Pod.
+	s.submitWith(dir, "one", 1, func(r *v1.Request) {
+		r.BuildArgs = map[string]string{"BASE": base}
+		r.Platforms = []string{"linux/386"}
+	})
+	one := res.wait(t, 2, 2*time.Minute)[1].Data
+	if one.Status != v1.StatusSucceeded || one.Origin != v1.OriginCache || one.Digest != d.Platforms["linux/386"] {
+		t.Errorf("the one-platform request: %+v, want linux/386's image from the cache", one)
+	}
+	if n := pods(); n != 2 {
+		t.Errorf("%d pods after the one-platform request, want still 2", n)
+	}
+
+	// linux/arm64 without RUN builds on the amd64 node.
+	copyDir := contextDir(t, map[string]string{"Dockerfile": "ARG BASE\nFROM $BASE\nCOPY f /f\n", "f": "copied"})
+	s.submitWith(copyDir, "arm", 1, func(r *v1.Request) {
+		r.BuildArgs = map[string]string{"BASE": base}
+		r.Platforms = []string{"linux/amd64", "linux/arm64"}
+	})
+	arm := res.wait(t, 3, 8*time.Minute)[2].Data
+	if arm.Status != v1.StatusSucceeded || arm.Platforms["linux/arm64"] == "" {
+		t.Fatalf("the arm64 COPY-only request: %+v", arm)
+	}
+	ref := arm.Image + "@" + arm.Platforms["linux/arm64"]
+	if cf := imageConfig(t, ref); cf.Architecture != "arm64" {
+		t.Errorf("linux/arm64's image config names %s", cf.Architecture)
+	}
+	if got := string(imageFiles(t, ref)["f"].body); got != "copied" {
+		t.Errorf("linux/arm64's /f holds %q", got)
+	}
 }

@@ -348,6 +348,8 @@ COPY hello.txt /srv/hello.txt
 
 	t.Run("a platform no node runs is refused at once", func(t *testing.T) { testPlatformWithoutNodeRefusedOnRealNode(t, node) })
 
+	t.Run("an image index of linux/amd64 and linux/386, each built where it runs", func(t *testing.T) { testImageIndexOnRealNode(t, node) })
+
 	t.Run("layer cache reuses the RUN layer", func(t *testing.T) {
 		s := newSuite(t, options{node: node, workerArgs: []string{"--keep-jobs", "--cache-repo", node.registryHost + "/cache/{tenant}/layers"}})
 		s.startWorker("w1")

@@ -11,8 +11,11 @@ import (
 // Build is one run of a build key: the request it runs for, the key, the
 // run's id and the references to push.
 type Build struct {
-	Request      *v1.Request
-	Key          string
+	Request *v1.Request
+	Key     string
+	// Repository is the run's repository (its claimer's); Destinations
+	// are tags in it.
+	Repository   string
 	Destinations []string
 	// Run identifies the attempt (claim.go). A backend adopts only a build
 	// of the same run; anything of another run of the key is stale and is
@@ -41,6 +44,9 @@ func (b Build) current(ctx context.Context) bool { return b.Current == nil || b.
 type Outcome struct {
 	Succeeded bool
 	Digest    string
+	// Platforms maps each platform of an image index to its image's
+	// digest (a multi-platform run; on failure, the platforms built).
+	Platforms map[string]string
 	Reason    string
 	Message   string
 	LogTail   string

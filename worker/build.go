@@ -209,14 +209,14 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 					return nil, "", false, err
 				}
 				if parked {
-					w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: key, Phase: v1.PhaseWaiting, Job: cur.Job,
+					w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Platform: platformOf(req), Key: key, Phase: v1.PhaseWaiting, Job: cur.Job,
 						Message: "joined a build in progress; answered when it ends"})
 					return cur, v1.OriginInflight, false, errParked
 				}
 				continue
 			}
 			waits()
-			w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: key, Phase: v1.PhaseWaiting, Job: cur.Job,
+			w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Platform: platformOf(req), Key: key, Phase: v1.PhaseWaiting, Job: cur.Job,
 				Message: "joined a build in progress"})
 			final, lapsed, lrev, err := w.join(ctx, key)
 			if err != nil {

@@ -153,6 +153,9 @@ func (g *gateRegistry) Copy(context.Context, string, string) (string, error) {
 }
 
 func (g *gateRegistry) EnsureHarborProject(context.Context, string, string) error { return nil }
+func (g *gateRegistry) PushIndex(context.Context, []registry.IndexChild, []string) (string, error) {
+	return "", errors.New("gateRegistry: no index pushes here")
+}
 
 func newGateRegistry(gate bool) *gateRegistry {
 	return &gateRegistry{gate: gate, entered: make(chan struct{}), release: make(chan struct{}), exists: map[string]string{}}

@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/buildq/buildq/internal/naming"
+	"github.com/buildq/buildq/internal/registry"
 	"github.com/buildq/buildq/worker/internal/fairq"
 )
 
@@ -122,6 +123,9 @@ type Registry interface {
 	Copy(ctx context.Context, src, dst string) (string, error)
 	// EnsureHarborProject creates a Harbor project if it is missing.
 	EnsureHarborProject(ctx context.Context, registry, project string) error
+	// PushIndex writes the image index of children (each already in the
+	// repository of refs) under every ref and returns its digest.
+	PushIndex(ctx context.Context, children []registry.IndexChild, refs []string) (string, error)
 }
 
 // WithDefaults returns c with unset fields set to their defaults.

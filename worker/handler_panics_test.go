@@ -20,6 +20,7 @@ import (
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/naming"
+	"github.com/buildq/buildq/internal/registry"
 )
 
 // panicBackend panics in Run.
@@ -168,6 +169,9 @@ func (panicHead) Copy(context.Context, string, string) (string, error) {
 }
 
 func (panicHead) EnsureHarborProject(context.Context, string, string) error { return nil }
+func (panicHead) PushIndex(context.Context, []registry.IndexChild, []string) (string, error) {
+	return "", errors.New("push index: not used here")
+}
 
 // §2: "A panic while handling a request is recovered: the request gets
 // one failed/InfrastructureError result and is terminated, and the

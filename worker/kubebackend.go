@@ -249,11 +249,21 @@ func (k *KubeBackend) placeable(ctx context.Context, b Build) error {
 	if cur, _, ok := k.watcher.Get(k.cfg.Namespace, kaniko.JobName(b.Key)); ok && cur.Annotations[kaniko.AnnotationRun] == b.Run {
 		return nil
 	}
-	// Once, while the worker starts: wait a moment for the node list
-	// rather than let a platform no node runs through.
+	// Once, while the worker starts, CheckPlatform waits a moment for the
+	// node list rather than let a platform no node runs through.
+	return k.CheckPlatform(ctx, r)
+}
+
+// CheckPlatform implements PlatformChecker: some node takes the build Pod
+// of req's one platform.
+func (k *KubeBackend) CheckPlatform(ctx context.Context, req *v1.Request) error {
+	platform := kaniko.Platform(req)
+	if platform == "" {
+		return nil
+	}
 	k.watcher.Nodes().WaitForSync(ctx, nodeSyncWait)
 	_, overridden := k.cfg.PlatformNodeSelectors[platform]
-	return k.watcher.Nodes().Check(platform, kaniko.NodeSelector(r, k.cfg), k.cfg.Tolerations, overridden)
+	return k.watcher.Nodes().Check(platform, kaniko.NodeSelector(req, k.cfg), k.cfg.Tolerations, overridden)
 }
 
 // podAttempts follows the Pods of one build's Job, to say when the Job

@@ -196,7 +196,9 @@ func (l *LocalBackend) build(ctx context.Context, b Build) (Outcome, error) {
 		return fail(v1.ReasonBuildFailed, "the local executor builds S3 contexts only; git sources need the kaniko executor (buildq worker, or buildq dev --kubeconfig)")
 	}
 	if len(req.Platforms) > 1 {
-		return fail(v1.ReasonBuildFailed, "the local executor builds one platform per request; multi-platform builds need the kaniko executor")
+		// The worker builds an image index one platform at a time
+		// (platforms.go): a backend never gets more than one.
+		return Outcome{}, fmt.Errorf("local executor: a build of %d platforms reached the backend; each platform is a build of its own", len(req.Platforms))
 	}
 	own("fetching context s3://%s/%s (%s)", req.Source.S3.Bucket, req.Source.S3.Key, req.ContextDigest)
 	rc, err := l.contexts.Open(ctx, req.Source.S3.Bucket, req.Source.S3.Key)

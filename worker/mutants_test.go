@@ -68,6 +68,8 @@ var mutantCatalogue = []mutantCase{
 	{"log-append-blind", "a chunk is appended to a run's log only where its writer last saw it end: two capturers never store a line twice", []string{"TestBuildLogTwoCapturersStoreEachLineOnce"}},
 	{"logs-before-possession", "a request id reaches another tenant's build's log only once the request waits on it (possession shown)", []string{"TestLogAttackNoForeignLogBeforePossession"}},
 	{"logs-any-tenant", "a build's log is served by key only to the tenant that claimed it or waits on it", []string{"TestBuildLogsOfALocalBuild"}},
+	{"index-ignores-slots", "an image index runs at most as many platform builds at once as its request holds concurrency slots", []string{"TestIndexPlatformsStayWithinTheTenantsConcurrencyLimit"}},
+	{"index-cancel-stops-shared", "a canceled image index stops only the platform builds no other request waits on", []string{"TestCanceledIndexStopsItsUnsharedPlatformBuilds"}},
 	{"claimer-takes-others-cancel", "a claimer answers \"canceled\" from its own run only when its own request was canceled; a run another request's cancel stopped is built again", []string{"TestClaimerNotCanceledBuildsAgainAfterAnotherRequestsCancel"}},
 }
 

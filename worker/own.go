@@ -25,7 +25,7 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 	if note != "" {
 		claimed += ": " + note
 	}
-	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: claim.Key, Phase: v1.PhaseClaimed, Message: claimed})
+	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Platform: platformOf(req), Key: claim.Key, Phase: v1.PhaseClaimed, Message: claimed})
 	origin := v1.OriginInflight
 	if claim.RequestID == req.RequestID && claim.Seq == seq {
 		origin = v1.OriginBuild
@@ -78,9 +78,16 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 		if live != nil {
 			_ = live.Own(runCtx, msg)
 		}
-		w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: claim.Key, Phase: v1.PhaseRunning, Message: msg})
+		w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Platform: platformOf(req), Key: claim.Key, Phase: v1.PhaseRunning, Message: msg})
 	}
-	out, err := w.backend.Run(runCtx, Build{Request: rreq, Key: claim.Key, Run: claim.Run, Destinations: claim.Destinations, Current: hold.Current, Log: live, Progress: progress}, func(job string, created bool, _ string) {
+	b := Build{Request: rreq, Key: claim.Key, Run: claim.Run, Repository: claim.Repository, Destinations: claim.Destinations, Current: hold.Current, Log: live, Progress: progress}
+	run := w.backend.Run
+	if multiPlatform(rreq) {
+		// An image index: each platform is a build of its own
+		// (platforms.go); no Job of this key.
+		run = func(ctx context.Context, b Build, _ Started) (Outcome, error) { return w.buildIndex(ctx, req, seq, b) }
+	}
+	out, err := run(runCtx, b, func(job string, created bool, _ string) {
 		msg := "created job " + job
 		phase := v1.PhaseJobCreated
 		if !created {
@@ -93,7 +100,7 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 		if live != nil {
 			_ = live.Own(runCtx, msg)
 		}
-		w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: claim.Key, Phase: phase, Job: job, Message: msg})
+		w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Platform: platformOf(req), Key: claim.Key, Phase: phase, Job: job, Message: msg})
 		hold.Started(runCtx, job)
 	})
 	held, heldRev := hold.Stop()
@@ -182,6 +189,7 @@ func finalRecord(claim *v1.BuildRecord, out Outcome, now time.Time) *v1.BuildRec
 	if !out.StartedAt.IsZero() && (final.StartedAt.IsZero() || out.StartedAt.Before(final.StartedAt)) {
 		final.StartedAt = out.StartedAt.UTC()
 	}
+	final.Platforms = out.Platforms
 	if out.Succeeded {
 		final.State, final.Digest = v1.StateSucceeded, out.Digest
 		if len(final.Destinations) > 0 {

@@ -80,6 +80,9 @@ func (w *Worker) processRequest(ctx context.Context, h *handling) (verdict, *led
 	}
 	h.knownLE = le
 	defer w.api.Hold(ledger.Key(req.Tenant, req.RequestID), h.cancel)()
+	// An image index builds its platforms side by side on more of the
+	// tenant's slots, when it has them free (platforms.go).
+	ctx = withExtraSlots(ctx, func() (func(), bool) { return w.fq.ExtraSlot(ctx, req.Tenant, msg) })
 	if fresh { // only its first handler: a redelivery is never expired
 		if message, ok := w.expired(ctx, meta, le); ok {
 			return expiredVerdict(v, message), le, nil
@@ -167,6 +170,7 @@ func (w *Worker) resultVerdict(ctx context.Context, v verdict, req *v1.Request, 
 		v.Data.Timings.BuildMs = max(rec.FinishedAt.Sub(rec.StartedAt).Milliseconds(), 0)
 	}
 	v.Data.Logs = rec.Logs
+	v.Data.Platforms = rec.Platforms
 	if rec.State == v1.StateSucceeded {
 		if err := w.ensureTags(ctx, req.Tenant, rec, dests); err != nil {
 			return v, err

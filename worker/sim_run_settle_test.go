@@ -211,7 +211,7 @@ func (w *simWorld) judge(out *simOutcome) {
 	}
 	digestContent := map[string]string{}
 	for _, s := range w.subs {
-		if im, err := simImageFor(s.content); err == nil {
+		if im, err := s.want(); err == nil {
 			digestContent[im.digest] = s.label
 		}
 	}
@@ -329,7 +329,7 @@ func (w *simWorld) checkAnswer(out *simOutcome, s *simSub, d simDecision, who st
 	}
 	switch {
 	case d.status == v1.StatusSucceeded:
-		im, _ := simImageFor(s.content)
+		im, _ := s.want()
 		if d.digest != im.digest {
 			other := digestContent[d.digest]
 			if other == "" {
@@ -353,8 +353,8 @@ func (w *simWorld) checkAnswer(out *simOutcome, s *simSub, d simDecision, who st
 		var at []string
 		ok := false
 		for _, f := range n.failures {
-			if f.key == s.key {
-				known := w.knownAt(s.key, f.at, v1.ReasonBuildFailed, v1.ReasonPushFailed)
+			if slices.Contains(s.keys(), f.key) {
+				known := w.knownAt(f.key, f.at, v1.ReasonBuildFailed, v1.ReasonPushFailed)
 				at = append(at, fmt.Sprintf("%.3fs (first answered %s)", f.at.Seconds(), simSeconds(known)))
 				ok = ok || s.start < known
 			}
@@ -371,8 +371,8 @@ func (w *simWorld) checkAnswer(out *simOutcome, s *simSub, d simDecision, who st
 		ok := false
 		var at []string
 		for _, del := range n.deletes {
-			if del.key == s.key {
-				known := w.knownAt(s.key, del.at, v1.ReasonJobDeleted)
+			if slices.Contains(s.keys(), del.key) {
+				known := w.knownAt(del.key, del.at, v1.ReasonJobDeleted)
 				at = append(at, fmt.Sprintf("%.3fs by %s (first answered %s)", del.at.Seconds(), del.cause, simSeconds(known)))
 				ok = ok || s.start < known
 			}
@@ -410,8 +410,16 @@ func (w *simWorld) checkAnswer(out *simOutcome, s *simSub, d simDecision, who st
 // with one of the reasons at or after it. Until then a request may join
 // the build that outcome ends.
 func (w *simWorld) knownAt(key string, at time.Duration, reasons ...string) time.Duration {
+	// An image index's failure is its failing platform's: its result
+	// tells of that key's outcome too.
+	answers := map[string]bool{key: true}
+	for _, s := range w.subs {
+		if slices.Contains(s.keys()[1:], key) {
+			answers[s.key] = true
+		}
+	}
 	for _, p := range w.published {
-		if p.at >= at && p.r.Data.Key == key && p.r.Data.Status == v1.StatusFailed && slices.Contains(reasons, p.r.Data.Reason) {
+		if p.at >= at && answers[p.r.Data.Key] && p.r.Data.Status == v1.StatusFailed && slices.Contains(reasons, p.r.Data.Reason) {
 			return p.at
 		}
 	}

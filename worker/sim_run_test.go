@@ -76,7 +76,7 @@ func simExecutorIdentity(t *testing.T) string {
 	return simIdentity
 }
 
-func simRequestFor(seed int64, ctx, variant int, id, tenant, name, prio string) *v1.Request {
+func simRequestFor(seed int64, ctx, variant int, id, tenant, name, prio string, platforms []string) *v1.Request {
 	d := hex64(fmt.Sprintf("sim-%d-context-%d", seed, ctx))
 	labels := map[string]string{"team": "platform"}
 	if variant != 0 {
@@ -91,27 +91,48 @@ func simRequestFor(seed int64, ctx, variant int, id, tenant, name, prio string) 
 		SubmittedAt:   time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC),
 		// Priorities spread over the schedule's requests (unless the plan
 		// names one); not in the key.
-		Priority: cmp.Or(prio, []string{"", v1.PriorityHigh, v1.PriorityLow}[len(id)%3]),
+		Priority:  cmp.Or(prio, []string{"", v1.PriorityHigh, v1.PriorityLow}[len(id)%3]),
+		Platforms: platforms,
 	}
 }
 
-func (w *simWorld) newSub(id string, ctx, variant int, tenant, name, prio string) *simSub {
-	req := simRequestFor(w.seed, ctx, variant, id, tenant, name, prio)
+func (w *simWorld) newSub(id string, ctx, variant int, tenant, name, prio string, platforms []string) *simSub {
+	req := simRequestFor(w.seed, ctx, variant, id, tenant, name, prio, platforms)
 	key := v1.BuildKey(req, w.identity)
-	args, err := kaniko.Args(kaniko.Spec{Request: req, Key: key, Destinations: []string{"sim.invalid/x:y"}}, simKaniko.Defaults())
-	if err != nil {
-		w.t.Fatalf("harness: kaniko args: %v", err)
+	content := func(r *v1.Request) string {
+		args, err := kaniko.Args(kaniko.Spec{Request: r, Key: v1.BuildKey(r, w.identity), Destinations: []string{"sim.invalid/x:y"}}, simKaniko.Defaults())
+		if err != nil {
+			w.t.Fatalf("harness: kaniko args: %v", err)
+		}
+		return simContentArgs(args)
 	}
 	label := fmt.Sprintf("C%d", ctx)
 	if variant != 0 {
 		label += fmt.Sprintf("/L%d", variant)
 	}
-	s := &simSub{id: id, req: req, key: key, content: simContentArgs(args), label: label}
+	s := &simSub{id: id, req: req, key: key, label: label}
+	names := map[string]string{key: fmt.Sprintf("K%d", ctx)}
+	if multiPlatform(req) {
+		names[key] += "[" + strings.Join(req.PlatformsOrDefault(), "+") + "]"
+		for _, p := range req.PlatformsOrDefault() {
+			sub := platformRequest(req, p)
+			pk := v1.BuildKey(sub, w.identity)
+			s.platforms = append(s.platforms, simPlatform{platform: p, key: pk, content: content(sub)})
+			names[pk] = fmt.Sprintf("K%d/%s", ctx, p)
+		}
+	} else {
+		s.content = content(req)
+		if len(req.Platforms) == 1 {
+			names[key] = fmt.Sprintf("K%d/%s", ctx, req.Platforms[0])
+		}
+	}
 	w.mu.Lock()
 	w.subs = append(w.subs, s)
 	w.subByID[id] = s
-	if _, ok := w.keyNames[key]; !ok {
-		w.keyNames[key] = fmt.Sprintf("K%d", ctx)
+	for k, n := range names {
+		if _, ok := w.keyNames[k]; !ok {
+			w.keyNames[k] = n
+		}
 	}
 	w.mu.Unlock()
 	return s
@@ -162,10 +183,10 @@ func runSim(t *testing.T, sc *simSchedule) simOutcome {
 	}
 	// The world's images, prepared before anything is timed.
 	for _, p := range sc.reqs {
-		w.newSub(p.id, p.ctx, p.variant, p.tenant, p.name, p.prio)
+		w.newSub(p.id, p.ctx, p.variant, p.tenant, p.name, p.prio, p.platforms)
 	}
 	for _, s := range w.subs {
-		if _, err := simImageFor(s.content); err != nil {
+		if _, err := s.want(); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -420,7 +441,7 @@ func (w *simWorld) drive() {
 						// a resubmit of a resubmit: same content as its origin
 						p.ctx, p.variant = simCtxOf(target.label)
 					}
-					re = w.newSub(id, p.ctx, p.variant, target.req.Tenant, target.req.Name, target.req.Priority)
+					re = w.newSub(id, p.ctx, p.variant, target.req.Tenant, target.req.Name, target.req.Priority, target.req.Platforms)
 				}
 				if f.resubmit == 2 {
 					// One worker's deletes held up a while: if it is the

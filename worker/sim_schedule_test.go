@@ -56,6 +56,10 @@ type simReqPlan struct {
 	name    string
 	// prio, when set, is the request's priority ("" : spread by id).
 	prio string
+	// platforms, when set, are the request's ("platforms": an image index
+	// or one platform, sharing platforms' builds with other requests of
+	// the same content).
+	platforms []string
 }
 
 // simBurst is a tenant's burst of distinct builds, then one request of
@@ -180,7 +184,31 @@ func newSimSchedule(seed int64) *simSchedule {
 	sort.SliceStable(s.faults, func(i, j int) bool { return s.faults[i].at < s.faults[j].at })
 	s.addBurst()
 	s.addStalls()
+	s.addPlatforms()
 	return s
+}
+
+// simPlatformSets are the platforms a "platforms" schedule's requests ask
+// for: an image index of two (in either order: one key), or one of its
+// platforms alone; the default platform is the index's linux/amd64.
+var simPlatformSets = [][]string{{"linux/amd64", "linux/arm64"}, {"linux/arm64", "linux/amd64"}, {"linux/arm64"}}
+
+// addPlatforms gives a third of the schedules requests of several
+// platforms ("platforms"): each platform a build of its own key, shared
+// with the one-platform and default requests of the same content. Drawn
+// from a generator of its own: the rest of a seed's schedule stays what
+// it was.
+func (s *simSchedule) addPlatforms() {
+	r := rand.New(rand.NewPCG(uint64(s.seed), 0x91a7f))
+	if r.IntN(3) != 0 {
+		return
+	}
+	s.kinds = append(s.kinds, "platforms")
+	for i := range s.reqs {
+		if s.reqs[i].ctx < 100 && r.IntN(2) == 0 {
+			s.reqs[i].platforms = simPlatformSets[r.IntN(len(simPlatformSets))]
+		}
+	}
 }
 
 // addStalls gives a third of the schedules a worker whose handlers stall

@@ -35,6 +35,7 @@ import (
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
 	"github.com/buildq/buildq/internal/kube"
+	"github.com/buildq/buildq/internal/registry"
 	"github.com/buildq/buildq/publisher"
 )
 
@@ -447,14 +448,56 @@ type simWorld struct {
 
 // simSub is one submission: a request id and what the producer saw.
 type simSub struct {
-	id       string
-	req      *v1.Request
-	key      string
-	content  string
-	label    string
-	start    time.Duration // publish started
-	accepted bool          // a PubAck came back (stored once)
-	reacc    int           // duplicate publishes the stream stored again
+	id  string
+	req *v1.Request
+	key string
+	// content decides a one-platform request's image; an image index's is
+	// made of its platforms' (each a build of its own key).
+	content   string
+	platforms []simPlatform
+	label     string
+	start     time.Duration // publish started
+	accepted  bool          // a PubAck came back (stored once)
+	reacc     int           // duplicate publishes the stream stored again
+}
+
+// simPlatform is one platform's build of an image index request.
+type simPlatform struct{ platform, key, content string }
+
+// want is the image a request's success must name: its content's, or the
+// image index of its platforms' images (registry.NewIndex, as the worker
+// makes it).
+func (s *simSub) want() (simImage, error) {
+	if len(s.platforms) == 0 {
+		return simImageFor(s.content)
+	}
+	var images []registry.IndexImage
+	for _, p := range s.platforms {
+		im, err := simImageFor(p.content)
+		if err != nil {
+			return simImage{}, err
+		}
+		images = append(images, registry.IndexImage{Image: im.img, Platform: p.platform})
+	}
+	idx, err := registry.NewIndex(images)
+	if err != nil {
+		return simImage{}, err
+	}
+	d, err := idx.Digest()
+	if err != nil {
+		return simImage{}, err
+	}
+	return simImage{digest: d.String()}, nil
+}
+
+// keys are the build keys whose outcomes may answer s: its own, and its
+// platforms'.
+func (s *simSub) keys() []string {
+	out := []string{s.key}
+	for _, p := range s.platforms {
+		out = append(out, p.key)
+	}
+	return out
 }
 
 // simCancel is a cancel request and what came of it.

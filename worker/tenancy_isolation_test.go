@@ -177,6 +177,10 @@ func (h *harborSpy) EnsureHarborProject(_ context.Context, _, project string) er
 	return nil
 }
 
+func (h *harborSpy) PushIndex(context.Context, []registry.IndexChild, []string) (string, error) {
+	return "", registry.ErrNotFound
+}
+
 // With Harbor, a request creates only its own tenant's project.
 //
 // Origin: issue 10, tenants apart (fa71058).

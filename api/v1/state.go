@@ -142,11 +142,14 @@ type BuildRecord struct {
 	SecretBuildArgs []string `json:"secretBuildArgs,omitempty"`
 	Image           string   `json:"image,omitempty"`
 	// Pushed lists every repo:tag known to point at Digest.
-	Pushed  []string `json:"pushed,omitempty"`
-	Digest  string   `json:"digest,omitempty"`
-	Reason  string   `json:"reason,omitempty"`
-	Message string   `json:"message,omitempty"`
-	LogTail string   `json:"logTail,omitempty"`
+	Pushed []string `json:"pushed,omitempty"`
+	Digest string   `json:"digest,omitempty"`
+	// Platforms maps each platform of a multi-platform build to its
+	// image's digest; Digest is then the image index's.
+	Platforms map[string]string `json:"platforms,omitempty"`
+	Reason    string            `json:"reason,omitempty"`
+	Message   string            `json:"message,omitempty"`
+	LogTail   string            `json:"logTail,omitempty"`
 	// Logs is the run's log archive, once the run ended.
 	Logs       *LogRef   `json:"logs,omitempty"`
 	StartedAt  time.Time `json:"startedAt,omitzero"`

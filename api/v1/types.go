@@ -372,15 +372,18 @@ type ResultData struct {
 	Status    Status `json:"status"`
 	Origin    Origin `json:"origin,omitempty"`
 	// Image is repo:tag, Digest sha256:…, ImageRef repo@digest.
-	Image    string  `json:"image,omitempty"`
-	Digest   string  `json:"digest,omitempty"`
-	ImageRef string  `json:"imageRef,omitempty"`
-	Reason   string  `json:"reason,omitempty"`
-	Message  string  `json:"message,omitempty"`
-	LogTail  string  `json:"logTail,omitempty"`
-	Job      string  `json:"job,omitempty"`
-	Attempts int     `json:"attempts,omitempty"`
-	Timings  Timings `json:"timings"`
+	Image    string `json:"image,omitempty"`
+	Digest   string `json:"digest,omitempty"`
+	ImageRef string `json:"imageRef,omitempty"`
+	// Platforms maps each platform of a multi-platform request to its
+	// image's digest (the image index at Digest references them).
+	Platforms map[string]string `json:"platforms,omitempty"`
+	Reason    string            `json:"reason,omitempty"`
+	Message   string            `json:"message,omitempty"`
+	LogTail   string            `json:"logTail,omitempty"`
+	Job       string            `json:"job,omitempty"`
+	Attempts  int               `json:"attempts,omitempty"`
+	Timings   Timings           `json:"timings"`
 	// Source is what this request's context was built from (git url,
 	// ref, resolved commit, context digest); set for git sources.
 	Source *SourceInfo `json:"source,omitempty"`
@@ -444,4 +447,8 @@ type Event struct {
 	// Source names the git url, ref, resolved commit and context digest
 	// once they are known.
 	Source *SourceInfo `json:"source,omitempty"`
+	// Platform names the platform a multi-platform request's event is
+	// about (its build of that platform); empty for the request as a
+	// whole.
+	Platform string `json:"platform,omitempty"`
 }

@@ -47,7 +47,7 @@ func (f *requestFlags) register(fs *pflag.FlagSet) {
 	fs.StringArrayVar(&f.buildArgs, "build-arg", nil, "build argument KEY=VALUE (repeatable)")
 	fs.StringArrayVar(&f.secretBuildArgs, "secret-build-arg", nil, "secret build argument NAME=VALUE (repeatable): passed like --build-arg, and its value is masked (***) in the build's log as it is captured; it still reaches the build and may end up in the image")
 	fs.StringVar(&f.target, "target", "", "build stage to stop at")
-	fs.StringArrayVar(&f.platforms, "platform", nil, "target platform os/arch[/variant] (repeatable)")
+	fs.StringArrayVar(&f.platforms, "platform", nil, "target platform os/arch[/variant] (repeatable: several make one OCI image index, each platform built on its own; default linux/amd64)")
 	fs.StringArrayVar(&f.tags, "tag", nil, "extra tag (repeatable); the build key's first 12 hex digits is always a tag")
 	fs.StringArrayVar(&f.labels, "label", nil, "image label KEY=VALUE (repeatable)")
 	fs.DurationVar(&f.timeout, "timeout", 0, "build timeout (default: the worker's)")

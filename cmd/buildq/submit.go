@@ -7,7 +7,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -217,7 +219,11 @@ func publishAndWait(ctx context.Context, cmd *cobra.Command, nc *nats.Conn, pub 
 		defer cancel()
 	}
 	show := func(e v1.Event) {
-		fmt.Fprintf(stderr, "%s  %-8s %s\n", e.Time.Local().Format("15:04:05"), phaseWord(e), e.Message)
+		msg := e.Message
+		if e.Platform != "" && !strings.HasPrefix(msg, e.Platform) {
+			msg = e.Platform + ": " + msg
+		}
+		fmt.Fprintf(stderr, "%s  %-8s %s\n", e.Time.Local().Format("15:04:05"), phaseWord(e), msg)
 	}
 	var wg sync.WaitGroup
 	wg.Add(1)
@@ -270,11 +276,16 @@ func printResult(stdout io.Writer, res *v1.Result, asJSON bool) error {
 		switch d.Status {
 		case v1.StatusSucceeded:
 			fmt.Fprintf(stdout, "succeeded (%s) %s\n  image  %s\n  digest %s\n", d.Origin, d.ImageRef, d.Image, d.Digest)
+			printPlatforms(stdout, "  ", d.Platforms)
 			if src := d.Source; src != nil && src.Commit != "" {
 				fmt.Fprintf(stdout, "  source %s@%s (%s), context %s\n", src.GitURL, src.Commit, cmp.Or(src.Ref, "commit"), short(src.ContextDigest))
 			}
 		default:
 			fmt.Fprintf(stdout, "%s: %s: %s\n", d.Status, d.Reason, d.Message)
+			if len(d.Platforms) > 0 {
+				fmt.Fprintln(stdout, "  built before the failure:")
+				printPlatforms(stdout, "  ", d.Platforms)
+			}
 			if d.LogTail != "" && d.LogTail != d.Message {
 				fmt.Fprintf(stdout, "--- log tail ---\n%s\n", d.LogTail)
 			}
@@ -372,4 +383,12 @@ func (p *progress) done() {
 		fmt.Fprint(p.w, "\r\033[K")
 	}
 	p.closed = true
+}
+
+// printPlatforms lists an image index's platforms and their images'
+// digests, in platform order.
+func printPlatforms(out io.Writer, indent string, platforms map[string]string) {
+	for _, p := range slices.Sorted(maps.Keys(platforms)) {
+		fmt.Fprintf(out, "%s%-14s %s\n", indent, p, platforms[p])
+	}
 }

@@ -39,6 +39,11 @@ func (t tenantRegistry) Copy(ctx context.Context, src, dst string) (string, erro
 	return t.shared.CopyTo(ctx, src, dst, t.own)
 }
 
+// PushIndex writes into the tenant's repository: the tenant's credentials.
+func (t tenantRegistry) PushIndex(ctx context.Context, children []registry.IndexChild, refs []string) (string, error) {
+	return t.own.PushIndex(ctx, children, refs)
+}
+
 // EnsureHarborProject needs an administrator: the worker's credentials.
 func (t tenantRegistry) EnsureHarborProject(ctx context.Context, reg, project string) error {
 	return t.shared.EnsureHarborProject(ctx, reg, project)

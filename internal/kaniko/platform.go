@@ -91,10 +91,16 @@ func FormatSelector(sel map[string]string) string {
 	return b.String()
 }
 
-// Platform is the one platform a request builds for, "" for none (the
-// executor's default) or several (not built by one Job).
+// Platform is the one platform a request builds for: its one platform, or
+// v1.DefaultPlatform when it names none (its build key names that
+// platform: a build that ran on whatever node came would put another
+// architecture's image under it); "" for several (an image index, which
+// no one Job builds).
 func Platform(r *v1.Request) string {
-	if len(r.Platforms) == 1 {
+	switch len(r.Platforms) {
+	case 0:
+		return v1.DefaultPlatform
+	case 1:
 		return r.Platforms[0]
 	}
 	return ""

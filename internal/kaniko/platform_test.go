@@ -137,8 +137,11 @@ func TestPlatformBuildArgsAndSelector(t *testing.T) {
 			custom:   "linux/386",
 		},
 		{
-			name: "no platform: none", cfg: baseConfig,
-			absent: []string{"TARGETPLATFORM", "TARGETOS", "TARGETARCH", "TARGETVARIANT", "BUILDPLATFORM"},
+			// The key names linux/amd64: so does the build.
+			name: "no platform: the default, as in the key", cfg: baseConfig,
+			args:     map[string]string{"TARGETPLATFORM": "linux/amd64", "TARGETARCH": "amd64", "BUILDPLATFORM": "linux/amd64"},
+			selector: map[string]string{"kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64"},
+			custom:   "linux/amd64",
 		},
 	}
 	for _, c := range cases {

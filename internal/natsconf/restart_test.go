@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -204,6 +205,9 @@ func (r *fakeRegistry) Copy(_ context.Context, src, dst string) (string, error) 
 }
 
 func (r *fakeRegistry) EnsureHarborProject(context.Context, string, string) error { return nil }
+func (r *fakeRegistry) PushIndex(context.Context, []registry.IndexChild, []string) (string, error) {
+	return "", errors.New("fakeRegistry: no index pushes here")
+}
 
 // memContexts is a ContextSource of tenants' context objects.
 type memContexts struct {

@@ -242,6 +242,35 @@ func (q *Queue) acquireSlot(ctx context.Context, tenant string, limit int) (*slo
 	return nil, false
 }
 
+// ExtraSlot takes one more of tenant's concurrency slots for the request
+// whose queue message is msg, held by the caller, for a second build the
+// request runs at the same time (a platform of an image index): a tenant's
+// Jobs never outnumber its slots. ok is false when the tenant has none
+// free (the caller then builds on the slot it holds, one build at a time);
+// with no limit, ok is true and release does nothing. The slot names the
+// request like its first: if the worker dies it lapses and is kept for
+// the request, and freed once the request runs on a live slot again.
+func (q *Queue) ExtraSlot(ctx context.Context, tenant string, msg jetstream.Msg) (release func(), ok bool) {
+	limit := q.cfg.Fair.ConcurrencyOf(tenant)
+	if limit <= 0 || msg == nil {
+		return func() {}, true
+	}
+	meta, err := msg.Metadata()
+	if err != nil {
+		return nil, false
+	}
+	s, ok := q.acquireSlot(ctx, tenant, limit)
+	if !ok || s.reserved {
+		return nil, false // a kept slot is its own request's
+	}
+	if err := s.hold(ctx, msg.Subject(), meta.Sequence.Stream); err != nil {
+		q.log.Warn("holding an extra concurrency slot failed", zap.String("slot", s.key), zap.Error(err))
+		s.release() // or it lapses: it names no request
+		return nil, false
+	}
+	return s.release, true
+}
+
 // hold records the request a fresh slot was taken for — before the
 // request is handled: a slot that names no request is freed when its
 // holder lapses — and starts renewing the slot.

@@ -364,7 +364,10 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 			return v1.CancelReply{Key: key, Message: err.Error()}
 		}
 		for _, le := range ws {
-			if le.E.Tenant == tenant || mutant.On("cancel-other-tenants") {
+			// The tenant's requests of this key: an image index that
+			// waits on one of its platforms' keys is a request of its
+			// own key, canceled by that key or its id.
+			if (le.E.Tenant == tenant || mutant.On("cancel-other-tenants")) && le.E.Key == key {
 				mine = append(mine, le)
 			}
 		}
@@ -446,6 +449,33 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 		msg = fmt.Sprintf("canceled %d request(s)", n)
 	}
 	return v1.CancelReply{Key: key, Canceled: true, Requests: n, Stopped: stopped, Message: msg}
+}
+
+// StopUnwaited stops key's run, as a cancel does, when no request but
+// tenant's request id (canceled) waits on it: a canceled image index's
+// platform builds that nobody else wants. It reports whether it stopped
+// the run.
+func (w *Service) StopUnwaited(ctx context.Context, tenant, id, key string) (bool, error) {
+	if ok, err := w.Unwaited(ctx, tenant, id, key); !ok || err != nil {
+		return false, err
+	}
+	stopped, _ := w.stopBuild(ctx, tenant, key, true)
+	return stopped, nil
+}
+
+// Unwaited reports whether no request but tenant's request id, and none
+// not canceled, waits on key.
+func (w *Service) Unwaited(ctx context.Context, tenant, id, key string) (bool, error) {
+	ws, err := w.cfg.Ledger.Waiters(ctx, key)
+	if err != nil {
+		return false, err
+	}
+	for _, le := range ws {
+		if !le.E.Canceled && (le.E.Tenant != tenant || le.E.RequestID != id) && !mutant.On("index-cancel-stops-shared") {
+			return false, nil
+		}
+	}
+	return true, nil
 }
 
 // cancelUnkeyed cancels a request that has no build key yet, unless it

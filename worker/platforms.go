@@ -1,0 +1,336 @@
+package worker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/naming"
+	"github.com/buildq/buildq/internal/registry"
+	"github.com/buildq/buildq/worker/internal/mutant"
+)
+
+// A request with several platforms is one run of its own key (the key
+// covers the sorted set of platforms) whose work is not a Job: each
+// platform is built as a build of its own — the request's inputs with that
+// one platform, its own key — through the same state machine as any
+// request (build.go): answered from the index when that platform was built
+// before, joined when it is being built, claimed and run otherwise. Once
+// every platform has its image, the run pushes an OCI image index of them
+// to the request's destinations. So platforms are deduplicated and shared
+// one by one, a later one-platform request is a cache hit, and a failing
+// platform leaves the others' images in the cache.
+
+// PlatformChecker is a Backend that can tell, before anything is built,
+// whether it can build each platform (a node runs it): a multi-platform
+// request is refused at once for a platform it cannot, instead of after
+// its other platforms were built.
+type PlatformChecker interface {
+	CheckPlatform(ctx context.Context, req *v1.Request) error
+}
+
+// extraSlotsKey carries, in a handler's context, how to take one more of
+// its tenant's concurrency slots for its request (fairq.Queue.ExtraSlot).
+type extraSlotsKey struct{}
+
+func withExtraSlots(ctx context.Context, take func() (release func(), ok bool)) context.Context {
+	return context.WithValue(ctx, extraSlotsKey{}, take)
+}
+
+// platformSlots runs at most as many of an index's platform builds at once
+// as its request holds concurrency slots: the handler's own, and one more
+// for each further platform while the tenant has slots free. A slot no
+// longer needed (fewer platforms left than slots) is given back at once.
+type platformSlots struct {
+	tokens chan struct{}
+	mu     sync.Mutex
+	extras []func()
+	left   int
+}
+
+func takePlatformSlots(ctx context.Context, n int) *platformSlots {
+	ps := &platformSlots{tokens: make(chan struct{}, n), left: n}
+	ps.tokens <- struct{}{}
+	if mutant.On("index-ignores-slots") {
+		for range n - 1 {
+			ps.tokens <- struct{}{}
+		}
+		return ps
+	}
+	if take, ok := ctx.Value(extraSlotsKey{}).(func() (func(), bool)); ok {
+		for range n - 1 {
+			release, ok := take()
+			if !ok {
+				break
+			}
+			ps.extras = append(ps.extras, release)
+			ps.tokens <- struct{}{}
+		}
+	}
+	return ps
+}
+
+// acquire waits for a slot (false: ctx ended first).
+func (ps *platformSlots) acquire(ctx context.Context) bool {
+	select {
+	case <-ps.tokens:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// done ends one platform's build on its slot.
+func (ps *platformSlots) done() {
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	ps.left--
+	if n := len(ps.extras); n > 0 && ps.left < 1+n {
+		ps.extras[n-1]()
+		ps.extras = ps.extras[:n-1]
+		return
+	}
+	ps.tokens <- struct{}{}
+}
+
+// close gives back every extra slot still held.
+func (ps *platformSlots) close() {
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	for _, release := range ps.extras {
+		release()
+	}
+	ps.extras = nil
+}
+
+// multiPlatform reports whether r builds an image index.
+func multiPlatform(r *v1.Request) bool { return len(r.Platforms) > 1 }
+
+// platformOf is the one platform a request builds, for its progress
+// events ("" for the default platform or an image index).
+func platformOf(r *v1.Request) string {
+	if len(r.Platforms) == 1 {
+		return r.Platforms[0]
+	}
+	return ""
+}
+
+// platformRequest is r narrowed to platform p: the build of p's image.
+func platformRequest(r *v1.Request, p string) *v1.Request {
+	sub := *r
+	sub.Platforms = []string{p}
+	return &sub
+}
+
+// platformBuild is one platform's part of an index run.
+type platformBuild struct {
+	platform, key string
+	rec           *v1.BuildRecord
+	origin        v1.Origin
+	err           error
+}
+
+// buildIndex is the work of an index run b, claimed (or taken over) by
+// req's handler (seq: its message's sequence). b.Request is the run's
+// request (runRequest): its claimer's inputs, tenant and repository.
+func (w *builder) buildIndex(ctx context.Context, req *v1.Request, seq uint64, b Build) (Outcome, error) {
+	plats := b.Request.PlatformsOrDefault()
+	if pc, ok := w.backend.(PlatformChecker); ok {
+		for _, p := range plats {
+			if err := pc.CheckPlatform(ctx, platformRequest(b.Request, p)); err != nil {
+				return Outcome{Reason: v1.ReasonInvalidRequest, Message: err.Error()}, nil
+			}
+		}
+	}
+	progress := func(msg string) {
+		if b.Progress != nil {
+			b.Progress(msg)
+		}
+	}
+	progress(fmt.Sprintf("building %d platforms, each as a build of its own: %s", len(plats), strings.Join(plats, ", ")))
+	// One failing platform does not stop the others: their images go to
+	// the cache. An error (not a failed build) does: the run is retried.
+	// When the run's context ends (a cancel, a shutdown, a lost claim),
+	// a cancel first stops the platforms' builds nobody else waits on —
+	// read before the platforms' runs are let go, which requeues the
+	// requests parked on them — and then the platforms' builds end.
+	subCtx, cancelSubs := context.WithCancelCause(context.WithoutCancel(ctx))
+	defer cancelSubs(nil)
+	keys := make([]string, len(plats))
+	for i, p := range plats {
+		keys[i] = w.keyOf(platformRequest(b.Request, p))
+	}
+	done := make(chan struct{})
+	defer close(done)
+	go func() {
+		select {
+		case <-ctx.Done():
+			w.stopCanceledPlatforms(req, b, plats, keys)
+			cancelSubs(context.Cause(ctx))
+		case <-done:
+		}
+	}()
+	slots := takePlatformSlots(ctx, len(plats))
+	defer slots.close()
+	parts := make([]platformBuild, len(plats))
+	var wg sync.WaitGroup
+	for i, p := range plats {
+		wg.Go(func() {
+			if !slots.acquire(subCtx) {
+				parts[i] = platformBuild{platform: p, key: keys[i], err: context.Cause(subCtx)}
+				return
+			}
+			defer slots.done()
+			parts[i] = w.buildPlatform(subCtx, req, seq, b, p, keys[i])
+			if err := parts[i].err; err != nil {
+				cancelSubs(err)
+			}
+		})
+	}
+	wg.Wait()
+	if err := ctx.Err(); err != nil {
+		return Outcome{}, context.Cause(ctx)
+	}
+	for _, pb := range parts {
+		if pb.err != nil {
+			return Outcome{}, fmt.Errorf("platform %s: %w", pb.platform, pb.err)
+		}
+	}
+	if out, failed := indexFailure(parts); failed {
+		return out, nil
+	}
+	reg, err := w.tenantRegistry(b.Request.Tenant)
+	if err != nil {
+		return Outcome{}, err
+	}
+	if reg == nil {
+		return Outcome{}, errors.New("a multi-platform build needs a registry client to push its image index")
+	}
+	digests := map[string]string{}
+	children := make([]registry.IndexChild, 0, len(parts))
+	for _, pb := range parts {
+		digests[pb.platform] = pb.rec.Digest
+		children = append(children, registry.IndexChild{Ref: b.Repository + "@" + pb.rec.Digest, Platform: pb.platform})
+	}
+	progress(fmt.Sprintf("pushing the image index of %d platforms", len(parts)))
+	d, err := reg.PushIndex(ctx, children, b.Destinations)
+	if err != nil {
+		return Outcome{}, Transient(fmt.Errorf("push the image index: %w", err))
+	}
+	return Outcome{Succeeded: true, Digest: d, Platforms: digests}, nil
+}
+
+// stopCanceledPlatforms: when req was canceled and nobody else waits on
+// its image index, the builds of its platforms that no other request
+// waits on are stopped too (their runs end Canceled, their Jobs go), as a
+// cancel stops a one-platform build; the others go on for the requests
+// that wait on them.
+func (w *builder) stopCanceledPlatforms(req *v1.Request, b Build, plats, keys []string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	le, err := w.ledger.Get(ctx, req.Tenant, req.RequestID)
+	if err != nil || le == nil || !le.E.Canceled {
+		return // a shutdown, a lost claim: the platforms' runs are let go, not stopped
+	}
+	if alone, err := w.api.Unwaited(ctx, req.Tenant, req.RequestID, b.Key); err != nil || !alone {
+		return // the index goes on for others: whoever takes it over needs them
+	}
+	for i, key := range keys {
+		stopped, err := w.api.StopUnwaited(ctx, req.Tenant, req.RequestID, key)
+		switch {
+		case err != nil:
+			w.log.Warn("cancel: stopping a platform's build failed", zap.String("key", key), zap.Error(err))
+		case stopped:
+			w.log.Info("cancel: stopped the build of a canceled index's platform", zap.String("key", key), zap.String("platform", plats[i]))
+		}
+	}
+}
+
+// buildPlatform builds platform p of index run b: from the index, by
+// joining, or by claiming p's own key, like any request (never parked: the
+// index run holds its handler). Its image is then tagged in the run's
+// repository, where the index references it.
+func (w *builder) buildPlatform(ctx context.Context, req *v1.Request, seq uint64, b Build, p, key string) platformBuild {
+	sub := platformRequest(b.Request, p)
+	pb := platformBuild{platform: p, key: key}
+	dests := naming.Destinations(b.Repository, pb.key, nil)
+	wr := &waiterReg{}
+	rec, origin, owned, err := w.build(ctx, sub, pb.key, b.Repository, dests, seq, wr)
+	if wr.added {
+		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		w.ledger.DropWaiter(dctx, pb.key, sub.Tenant, sub.RequestID)
+		cancel()
+	}
+	if err != nil {
+		pb.err = err
+		return pb
+	}
+	pb.rec, pb.origin = rec, origin
+	if owned && !w.cfg.KeepJobs {
+		// The platform's run is ended and stored: its Job has done its part.
+		if cerr := w.backend.Cleanup(context.WithoutCancel(ctx), rec.Key, rec.Run); cerr != nil {
+			w.log.Warn("cleanup of a platform's build failed", zap.String("key", rec.Key), zap.Error(cerr))
+		}
+	}
+	if rec.State == v1.StateSucceeded {
+		if err := w.ensureTags(ctx, b.Request.Tenant, rec, dests); err != nil {
+			pb.err = err
+			return pb
+		}
+	}
+	word := map[v1.Origin]string{v1.OriginCache: "from the cache", v1.OriginInflight: "by a build in progress", v1.OriginBuild: "built"}[origin]
+	msg := fmt.Sprintf("%s: %s %s", p, rec.State, word)
+	if rec.State == v1.StateSucceeded {
+		msg += " as " + rec.Digest
+	} else {
+		msg += ": " + failedWhy(rec)
+	}
+	if b.Log != nil {
+		_ = b.Log.Own(ctx, fmt.Sprintf("%s (build %s)", msg, rec.Key))
+	}
+	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: rec.Key, Phase: v1.PhaseRunning, Platform: p, Message: msg})
+	return pb
+}
+
+// indexFailure is the outcome of an index run some of whose platforms
+// failed: the first failing platform's reason, message and log tail, with
+// the platform named, and the other failures listed.
+func indexFailure(parts []platformBuild) (Outcome, bool) {
+	var failed []platformBuild
+	for _, pb := range parts {
+		if pb.rec.State != v1.StateSucceeded {
+			failed = append(failed, pb)
+		}
+	}
+	if len(failed) == 0 {
+		return Outcome{}, false
+	}
+	first := failed[0]
+	msg := fmt.Sprintf("platform %s: %s", first.platform, first.rec.Message)
+	if first.rec.Message == "" {
+		msg = fmt.Sprintf("platform %s failed (%s)", first.platform, first.rec.Reason)
+	}
+	if len(failed) > 1 {
+		var also []string
+		for _, pb := range failed[1:] {
+			also = append(also, pb.platform+" ("+pb.rec.Reason+")")
+		}
+		msg += "; also failed: " + strings.Join(also, ", ")
+	}
+	built := map[string]string{}
+	for _, pb := range parts {
+		if pb.rec.State == v1.StateSucceeded {
+			built[pb.platform] = pb.rec.Digest
+		}
+	}
+	if len(built) == 0 {
+		built = nil
+	}
+	return Outcome{Reason: first.rec.Reason, Message: msg, LogTail: first.rec.LogTail, Platforms: built}, true
+}
