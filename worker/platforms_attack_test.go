@@ -1,0 +1,856 @@
+package worker
+
+// Adversarial review of multi-platform requests (platforms.go, fd1f5b7):
+// a hostile tenant, a worker stopped at the worst moment, a platform's Job
+// failing or deleted, concurrency limits and cancels. A test whose name
+// starts with TestAttack_ found a defect (its comment says which) and
+// asserts the correct outcome; the others prove a rule the existing tests
+// did not cover.
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	batchv1 "k8s.io/api/batch/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/kaniko"
+)
+
+// unfinishedJobs counts the Jobs of names (Job name → tenant) that exist
+// and have not finished, by tenant.
+func (e *env) unfinishedJobs(names map[string]string) map[string]int {
+	out := map[string]int{}
+	for name, j := range e.jobs() {
+		if t, ok := names[name]; ok && len(j.Status.Conditions) == 0 {
+			out[t]++
+		}
+	}
+	return out
+}
+
+// platformJobNames maps the Job of each of r's platforms to r's tenant.
+func platformJobNames(r *v1.Request, into map[string]string) map[string]string {
+	if into == nil {
+		into = map[string]string{}
+	}
+	for _, p := range r.Platforms {
+		into[kaniko.JobName(platformKey(r, p))] = r.Tenant
+	}
+	return into
+}
+
+// finishJobs plays the node for every unfinished Job among names once,
+// pushing an image to its destination.
+func (e *env) finishJobs(t *testing.T, tr *testRegistry, names map[string]string, done map[string]bool) {
+	t.Helper()
+	for name, j := range e.jobs() {
+		if _, ok := names[name]; !ok || len(j.Status.Conditions) > 0 || j.DeletionTimestamp != nil || done[string(j.UID)] {
+			continue
+		}
+		done[string(j.UID)] = true
+		e.kubelet(j, 0, tr.push(t, destination(j)))
+	}
+}
+
+// waitResultPlaying waits up to timeout for id's result, playing the node
+// for every Job of names meanwhile.
+func (e *env) waitResultPlaying(t *testing.T, tr *testRegistry, results *resultCollector, names map[string]string, id string, timeout time.Duration) v1.Result {
+	t.Helper()
+	done := map[string]bool{}
+	deadline := time.Now().Add(timeout)
+	for time.Now().Before(deadline) {
+		if got := byID(results.snapshot())[id]; len(got) > 0 {
+			return got[0]
+		}
+		e.finishJobs(t, tr, names, done)
+		time.Sleep(100 * time.Millisecond)
+	}
+	t.Fatalf("no result for %s within %s", id, timeout)
+	return v1.Result{}
+}
+
+// FOUND: a worker stopped (a rolling update) while an image index builds
+// its platforms on its own slot and an extra one. The handler hands the
+// request back and keeps its own slot for it, but takePlatformSlots'
+// extra slots are released (slots.close) although the platforms' Jobs run
+// on in the cluster, let go to be taken over. Another request of the
+// tenant takes the freed slot and creates its Job: acme runs three
+// builds with a limit of 2.
+func TestAttack_IndexExtraSlotIsKeptWhileItsPlatformJobRunsAfterShutdown(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	limit := func(c *Config) {
+		withRegistry(tr)(c)
+		c.MaxInFlight = 4
+		c.Fair.Concurrency = map[string]int{"acme": 2}
+	}
+	w1 := e.startWorker("w1", limit)
+	ctx := context.Background()
+	idx := multiRequest("extra-slot-shutdown", "linux/amd64", "linux/arm64")
+	idx.RequestID = "index"
+	names := platformJobNames(idx, nil)
+	if _, err := e.pub.Publish(ctx, idx); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 30*time.Second, "both platforms' Jobs, on the index's two slots", func() bool { return e.unfinishedJobs(names)["acme"] == 2 })
+	e.startWorker("w2", limit)
+	next := tenantRequest("acme", "extra-slot-next")
+	next.RequestID = "next"
+	next.Priority = v1.PriorityHigh
+	names[jobOf(next)] = "acme"
+	if _, err := e.pub.Publish(ctx, next); err != nil {
+		t.Fatal(err)
+	}
+	e.waitAdmitted(2)
+	time.Sleep(300 * time.Millisecond)
+	if n := e.unfinishedJobs(names)["acme"]; n != 2 {
+		t.Fatalf("acme runs %d builds before the shutdown, want 2", n)
+	}
+	w1.stop(t)
+	deadline := time.Now().Add(8 * time.Second)
+	for time.Now().Before(deadline) {
+		if n := e.unfinishedJobs(names)["acme"]; n > 2 {
+			dumpSlots(t, e)
+			t.Fatalf("acme runs %d builds at once (the index's two platforms, handed back and running on, and %s), its concurrency limit is 2",
+				n, jobOf(next))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// dumpSlots logs the concurrency slots' keys, for a failure's diagnosis.
+func dumpSlots(t *testing.T, e *env) {
+	t.Helper()
+	kv, err := e.js.KeyValue(context.Background(), v1.SlotsBucket)
+	if err != nil {
+		t.Log(err)
+		return
+	}
+	keys, _ := kv.Keys(context.Background())
+	for _, k := range keys {
+		en, err := kv.Get(context.Background(), k)
+		if err == nil {
+			t.Logf("slot %s rev %d: %s", k, en.Revision(), en.Value())
+		}
+	}
+}
+
+// FOUND: fairq.Queue.ExtraSlot names the request it is taken for by the
+// handler's message — fairq's queuedMsg, whose Subject and Metadata are
+// the intake message's (buildq.requests.<tenant>, its BUILDQ_REQUESTS
+// sequence) — not by its BUILDQ_QUEUE subject and sequence as the
+// request's own slot does. Killed with its worker, the extra slot lapses
+// and is judged by a queue sequence that is not its request's: here none
+// (two requests of another tenant refused at intake put the sequences
+// apart), so it is freed at once while the platform Job it was taken for
+// runs on, and another request of the tenant takes it: three builds with
+// a limit of 2.
+func TestAttack_KilledIndexExtraSlotIsKeptForItsRequest(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	cfg := func(c *Config) {
+		withRegistry(tr)(c)
+		c.MaxInFlight = 4
+		c.Fair.Concurrency = map[string]int{"acme": 2}
+		c.Fair.QueueLimit = map[string]int{"globex": 1}
+		// The killed handler's request is redelivered only after the
+		// window below: its slots are judged while it waits in the queue.
+		c.AckWait = 30 * time.Second
+	}
+	w1 := e.startWorker("w1", cfg)
+	results := e.collect()
+	ctx := context.Background()
+	// globex's first request is queued (its Job runs); its next two are
+	// refused at intake: BUILDQ_REQUESTS is two sequences ahead of
+	// BUILDQ_QUEUE from here on.
+	g := tenantRequest("globex", "queued")
+	if _, err := e.pub.Publish(ctx, g); err != nil {
+		t.Fatal(err)
+	}
+	e.waitJob(jobOf(g))
+	for i := range 2 {
+		r := tenantRequest("globex", fmt.Sprint("refused-", i))
+		if _, err := e.pub.Publish(ctx, r); err != nil {
+			t.Fatal(err)
+		}
+		if d := oneResult(t, results, r.RequestID).Data; d.Reason != v1.ReasonQuotaExceeded {
+			t.Fatalf("premise: globex's request %d: %+v, want refused", i, d)
+		}
+	}
+	idx := multiRequest("extra-slot-killed", "linux/amd64", "linux/arm64")
+	idx.RequestID = "index"
+	names := platformJobNames(idx, nil)
+	if _, err := e.pub.Publish(ctx, idx); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 30*time.Second, "both platforms' Jobs, on the index's two slots", func() bool { return e.unfinishedJobs(names)["acme"] == 2 })
+	next := tenantRequest("acme", "extra-slot-killed-next")
+	next.RequestID = "next"
+	names[jobOf(next)] = "acme"
+	if _, err := e.pub.Publish(ctx, next); err != nil {
+		t.Fatal(err)
+	}
+	e.startWorker("w2", cfg)
+	time.Sleep(500 * time.Millisecond)
+	if n := e.unfinishedJobs(names)["acme"]; n != 2 {
+		t.Fatalf("acme runs %d builds before the kill, want 2", n)
+	}
+	killWorker(w1)
+	// Past the lease (2 s) and its lapse (1.5 leases), well before the
+	// index's redelivery (AckWait 30 s).
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		if n := e.unfinishedJobs(names)["acme"]; n > 2 {
+			dumpSlots(t, e)
+			t.Fatalf("acme runs %d builds at once (the index's two platforms, running on after the kill, and %s), its concurrency limit is 2",
+				n, jobOf(next))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// FOUND: an index run taken over by another tenant's request builds its
+// platforms as b.Request narrowed (platforms.go buildPlatform): the run's
+// request, runRequest — its claimer's tenant, but the taker's request id.
+// So the taker's platform builds are claimed as, and indexed as waiters
+// under, "<claimer's tenant>/<taker's id>", a ledger key that names no
+// request: the cancel API does not see that the taker waits on them.
+// Mallory, who claimed the index first and canceled her request, cancels
+// by key the platform build acme's request now runs (she knows the key:
+// her own request had it): the cancel finds no waiter, the run is hers by
+// its record's tenant, and it is stopped — acme's Job deleted, its index
+// run failed Canceled; acme's request, never canceled, recovers only
+// because a taken-over run's Canceled failure is not shared, and builds
+// the index again from the start.
+func TestAttack_ForeignTakerOfAnIndexKeepsItsPlatformBuildsAgainstTheClaimersCancel(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	store := newObjectStore()
+	e.startWorker("w1", func(c *Config) {
+		withRegistry(tr)(c)
+		c.Contexts = store
+		// One platform at a time: mallory's request builds one before
+		// her cancel, acme's claims the other afresh.
+		c.Fair.Concurrency = map[string]int{"acme": 1, "mallory": 1}
+	})
+	results := e.collect()
+	ctx := context.Background()
+
+	digest, archive := packDir(t, map[string]string{"Dockerfile": "FROM scratch\nCOPY app /app\n", "app": "both hold it"})
+	m := tenantRequestFor("mallory", digest)
+	m.Platforms, m.RequestID = []string{"linux/amd64", "linux/arm64"}, "m-index"
+	a := tenantRequestFor("acme", digest)
+	a.Platforms, a.RequestID = []string{"linux/amd64", "linux/arm64"}, "a-index"
+	store.put(m.Source.S3.Key, archive)
+	store.put(a.Source.S3.Key, archive)
+	key := v1.BuildKey(a, kanikoID)
+	if v1.BuildKey(m, kanikoID) != key {
+		t.Fatal("premise: both requests have one key")
+	}
+	pkeys := map[string]string{}
+	for _, p := range a.Platforms {
+		pkeys[p] = platformKey(a, p)
+	}
+
+	if _, err := e.pub.Publish(ctx, m); err != nil {
+		t.Fatal(err)
+	}
+	var first, other string
+	eventually(t, 30*time.Second, "mallory's first platform Job", func() bool {
+		for p, k := range pkeys {
+			if _, ok := e.jobs()[kaniko.JobName(k)]; ok {
+				first = p
+				return true
+			}
+		}
+		return false
+	})
+	for p := range pkeys {
+		if p != first {
+			other = p
+		}
+	}
+	if _, err := e.pub.Publish(ctx, a); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 30*time.Second, "acme's request parked on the index run", func() bool { return e.parkedAs(key, "acme", a.RequestID) })
+	if rep := cancelRequest(t, e.nc, v1.APICancelSubject("mallory"), m.RequestID); !rep.Canceled {
+		t.Fatalf("mallory's cancel of her own request: %+v", rep)
+	}
+	if d := oneResult(t, results, m.RequestID).Data; d.Status != v1.StatusCanceled {
+		t.Fatalf("mallory's request: %+v", d)
+	}
+	eventually(t, 30*time.Second, "acme's request took the index run over", func() bool {
+		r := e.claim(key)
+		return r != nil && r.State == v1.StateBuilding && r.Holder == RequestIndexKey("acme", a.RequestID)
+	})
+	// mallory's platform's Job ends; acme's request claims the other one.
+	if j, ok := e.jobs()[kaniko.JobName(pkeys[first])]; ok {
+		e.kubelet(j, 0, tr.push(t, destination(j)))
+	}
+	eventually(t, 30*time.Second, "acme's request building "+other, func() bool {
+		r := e.claim(pkeys[other])
+		_, job := e.jobs()[kaniko.JobName(pkeys[other])]
+		return r != nil && r.State == v1.StateBuilding && r.RequestID == a.RequestID && job
+	})
+	// Mallory cancels by key the platform build acme's request runs.
+	rep := cancelRequest(t, e.nc, v1.APICancelSubject("mallory"), pkeys[other])
+	if rep.Stopped || rep.Canceled {
+		t.Errorf("mallory's cancel of key %s (%s), which only acme's request waits on: %+v; want nothing stopped", pkeys[other], other, rep)
+	}
+	names := platformJobNames(a, nil)
+	d := e.waitResultPlaying(t, tr, results, names, a.RequestID, 60*time.Second).Data
+	if d.Status != v1.StatusSucceeded || len(d.Platforms) != 2 {
+		t.Fatalf("acme's request, which nobody canceled: %s", mustJSON(t, d))
+	}
+}
+
+// FOUND: "linux/arm64" and "linux/arm64/v8" are one platform (OCI's
+// platform normalization: arm64's only variant is v8; kaniko drops the
+// variant from the image config, and both run on kubernetes.io/arch=arm64
+// nodes), but validation compares the strings: a request naming both is
+// accepted as two platforms, builds the same image twice under two keys
+// and pushes an index with two descriptors for one platform (a client
+// picks either). It should be refused as listing a platform twice, or
+// built once.
+func TestAttack_OnePlatformInTwoSpellingsIsNotBuiltTwice(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	e.startWorker("w1", withRegistry(tr))
+	results := e.collect()
+	r := multiRequest("arm64-twice", "linux/arm64", "linux/arm64/v8")
+	r.RequestID = "arm64-twice"
+	if _, err := e.pub.Publish(context.Background(), r); err != nil {
+		t.Fatal(err)
+	}
+	d := e.waitResultPlaying(t, tr, results, platformJobNames(r, nil), r.RequestID, 60*time.Second).Data
+	if d.Status == v1.StatusFailed && d.Reason == v1.ReasonInvalidRequest {
+		return // refused: fine
+	}
+	if n := e.creates.total(); n > 1 || len(d.Platforms) > 1 {
+		t.Fatalf("%d Jobs created for one platform spelled two ways; result %s", n, mustJSON(t, d))
+	}
+}
+
+// An index of the most platforms a request may name (8) at a tenant limit
+// of 3: every platform is built, never more than 3 at once, and the
+// result lists all 8 (the extra slots are taken and given back as the
+// platforms left shrink).
+func TestIndexOfEightPlatformsStaysWithinTheLimitAndListsEveryPlatform(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	e.startWorker("w1", func(c *Config) {
+		withRegistry(tr)(c)
+		c.Fair.Concurrency = map[string]int{"acme": 3}
+	})
+	results := e.collect()
+	plats := []string{"linux/amd64", "linux/arm64", "linux/arm/v7", "linux/arm/v6", "linux/386", "linux/ppc64le", "linux/s390x", "linux/riscv64"}
+	r := multiRequest("eight", plats...)
+	r.RequestID = "eight"
+	if _, err := e.pub.Publish(context.Background(), r); err != nil {
+		t.Fatal(err)
+	}
+	names := platformJobNames(r, nil)
+	done := map[string]bool{}
+	deadline := time.Now().Add(60 * time.Second)
+	peak := 0
+	for len(byID(results.snapshot())[r.RequestID]) == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("no result within 60 s")
+		}
+		n := e.unfinishedJobs(names)["acme"]
+		if n > 3 {
+			t.Fatalf("acme runs %d platform builds at once, its limit is 3", n)
+		}
+		peak = max(peak, n)
+		if n == 3 || (n > 0 && len(done) >= 6) {
+			e.finishJobs(t, tr, names, done)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	d := oneResult(t, results, r.RequestID).Data
+	if d.Status != v1.StatusSucceeded || len(d.Platforms) != 8 || e.creates.total() != 8 {
+		t.Fatalf("result %s after %d Jobs, want 8 platforms built once each", mustJSON(t, d), e.creates.total())
+	}
+	if peak != 3 {
+		t.Fatalf("at most %d platform builds ran at once, want the tenant's 3", peak)
+	}
+	idx, err := tr.client.IndexPlatforms(context.Background(), d.Image)
+	if err != nil || len(idx) != 8 {
+		t.Fatalf("the index at %s: %v %v", d.Image, idx, err)
+	}
+}
+
+// FOUND: the same escape without a shutdown. A platform's Job create
+// fails (a 500 from the API server: transient) while the index's other
+// platforms' Jobs run: buildIndex stops its platform builds, which let
+// their runs go with their Jobs running on, and the request is retried
+// after a delay. dispatched() keeps the request's own slot for the retry
+// (handBack), but slots.close() releases the extra slots at once: two
+// other requests of the tenant take them, and acme runs four builds with
+// a limit of 3.
+func TestAttack_RetriedIndexKeepsItsExtraSlotsWhileItsPlatformJobsRun(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	// The third Job create is held until the test lets it go, and then
+	// fails.
+	var creates atomic.Int64
+	release := make(chan struct{})
+	held := make(chan struct{})
+	slow := slowCreates{Interface: e.kube, hold: func() {
+		if creates.Add(1) == 3 {
+			close(held)
+			<-release
+		}
+	}}
+	e.failJobCreates(func(n int64) bool { return n == 3 })
+	e.startWorkerHooked("w1", func(c *Config) {
+		withRegistry(tr)(c)
+		c.MaxInFlight = 6
+		c.Fair.Concurrency = map[string]int{"acme": 3}
+	}, slow, nil)
+	ctx := context.Background()
+	idx := multiRequest("retried-index", "linux/amd64", "linux/arm64", "linux/386")
+	idx.RequestID = "index"
+	names := platformJobNames(idx, nil)
+	if _, err := e.pub.Publish(ctx, idx); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-held:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the index never created its third platform's Job")
+	}
+	eventually(t, 30*time.Second, "two platforms' Jobs", func() bool { return e.unfinishedJobs(names)["acme"] == 2 })
+	for i := range 2 {
+		r := tenantRequest("acme", fmt.Sprint("after-retried-index-", i))
+		r.Priority = v1.PriorityHigh
+		names[jobOf(r)] = "acme"
+		if _, err := e.pub.Publish(ctx, r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	e.waitAdmitted(3)
+	close(release)
+	deadline := time.Now().Add(8 * time.Second)
+	for time.Now().Before(deadline) {
+		if n := e.unfinishedJobs(names)["acme"]; n > 3 {
+			dumpSlots(t, e)
+			t.Fatalf("acme runs %d builds at once (two platforms of the index retried after a transient failure, running on, and the requests that took its extra slots), its concurrency limit is 3", n)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// Cancel rule: an index canceled while a platform waits for a slot
+// (limit 1: one platform at a time) stops the platform that builds, never
+// creates the other's Job, and gets one Canceled result; nothing is left
+// running.
+func TestCanceledIndexWaitingForASlotLeavesNoJobRunning(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	e.startWorker("w1", func(c *Config) {
+		withRegistry(tr)(c)
+		c.Fair.Concurrency = map[string]int{"acme": 1}
+	})
+	results := e.collect()
+	r := multiRequest("cancel-waiting-slot", "linux/amd64", "linux/arm64")
+	r.RequestID = "cancel-waiting-slot"
+	names := platformJobNames(r, nil)
+	if _, err := e.pub.Publish(context.Background(), r); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 30*time.Second, "one platform's Job", func() bool { return e.unfinishedJobs(names)["acme"] == 1 })
+	time.Sleep(300 * time.Millisecond)
+	if rep := cancelRequest(t, e.nc, v1.APICancelSubject("acme"), r.RequestID); !rep.Canceled {
+		t.Fatalf("cancel: %+v", rep)
+	}
+	if d := oneResult(t, results, r.RequestID).Data; d.Status != v1.StatusCanceled {
+		t.Fatalf("result %+v, want canceled", d)
+	}
+	eventually(t, 30*time.Second, "no platform Job left", func() bool { return e.unfinishedJobs(names)["acme"] == 0 })
+	time.Sleep(2 * time.Second)
+	if n, c := e.unfinishedJobs(names)["acme"], e.creates.total(); n != 0 || c != 1 {
+		t.Fatalf("%d platform Jobs running, %d created after the cancel, want 0 and 1", n, c)
+	}
+	for _, p := range r.Platforms {
+		if rec := e.claim(platformKey(r, p)); rec != nil && rec.State == v1.StateBuilding {
+			t.Fatalf("%s's run is still building after the cancel: %+v", p, rec)
+		}
+	}
+}
+
+// Cancel rule: an index canceled after one platform was built stops the
+// other; the built one stays in the cache (a later request of it is a
+// cache hit, no new Job).
+func TestCanceledIndexAfterOnePlatformKeepsThatPlatformCached(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	e.startWorker("w1", withRegistry(tr))
+	results := e.collect()
+	ctx := context.Background()
+	r := multiRequest("cancel-after-one", "linux/amd64", "linux/arm64")
+	r.RequestID = "cancel-after-one"
+	if _, err := e.pub.Publish(ctx, r); err != nil {
+		t.Fatal(err)
+	}
+	amd := e.waitJob(kaniko.JobName(platformKey(r, "linux/amd64")))
+	arm := e.waitJob(kaniko.JobName(platformKey(r, "linux/arm64")))
+	amdDigest := tr.push(t, destination(amd))
+	e.kubelet(amd, 0, amdDigest)
+	eventually(t, 30*time.Second, "linux/amd64 built", func() bool {
+		rec := e.claim(platformKey(r, "linux/amd64"))
+		return rec != nil && rec.State == v1.StateSucceeded
+	})
+	if rep := cancelRequest(t, e.nc, v1.APICancelSubject("acme"), r.RequestID); !rep.Canceled {
+		t.Fatalf("cancel: %+v", rep)
+	}
+	if d := oneResult(t, results, r.RequestID).Data; d.Status != v1.StatusCanceled {
+		t.Fatalf("result %+v, want canceled", d)
+	}
+	eventually(t, 30*time.Second, "linux/arm64's Job deleted", e.jobGone(arm.Name))
+	one := multiRequest("cancel-after-one", "linux/amd64")
+	one.RequestID = "amd64-after-cancel"
+	if _, err := e.pub.Publish(ctx, one); err != nil {
+		t.Fatal(err)
+	}
+	if d := oneResult(t, results, one.RequestID).Data; d.Status != v1.StatusSucceeded || d.Origin != v1.OriginCache || d.Digest != amdDigest {
+		t.Fatalf("linux/amd64 alone after the cancel: %+v, want a cache hit of %s", d, amdDigest)
+	}
+	if n := e.creates.total(); n != 2 {
+		t.Fatalf("%d Jobs created, want 2", n)
+	}
+}
+
+// Limits rule: two indexes sharing a platform at a tenant limit of 1, on
+// two workers: neither deadlocks (the one holding the slot builds its
+// platforms one by one, the other waits in the queue), the shared one is
+// built once, and never two Jobs at once.
+func TestTwoIndexesAtLimitOneNeitherDeadlockNorExceedIt(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	limit := func(c *Config) {
+		withRegistry(tr)(c)
+		c.Fair.Concurrency = map[string]int{"acme": 1}
+	}
+	e.startWorker("w1", limit)
+	e.startWorker("w2", limit)
+	results := e.collect()
+	ctx := context.Background()
+	a := multiRequest("limit-one-two", "linux/amd64", "linux/arm64")
+	a.RequestID = "a"
+	b := multiRequest("limit-one-two", "linux/amd64", "linux/386")
+	b.RequestID = "b"
+	names := platformJobNames(b, platformJobNames(a, nil))
+	for _, r := range []*v1.Request{a, b} {
+		if _, err := e.pub.Publish(ctx, r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	done := map[string]bool{}
+	deadline := time.Now().Add(60 * time.Second)
+	for len(byID(results.snapshot())[a.RequestID]) == 0 || len(byID(results.snapshot())[b.RequestID]) == 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("results within 60 s: %s", mustJSON(t, results.snapshot()))
+		}
+		n := e.unfinishedJobs(names)["acme"]
+		if n > 1 {
+			t.Fatalf("acme runs %d builds at once, its limit is 1", n)
+		}
+		if n == 1 {
+			time.Sleep(200 * time.Millisecond)
+			if n := e.unfinishedJobs(names)["acme"]; n > 1 {
+				t.Fatalf("acme runs %d builds at once, its limit is 1", n)
+			}
+			e.finishJobs(t, tr, names, done)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	for _, r := range []*v1.Request{a, b} {
+		if d := oneResult(t, results, r.RequestID).Data; d.Status != v1.StatusSucceeded || len(d.Platforms) != 2 {
+			t.Fatalf("%s: %+v", r.RequestID, d)
+		}
+	}
+	if n := e.creates.total(); n != 3 {
+		t.Fatalf("%d Jobs created, want 3 (linux/amd64 once)", n)
+	}
+}
+
+// Failure rule: one platform's Job deleted (by hand, by the cluster) while
+// another builds: the index waits for the other, and fails once, naming
+// the deleted platform, with the other's image listed and cached.
+func TestDeletedPlatformJobFailsTheIndexOnceNamingIt(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	e.startWorker("w1", withRegistry(tr))
+	results := e.collect()
+	ctx := context.Background()
+	r := multiRequest("deleted-platform", "linux/amd64", "linux/arm64")
+	r.RequestID = "deleted-platform"
+	if _, err := e.pub.Publish(ctx, r); err != nil {
+		t.Fatal(err)
+	}
+	amd := e.waitJob(kaniko.JobName(platformKey(r, "linux/amd64")))
+	arm := e.waitJob(kaniko.JobName(platformKey(r, "linux/arm64")))
+	if err := e.kube.BatchV1().Jobs(testNamespace).Delete(ctx, arm.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(500 * time.Millisecond)
+	if got := byID(results.snapshot())[r.RequestID]; len(got) != 0 {
+		t.Fatalf("a result before linux/amd64 finished: %s", mustJSON(t, got))
+	}
+	amdDigest := tr.push(t, destination(amd))
+	e.kubelet(amd, 0, amdDigest)
+	d := oneResult(t, results, r.RequestID).Data
+	if d.Status != v1.StatusFailed || d.Reason != v1.ReasonJobDeleted || !strings.HasPrefix(d.Message, "platform linux/arm64") ||
+		len(d.Platforms) != 1 || d.Platforms["linux/amd64"] != amdDigest {
+		t.Fatalf("result %s, want JobDeleted naming linux/arm64 with linux/amd64's image listed", mustJSON(t, d))
+	}
+}
+
+// Possession rule for indexes: mallory, who knows the digest but holds no
+// such object, asks for acme's index (built and in flight) and for one of
+// its platforms alone: each is refused ContextMissing, nothing is copied
+// into her repository, acme's index is not disturbed.
+func TestIndexAndItsPlatformsNeedPossession(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	store := newObjectStore()
+	e.startWorker("w1", func(c *Config) { withRegistry(tr)(c); c.Contexts = store })
+	results := e.collect()
+	ctx := context.Background()
+	digest, archive := packDir(t, map[string]string{"Dockerfile": "FROM scratch\nCOPY app /app\n", "app": "acme's only"})
+	a := tenantRequestFor("acme", digest)
+	a.Platforms, a.RequestID = []string{"linux/amd64", "linux/arm64"}, "acme-index"
+	store.put(a.Source.S3.Key, archive)
+	if _, err := e.pub.Publish(ctx, a); err != nil {
+		t.Fatal(err)
+	}
+	amd := e.waitJob(kaniko.JobName(platformKey(a, "linux/amd64")))
+	arm := e.waitJob(kaniko.JobName(platformKey(a, "linux/arm64")))
+	// While acme's platforms build: her index, and one platform of it.
+	mi := tenantRequestFor("mallory", digest)
+	mi.Platforms, mi.RequestID = []string{"linux/amd64", "linux/arm64"}, "m-index-inflight"
+	mp := tenantRequestFor("mallory", digest)
+	mp.Platforms, mp.RequestID = []string{"linux/arm64"}, "m-platform-inflight"
+	for _, r := range []*v1.Request{mi, mp} {
+		if _, err := e.pub.Publish(ctx, r); err != nil {
+			t.Fatal(err)
+		}
+		if d := oneResult(t, results, r.RequestID).Data; d.Reason != v1.ReasonContextMissing || d.Digest != "" || len(d.Platforms) != 0 {
+			t.Fatalf("mallory's %s: %s, want ContextMissing and nothing of acme's build", r.RequestID, mustJSON(t, d))
+		}
+	}
+	// Her cancels by the keys she knows stop nothing of acme's.
+	for _, k := range []string{v1.BuildKey(a, kanikoID), platformKey(a, "linux/amd64"), platformKey(a, "linux/arm64")} {
+		if rep := cancelRequest(t, e.nc, v1.APICancelSubject("mallory"), k); rep.Canceled || rep.Stopped {
+			t.Fatalf("mallory's cancel of %s: %+v", k, rep)
+		}
+	}
+	for _, j := range []*batchv1.Job{amd, arm} {
+		e.kubelet(j, 0, tr.push(t, destination(j)))
+	}
+	if d := oneResult(t, results, a.RequestID).Data; d.Status != v1.StatusSucceeded || len(d.Platforms) != 2 {
+		t.Fatalf("acme's index: %s", mustJSON(t, d))
+	}
+	// Built: the same, from the cache.
+	for _, r := range []*v1.Request{mi, mp} {
+		r.RequestID = strings.Replace(r.RequestID, "inflight", "built", 1)
+		if _, err := e.pub.Publish(ctx, r); err != nil {
+			t.Fatal(err)
+		}
+		if d := oneResult(t, results, r.RequestID).Data; d.Reason != v1.ReasonContextMissing || d.Digest != "" || len(d.Platforms) != 0 {
+			t.Fatalf("mallory's %s: %s, want ContextMissing and nothing of acme's build", r.RequestID, mustJSON(t, d))
+		}
+	}
+	if tags := repoTags(t, tr, "mallory"); len(tags) > 0 {
+		t.Fatalf("copied into mallory's repository: %v", tags)
+	}
+	if n := e.creates.total(); n != 2 {
+		t.Fatalf("%d Jobs created, want acme's 2", n)
+	}
+}
+
+// Cancel rule across tenants: mallory, holding the content, claims one
+// platform alone first; acme's index joins it. Her cancel of her own
+// request does not stop the build acme's index waits on: acme's index gets
+// that platform's image (the run, let go, is taken over), and no Job of
+// it is deleted.
+func TestForeignOnePlatformRequestsCancelSparesTheIndexWaitingOnIt(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	store := newObjectStore()
+	e.startWorker("w1", func(c *Config) { withRegistry(tr)(c); c.Contexts = store })
+	results := e.collect()
+	ctx := context.Background()
+	digest, archive := packDir(t, map[string]string{"Dockerfile": "FROM scratch\nCOPY app /app\n", "app": "shared"})
+	m := tenantRequestFor("mallory", digest)
+	m.Platforms, m.RequestID = []string{"linux/amd64"}, "m-amd64"
+	a := tenantRequestFor("acme", digest)
+	a.Platforms, a.RequestID = []string{"linux/amd64", "linux/arm64"}, "a-index"
+	store.put(m.Source.S3.Key, archive)
+	store.put(a.Source.S3.Key, archive)
+	pkey := platformKey(a, "linux/amd64")
+	if v1.BuildKey(m, kanikoID) != pkey {
+		t.Fatal("premise: mallory's one-platform key is the index's linux/amd64 key")
+	}
+	if _, err := e.pub.Publish(ctx, m); err != nil {
+		t.Fatal(err)
+	}
+	amd := e.waitJob(kaniko.JobName(pkey))
+	if _, err := e.pub.Publish(ctx, a); err != nil {
+		t.Fatal(err)
+	}
+	arm := e.waitJob(kaniko.JobName(platformKey(a, "linux/arm64")))
+	eventually(t, 30*time.Second, "acme's index waiting on linux/amd64", func() bool {
+		ws, err := e.ledgerWaiters(pkey)
+		return err == nil && ws[RequestIndexKey("acme", a.RequestID)]
+	})
+	if rep := cancelRequest(t, e.nc, v1.APICancelSubject("mallory"), m.RequestID); !rep.Canceled || rep.Stopped {
+		t.Fatalf("mallory's cancel: %+v, want her request canceled and the build spared", rep)
+	}
+	if d := oneResult(t, results, m.RequestID).Data; d.Status != v1.StatusCanceled {
+		t.Fatalf("mallory's request: %+v", d)
+	}
+	time.Sleep(500 * time.Millisecond)
+	if _, ok := e.jobs()[amd.Name]; !ok {
+		t.Fatal("linux/amd64's Job was deleted though acme's index waits on it")
+	}
+	amdDigest := tr.push(t, destination(amd))
+	e.kubelet(amd, 0, amdDigest)
+	e.kubelet(arm, 0, tr.push(t, destination(arm)))
+	d := oneResult(t, results, a.RequestID).Data
+	if d.Status != v1.StatusSucceeded || d.Platforms["linux/amd64"] != amdDigest {
+		t.Fatalf("acme's index: %s, want linux/amd64 as %s", mustJSON(t, d), amdDigest)
+	}
+	if n := e.creates.total(); n != 2 {
+		t.Fatalf("%d Jobs created, want 2", n)
+	}
+}
+
+// ledgerWaiters lists the ledger keys of the requests indexed as waiting
+// on key.
+func (e *env) ledgerWaiters(key string) (map[string]bool, error) {
+	ctx := context.Background()
+	kv, err := e.js.KeyValue(ctx, v1.RequestsBucket)
+	if err != nil {
+		return nil, err
+	}
+	keys, err := kv.ListKeysFiltered(ctx, "w."+key+".*")
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]bool{}
+	for k := range keys.Keys() {
+		out[strings.TrimPrefix(k, "w."+key+".")] = true
+	}
+	return out, nil
+}
+
+// Worker killed after its index's platforms were built and while its
+// index push fails (the registry down): the redelivered request, on
+// another worker, pushes the index from the platforms' images without
+// building any again, and gets one result.
+func TestIndexKilledBeforeItsPushIsPushedLaterWithoutRebuilding(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	w1 := e.startWorker("w1", withRegistry(tr))
+	results := e.collect()
+	ctx := context.Background()
+	r := multiRequest("killed-before-push", "linux/amd64", "linux/arm64")
+	r.RequestID = "killed-before-push"
+	built := map[string]string{}
+	jobs := map[string]*batchv1.Job{}
+	if _, err := e.pub.Publish(ctx, r); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range r.Platforms {
+		jobs[p] = e.waitJob(kaniko.JobName(platformKey(r, p)))
+		built[p] = tr.push(t, destination(jobs[p]))
+	}
+	tr.fail.Store(true) // from here the index cannot be pushed
+	for _, p := range r.Platforms {
+		e.kubelet(jobs[p], 0, built[p])
+	}
+	eventually(t, 30*time.Second, "both platforms built", func() bool {
+		for _, p := range r.Platforms {
+			if rec := e.claim(platformKey(r, p)); rec == nil || rec.State != v1.StateSucceeded {
+				return false
+			}
+		}
+		return true
+	})
+	time.Sleep(300 * time.Millisecond) // the index push fails meanwhile
+	killWorker(w1)
+	e.startWorker("w2", withRegistry(tr))
+	tr.fail.Store(false)
+	var got []v1.Result
+	eventually(t, 60*time.Second, "the index's result", func() bool {
+		got = byID(results.snapshot())[r.RequestID]
+		return len(got) > 0
+	})
+	d := got[0].Data
+	if len(got) != 1 || d.Status != v1.StatusSucceeded || d.Platforms["linux/amd64"] != built["linux/amd64"] || d.Platforms["linux/arm64"] != built["linux/arm64"] {
+		t.Fatalf("results %s, want one success with the images built", mustJSON(t, got))
+	}
+	idx, err := tr.client.IndexPlatforms(ctx, d.Image)
+	if err != nil || len(idx) != 2 {
+		t.Fatalf("the index at %s: %v %v", d.Image, idx, err)
+	}
+	if n := e.creates.total(); n != 2 {
+		t.Fatalf("%d Jobs created, want 2", n)
+	}
+}
+
+// Two requests of one index key on two workers at once: one runs the
+// index, the other waits on it (parked); the platforms are built once and
+// both get the same index.
+func TestOneIndexKeyOnTwoWorkersIsBuiltOnce(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	e.startWorker("w1", withRegistry(tr))
+	e.startWorker("w2", withRegistry(tr))
+	results := e.collect()
+	ctx := context.Background()
+	a := multiRequest("one-key-two-workers", "linux/amd64", "linux/arm64")
+	a.RequestID = "first"
+	b := multiRequest("one-key-two-workers", "linux/arm64", "linux/amd64")
+	b.RequestID, b.Tags = "second", []string{"other-tag"}
+	for _, r := range []*v1.Request{a, b} {
+		if _, err := e.pub.Publish(ctx, r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	names := platformJobNames(a, nil)
+	da := e.waitResultPlaying(t, tr, results, names, a.RequestID, 60*time.Second).Data
+	db := e.waitResultPlaying(t, tr, results, names, b.RequestID, 60*time.Second).Data
+	if da.Status != v1.StatusSucceeded || db.Status != v1.StatusSucceeded || da.Digest != db.Digest || len(db.Platforms) != 2 {
+		t.Fatalf("results %s and %s, want one index for both", mustJSON(t, da), mustJSON(t, db))
+	}
+	if idx, err := tr.client.IndexPlatforms(ctx, tr.host+"/acme/web:other-tag"); err != nil || len(idx) != 2 {
+		t.Fatalf("the second request's tag: %v %v", idx, err)
+	}
+	if n := e.creates.total(); n != 2 {
+		t.Fatalf("%d Jobs created, want 2", n)
+	}
+}
