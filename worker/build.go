@@ -348,8 +348,16 @@ func (l *letGo) get(run string) (string, bool) {
 func (w *builder) newClaim(req *v1.Request, key, repo string, dests []string, seq uint64) *v1.BuildRecord {
 	now := w.cfg.Now().UTC()
 	src := req.Source
+	var platformKeys map[string]string
+	if multiPlatform(req) {
+		platformKeys = map[string]string{}
+		for _, p := range req.PlatformsOrDefault() {
+			platformKeys[p] = w.keyOf(platformRequest(req, p))
+		}
+	}
 	return &v1.BuildRecord{
-		Key: key, State: v1.StateBuilding, Run: runs.NewRunID(), Owner: w.cfg.ID,
+		PlatformKeys: platformKeys,
+		Key:          key, State: v1.StateBuilding, Run: runs.NewRunID(), Owner: w.cfg.ID,
 		LeaseMs: w.cfg.Lease.Milliseconds(), LeaseUntil: now.Add(w.cfg.Lease),
 		RequestID: req.RequestID, Seq: seq, Tenant: req.Tenant, Name: req.Name,
 		Holder:     ledger.Key(req.Tenant, req.RequestID),

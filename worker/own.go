@@ -64,9 +64,11 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 	}
 	if live != nil {
 		if lw.Lines() == 0 {
-			_ = lw.Own(ctx, fmt.Sprintf("build %s claimed by worker %s for request %s/%s", claim.Key, w.cfg.ID, req.Tenant, req.RequestID))
+			// No tenant or request id: a build's log is read by every
+			// tenant it answers, and who asked first is not theirs to know.
+			_ = lw.Own(ctx, fmt.Sprintf("build %s claimed by worker %s", claim.Key, w.cfg.ID))
 		} else {
-			_ = lw.Own(ctx, fmt.Sprintf("worker %s runs the build from here (request %s/%s)", w.cfg.ID, req.Tenant, req.RequestID))
+			_ = lw.Own(ctx, fmt.Sprintf("worker %s runs the build from here", w.cfg.ID))
 		}
 		flushCtx, stopFlush := context.WithCancel(runCtx)
 		defer stopFlush()
@@ -85,7 +87,9 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 	if multiPlatform(rreq) {
 		// An image index: each platform is a build of its own
 		// (platforms.go); no Job of this key.
-		run = func(ctx context.Context, b Build, _ Started) (Outcome, error) { return w.buildIndex(ctx, req, seq, b) }
+		run = func(ctx context.Context, b Build, _ Started) (Outcome, error) {
+			return w.buildIndex(ctx, req, repo, seq, b)
+		}
 	}
 	out, err := run(runCtx, b, func(job string, created bool, _ string) {
 		msg := "created job " + job

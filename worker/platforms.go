@@ -13,7 +13,6 @@ import (
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/naming"
 	"github.com/buildq/buildq/internal/registry"
-	"github.com/buildq/buildq/worker/internal/mutant"
 )
 
 // A request with several platforms is one run of its own key (the key
@@ -36,17 +35,20 @@ type PlatformChecker interface {
 }
 
 // extraSlotsKey carries, in a handler's context, how to take one more of
-// its tenant's concurrency slots for its request (fairq.Queue.ExtraSlot).
+// its tenant's concurrency slots for its request (fairq.ExtraSlots.Take).
 type extraSlotsKey struct{}
 
-func withExtraSlots(ctx context.Context, take func() (release func(), ok bool)) context.Context {
+func withExtraSlots(ctx context.Context, take func(context.Context) (release func(), ok bool)) context.Context {
 	return context.WithValue(ctx, extraSlotsKey{}, take)
 }
 
 // platformSlots runs at most as many of an index's platform builds at once
 // as its request holds concurrency slots: the handler's own, and one more
 // for each further platform while the tenant has slots free. A slot no
-// longer needed (fewer platforms left than slots) is given back at once.
+// longer needed (fewer platforms left than slots, after a platform's build
+// ended) is given back at once; the rest stay with the request until its
+// handler is done, and are kept for it if its builds may still run
+// (fairq.ExtraSlots).
 type platformSlots struct {
 	tokens chan struct{}
 	mu     sync.Mutex
@@ -57,15 +59,9 @@ type platformSlots struct {
 func takePlatformSlots(ctx context.Context, n int) *platformSlots {
 	ps := &platformSlots{tokens: make(chan struct{}, n), left: n}
 	ps.tokens <- struct{}{}
-	if mutant.On("index-ignores-slots") {
+	if take, ok := ctx.Value(extraSlotsKey{}).(func(context.Context) (func(), bool)); ok {
 		for range n - 1 {
-			ps.tokens <- struct{}{}
-		}
-		return ps
-	}
-	if take, ok := ctx.Value(extraSlotsKey{}).(func() (func(), bool)); ok {
-		for range n - 1 {
-			release, ok := take()
+			release, ok := take(ctx)
 			if !ok {
 				break
 			}
@@ -86,27 +82,23 @@ func (ps *platformSlots) acquire(ctx context.Context) bool {
 	}
 }
 
-// done ends one platform's build on its slot.
-func (ps *platformSlots) done() {
+// done ends one platform's build on its slot; ended says its run ended
+// (no Job of it runs on), so a slot no longer needed may go.
+func (ps *platformSlots) done(ended bool) {
 	ps.mu.Lock()
 	defer ps.mu.Unlock()
 	ps.left--
+	if !ended {
+		// Its run was let go (an error, the handler stopping): its Job
+		// may run on, on this slot, which stays taken.
+		return
+	}
 	if n := len(ps.extras); n > 0 && ps.left < 1+n {
 		ps.extras[n-1]()
 		ps.extras = ps.extras[:n-1]
 		return
 	}
 	ps.tokens <- struct{}{}
-}
-
-// close gives back every extra slot still held.
-func (ps *platformSlots) close() {
-	ps.mu.Lock()
-	defer ps.mu.Unlock()
-	for _, release := range ps.extras {
-		release()
-	}
-	ps.extras = nil
 }
 
 // multiPlatform reports whether r builds an image index.
@@ -119,6 +111,17 @@ func platformOf(r *v1.Request) string {
 		return r.Platforms[0]
 	}
 	return ""
+}
+
+// platformSub is platform p's build of index run b, made by req's
+// handler: the run's inputs (its claimer's source and timeout) narrowed to
+// p, as req's own request — its tenant, name and id, so the platform's
+// claim, waiter entry and Job are the handler's request's, whoever
+// claimed the index.
+func platformSub(req *v1.Request, b Build, p string) *v1.Request {
+	sub := platformRequest(b.Request, p)
+	sub.Tenant, sub.Name, sub.RequestID = req.Tenant, req.Name, req.RequestID
+	return sub
 }
 
 // platformRequest is r narrowed to platform p: the build of p's image.
@@ -137,9 +140,11 @@ type platformBuild struct {
 }
 
 // buildIndex is the work of an index run b, claimed (or taken over) by
-// req's handler (seq: its message's sequence). b.Request is the run's
-// request (runRequest): its claimer's inputs, tenant and repository.
-func (w *builder) buildIndex(ctx context.Context, req *v1.Request, seq uint64, b Build) (Outcome, error) {
+// req's handler (repo: req's own repository, where its platforms' builds
+// push; seq: its message's sequence). b.Request is the run's request
+// (runRequest): its claimer's inputs and tenant; b.Repository the run's,
+// where the index is pushed.
+func (w *builder) buildIndex(ctx context.Context, req *v1.Request, repo string, seq uint64, b Build) (Outcome, error) {
 	plats := b.Request.PlatformsOrDefault()
 	if pc, ok := w.backend.(PlatformChecker); ok {
 		for _, p := range plats {
@@ -164,7 +169,7 @@ func (w *builder) buildIndex(ctx context.Context, req *v1.Request, seq uint64, b
 	defer cancelSubs(nil)
 	keys := make([]string, len(plats))
 	for i, p := range plats {
-		keys[i] = w.keyOf(platformRequest(b.Request, p))
+		keys[i] = w.keyOf(platformSub(req, b, p))
 	}
 	done := make(chan struct{})
 	defer close(done)
@@ -177,7 +182,6 @@ func (w *builder) buildIndex(ctx context.Context, req *v1.Request, seq uint64, b
 		}
 	}()
 	slots := takePlatformSlots(ctx, len(plats))
-	defer slots.close()
 	parts := make([]platformBuild, len(plats))
 	var wg sync.WaitGroup
 	for i, p := range plats {
@@ -186,11 +190,11 @@ func (w *builder) buildIndex(ctx context.Context, req *v1.Request, seq uint64, b
 				parts[i] = platformBuild{platform: p, key: keys[i], err: context.Cause(subCtx)}
 				return
 			}
-			defer slots.done()
-			parts[i] = w.buildPlatform(subCtx, req, seq, b, p, keys[i])
+			parts[i] = w.buildPlatform(subCtx, req, repo, seq, b, p, keys[i])
 			if err := parts[i].err; err != nil {
 				cancelSubs(err)
 			}
+			slots.done(parts[i].err == nil)
 		})
 	}
 	wg.Wait()
@@ -256,12 +260,12 @@ func (w *builder) stopCanceledPlatforms(req *v1.Request, b Build, plats, keys []
 // joining, or by claiming p's own key, like any request (never parked: the
 // index run holds its handler). Its image is then tagged in the run's
 // repository, where the index references it.
-func (w *builder) buildPlatform(ctx context.Context, req *v1.Request, seq uint64, b Build, p, key string) platformBuild {
-	sub := platformRequest(b.Request, p)
+func (w *builder) buildPlatform(ctx context.Context, req *v1.Request, repo string, seq uint64, b Build, p, key string) platformBuild {
+	sub := platformSub(req, b, p)
 	pb := platformBuild{platform: p, key: key}
-	dests := naming.Destinations(b.Repository, pb.key, nil)
+	dests := naming.Destinations(repo, pb.key, nil)
 	wr := &waiterReg{}
-	rec, origin, owned, err := w.build(ctx, sub, pb.key, b.Repository, dests, seq, wr)
+	rec, origin, owned, err := w.build(ctx, sub, pb.key, repo, dests, seq, wr)
 	if wr.added {
 		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 		w.ledger.DropWaiter(dctx, pb.key, sub.Tenant, sub.RequestID)
@@ -279,9 +283,19 @@ func (w *builder) buildPlatform(ctx context.Context, req *v1.Request, seq uint64
 		}
 	}
 	if rec.State == v1.StateSucceeded {
-		if err := w.ensureTags(ctx, b.Request.Tenant, rec, dests); err != nil {
+		// In this request's repository, as any answer is; and in the
+		// run's, where the index references it (another when the run is
+		// another tenant's request's, taken over: written with that
+		// tenant's credentials, as the index is).
+		if err := w.ensureTags(ctx, sub.Tenant, rec, dests); err != nil {
 			pb.err = err
 			return pb
+		}
+		if b.Repository != repo {
+			if err := w.ensureTags(ctx, b.Request.Tenant, rec, naming.Destinations(b.Repository, pb.key, nil)); err != nil {
+				pb.err = err
+				return pb
+			}
 		}
 	}
 	word := map[v1.Origin]string{v1.OriginCache: "from the cache", v1.OriginInflight: "by a build in progress", v1.OriginBuild: "built"}[origin]

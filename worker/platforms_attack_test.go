@@ -3,12 +3,13 @@ package worker
 // Adversarial review of multi-platform requests (platforms.go, fd1f5b7):
 // a hostile tenant, a worker stopped at the worst moment, a platform's Job
 // failing or deleted, concurrency limits and cancels. A test whose name
-// starts with TestAttack_ found a defect (its comment says which) and
-// asserts the correct outcome; the others prove a rule the existing tests
-// did not cover.
+// starts with TestAttack_ found a defect, since fixed (its comment says
+// which, and the fix), and asserts the correct outcome; the others prove
+// a rule the existing tests did not cover.
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"strings"
 	"sync/atomic"
@@ -75,13 +76,16 @@ func (e *env) waitResultPlaying(t *testing.T, tr *testRegistry, results *resultC
 	return v1.Result{}
 }
 
-// FOUND: a worker stopped (a rolling update) while an image index builds
+// Found: a worker stopped (a rolling update) while an image index builds
 // its platforms on its own slot and an extra one. The handler hands the
 // request back and keeps its own slot for it, but takePlatformSlots'
 // extra slots are released (slots.close) although the platforms' Jobs run
 // on in the cluster, let go to be taken over. Another request of the
 // tenant takes the freed slot and creates its Job: acme runs three
 // builds with a limit of 2.
+// Fixed: extra slots are fairq.ExtraSlots of the dispatched request, kept
+// (handed back) with its own slot when the handler stops or retries, and
+// free only once the request is finished.
 func TestAttack_IndexExtraSlotIsKeptWhileItsPlatformJobRunsAfterShutdown(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
@@ -142,7 +146,7 @@ func dumpSlots(t *testing.T, e *env) {
 	}
 }
 
-// FOUND: fairq.Queue.ExtraSlot names the request it is taken for by the
+// Found: fairq.Queue.ExtraSlot names the request it is taken for by the
 // handler's message — fairq's queuedMsg, whose Subject and Metadata are
 // the intake message's (buildq.requests.<tenant>, its BUILDQ_REQUESTS
 // sequence) — not by its BUILDQ_QUEUE subject and sequence as the
@@ -152,6 +156,8 @@ func dumpSlots(t *testing.T, e *env) {
 // apart), so it is freed at once while the platform Job it was taken for
 // runs on, and another request of the tenant takes it: three builds with
 // a limit of 2.
+// Fixed: the dispatcher hands the handler ExtraSlots naming the queue
+// subject and sequence its own slot names.
 func TestAttack_KilledIndexExtraSlotIsKeptForItsRequest(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
@@ -217,7 +223,7 @@ func TestAttack_KilledIndexExtraSlotIsKeptForItsRequest(t *testing.T) {
 	}
 }
 
-// FOUND: an index run taken over by another tenant's request builds its
+// Found: an index run taken over by another tenant's request builds its
 // platforms as b.Request narrowed (platforms.go buildPlatform): the run's
 // request, runRequest — its claimer's tenant, but the taker's request id.
 // So the taker's platform builds are claimed as, and indexed as waiters
@@ -229,7 +235,11 @@ func TestAttack_KilledIndexExtraSlotIsKeptForItsRequest(t *testing.T) {
 // its record's tenant, and it is stopped — acme's Job deleted, its index
 // run failed Canceled; acme's request, never canceled, recovers only
 // because a taken-over run's Canceled failure is not shared, and builds
-// the index again from the start.
+// the index again from the start. The same record, claimed as mallory's,
+// is shown to her by the status API, with acme's request id.
+// Fixed: a platform's build is the handler's own request (platformSub:
+// its tenant, name and id, the run's inputs), pushed to its repository
+// and copied into the run's for the index.
 func TestAttack_ForeignTakerOfAnIndexKeepsItsPlatformBuildsAgainstTheClaimersCancel(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
@@ -302,6 +312,14 @@ func TestAttack_ForeignTakerOfAnIndexKeepsItsPlatformBuildsAgainstTheClaimersCan
 		_, job := e.jobs()[kaniko.JobName(pkeys[other])]
 		return r != nil && r.State == v1.StateBuilding && r.RequestID == a.RequestID && job
 	})
+	// The build acme's request claimed is shown to mallory as hers, with
+	// acme's request id in it.
+	if m, err := tenantAPIRequest(e.nc, "mallory", v1.APIStatusSubject("mallory"), pkeys[other], 10*time.Second); err == nil {
+		var st v1.StatusReply
+		if json.Unmarshal(m.Data, &st) == nil && st.Build != nil {
+			t.Errorf("mallory's status of key %s shows acme's request's build: %s", pkeys[other], mustJSON(t, st.Build))
+		}
+	}
 	// Mallory cancels by key the platform build acme's request runs.
 	rep := cancelRequest(t, e.nc, v1.APICancelSubject("mallory"), pkeys[other])
 	if rep.Stopped || rep.Canceled {
@@ -314,31 +332,37 @@ func TestAttack_ForeignTakerOfAnIndexKeepsItsPlatformBuildsAgainstTheClaimersCan
 	}
 }
 
-// FOUND: "linux/arm64" and "linux/arm64/v8" are one platform (OCI's
-// platform normalization: arm64's only variant is v8; kaniko drops the
-// variant from the image config, and both run on kubernetes.io/arch=arm64
-// nodes), but validation compares the strings: a request naming both is
-// accepted as two platforms, builds the same image twice under two keys
-// and pushes an index with two descriptors for one platform (a client
-// picks either). It should be refused as listing a platform twice, or
-// built once.
-func TestAttack_OnePlatformInTwoSpellingsIsNotBuiltTwice(t *testing.T) {
+// One platform in two spellings ("linux/arm64" and "linux/arm64/v8", as
+// image indexes match them) was accepted as two platforms: built twice
+// under two keys, and pushed as an index with two descriptors for one
+// platform. Now refused as listing a platform twice, by the SDK before it
+// publishes and by the worker for a body published around the SDK.
+//
+// Origin: the multi-platform attack review (a hostile tenant's platform lists).
+func TestOnePlatformInTwoSpellingsIsRefused(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
-	tr := newTestRegistry(t)
-	e.startWorker("w1", withRegistry(tr))
+	e.startWorker("w1", nil)
 	results := e.collect()
 	r := multiRequest("arm64-twice", "linux/arm64", "linux/arm64/v8")
 	r.RequestID = "arm64-twice"
-	if _, err := e.pub.Publish(context.Background(), r); err != nil {
+	r.APIVersion = v1.APIVersion
+	if _, err := e.pub.Publish(context.Background(), r); err == nil || !strings.Contains(err.Error(), "one platform, listed twice") {
+		t.Fatalf("the SDK published it: %v", err)
+	}
+	body, err := json.Marshal(r)
+	if err != nil {
 		t.Fatal(err)
 	}
-	d := e.waitResultPlaying(t, tr, results, platformJobNames(r, nil), r.RequestID, 60*time.Second).Data
-	if d.Status == v1.StatusFailed && d.Reason == v1.ReasonInvalidRequest {
-		return // refused: fine
+	if _, err := publishRaw(e.js, v1.RequestSubject("acme"), map[string]string{v1.MsgIDHeader: "acme/" + r.RequestID}, body); err != nil {
+		t.Fatal(err)
 	}
-	if n := e.creates.total(); n > 1 || len(d.Platforms) > 1 {
-		t.Fatalf("%d Jobs created for one platform spelled two ways; result %s", n, mustJSON(t, d))
+	d := oneResult(t, results, r.RequestID).Data
+	if d.Status != v1.StatusFailed || d.Reason != v1.ReasonInvalidRequest || !strings.Contains(d.Message, "one platform, listed twice") {
+		t.Fatalf("result %s, want InvalidRequest naming the platform listed twice", mustJSON(t, d))
+	}
+	if n := e.creates.total(); n != 0 {
+		t.Fatalf("%d Jobs created for a refused request", n)
 	}
 }
 
@@ -392,7 +416,7 @@ func TestIndexOfEightPlatformsStaysWithinTheLimitAndListsEveryPlatform(t *testin
 	}
 }
 
-// FOUND: the same escape without a shutdown. A platform's Job create
+// Found: the same escape without a shutdown. A platform's Job create
 // fails (a 500 from the API server: transient) while the index's other
 // platforms' Jobs run: buildIndex stops its platform builds, which let
 // their runs go with their Jobs running on, and the request is retried
@@ -400,6 +424,7 @@ func TestIndexOfEightPlatformsStaysWithinTheLimitAndListsEveryPlatform(t *testin
 // (handBack), but slots.close() releases the extra slots at once: two
 // other requests of the tenant take them, and acme runs four builds with
 // a limit of 3.
+// Fixed as the shutdown case: a retried request keeps its extras too.
 func TestAttack_RetriedIndexKeepsItsExtraSlotsWhileItsPlatformJobsRun(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
@@ -852,5 +877,45 @@ func TestOneIndexKeyOnTwoWorkersIsBuiltOnce(t *testing.T) {
 	}
 	if n := e.creates.total(); n != 2 {
 		t.Fatalf("%d Jobs created, want 2", n)
+	}
+}
+
+// Found: an index whose worker was killed while its platforms built, then
+// canceled before its request is redelivered: the cancel ends the index
+// key's run (stopBuild: it has no Job to delete), but only the index's
+// handler stops its platforms' builds (stopCanceledPlatforms), and there
+// is none. The platforms' runs lapse with their Jobs running on, which
+// nobody waits for; the redelivered request, canceled, is answered at once
+// without stopping them either. A one-platform request canceled the same
+// way has its Job deleted by the cancel.
+// Fixed: the index run's record lists its platforms' keys
+// (PlatformKeys), and the cancel that ends the run stops each platform
+// build no request still waits on.
+func TestAttack_CanceledIndexOfAKilledWorkerLeavesNoPlatformJobRunning(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	cfg := func(c *Config) {
+		withRegistry(tr)(c)
+		c.AckWait = 30 * time.Second // the killed handler's request is not redelivered before the cancel
+	}
+	w1 := e.startWorker("w1", cfg)
+	results := e.collect()
+	ctx := context.Background()
+	r := multiRequest("cancel-after-kill", "linux/amd64", "linux/arm64")
+	r.RequestID = "cancel-after-kill"
+	names := platformJobNames(r, nil)
+	if _, err := e.pub.Publish(ctx, r); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 30*time.Second, "both platforms' Jobs", func() bool { return e.unfinishedJobs(names)["acme"] == 2 })
+	killWorker(w1)
+	e.startWorker("w2", cfg)
+	if rep := cancelRequest(t, e.nc, v1.APICancelSubject("acme"), r.RequestID); !rep.Canceled {
+		t.Fatalf("cancel: %+v", rep)
+	}
+	eventually(t, 60*time.Second, "the canceled index's platform Jobs stopped", func() bool { return e.unfinishedJobs(names)["acme"] == 0 })
+	if d := e.waitResultPlaying(t, tr, results, nil, r.RequestID, 60*time.Second).Data; d.Status != v1.StatusCanceled {
+		t.Fatalf("result %+v, want canceled", d)
 	}
 }

@@ -82,7 +82,7 @@ func (w *Worker) processRequest(ctx context.Context, h *handling) (verdict, *led
 	defer w.api.Hold(ledger.Key(req.Tenant, req.RequestID), h.cancel)()
 	// An image index builds its platforms side by side on more of the
 	// tenant's slots, when it has them free (platforms.go).
-	ctx = withExtraSlots(ctx, func() (func(), bool) { return w.fq.ExtraSlot(ctx, req.Tenant, msg) })
+	ctx = withExtraSlots(ctx, h.in.Extra.Take)
 	if fresh { // only its first handler: a redelivery is never expired
 		if message, ok := w.expired(ctx, meta, le); ok {
 			return expiredVerdict(v, message), le, nil

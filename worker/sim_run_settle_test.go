@@ -354,7 +354,7 @@ func (w *simWorld) checkAnswer(out *simOutcome, s *simSub, d simDecision, who st
 		ok := false
 		for _, f := range n.failures {
 			if slices.Contains(s.keys(), f.key) {
-				known := w.knownAt(f.key, f.at, v1.ReasonBuildFailed, v1.ReasonPushFailed)
+				known := w.knownAt(s.answeredBy(f.key), f.at, v1.ReasonBuildFailed, v1.ReasonPushFailed)
 				at = append(at, fmt.Sprintf("%.3fs (first answered %s)", f.at.Seconds(), simSeconds(known)))
 				ok = ok || s.start < known
 			}
@@ -372,7 +372,7 @@ func (w *simWorld) checkAnswer(out *simOutcome, s *simSub, d simDecision, who st
 		var at []string
 		for _, del := range n.deletes {
 			if slices.Contains(s.keys(), del.key) {
-				known := w.knownAt(del.key, del.at, v1.ReasonJobDeleted)
+				known := w.knownAt(s.answeredBy(del.key), del.at, v1.ReasonJobDeleted)
 				at = append(at, fmt.Sprintf("%.3fs by %s (first answered %s)", del.at.Seconds(), del.cause, simSeconds(known)))
 				ok = ok || s.start < known
 			}

@@ -490,6 +490,19 @@ func (s *simSub) want() (simImage, error) {
 	return simImage{digest: d.String()}, nil
 }
 
+// answeredBy is the key whose failed result makes the failure of key (s's
+// own, or one of its platforms') known to s: an image index's request
+// joins an index run in progress, like any request its run, until that
+// run's failure is published — a platform's failure published meanwhile
+// (to that platform's own requests) is that run's to report. A new index
+// run never takes a known failure: it builds the failed platform again.
+func (s *simSub) answeredBy(key string) string {
+	if len(s.platforms) > 0 {
+		return s.key
+	}
+	return key
+}
+
 // keys are the build keys whose outcomes may answer s: its own, and its
 // platforms'.
 func (s *simSub) keys() []string {

@@ -144,6 +144,10 @@ type BuildRecord struct {
 	// Pushed lists every repo:tag known to point at Digest.
 	Pushed []string `json:"pushed,omitempty"`
 	Digest string   `json:"digest,omitempty"`
+	// PlatformKeys maps each platform of an image index's run to the
+	// build key of that platform's build (a cancel of the index stops
+	// them too).
+	PlatformKeys map[string]string `json:"platformKeys,omitempty"`
 	// Platforms maps each platform of a multi-platform build to its
 	// image's digest; Digest is then the image index's.
 	Platforms map[string]string `json:"platforms,omitempty"`

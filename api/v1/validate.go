@@ -221,14 +221,19 @@ func (r *Request) Validate() error {
 	if len(r.Platforms) > MaxPlatforms {
 		add("platforms", "has %d entries, more than %d", len(r.Platforms), MaxPlatforms)
 	}
-	seen := map[string]bool{}
+	seen := map[string]string{}
 	for _, p := range r.Platforms {
+		c := canonicalPlatform(p)
 		if msg := PlatformProblem(p); msg != "" {
 			add("platforms", "%s", msg)
-		} else if seen[p] {
+		} else if first, ok := seen[c]; ok && first == p {
 			add("platforms", "%q is listed twice", p)
+		} else if ok {
+			add("platforms", "%q and %q are one platform, listed twice", first, p)
 		}
-		seen[p] = true
+		if _, ok := seen[c]; !ok {
+			seen[c] = p
+		}
 	}
 	if r.Image != "" {
 		if msg := RepositoryProblem(r.Image); msg != "" {
@@ -282,12 +287,35 @@ func DNSLabelProblem(v string) string {
 }
 
 // PlatformProblem says what makes p an invalid os/arch[/variant], or "".
+// A variant is one its architecture has (arm: v5, v6, v7; arm64: v8).
 func PlatformProblem(p string) string {
 	parts := strings.Split(p, "/")
 	if len(parts) < 2 || len(parts) > 3 || !knownOS[parts[0]] || !knownArch[parts[1]] || (len(parts) == 3 && !knownVarnt[parts[2]]) {
 		return fmt.Sprintf("%q is not a known platform (os/arch[/variant], e.g. linux/amd64)", truncate(p, 40))
 	}
+	if len(parts) == 3 && !archVariant[parts[1]][parts[2]] {
+		return fmt.Sprintf("%q: architecture %s has no variant %s", truncate(p, 40), parts[1], parts[2])
+	}
 	return ""
+}
+
+// archVariant lists the variants each architecture has.
+var archVariant = map[string]map[string]bool{"arm": {"v5": true, "v6": true, "v7": true}, "arm64": {"v8": true}}
+
+// canonicalPlatform spells p the way image indexes match it: arm64 is
+// arm64/v8 and arm is arm/v7 when no variant is named (as containerd
+// normalizes them), so two spellings of one platform are one.
+func canonicalPlatform(p string) string {
+	parts := strings.Split(p, "/")
+	if len(parts) == 2 {
+		switch parts[1] {
+		case "arm64":
+			return p + "/v8"
+		case "arm":
+			return p + "/v7"
+		}
+	}
+	return p
 }
 
 // RepositoryProblem says what makes s an invalid image repository, or "".

@@ -477,23 +477,30 @@ func (q *Queue) dispatched(ctx, workCtx context.Context, wg *sync.WaitGroup, d *
 		tk.slot.release()
 		return
 	}
-	act := q.handle(workCtx, Incoming{Msg: m, AckWait: tk.ackWait})
+	extra := q.extraSlots(tk.tenant, QueueSubject(tk.tenant, tk.prio), m.qseq)
+	act := q.handle(workCtx, Incoming{Msg: m, AckWait: tk.ackWait, Extra: extra})
 	if act.Kind == Retry || act.Kind == Later {
 		// Retried after transient trouble (or a wait for another
 		// worker's publish): the run it let go may have a Job running
-		// on, which its retry takes over. The slot is kept for it.
-		tk.slot.handBack(QueueSubject(tk.tenant, tk.prio), m.qseq, max(act.Delay, time.Millisecond))
+		// on, which its retry takes over. The slot is kept for it, and
+		// so are its extras (their builds may be running too).
+		retry := max(act.Delay, time.Millisecond)
+		extra.finish(true, retry)
+		tk.slot.handBack(QueueSubject(tk.tenant, tk.prio), m.qseq, retry)
 		return
 	}
 	if act.Kind != HandBack {
+		extra.finish(false, 0)
 		tk.slot.release()
 		return
 	}
 	if ctx.Err() != nil {
 		// Stopping: the request's build goes on and another worker
 		// takes the request on; the slot goes with it.
+		extra.finish(true, 0)
 		tk.slot.handBack(QueueSubject(tk.tenant, tk.prio), m.qseq, 0)
 	} else {
+		extra.finish(false, 0)
 		tk.slot.release()
 	}
 	// Other workers' dispatchers take the handed-back request now, not

@@ -133,6 +133,10 @@ type Incoming struct {
 	// Refused: intake refuses the request; it is answered with this
 	// instead of being built.
 	Refused *Refusal
+	// Extra takes more of the tenant's concurrency slots for the request
+	// (nil: none; intake's refusals, and tenants without a limit take
+	// none and need none).
+	Extra *ExtraSlots
 }
 
 // Refusal is why intake refused a request.

@@ -14,6 +14,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -23,6 +24,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/buildq/buildq/worker/internal/ledger"
+	"github.com/buildq/buildq/worker/internal/mutant"
 	"github.com/buildq/buildq/worker/internal/runs"
 )
 
@@ -71,6 +73,12 @@ type slotValue struct {
 	// a handed-back or lapsed key is kept for that request.
 	Subject  string `json:"subject,omitempty"`
 	QueueSeq uint64 `json:"queueSeq,omitempty"`
+	// Extra: one more slot of the request QueueSeq names, for a build it
+	// runs besides its first (an image index's platforms; ExtraSlots). A
+	// kept extra is free only once its request is finished — not when the
+	// request runs on a live key again, since the builds its earlier
+	// handler let go may still have Jobs running.
+	Extra bool `json:"extra,omitempty"`
 }
 
 // lease is the holder's lease (def for a value without one).
@@ -146,7 +154,7 @@ func (q *Queue) readSlot(key string, e jetstream.KeyValueEntry) slotState {
 // request runs on a live key (held: the queue sequences live keys name),
 // or its request is finished (its message gone from the queue).
 func (q *Queue) slotFree(ctx context.Context, s slotState, held map[uint64]bool) (bool, error) {
-	if s.v.QueueSeq == 0 || held[s.v.QueueSeq] {
+	if s.v.QueueSeq == 0 || (held[s.v.QueueSeq] && !s.v.Extra) {
 		return true, nil
 	}
 	_, err := q.queue.GetMsg(ctx, s.v.QueueSeq)
@@ -190,6 +198,12 @@ func (s *slot) bytes() []byte {
 // returns a kept key reserved for its request (s.reserved: not taken yet;
 // see takeReserved), or reports none.
 func (q *Queue) acquireSlot(ctx context.Context, tenant string, limit int) (*slot, bool) {
+	return q.acquireSlotFor(ctx, tenant, limit, 0)
+}
+
+// acquireSlotFor is acquireSlot preferring, among the kept keys, one kept
+// for the request of queue sequence mine (0: none).
+func (q *Queue) acquireSlotFor(ctx context.Context, tenant string, limit int, mine uint64) (*slot, bool) {
 	val := slotValue{Holder: q.cfg.ID + "/" + runs.NewRunID(), LeaseMs: q.cfg.Lease.Milliseconds()}
 	b, _ := json.Marshal(val)
 	var kept []slotState
@@ -224,7 +238,7 @@ func (q *Queue) acquireSlot(ctx context.Context, tenant string, limit int) (*slo
 			continue
 		}
 		if !free {
-			if reserved == nil {
+			if reserved == nil || (mine != 0 && st.v.QueueSeq == mine && reserved.v.QueueSeq != mine) {
 				reserved = &kept[i]
 			}
 			continue
@@ -242,33 +256,92 @@ func (q *Queue) acquireSlot(ctx context.Context, tenant string, limit int) (*slo
 	return nil, false
 }
 
-// ExtraSlot takes one more of tenant's concurrency slots for the request
-// whose queue message is msg, held by the caller, for a second build the
-// request runs at the same time (a platform of an image index): a tenant's
-// Jobs never outnumber its slots. ok is false when the tenant has none
-// free (the caller then builds on the slot it holds, one build at a time);
-// with no limit, ok is true and release does nothing. The slot names the
-// request like its first: if the worker dies it lapses and is kept for
-// the request, and freed once the request runs on a live slot again.
-func (q *Queue) ExtraSlot(ctx context.Context, tenant string, msg jetstream.Msg) (release func(), ok bool) {
-	limit := q.cfg.Fair.ConcurrencyOf(tenant)
-	if limit <= 0 || msg == nil {
-		return func() {}, true
-	}
-	meta, err := msg.Metadata()
-	if err != nil {
+// ExtraSlots lets the handler of one dispatched request take more of its
+// tenant's concurrency slots, for builds the request runs besides its
+// first (an image index's platforms, side by side): a tenant's Jobs never
+// outnumber its slots. Each extra names the request like its first and is
+// kept, handed back or released with it when the handler is done (finish),
+// unless the handler released it before (a platform's build ended). Kept
+// (its worker stopped or died, or the request is retried), it stays the
+// request's until the request is finished: the builds let go may still
+// have Jobs running. A nil *ExtraSlots takes nothing.
+type ExtraSlots struct {
+	q        *Queue
+	tenant   string
+	subject  string
+	qseq     uint64
+	limit    int
+	mu       sync.Mutex
+	held     []*slot
+	finished bool
+}
+
+func (q *Queue) extraSlots(tenant, subject string, qseq uint64) *ExtraSlots {
+	return &ExtraSlots{q: q, tenant: tenant, subject: subject, qseq: qseq, limit: q.cfg.Fair.ConcurrencyOf(tenant)}
+}
+
+// Take takes one more slot: one kept for this request first (its earlier
+// handler's), else a free one. ok is false when the tenant has none free
+// (the caller then builds on the slots it holds, one build at a time);
+// with no limit ok is true and release does nothing.
+func (e *ExtraSlots) Take(ctx context.Context) (release func(), ok bool) {
+	if e == nil {
 		return nil, false
 	}
-	s, ok := q.acquireSlot(ctx, tenant, limit)
-	if !ok || s.reserved {
-		return nil, false // a kept slot is its own request's
+	if e.limit <= 0 || mutant.On("index-ignores-slots") {
+		return func() {}, true
 	}
-	if err := s.hold(ctx, msg.Subject(), meta.Sequence.Stream); err != nil {
-		q.log.Warn("holding an extra concurrency slot failed", zap.String("slot", s.key), zap.Error(err))
+	s, ok := e.q.acquireSlotFor(ctx, e.tenant, e.limit, e.qseq)
+	if !ok {
+		return nil, false
+	}
+	s.val.Extra = true
+	if s.reserved {
+		if s.reservedFor.QueueSeq != e.qseq || s.reservedFor.Subject != e.subject {
+			return nil, false // kept for another request
+		}
+		if err := s.take(ctx); err != nil {
+			return nil, false
+		}
+	} else if err := s.hold(ctx, e.subject, e.qseq); err != nil {
+		e.q.log.Warn("holding an extra concurrency slot failed", zap.String("slot", s.key), zap.Error(err))
 		s.release() // or it lapses: it names no request
 		return nil, false
 	}
-	return s.release, true
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.finished {
+		s.release()
+		return nil, false
+	}
+	e.held = append(e.held, s)
+	return func() {
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		if i := slices.Index(e.held, s); i >= 0 {
+			e.held = slices.Delete(e.held, i, i+1)
+			s.release()
+		}
+	}, true
+}
+
+// finish ends the handler's hold of the extras still held: released, or
+// handed back (keep) for the request with retry as its delay.
+func (e *ExtraSlots) finish(keep bool, retry time.Duration) {
+	if e == nil {
+		return
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.finished = true
+	for _, s := range e.held {
+		if keep {
+			s.handBack(e.subject, e.qseq, retry)
+		} else {
+			s.release()
+		}
+	}
+	e.held = nil
 }
 
 // hold records the request a fresh slot was taken for — before the

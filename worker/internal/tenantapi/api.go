@@ -532,6 +532,16 @@ func (w *Service) stopBuild(ctx context.Context, tenant, key string, hadRequests
 				w.cfg.EndLog(lctx, final)
 			}()
 		}
+		// An image index's platforms: each one nobody else waits on is
+		// stopped too — its handler may be gone (a worker killed), and
+		// the platforms' Jobs would run on for nobody.
+		for _, pk := range cur.PlatformKeys {
+			if alone, err := w.Unwaited(ctx, "", "", pk); err == nil && alone {
+				if stopped, _ := w.stopBuild(ctx, tenant, pk, true); stopped {
+					w.cfg.Log.Info("build canceled with its image index", zap.String("key", pk), zap.String("index", key))
+				}
+			}
+		}
 		// The owner notices at its next renewal; stop the build now so
 		// nothing is pushed after the cancel.
 		if err := w.cfg.StopBuild(ctx, key, cur.Run); err != nil && !errors.Is(err, context.Canceled) {
