@@ -120,6 +120,8 @@ func TestWorkerDevAndRenderShareCrossFlagRules(t *testing.T) {
 		"tenant weight 0": {[]string{"--tenant-weight", "acme=0"}, "tenant weight of acme must be at least 1, got 0", false},
 		"bad log level":   {[]string{"--log-level", "loud"}, "--log-level: unrecognized level", false},
 		"bad log format":  {[]string{"--log-format", "xml"}, `--log-format must be json or console, got "xml"`, false},
+		"build log cap over the stream": {[]string{"--build-log-cap", "2097152", "--build-log-stream-max-bytes", "1048576"},
+			"--build-log-cap (2097152 bytes) must not exceed --build-log-stream-max-bytes (1048576)", false},
 	}
 	for name, r := range rules {
 		t.Run(name, func(t *testing.T) {

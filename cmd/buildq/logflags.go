@@ -26,5 +26,10 @@ func checkBuildLogs(l worker.LogsConfig) error {
 	if l.MaxAge < time.Minute || l.MaxBytes < 1<<20 || l.Retention < 0 {
 		return usageErr("--build-log-stream-max-age must be at least 1m, --build-log-stream-max-bytes at least 1 MiB, --build-log-retention not negative")
 	}
+	if l.Cap > l.MaxBytes {
+		// The stream drops the oldest logs first: one build's log larger
+		// than the stream could never be archived whole.
+		return usageErr("--build-log-cap (%d bytes) must not exceed --build-log-stream-max-bytes (%d)", l.Cap, l.MaxBytes)
+	}
 	return nil
 }

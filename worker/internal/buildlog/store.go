@@ -194,14 +194,27 @@ func Store(ctx context.Context, r *Reader, a Archive, key, run, object string) (
 
 // ReadArchive returns the log an archive holds, checking its digest.
 func ReadArchive(ctx context.Context, a Archive, ref *v1.LogRef) ([]byte, error) {
+	return readArchive(ctx, a, ref, maxArchiveBytes)
+}
+
+// readArchive is ReadArchive reading at most limit bytes (compressed, and
+// again uncompressed): an archive past it is an error, never a log cut
+// short without a word.
+func readArchive(ctx context.Context, a Archive, ref *v1.LogRef, limit int64) ([]byte, error) {
 	rc, err := a.Open(ctx, ref.Bucket, ref.Object)
 	if err != nil {
 		return nil, err
 	}
 	defer rc.Close()
-	z, err := io.ReadAll(io.LimitReader(rc, maxArchiveBytes))
+	tooLarge := func() error {
+		return fmt.Errorf("the log archive %s is larger than the %d MiB a worker reads of one", ref.Object, limit>>20)
+	}
+	z, err := io.ReadAll(io.LimitReader(rc, limit+1))
 	if err != nil {
 		return nil, fmt.Errorf("read the log archive %s: %w", ref.Object, err)
+	}
+	if int64(len(z)) > limit {
+		return nil, tooLarge()
 	}
 	if ref.Digest != "" {
 		sum := sha256.Sum256(z)
@@ -213,9 +226,12 @@ func ReadArchive(ctx context.Context, a Archive, ref *v1.LogRef) ([]byte, error)
 	if err != nil {
 		return nil, fmt.Errorf("the log archive %s: %w", ref.Object, err)
 	}
-	data, err := io.ReadAll(io.LimitReader(zr, maxArchiveBytes))
+	data, err := io.ReadAll(io.LimitReader(zr, limit+1))
 	if err != nil {
 		return nil, fmt.Errorf("the log archive %s: %w", ref.Object, err)
+	}
+	if int64(len(data)) > limit {
+		return nil, tooLarge()
 	}
 	return data, nil
 }

@@ -305,6 +305,14 @@ func TestArchive(t *testing.T) {
 	if !bytes.Equal(data, stored) || int64(len(data)) != ref.Bytes {
 		t.Fatalf("archive %q, stored %q", data, stored)
 	}
+	// An archive larger than a worker reads is an error, not a log cut
+	// short.
+	if _, err := readArchive(ctx, a, ref, int64(len(data))-1); err == nil || !strings.Contains(err.Error(), "larger than") {
+		t.Fatalf("an archive past the read limit: %v", err)
+	}
+	if got, err := readArchive(ctx, a, ref, int64(len(data))); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("an archive at the read limit: %v", err)
+	}
 	// The same log archives to the same bytes.
 	ref2, _ := Store(ctx, r, a, testKey, "r1", ref.Object)
 	if ref2.Digest != ref.Digest {
