@@ -140,7 +140,7 @@ func kubeConformance(t *testing.T, simulated bool) *conformanceBackend {
 		}), true)
 	}
 	w := newWorld(t, worldConfig{noNATS: true, registry: true, node: node})
-	backend, client := startConformanceKube(t, w, "w1")
+	backend, client, down := startConformanceKube(t, w, "w1")
 	var seq atomic.Int32
 	cb := &conformanceBackend{
 		backend: backend,
@@ -184,14 +184,10 @@ func kubeConformance(t *testing.T, simulated bool) *conformanceBackend {
 			return err == nil && j.Annotations[kaniko.AnnotationRun] == b.Run
 		},
 		another: func(t *testing.T) Backend {
-			b, _ := startConformanceKube(t, w, "w2")
+			b, _, _ := startConformanceKube(t, w, "w2")
 			return b
 		},
-		unavailable: func(*testing.T) {
-			client.PrependReactor("*", "*", func(k8stesting.Action) (bool, runtime.Object, error) {
-				return true, nil, apierrors.NewInternalError(errors.New("etcdserver: leader changed"))
-			})
-		},
+		unavailable: func(*testing.T) { down.Store(true) },
 		removeExternally: func(t *testing.T, b Build) {
 			bg := metav1.DeletePropagationBackground
 			if err := w.api.do(func() error {
@@ -206,9 +202,19 @@ func kubeConformance(t *testing.T, simulated bool) *conformanceBackend {
 
 // startConformanceKube starts a KubeBackend on w's API server with a
 // client and informers of its own, as a worker does.
-func startConformanceKube(t *testing.T, w *world, name string) (*KubeBackend, *apiClient) {
+func startConformanceKube(t *testing.T, w *world, name string) (*KubeBackend, *apiClient, *atomic.Bool) {
 	t.Helper()
 	client := w.api.newClient(name, nil)
+	// The API server down (unavailable): a reactor in place before any
+	// informer reads the client's reactors, switched on later (adding one
+	// while informers list would race with them).
+	down := &atomic.Bool{}
+	client.PrependReactor("*", "*", func(k8stesting.Action) (bool, runtime.Object, error) {
+		if !down.Load() {
+			return false, nil, nil
+		}
+		return true, nil, apierrors.NewInternalError(errors.New("etcdserver: leader changed"))
+	})
 	factory := kube.NewInformerFactory(client, simKaniko.Namespace)
 	watcher, err := kube.NewWatcher(factory, nil)
 	if err != nil {
@@ -228,7 +234,7 @@ func startConformanceKube(t *testing.T, w *world, name string) (*KubeBackend, *a
 	if !watcher.WaitForSync(ctx) {
 		t.Fatal("informers did not sync")
 	}
-	return backend, client
+	return backend, client, down
 }
 
 // ---- the local backend ----

@@ -190,9 +190,19 @@ func (w *builder) buildIndex(ctx context.Context, req *v1.Request, repo string, 
 				parts[i] = platformBuild{platform: p, key: keys[i], err: context.Cause(subCtx)}
 				return
 			}
+			// A platform that waited for a slot starts only while the
+			// index run is still current: a cancel ends the run, and
+			// stops its platforms, before its handler hears of it.
+			if !b.current(subCtx) {
+				parts[i] = platformBuild{platform: p, key: keys[i], err: errNotCurrent}
+				cancelSubs(errNotCurrent)
+				slots.done(true)
+				return
+			}
 			parts[i] = w.buildPlatform(subCtx, req, repo, seq, b, p, keys[i])
 			if err := parts[i].err; err != nil {
-				cancelSubs(err)
+				// The first error ends the others: it is the run's.
+				cancelSubs(fmt.Errorf("platform %s: %w", p, err))
 			}
 			slots.done(parts[i].err == nil)
 		})
@@ -201,10 +211,10 @@ func (w *builder) buildIndex(ctx context.Context, req *v1.Request, repo string, 
 	if err := ctx.Err(); err != nil {
 		return Outcome{}, context.Cause(ctx)
 	}
-	for _, pb := range parts {
-		if pb.err != nil {
-			return Outcome{}, fmt.Errorf("platform %s: %w", pb.platform, pb.err)
-		}
+	if err := context.Cause(subCtx); err != nil {
+		// Not the others' context.Canceled: the error that ended them
+		// (a transient one retries the request).
+		return Outcome{}, err
 	}
 	if out, failed := indexFailure(parts); failed {
 		return out, nil

@@ -375,3 +375,12 @@ func TestWorldAPIWatchResumesOrAnswersGone(t *testing.T) {
 		t.Errorf("a watch from 1, compacted away: %s %+v, want 410 Gone", ev.Type, ev.Object)
 	}
 }
+
+// PrependReactor is the fake's, under the lock its Invokes holds: tests
+// add reactors while the worker's informers list (the fake's own
+// PrependReactor takes no lock).
+func (c *apiClient) PrependReactor(verb, resource string, reaction k8stesting.ReactionFunc) {
+	c.Clientset.Lock()
+	defer c.Clientset.Unlock()
+	c.Clientset.PrependReactor(verb, resource, reaction)
+}
