@@ -69,6 +69,7 @@ var mutantCatalogue = []mutantCase{
 	{"logs-before-possession", "a request id reaches another tenant's build's log only once the request waits on it (possession shown)", []string{"TestLogAttackNoForeignLogBeforePossession"}},
 	{"logs-any-tenant", "a build's log is served by key only to the tenant that claimed it or waits on it", []string{"TestBuildLogsOfALocalBuild"}},
 	{"index-ignores-slots", "an image index runs at most as many platform builds at once as its request holds concurrency slots", []string{"TestIndexPlatformsStayWithinTheTenantsConcurrencyLimit"}},
+	{"extra-slot-free-on-live-key", "an image index's extra slot, kept, stays its request's until the request is finished, even once the request runs on a live slot again", []string{"TestAttack_KilledIndexExtraSlotIsKeptForItsRequest", "TestAttack_IndexExtraSlotIsKeptWhileItsPlatformJobRunsAfterShutdown", "TestAttack_RetriedIndexKeepsItsExtraSlotsWhileItsPlatformJobsRun"}},
 	{"index-cancel-stops-shared", "a canceled image index stops only the platform builds no other request waits on", []string{"TestCanceledIndexStopsItsUnsharedPlatformBuilds"}},
 	{"claimer-takes-others-cancel", "a claimer answers \"canceled\" from its own run only when its own request was canceled; a run another request's cancel stopped is built again", []string{"TestClaimerNotCanceledBuildsAgainAfterAnotherRequestsCancel"}},
 }
