@@ -171,9 +171,10 @@ func (w *builder) buildIndex(ctx context.Context, req *v1.Request, repo string, 
 	for i, p := range plats {
 		keys[i] = w.keyOf(platformSub(req, b, p))
 	}
-	done := make(chan struct{})
+	done, stopped := make(chan struct{}), make(chan struct{})
 	defer close(done)
 	go func() {
+		defer close(stopped)
 		select {
 		case <-ctx.Done():
 			w.stopCanceledPlatforms(req, b, plats, keys)
@@ -209,6 +210,9 @@ func (w *builder) buildIndex(ctx context.Context, req *v1.Request, repo string, 
 	}
 	wg.Wait()
 	if err := ctx.Err(); err != nil {
+		// A canceled index's platforms are stopped, and their Jobs gone,
+		// before its handler settles and frees the request's slots.
+		<-stopped
 		return Outcome{}, context.Cause(ctx)
 	}
 	if err := context.Cause(subCtx); err != nil {
@@ -252,8 +256,22 @@ func (w *builder) stopCanceledPlatforms(req *v1.Request, b Build, plats, keys []
 	if err != nil || le == nil || !le.E.Canceled {
 		return // a shutdown, a lost claim: the platforms' runs are let go, not stopped
 	}
-	if alone, err := w.api.Unwaited(ctx, req.Tenant, req.RequestID, b.Key); err != nil || !alone {
-		return // the index goes on for others: whoever takes it over needs them
+	// The cancel ends the index run (when nobody else waits on it) a
+	// moment after it tells this handler: a run it ended is over whoever
+	// comes to wait on its key meanwhile (a resubmit starts a new run).
+	ended := false
+	for deadline := time.Now().Add(2 * time.Second); !ended && time.Now().Before(deadline); {
+		cur, _, err := w.runs.Get(ctx, b.Key)
+		if err == nil && (cur == nil || cur.Run != b.Run || cur.Final()) {
+			ended = true
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if !ended {
+		if alone, err := w.api.Unwaited(ctx, req.Tenant, req.RequestID, b.Key); err != nil || !alone {
+			return // the index goes on for others: whoever takes it over needs them
+		}
 	}
 	for i, key := range keys {
 		stopped, err := w.api.StopUnwaited(ctx, req.Tenant, req.RequestID, key)
@@ -262,6 +280,16 @@ func (w *builder) stopCanceledPlatforms(req *v1.Request, b Build, plats, keys []
 			w.log.Warn("cancel: stopping a platform's build failed", zap.String("key", key), zap.Error(err))
 		case stopped:
 			w.log.Info("cancel: stopped the build of a canceled index's platform", zap.String("key", key), zap.String("platform", plats[i]))
+		default:
+			// Stopped already (the cancel's own stop, on whichever
+			// worker answered it, may still be deleting its Job): the
+			// Job of a run ended Canceled goes now, before this
+			// request's slots are freed for the tenant's next build.
+			if rec, _, err := w.runs.Get(ctx, key); err == nil && rec != nil && rec.Final() && rec.Reason == v1.ReasonCanceled && !w.cfg.KeepJobs {
+				if err := w.backend.Cleanup(ctx, key, rec.Run); err != nil {
+					w.log.Warn("cancel: removing a platform's build failed", zap.String("key", key), zap.Error(err))
+				}
+			}
 		}
 	}
 }
