@@ -208,13 +208,13 @@ func TestReadmeQuickStart(t *testing.T) {
 	}
 }
 
-// startReadmeDev starts `buildq dev` on the test's addresses and returns
-// its ready line.
-func startReadmeDev(t *testing.T, root string, env []string, addrs map[string]string) string {
+// startReadmeDev starts `buildq dev` on the test's addresses (and with
+// extra arguments) and returns its ready line.
+func startReadmeDev(t *testing.T, root string, env []string, addrs map[string]string, extra ...string) string {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	dev := exec.CommandContext(ctx, filepath.Join(shared.bin, "buildq"), "dev",
-		"--nats-addr", addrs["nats"], "--s3-addr", addrs["s3"], "--registry-addr", addrs["registry"], "--gateway-addr", addrs["gateway"])
+	dev := exec.CommandContext(ctx, filepath.Join(shared.bin, "buildq"), append([]string{"dev",
+		"--nats-addr", addrs["nats"], "--s3-addr", addrs["s3"], "--registry-addr", addrs["registry"], "--gateway-addr", addrs["gateway"]}, extra...)...)
 	dev.Dir, dev.Env = root, env
 	var logs lockedBuffer
 	stderr, err := dev.StderrPipe()

@@ -28,6 +28,7 @@ import (
 	"k8s.io/apimachinery/pkg/watch"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/attest"
 	"github.com/buildq/buildq/internal/kaniko"
 )
 
@@ -41,7 +42,11 @@ func TestRealNode(t *testing.T) {
 	base := map[string]string{"BASE": node.images.base}
 
 	t.Run("Dockerfile with RUN, USER, WORKDIR, ARG and COPY --from", func(t *testing.T) {
-		s := newSuite(t, options{node: node, workerArgs: []string{"--keep-jobs"}})
+		keys := t.TempDir()
+		if _, _, err := attest.EnsureKeyPair(keys); err != nil {
+			t.Fatal(err)
+		}
+		s := newSuite(t, options{node: node, workerArgs: []string{"--keep-jobs", "--signing-key", filepath.Join(keys, attest.PrivateKeyFile)}})
 		s.startWorker("w1")
 		res := s.collect()
 		dir := contextDir(t, map[string]string{
@@ -90,6 +95,11 @@ COPY hello.txt /srv/hello.txt
 		if term == nil || term.ExitCode != 0 || strings.TrimSpace(term.Message) != r.Data.Digest {
 			t.Fatalf("kaniko container terminated %+v, want exit 0 with message %s", term, r.Data.Digest)
 		}
+
+		// Issue 30: the signed provenance names the base image kaniko
+		// built on, by the digest it pulled: the built image's layers
+		// begin with that image's.
+		checkRealNodeProvenance(t, s, r.Data, filepath.Join(keys, attest.PublicKeyFile), node.images.base)
 
 		files := imageFiles(t, r.Data.Image+"@"+r.Data.Digest)
 		want := map[string]struct {
@@ -596,4 +606,81 @@ func hostProcs(words ...string) []int {
 		}
 	}
 	return pids
+}
+
+// checkRealNodeProvenance verifies the attestation of the image d names
+// under pub, and that it names base as the one base image, by the digest
+// whose layers begin the built image's.
+func checkRealNodeProvenance(t *testing.T, s *suite, d v1.ResultData, pub, base string) {
+	t.Helper()
+	ctx := context.Background()
+	v, err := attest.LoadVerifier(pub)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref, err := name.NewDigest(strings.SplitN(d.ImageRef, "@", 2)[0]+"@"+d.Digest, name.Insecure)
+	if err != nil {
+		t.Fatal(err)
+	}
+	opts := s.regClient.RemoteOptions(ctx)
+	p, err := attest.Verify(ctx, ref, v, opts)
+	if err != nil {
+		t.Fatalf("the built image's provenance: %v", err)
+	}
+	if p.Referrer != d.Attestation || p.InvocationID != d.RequestID {
+		t.Fatalf("provenance %s for %s, the result names %s for %s", p.Referrer, p.InvocationID, d.Attestation, d.RequestID)
+	}
+	var bases []attest.Dependency
+	for _, dep := range p.Dependencies {
+		if dep.Name == "base" {
+			bases = append(bases, dep)
+		}
+	}
+	if len(bases) != 1 || bases[0].URI != base {
+		t.Fatalf("base images %+v, want %s once", bases, base)
+	}
+	built, err := remote.Image(ref, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	br, err := name.ParseReference(base, name.Insecure)
+	if err != nil {
+		t.Fatal(err)
+	}
+	baseRef := br.Context().Digest(bases[0].Digest)
+	baseImg, err := remote.Image(baseRef, opts...)
+	if err != nil {
+		t.Fatalf("the base image the provenance names (%s): %v", baseRef, err)
+	}
+	bl, err := baseImg.Layers()
+	if err != nil {
+		t.Fatal(err)
+	}
+	il, err := built.Layers()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(bl) == 0 || len(bl) > len(il) {
+		t.Fatalf("base %s has %d layers, the built image %d", baseRef, len(bl), len(il))
+	}
+	for i := range bl {
+		bd, _ := bl[i].Digest()
+		id, _ := il[i].Digest()
+		if bd != id {
+			t.Fatalf("layer %d of the built image is %s, of the base the provenance names %s", i, id, bd)
+		}
+	}
+	if df, _ := p.External["dockerfile"].(map[string]any); df["digest"] == nil {
+		t.Fatalf("the provenance names no Dockerfile digest: %v", p.External)
+	}
+	if ex := func() string {
+		for _, dep := range p.Dependencies {
+			if dep.Name == "executor" {
+				return dep.URI + "@" + dep.Digest
+			}
+		}
+		return ""
+	}(); ex != s.executorImage {
+		t.Fatalf("executor %q, want %s", ex, s.executorImage)
+	}
 }

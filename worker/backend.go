@@ -6,6 +6,7 @@ import (
 	"time"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/attest"
 )
 
 // Build is one run of a build key: the request it runs for, the key, the
@@ -57,6 +58,12 @@ type Outcome struct {
 	Run        string
 	StartedAt  time.Time
 	FinishedAt time.Time
+	// What the build used, for its provenance (attest.go): the base
+	// images it pulled, the Dockerfile's digest when the backend read it,
+	// and the executor that ran it.
+	Bases            []BaseImage
+	DockerfileDigest string
+	Executor         attest.Dependency
 }
 
 // Started tells the worker that a build is running: created is false when

@@ -363,6 +363,7 @@ func (w *builder) newClaim(req *v1.Request, key, repo string, dests []string, se
 		Holder:     ledger.Key(req.Tenant, req.RequestID),
 		Repository: repo, Destinations: dests, StartedAt: now,
 		Source: &src, Timeout: req.Timeout, SecretBuildArgs: req.SecretBuildArgs,
+		SourceInfo: w.sourceInfo.get(req.Tenant, req.RequestID),
 	}
 }
 

@@ -59,6 +59,9 @@ type Config struct {
 	// goes through Registry). An error refuses the tenant's requests as
 	// InvalidRequest before anything is created.
 	RegistryFor func(tenant string) (Registry, error)
+	// Attestor signs and attaches the provenance of every image the
+	// worker builds (nil: none).
+	Attestor Attestor
 	// QueueTTL bounds how long a request may wait in the queue: a request
 	// first taken more than QueueTTL after the server stored it gets a
 	// failed result with reason Expired and is terminated without a build.

@@ -21,6 +21,7 @@ import (
 	"go.uber.org/zap"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/attest"
 	"github.com/buildq/buildq/internal/kaniko"
 	"github.com/buildq/buildq/internal/kube"
 	"github.com/buildq/buildq/internal/registry"
@@ -578,3 +579,7 @@ func (k *KubeBackend) reconcileJob(ctx context.Context, name string, finish func
 	out.Message, out.LogTail = maskSecrets(out.Message, secrets), maskSecrets(out.LogTail, secrets)
 	return finish(ctx, key, out), false
 }
+
+// Executor implements ExecutorDescriber: the kaniko executor image, by
+// the digest it is pinned to.
+func (k *KubeBackend) Executor() attest.Dependency { return ExecutorOf(k.cfg.ExecutorImage) }

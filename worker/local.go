@@ -2,12 +2,15 @@ package worker
 
 import (
 	"context"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"os"
+	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -18,6 +21,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/remote/transport"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/attest"
 	"github.com/buildq/buildq/internal/contexttar"
 	"github.com/buildq/buildq/internal/localexec"
 	"github.com/buildq/buildq/internal/s3store"
@@ -71,6 +75,32 @@ func NewLocalBackend(contexts ContextSource, pusher ImagePusher, workDir string,
 
 // Identity implements Backend.
 func (l *LocalBackend) Identity() string { return localexec.Identity }
+
+// Executor implements ExecutorDescriber: the in-process executor is the
+// worker's own binary, named by its digest.
+func (l *LocalBackend) Executor() attest.Dependency {
+	executorOnce.Do(func() {
+		exe, err := os.Executable()
+		if err != nil {
+			return
+		}
+		f, err := os.Open(exe)
+		if err != nil {
+			return
+		}
+		defer f.Close()
+		h := sha256.New()
+		if _, err := io.Copy(h, f); err == nil {
+			executorDep = attest.Dependency{URI: "buildq:" + localexec.Identity, Digest: fmt.Sprintf("sha256:%x", h.Sum(nil)), Name: "executor"}
+		}
+	})
+	return executorDep
+}
+
+var (
+	executorOnce sync.Once
+	executorDep  attest.Dependency
+)
 
 // Run implements Backend. Calls for the same run of a key in this process
 // share one build; a call for another run stops the stale one first.
@@ -239,7 +269,16 @@ func (l *LocalBackend) build(ctx context.Context, b Build) (Outcome, error) {
 		return Outcome{}, fmt.Errorf("layer work dir: %w", err)
 	}
 	defer os.RemoveAll(layers)
+	var (
+		basesMu sync.Mutex
+		bases   []BaseImage
+	)
 	img, err := localexec.Build(ctx, localexec.Options{
+		Pulled: func(ref, digest string) {
+			basesMu.Lock()
+			defer basesMu.Unlock()
+			bases = append(bases, BaseImage{Ref: ref, Digest: digest})
+		},
 		ContextDir: dir,
 		LayerDir:   layers,
 		Dockerfile: req.DockerfileOrDefault(),
@@ -277,7 +316,13 @@ func (l *LocalBackend) build(ctx context.Context, b Build) (Outcome, error) {
 		return fail(v1.ReasonPushFailed, "push: "+err.Error())
 	}
 	own("pushed %s", digest)
-	return Outcome{Succeeded: true, Digest: digest, StartedAt: start, FinishedAt: time.Now().UTC()}, nil
+	basesMu.Lock()
+	out := Outcome{Succeeded: true, Digest: digest, StartedAt: start, FinishedAt: time.Now().UTC(), Bases: slices.Clone(bases)}
+	basesMu.Unlock()
+	if df, err := os.ReadFile(filepath.Join(dir, filepath.FromSlash(req.DockerfileOrDefault()))); err == nil {
+		out.DockerfileDigest = fmt.Sprintf("sha256:%x", sha256.Sum256(df))
+	}
+	return out, nil
 }
 
 // baseImageFailure classifies a failed pull of a base image by the

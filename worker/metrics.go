@@ -27,6 +27,7 @@ type Metrics struct {
 	refused   *prometheus.CounterVec
 	logs      *prometheus.CounterVec
 	logBytes  prometheus.Counter
+	attests   prometheus.Counter
 }
 
 // NewMetrics registers the worker's metrics with reg.
@@ -99,8 +100,12 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		Name: "buildq_build_log_bytes_total",
 		Help: "Bytes of build log lines this worker stored into BUILDQ_LOGS.",
 	})
+	m.attests = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "buildq_attestations_total",
+		Help: "Signed provenance statements this worker attached to the images it built.",
+	})
 	reg.MustRegister(m.results, m.inFlight, m.queueWait, m.buildTime, m.retries, m.dupes, m.parks, m.requeues, m.parkedNow,
-		m.running, m.queued, m.dead, m.ready, m.refused, m.logs, m.logBytes)
+		m.running, m.queued, m.dead, m.ready, m.refused, m.logs, m.logBytes, m.attests)
 	return m
 }
 
@@ -172,6 +177,13 @@ func (m *Metrics) requeued() {
 func (m *Metrics) setParked(n int) {
 	if m != nil {
 		m.parkedNow.Set(float64(n))
+	}
+}
+
+// attested counts an attestation attached.
+func (m *Metrics) attested() {
+	if m != nil {
+		m.attests.Inc()
 	}
 }
 

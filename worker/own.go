@@ -159,6 +159,19 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 	// Secret build arguments are masked in what the result says too.
 	out.Message, out.LogTail = maskSecrets(out.Message, secrets), maskSecrets(out.LogTail, secrets)
 	final := finalRecord(&held, out, w.cfg.Now())
+	if out.Succeeded {
+		// Every image built is attested before its run ends: the
+		// record's end is what answers, with the attestation's digest.
+		att, facts, err := w.attestRun(ctx, rreq, final, out, live)
+		if err != nil {
+			w.releaseClaim(ctx, &held, heldRev, maskSecrets(v1.ReasonInfrastructureError+": "+err.Error(), secrets))
+			return nil, "", false, Transient(err)
+		}
+		final.Attestation, final.Provenance = att, facts
+		if live != nil && att != "" {
+			_ = live.Own(ctx, "attached the signed provenance "+att+" to "+final.Repository+"@"+final.Digest)
+		}
+	}
 	final.Logs = w.logs.finish(ctx, lw, final)
 	if w.faults != nil && w.faults.beforeFinalize != nil {
 		w.faults.beforeFinalize(held.Key)

@@ -140,10 +140,20 @@ type BuildRecord struct {
 	// SecretBuildArgs names the build arguments the claimer marked secret
 	// (names only): the run's log masks them whoever runs it.
 	SecretBuildArgs []string `json:"secretBuildArgs,omitempty"`
-	Image           string   `json:"image,omitempty"`
+	// SourceInfo is where the claimer's context came from (a git url,
+	// ref and commit), for the run's provenance.
+	SourceInfo *SourceInfo `json:"sourceInfo,omitempty"`
+	Image      string      `json:"image,omitempty"`
 	// Pushed lists every repo:tag known to point at Digest.
 	Pushed []string `json:"pushed,omitempty"`
 	Digest string   `json:"digest,omitempty"`
+	// Attestation is the digest of the signed provenance attached to the
+	// image at Digest (an OCI referrer in Repository).
+	Attestation string `json:"attestation,omitempty"`
+	// Provenance is what the build used beyond its request's inputs, as
+	// its attestation states it: another tenant answered from the build
+	// gets a statement of its own from it.
+	Provenance *BuildProvenance `json:"provenance,omitempty"`
 	// PlatformKeys maps each platform of an image index's run to the
 	// build key of that platform's build (a cancel of the index stops
 	// them too).
@@ -197,4 +207,23 @@ type StatusReply struct {
 	Request *RequestEntry `json:"request,omitempty"`
 	Build   *BuildRecord  `json:"build,omitempty"`
 	Error   string        `json:"error,omitempty"`
+}
+
+// BuildProvenance is what a build used, as its attestation names it.
+type BuildProvenance struct {
+	// Worker ran the build.
+	Worker string `json:"worker,omitempty"`
+	// DockerfileDigest is "sha256:…" of the Dockerfile built.
+	DockerfileDigest string `json:"dockerfileDigest,omitempty"`
+	// Bases are the base images pulled, by digest.
+	Bases []ImageDigest `json:"bases,omitempty"`
+	// Executor is the executor (an image, or the in-process executor) by
+	// digest.
+	Executor *ImageDigest `json:"executor,omitempty"`
+}
+
+// ImageDigest is an image (or a binary) as named, and its digest.
+type ImageDigest struct {
+	Ref    string `json:"ref"`
+	Digest string `json:"digest"`
 }

@@ -378,12 +378,16 @@ type ResultData struct {
 	// Platforms maps each platform of a multi-platform request to its
 	// image's digest (the image index at Digest references them).
 	Platforms map[string]string `json:"platforms,omitempty"`
-	Reason    string            `json:"reason,omitempty"`
-	Message   string            `json:"message,omitempty"`
-	LogTail   string            `json:"logTail,omitempty"`
-	Job       string            `json:"job,omitempty"`
-	Attempts  int               `json:"attempts,omitempty"`
-	Timings   Timings           `json:"timings"`
+	// Attestation is the digest of the signed SLSA provenance attached
+	// to the image at Digest as an OCI referrer (`buildq verify` and
+	// `cosign verify-attestation` check it).
+	Attestation string  `json:"attestation,omitempty"`
+	Reason      string  `json:"reason,omitempty"`
+	Message     string  `json:"message,omitempty"`
+	LogTail     string  `json:"logTail,omitempty"`
+	Job         string  `json:"job,omitempty"`
+	Attempts    int     `json:"attempts,omitempty"`
+	Timings     Timings `json:"timings"`
 	// Source is what this request's context was built from (git url,
 	// ref, resolved commit, context digest); set for git sources.
 	Source *SourceInfo `json:"source,omitempty"`

@@ -58,6 +58,10 @@ type serveConfig struct {
 	// registryConfig is the docker config.json of the worker's own
 	// registry calls.
 	registryConfig string
+	// signingKey is the deployment's private key (PEM) that signs every
+	// image's provenance; builderID is the provenance's builder id.
+	signingKey string
+	builderID  string
 	// tenantRegistryConfigs holds <tenant>/config.json, each tenant's own
 	// registry credentials (--tenant-registry-secret's Secrets, mounted).
 	tenantRegistryConfigs string

@@ -18,6 +18,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
+	"github.com/buildq/buildq/internal/attest"
 	"github.com/buildq/buildq/internal/contexttar"
 	"github.com/buildq/buildq/internal/devstack"
 	"github.com/buildq/buildq/internal/kaniko"
@@ -169,6 +170,12 @@ func runDev(ctx context.Context, stderr io.Writer, c *serveConfig, gw *devGatewa
 			strings.Join(exposed, " and "))
 	}
 
+	// Every build is attested with the data directory's key pair, made on
+	// the first start; `buildq verify IMAGE --key <data>/signing.pub`.
+	signer, _, err := attest.EnsureKeyPair(dataDir)
+	if err != nil {
+		return failed(err)
+	}
 	reg, err := registry.New(registry.Options{Insecure: []string{stack.RegistryAddr}})
 	if err != nil {
 		return failed(err)
@@ -228,6 +235,7 @@ func runDev(ctx context.Context, stderr io.Writer, c *serveConfig, gw *devGatewa
 		cfg.Naming.Registry = stack.RegistryAddr
 	}
 	cfg.Registry = reg
+	cfg.Attestor = &worker.SigningAttestor{Signer: signer, BuilderID: c.builderID}
 	// Tenants are answered from one another's builds only for content
 	// they hold, as with a worker.
 	cfg.Contexts = store
@@ -262,8 +270,8 @@ func runDev(ctx context.Context, stderr io.Writer, c *serveConfig, gw *devGatewa
 	if temporary {
 		keep += " (temporary; pass --data to keep images across restarts)"
 	}
-	fmt.Fprintf(stderr, "buildq dev ready  nats=%s  s3=%s (bucket %s)  registry=%s%s  executor=%s  data=%s\n",
-		stack.NATSURL, stack.S3Endpoint, stack.Bucket, stack.RegistryAddr, gwURL, executor, keep)
+	fmt.Fprintf(stderr, "buildq dev ready  nats=%s  s3=%s (bucket %s)  registry=%s%s  executor=%s  data=%s  signing-key=%s\n",
+		stack.NATSURL, stack.S3Endpoint, stack.Bucket, stack.RegistryAddr, gwURL, executor, keep, filepath.Join(dataDir, attest.PublicKeyFile))
 
 	err = <-done
 	fmt.Fprintln(stderr, "buildq dev stopping")

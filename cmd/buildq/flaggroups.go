@@ -43,6 +43,9 @@ var flagGroups = []flagGroup{
 		"registry", "registry-config", "registry-secret", "insecure-registry", "allowed-registry",
 		"allowed-destination", "naming-mode", "naming-project", "naming-prefix", "harbor",
 	}},
+	{"attestation", "Provenance (signed, attached to every image)", []string{
+		"signing-key", "builder-id",
+	}},
 	{"tenants", "Tenants", []string{
 		"single-tenant", "tenant-weight", "tenant-concurrency", "tenant-queue-limit",
 		"tenant-registry-secret", "tenant-registry-configs", "tenant-git-secret", "tenant-git-configs",

@@ -5,6 +5,7 @@ import (
 
 	"github.com/spf13/pflag"
 
+	"github.com/buildq/buildq/internal/attest"
 	"github.com/buildq/buildq/internal/kaniko"
 	"github.com/buildq/buildq/internal/naming"
 	"github.com/buildq/buildq/worker"
@@ -53,6 +54,8 @@ func (c *serveConfig) registerWorker(fs *pflag.FlagSet) {
 	fs.StringVar(&c.s3SecretKey, "s3-secret-key", "", "with --fetch-image: S3 secret key (also AWS_SECRET_ACCESS_KEY)")
 	fs.StringVar(&c.registryConfig, "registry-config", "", "docker config.json the worker checks and tags images with: the same credentials as --registry-secret (mount that Secret); empty: anonymous")
 	registerKaniko(fs, &c.kaniko, &c.naming, &c.platformNodeSelectors)
+	fs.StringVar(&c.signingKey, "signing-key", "", "PEM private key (ECDSA P-256 or Ed25519, unencrypted; mount it from a Secret) that signs the SLSA provenance attached to every image built; empty: images are not attested")
+	registerBuilderID(fs, &c.builderID)
 	c.git.register(fs, false)
 	registerBuildLogs(fs, &w.Logs)
 
@@ -86,6 +89,7 @@ func (c *serveConfig) registerDev(fs *pflag.FlagSet) {
 	fs.BoolVar(&c.dev.unsafeListen, "unsafe-listen", false, "let --s3-addr and --registry-addr be non-loopback addresses a cluster's Pods can reach; both have no authentication")
 	registerKaniko(fs, &c.kaniko, &c.naming, &c.platformNodeSelectors)
 	registerFair(fs, &c.worker.Fair)
+	registerBuilderID(fs, &c.builderID)
 	c.git.register(fs, true)
 	registerBuildLogs(fs, &c.worker.Logs)
 	fs.StringVar(&c.logLevel, "log-level", "info", "log level: debug, info, warn, error")
@@ -154,4 +158,9 @@ func registerKaniko(fs *pflag.FlagSet, kc *kaniko.Config, np *naming.Policy, pla
 	fs.BoolVar(&np.Harbor, "harbor", false, "the registry is Harbor: create each project (the tenant, or --naming-project) on demand")
 	fs.StringSliceVar(&np.Registries, "allowed-registry", nil, "the only registries (host[:port]) a request may make the worker contact: destinations, and base images of the local executor (buildq dev); others are InvalidRequest (default: any a destination pattern allows)")
 	fs.StringSliceVar(&np.Allowed, "allowed-destination", nil, "repositories a tenant may push to, as patterns with {registry}, {tenant} and {project}; * matches within a path segment, ** across (default: {registry}/{tenant}/** in project mode, {registry}/{project}/{tenant}/** with --naming-project, {registry}/{prefix}{tenant}_* in flat mode)")
+}
+
+// registerBuilderID is the provenance's builder id flag.
+func registerBuilderID(fs *pflag.FlagSet, id *string) {
+	fs.StringVar(id, "builder-id", attest.DefaultBuilderID, "builder id (a URI naming this deployment) in the SLSA provenance of every image built")
 }

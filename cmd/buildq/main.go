@@ -86,7 +86,7 @@ result event per request. Run "buildq dev" for the whole stack on a laptop.`,
 	root.SetFlagErrorFunc(func(c *cobra.Command, err error) error {
 		return usageErr("%v\nRun '%s --help' for usage.", err, c.CommandPath())
 	})
-	root.AddCommand(newWorkerCmd(), newDevCmd(), newSubmitCmd(), newWatchCmd(), newStatusCmd(), newCancelCmd(), newLogsCmd(), newRenderCmd(), newFetchContextCmd(), newNATSConfigCmd(), newGatewayCmd())
+	root.AddCommand(newWorkerCmd(), newDevCmd(), newSubmitCmd(), newWatchCmd(), newStatusCmd(), newCancelCmd(), newLogsCmd(), newRenderCmd(), newFetchContextCmd(), newNATSConfigCmd(), newGatewayCmd(), newVerifyCmd())
 	return root
 }
 

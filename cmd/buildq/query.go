@@ -204,6 +204,9 @@ on buildq.api.status.<tenant> with that tenant's requests and builds only.`,
 				if b.Digest != "" {
 					fmt.Fprintf(out, "image    %s@%s\n", b.Repository, b.Digest)
 				}
+				if b.Attestation != "" {
+					fmt.Fprintf(out, "provenance %s\n", b.Attestation)
+				}
 				printPlatforms(out, "platform ", b.Platforms)
 				if b.State == v1.StateBuilding && b.Owner != "" {
 					fmt.Fprintf(out, "owner    %s\n", b.Owner)

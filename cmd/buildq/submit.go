@@ -280,6 +280,10 @@ func printResult(stdout io.Writer, res *v1.Result, asJSON bool) error {
 			if src := d.Source; src != nil && src.Commit != "" {
 				fmt.Fprintf(stdout, "  source %s@%s (%s), context %s\n", src.GitURL, src.Commit, cmp.Or(src.Ref, "commit"), short(src.ContextDigest))
 			}
+			if d.Attestation != "" {
+				// The signed provenance; buildq verify checks it.
+				fmt.Fprintf(stdout, "  provenance %s\n", d.Attestation)
+			}
 		default:
 			fmt.Fprintf(stdout, "%s: %s: %s\n", d.Status, d.Reason, d.Message)
 			if len(d.Platforms) > 0 {

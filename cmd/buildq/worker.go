@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/spf13/cobra"
 
+	"github.com/buildq/buildq/internal/attest"
 	"github.com/buildq/buildq/internal/kube"
 	"github.com/buildq/buildq/internal/registry"
 	"github.com/buildq/buildq/internal/s3store"
@@ -96,6 +97,15 @@ func runWorker(ctx context.Context, c *serveConfig) error {
 		return usageErr("%v", err)
 	}
 	cfg.Registry = reg
+	if c.signingKey != "" {
+		signer, err := attest.LoadSigner(c.signingKey)
+		if err != nil {
+			return usageErr("--signing-key: %v", err)
+		}
+		cfg.Attestor = &worker.SigningAttestor{Signer: signer, BuilderID: c.builderID}
+	} else {
+		log.Warn("no --signing-key: the images this worker builds carry no signed provenance")
+	}
 	if c.job.TenantRegistrySecret != "" {
 		cfg.RegistryFor = tenantRegistries(reg, c.tenantRegistryConfigs, c.job)
 	}

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Builds the real components the integration suite runs from the Go module
-# proxy, into a cache outside the clone. Three modules pin them:
+# proxy, into a cache outside the clone. Four modules pin them:
 #   .        kube-apiserver, kube-controller-manager, etcd, MinIO, registry
 #   node/    kubelet and kube-scheduler (the same Kubernetes version)
 #   kaniko/  the kaniko executor (github.com/chainguard-dev/kaniko)
+#   cosign/  cosign, the third-party verifier of buildq's attestations
 # Each module's binaries live in a directory keyed by that module's go.mod
 # and go.sum, so changing one module rebuilds only its binaries, and only
 # missing binaries are built: a warm cache costs nothing. Prints on stdout
@@ -27,8 +28,9 @@ tools=(
   "kubelet|node|k8s.io/kubernetes/cmd/kubelet"
   "kube-scheduler|node|k8s.io/kubernetes/cmd/kube-scheduler"
   "kaniko-executor|kaniko|github.com/chainguard-dev/kaniko/cmd/executor"
+  "cosign|cosign|github.com/sigstore/cosign/v3/cmd/cosign"
 )
-set_hash="$(for m in . node kaniko; do modhash "$m"; done | sha256sum | cut -c1-16)"
+set_hash="$(for m in . node kaniko cosign; do modhash "$m"; done | sha256sum | cut -c1-16)"
 out="$root/set-$set_hash"
 mkdir -p "$out"
 for t in "${tools[@]}"; do

@@ -507,3 +507,79 @@ func VerifyArchive(ctx context.Context, r io.Reader, maxBytes int64, want string
 	}
 	return nil
 }
+
+// MaxReadFileBytes bounds the file ReadFileVerified returns.
+const MaxReadFileBytes = 1 << 20
+
+// ReadFileVerified reads the archive r (a context's tar.gz) to its end and
+// returns the content of its regular file at file (slash-separated), once
+// the whole archive's digest is found to be want: the file is the one of
+// the context want names. A missing file gives nil content and no error;
+// an archive that is not want's fails with ErrDigestMismatch; a file
+// larger than MaxReadFileBytes fails.
+func ReadFileVerified(ctx context.Context, r io.Reader, maxBytes int64, file, want string) ([]byte, error) {
+	if want == "" {
+		return nil, errors.New("contexttar: read needs the context's digest")
+	}
+	maxBytes, err := limit(maxBytes)
+	if err != nil {
+		return nil, err
+	}
+	zr, err := gzip.NewReader(r)
+	if err != nil {
+		//nolint:errorlint // a verdict, as in ArchiveDigest
+		return nil, fmt.Errorf("%w: the object is not gzip (%v)", ErrDigestMismatch, err)
+	}
+	defer zr.Close()
+	bound := maxBytes + (64 << 20)
+	h := sha256.New()
+	counted := &countingReader{r: io.LimitReader(ctxReader{ctx: ctx, r: zr}, bound+1)}
+	tr := tar.NewReader(io.TeeReader(counted, h))
+	var content []byte
+	for {
+		hdr, err := tr.Next()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil, ctx.Err()
+			}
+			return nil, fmt.Errorf("%w: the object is not a context archive (%v)", ErrDigestMismatch, err) //nolint:errorlint // a verdict
+		}
+		if hdr.Typeflag == tar.TypeReg && strings.TrimPrefix(hdr.Name, "./") == file {
+			if hdr.Size > MaxReadFileBytes {
+				return nil, fmt.Errorf("contexttar: %s is %d bytes, more than %d", file, hdr.Size, MaxReadFileBytes)
+			}
+			if content, err = io.ReadAll(tr); err != nil {
+				return nil, fmt.Errorf("contexttar: read %s: %w", file, err)
+			}
+		}
+	}
+	// The tar reader stops at the end-of-archive marker: the digest
+	// covers the stream to its end, padding included.
+	if _, err := io.Copy(h, counted); err != nil {
+		if ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+		return nil, fmt.Errorf("contexttar: read archive: %w", err)
+	}
+	if counted.n > bound {
+		return nil, fmt.Errorf("%w: the object is larger than any context of at most %d bytes", ErrDigestMismatch, maxBytes)
+	}
+	if "sha256:"+hex.EncodeToString(h.Sum(nil)) != want {
+		return nil, fmt.Errorf("%w: the object is not %s", ErrDigestMismatch, want)
+	}
+	return content, nil
+}
+
+type countingReader struct {
+	r io.Reader
+	n int64
+}
+
+func (c *countingReader) Read(p []byte) (int, error) {
+	n, err := c.r.Read(p)
+	c.n += int64(n)
+	return n, err
+}

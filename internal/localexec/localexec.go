@@ -110,6 +110,10 @@ type Options struct {
 	// (host[:port]) base images may come from; a FROM or COPY --from of
 	// any other is a build error, and nothing is sent to it.
 	AllowedRegistries []string
+	// Pulled, when set, is told each base image pulled: the reference
+	// as the Dockerfile resolved it and the digest of the image manifest
+	// fetched (for the build's provenance).
+	Pulled func(ref, digest string)
 	// Log, when set, receives one line per step as the build goes
 	// (without a trailing newline), in the order the steps happen.
 	// Instructions are echoed as written, never with build-arg values
@@ -456,6 +460,11 @@ func (b *builder) pull(ref string, plat v1.Platform, line int) (v1.Image, error)
 	p, err := newPulledImage(b.ctx, r.Context(), desc, b.opts.Remote)
 	if err != nil {
 		return nil, fmt.Errorf("pull base image %s: %w", ref, err)
+	}
+	if b.opts.Pulled != nil {
+		if d, err := desc.Digest(); err == nil {
+			b.opts.Pulled(ref, d.String())
+		}
 	}
 	b.remotes = append(b.remotes, p)
 	img, err := p.image()

@@ -1,0 +1,252 @@
+package worker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/google/go-containerregistry/pkg/name"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
+	"go.uber.org/zap"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/attest"
+	"github.com/buildq/buildq/worker/internal/buildlog"
+)
+
+// Attestor signs the provenance of an image the worker built and attaches
+// it to the image (cmd/buildq wires internal/attest with the deployment's
+// key). nil in Config: images are not attested.
+type Attestor interface {
+	// Attest attaches the signed statement of b to the image at ref
+	// (repo@digest), writing with reg (the tenant's registry client), and
+	// returns the attached referrer's digest.
+	Attest(ctx context.Context, reg Registry, ref string, b attest.Build) (string, error)
+	// Copy carries the attestation src (repo@digest of the referrer) to
+	// the repository of dst (repo:tag), where a copy of its image now is.
+	Copy(ctx context.Context, reg Registry, src, dst string) error
+}
+
+// attestTries bounds the attempts at attaching one attestation before
+// the run counts as failed for now (and is retried as a whole).
+const attestTries = 3
+
+// attestRun signs and attaches the provenance of a run that succeeded:
+// what the run built (final), from the run's own inputs (rreq, the
+// claimer's source and tenant), with what the backend saw (out). It
+// returns the attestation's digest ("" when the worker attests nothing)
+// and what the build used, which the run's record keeps.
+func (w *builder) attestRun(ctx context.Context, rreq *v1.Request, final *v1.BuildRecord, out Outcome, log *buildlog.Writer) (string, *v1.BuildProvenance, error) {
+	if w.cfg.Attestor == nil || !out.Succeeded || final.Digest == "" {
+		return "", nil, nil
+	}
+	reg, err := w.tenantRegistry(rreq.Tenant)
+	if err != nil {
+		return "", nil, err
+	}
+	if reg == nil {
+		return "", nil, errors.New("attesting an image needs a registry client")
+	}
+	if !multiPlatform(rreq) && out.Bases == nil && out.DockerfileDigest == "" {
+		// The backend did not say what it built from (a kaniko Job):
+		// the worker finds out, from the context and the registry.
+		bases, dfDigest, err := w.resolveBases(ctx, reg, rreq, final)
+		out.Bases, out.DockerfileDigest = bases, dfDigest
+		if err != nil {
+			if ctx.Err() != nil {
+				return "", nil, ctx.Err()
+			}
+			w.log.Warn("the provenance names no base images", zap.String("key", final.Key), zap.Error(err))
+			if log != nil {
+				_ = log.Own(ctx, "provenance: base images not named: "+err.Error())
+			}
+		}
+	}
+	facts := &v1.BuildProvenance{Worker: w.cfg.ID, DockerfileDigest: out.DockerfileDigest}
+	for _, b := range out.Bases {
+		facts.Bases = append(facts.Bases, v1.ImageDigest{Ref: b.Ref, Digest: b.Digest})
+	}
+	ex := out.Executor
+	if ed, ok := w.backend.(ExecutorDescriber); ok && ex.Digest == "" {
+		ex = ed.Executor()
+	}
+	if ex.Digest != "" && !multiPlatform(rreq) {
+		// An index has no executor of its own: its platforms' builds
+		// (each attested) had one.
+		facts.Executor = &v1.ImageDigest{Ref: ex.URI, Digest: ex.Digest}
+	}
+	b := provenanceOf(rreq, final, facts, final.SourceInfo, final.RequestID)
+	d, err := w.attach(ctx, reg, final.Repository+"@"+final.Digest, b, final.Key)
+	return d, facts, err
+}
+
+// attach signs b and attaches it to ref, trying again a few times.
+func (w *Worker) attach(ctx context.Context, reg Registry, ref string, b attest.Build, key string) (string, error) {
+	var last error
+	for i := range attestTries {
+		if i > 0 {
+			select {
+			case <-ctx.Done():
+				return "", ctx.Err()
+			case <-time.After(time.Duration(i) * 500 * time.Millisecond):
+			}
+		}
+		d, err := w.cfg.Attestor.Attest(ctx, reg, ref, b)
+		if err == nil {
+			w.cfg.Metrics.attested()
+			return d, nil
+		}
+		last = err
+		w.log.Warn("attaching the provenance failed", zap.String("key", key), zap.Int("attempt", i+1), zap.Error(err))
+	}
+	return "", Transient(fmt.Errorf("attest %s: %w", ref, last))
+}
+
+// attestAnswer is the attestation of another tenant's request answered
+// from rec (a cache hit or a build joined): a statement of its own, about
+// the image in its own repository, naming its own source (content it was
+// shown to hold, the same as the build's) and its own request — never the
+// builder's tenant's git url or request id.
+func (w *Worker) attestAnswer(ctx context.Context, req *v1.Request, rec *v1.BuildRecord, repo string) (string, error) {
+	reg, err := w.tenantRegistry(req.Tenant)
+	if err != nil {
+		return "", err
+	}
+	if reg == nil {
+		return "", errors.New("attesting an image needs a registry client")
+	}
+	b := provenanceOf(req, rec, rec.Provenance, w.sourceInfo.get(req.Tenant, req.RequestID), req.RequestID)
+	b.Subjects = []attest.Subject{{Name: repo, Digest: rec.Digest}}
+	b.SecretBuildArgs = append(slices.Clone(req.SecretBuildArgs), rec.SecretBuildArgs...)
+	return w.attach(ctx, reg, repo+"@"+rec.Digest, b, rec.Key)
+}
+
+// provenanceOf is what a statement says of a build: the inputs of its
+// build key as req gives them (every request of the key gives the same),
+// the source as src and req name it, the run's times and platforms, and
+// what the build used (facts).
+func provenanceOf(req *v1.Request, rec *v1.BuildRecord, facts *v1.BuildProvenance, src *v1.SourceInfo, invocation string) attest.Build {
+	b := attest.Build{
+		Subjects:        []attest.Subject{{Name: rec.Repository, Digest: rec.Digest}},
+		Key:             rec.Key,
+		Dockerfile:      req.DockerfileOrDefault(),
+		BuildArgs:       req.BuildArgs,
+		SecretBuildArgs: rec.SecretBuildArgs,
+		Target:          req.Target,
+		Platforms:       req.PlatformsOrDefault(),
+		InvocationID:    invocation,
+		StartedOn:       rec.StartedAt,
+		FinishedOn:      rec.FinishedAt,
+	}
+	b.Source.ContextDigest = req.ContextDigest
+	if src != nil {
+		b.Source.GitURL, b.Source.GitRef, b.Source.GitCommit, b.Source.GitSubPath = src.GitURL, src.Ref, src.Commit, src.SubPath
+		if src.ContextDigest != "" {
+			b.Source.ContextDigest = src.ContextDigest
+		}
+	}
+	if facts != nil {
+		b.Worker, b.DockerfileDigest = facts.Worker, facts.DockerfileDigest
+		for _, base := range facts.Bases {
+			b.Bases = append(b.Bases, attest.Dependency{URI: base.Ref, Digest: base.Digest, Name: "base"})
+		}
+		if facts.Executor != nil {
+			b.Executor = attest.Dependency{URI: facts.Executor.Ref, Digest: facts.Executor.Digest, Name: "executor"}
+		}
+	}
+	for _, p := range slices.Sorted(maps.Keys(rec.Platforms)) {
+		b.PlatformImages = append(b.PlatformImages, attest.Dependency{URI: rec.Repository + "@" + rec.Platforms[p], Digest: rec.Platforms[p], Name: p})
+	}
+	return b
+}
+
+// BaseImage is a base image a build pulled, by digest.
+type BaseImage struct {
+	// Ref is the reference as the Dockerfile names it (resolved).
+	Ref    string
+	Digest string
+}
+
+// ExecutorOf names an executor image "repo@sha256:…" as a dependency;
+// an image not pinned by digest gives none.
+func ExecutorOf(image string) attest.Dependency {
+	repo, digest, ok := strings.Cut(image, "@")
+	if !ok {
+		return attest.Dependency{}
+	}
+	return attest.Dependency{URI: repo, Digest: digest, Name: "executor"}
+}
+
+// ExecutorDescriber is a Backend that names its executor for the
+// provenance of what it builds.
+type ExecutorDescriber interface {
+	Executor() attest.Dependency
+}
+
+// remoteRegistry is a Registry that go-containerregistry can write
+// through (internal/registry.Client).
+type remoteRegistry interface {
+	RemoteOptions(ctx context.Context) []remote.Option
+	ParseReference(ref string) (name.Reference, error)
+}
+
+// SigningAttestor is the Attestor of a deployment: statements signed with
+// its key, attached through the tenant's registry client.
+type SigningAttestor struct {
+	Signer *attest.Signer
+	// BuilderID is the deployment's builder id (attest.DefaultBuilderID
+	// when empty).
+	BuilderID string
+}
+
+// Attest implements Attestor.
+func (a *SigningAttestor) Attest(ctx context.Context, reg Registry, ref string, b attest.Build) (string, error) {
+	rr, ok := reg.(remoteRegistry)
+	if !ok {
+		return "", fmt.Errorf("the registry client %T cannot attach attestations", reg)
+	}
+	r, err := rr.ParseReference(ref)
+	if err != nil {
+		return "", err
+	}
+	d, ok := r.(name.Digest)
+	if !ok {
+		return "", fmt.Errorf("attest: %s is not a digest reference", ref)
+	}
+	b.BuilderID = a.BuilderID
+	st, err := attest.Statement(b)
+	if err != nil {
+		return "", err
+	}
+	bundle, err := a.Signer.Sign(st)
+	if err != nil {
+		return "", err
+	}
+	return attest.Attach(ctx, d, bundle, b.FinishedOn, rr.RemoteOptions(ctx))
+}
+
+// Copy implements Attestor.
+func (a *SigningAttestor) Copy(ctx context.Context, reg Registry, src, dst string) error {
+	rr, ok := reg.(remoteRegistry)
+	if !ok {
+		return fmt.Errorf("the registry client %T cannot copy attestations", reg)
+	}
+	r, err := rr.ParseReference(src)
+	if err != nil {
+		return err
+	}
+	d, ok := r.(name.Digest)
+	if !ok {
+		return fmt.Errorf("attest: %s is not a digest reference", src)
+	}
+	dr, err := rr.ParseReference(dst)
+	if err != nil {
+		return err
+	}
+	opts := rr.RemoteOptions(ctx)
+	return attest.Copy(ctx, d, dr.Context(), opts, opts)
+}
