@@ -187,9 +187,11 @@ type ExecutorDescriber interface {
 	Executor() attest.Dependency
 }
 
-// remoteRegistry is a Registry that go-containerregistry can write
-// through (internal/registry.Client).
-type remoteRegistry interface {
+// RemoteRegistry is a Registry that go-containerregistry can read and
+// write through (internal/registry.Client): attestations are attached,
+// and base images resolved, with it. A Registry given to a worker that
+// attests must be one.
+type RemoteRegistry interface {
 	RemoteOptions(ctx context.Context) []remote.Option
 	ParseReference(ref string) (name.Reference, error)
 }
@@ -205,7 +207,7 @@ type SigningAttestor struct {
 
 // Attest implements Attestor.
 func (a *SigningAttestor) Attest(ctx context.Context, reg Registry, ref string, b attest.Build) (string, error) {
-	rr, ok := reg.(remoteRegistry)
+	rr, ok := reg.(RemoteRegistry)
 	if !ok {
 		return "", fmt.Errorf("the registry client %T cannot attach attestations", reg)
 	}
@@ -231,7 +233,7 @@ func (a *SigningAttestor) Attest(ctx context.Context, reg Registry, ref string, 
 
 // Copy implements Attestor.
 func (a *SigningAttestor) Copy(ctx context.Context, reg Registry, src, dst string) error {
-	rr, ok := reg.(remoteRegistry)
+	rr, ok := reg.(RemoteRegistry)
 	if !ok {
 		return fmt.Errorf("the registry client %T cannot copy attestations", reg)
 	}

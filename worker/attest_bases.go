@@ -33,7 +33,7 @@ func (w *builder) resolveBases(ctx context.Context, reg Registry, rreq *v1.Reque
 	if w.cfg.Contexts == nil || rreq.Source.S3 == nil || rreq.ContextDigest == "" {
 		return nil, "", errors.New("the worker reads no contexts (no S3 store configured)")
 	}
-	rr, ok := reg.(remoteRegistry)
+	rr, ok := reg.(RemoteRegistry)
 	if !ok {
 		return nil, "", fmt.Errorf("the registry client %T cannot read base images", reg)
 	}
@@ -120,7 +120,7 @@ func startsFromAnImage(refs []string, rreq *v1.Request, df []byte) bool {
 }
 
 // layersOf lists the layer digests of the image at ref.
-func layersOf(rr remoteRegistry, ref string, opts []remote.Option) ([]ggcrv1.Hash, error) {
+func layersOf(rr RemoteRegistry, ref string, opts []remote.Option) ([]ggcrv1.Hash, error) {
 	r, err := rr.ParseReference(ref)
 	if err != nil {
 		return nil, err

@@ -210,6 +210,9 @@ func (c Config) Validate() error {
 	if c.QueueTTL < 0 {
 		errs = append(errs, fmt.Errorf("queue TTL must not be negative (0 means no limit), got %s", c.QueueTTL))
 	}
+	if _, ok := c.Registry.(RemoteRegistry); c.Attestor != nil && c.Registry != nil && !ok {
+		errs = append(errs, fmt.Errorf("a worker that attests images needs a registry client it can attach them with, not %T", c.Registry))
+	}
 	if c.ContextPrefix == "" && c.Contexts != nil {
 		// Possession is shown with the request's own object: without a
 		// prefix of its tenant's, a request could name another tenant's

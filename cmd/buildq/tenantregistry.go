@@ -6,6 +6,9 @@ import (
 	"os"
 	"path/filepath"
 
+	"github.com/google/go-containerregistry/pkg/name"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
+
 	"github.com/buildq/buildq/internal/kaniko"
 	"github.com/buildq/buildq/internal/registry"
 	"github.com/buildq/buildq/worker"
@@ -30,6 +33,20 @@ func tenantRegistries(shared *registry.Client, dir string, kc kaniko.Config) fun
 
 // tenantRegistry is worker.Registry for one tenant's requests.
 type tenantRegistry struct{ shared, own *registry.Client }
+
+// A worker that attests attaches provenance and resolves base images
+// through a tenant's registry: with the tenant's credentials.
+var _ worker.RemoteRegistry = tenantRegistry{}
+
+// RemoteOptions are the tenant's own (worker.RemoteRegistry).
+func (t tenantRegistry) RemoteOptions(ctx context.Context) []remote.Option {
+	return t.own.RemoteOptions(ctx)
+}
+
+// ParseReference implements worker.RemoteRegistry.
+func (t tenantRegistry) ParseReference(ref string) (name.Reference, error) {
+	return t.own.ParseReference(ref)
+}
 
 func (t tenantRegistry) Head(ctx context.Context, ref string) (string, error) {
 	return t.own.Head(ctx, ref)
