@@ -43,10 +43,16 @@ func Attach(ctx context.Context, subject name.Digest, bundleJSON []byte, created
 	if err != nil {
 		return "", fmt.Errorf("attest: attach: read the subject %s: %w", subject, err)
 	}
+	// One Pusher for the blobs and the manifest: the repository is
+	// pinged and authorised once.
+	pusher, err := remote.NewPusher(opts...)
+	if err != nil {
+		return "", fmt.Errorf("attest: attach: %w", err)
+	}
 	layer := static.NewLayer(bundleJSON, types.MediaType(BundleMediaType))
 	cfg := static.NewLayer(emptyConfig, emptyMediaType)
 	for _, l := range []v1.Layer{cfg, layer} {
-		if err := remote.WriteLayer(subject.Context(), l, opts...); err != nil {
+		if err := pusher.Upload(ctx, subject.Context(), l); err != nil {
 			return "", fmt.Errorf("attest: attach: upload to %s: %w", subject.Context(), err)
 		}
 	}
@@ -81,7 +87,7 @@ func Attach(ctx context.Context, subject name.Digest, bundleJSON []byte, created
 		return "", err
 	}
 	ref := subject.Context().Digest(h.String())
-	if err := remote.Put(ref, rawManifest{raw: raw, mt: types.OCIManifestSchema1}, opts...); err != nil {
+	if err := pusher.Put(ctx, ref, rawManifest{raw: raw, mt: types.OCIManifestSchema1}); err != nil {
 		return "", fmt.Errorf("attest: attach: write the referrer to %s: %w", subject.Context(), err)
 	}
 	return h.String(), nil

@@ -335,3 +335,21 @@ func TestLoadSignerReadsPKCS8AndSEC1Keys(t *testing.T) {
 		}
 	}
 }
+
+func BenchmarkStatementAndSign(b *testing.B) {
+	k, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	s, err := NewSigner(k)
+	if err != nil {
+		b.Fatal(err)
+	}
+	build := testBuild("sha256:" + strings.Repeat("f", 64))
+	for b.Loop() {
+		st, err := Statement(build)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if _, err := s.Sign(st); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
