@@ -12,6 +12,7 @@ import (
 	"crypto/elliptic"
 	"crypto/rand"
 	"crypto/sha256"
+	"encoding/json"
 	"fmt"
 	"strings"
 	"sync/atomic"
@@ -340,5 +341,77 @@ func TestAnotherTenantsAnswerIsAttestedForItsOwnRequest(t *testing.T) {
 	pa := verifyAt(t, tr, verifier, strings.SplitN(built.ImageRef, "@", 2)[0], built.Digest)
 	if pa.InvocationID != a.RequestID {
 		t.Fatalf("acme's statement names %s", pa.InvocationID)
+	}
+}
+
+// A run whose attestation could not be attached is released, its Job
+// finished: the claimer's retry takes the run over, adopts the Job's
+// outcome and attests; another worker reconciling the Job meanwhile
+// does not end the run unattested.
+func TestARunReleasedForItsAttestationIsAttestedOnRetry(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	store := newObjectStore()
+	signer, verifier := testSigner(t)
+	fa := &flakyAttestor{inner: &SigningAttestor{Signer: signer}}
+	fa.fail.Store(attestTries) // the first run's tries all fail
+	digest, archive := packDir(t, map[string]string{"Dockerfile": "FROM scratch\nCOPY f /f\n", "f": "x"})
+	r := tenantRequestFor("acme", digest)
+	store.put(r.Source.S3.Key, archive)
+	for _, id := range []string{"w1", "w2"} {
+		// Two workers: the one not running the build reconciles its
+		// Job. A short lease: it looks at the released run before the
+		// claimer's retry comes back (2 s later).
+		e.startWorker(id, func(c *Config) {
+			withRegistry(tr)(c)
+			c.Contexts = store
+			c.Attestor = fa
+			c.Lease = time.Second
+		})
+	}
+	results := e.collect()
+	got := e.buildThrough(t, tr, results, r, 1)
+	if d := got.Data; d.Status != v1.StatusSucceeded || d.Attestation == "" {
+		t.Fatalf("result %s, want a success with its attestation", mustJSON(t, d))
+	}
+	verifyAt(t, tr, verifier, strings.SplitN(got.Data.ImageRef, "@", 2)[0], got.Data.Digest)
+	if n := fa.calls.Load(); n <= attestTries {
+		t.Fatalf("%d attempts at attesting, want a retry after the first run's %d", n, attestTries)
+	}
+}
+
+// The reconciler ends an ownerless run with its Job's outcome; for a
+// worker that attests, a run that succeeded is left to a request that
+// takes it over (the record does not hold the inputs its statement
+// needs): never ended unattested.
+func TestAReleasedRunIsNotEndedUnattestedByTheReconciler(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	w := ruleWorker(t, e, countingBackend{runs: make(chan Build, 1)})
+	ctx := context.Background()
+	signer, _ := testSigner(t)
+	put := func(key string) {
+		rec := v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "run-1", LeaseMs: 2000,
+			RequestID: "r1", Seq: 1, Tenant: "acme", Name: "api", Repository: "registry.test/acme/api", StartedAt: time.Now().UTC()}
+		raw, _ := json.Marshal(rec)
+		if _, err := w.runs.Bucket().Put(ctx, key, raw); err != nil {
+			t.Fatal(err)
+		}
+	}
+	out := Outcome{Run: "run-1", Succeeded: true, Digest: "sha256:" + strings.Repeat("a", 64)}
+
+	w.cfg.Attestor = &SigningAttestor{Signer: signer}
+	put("attesting")
+	w.builds.finishOrphan(ctx, "attesting", out)
+	if got, _, err := w.runs.Get(ctx, "attesting"); err != nil || got.State != v1.StateBuilding {
+		t.Fatalf("a worker that attests ended a released run unattested: %+v (%v)", got, err)
+	}
+
+	w.cfg.Attestor = nil
+	put("plain")
+	w.builds.finishOrphan(ctx, "plain", out)
+	if got, _, err := w.runs.Get(ctx, "plain"); err != nil || got.State != v1.StateSucceeded {
+		t.Fatalf("without attestations the reconciler ends the run with its Job's outcome: %+v (%v)", got, err)
 	}
 }

@@ -98,6 +98,13 @@ func (w *builder) finishOrphan(ctx context.Context, key string, out Outcome) tim
 	}
 	delete(o.seen, key)
 	o.mu.Unlock()
+	if out.Succeeded && w.cfg.Attestor != nil && !mutant.On("orphan-ends-unattested") {
+		// The image must be attested before the run ends, from the
+		// request's inputs, which the record does not hold: the run is
+		// left to a request that takes it over (the released claimer's
+		// retry, or a requeued waiter), which adopts the Job's outcome.
+		return 0
+	}
 	// One compare-and-swap: a claim that changed meanwhile has a live
 	// owner again, and is left to it.
 	final := finalRecord(cur, out, now)
