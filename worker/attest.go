@@ -32,8 +32,12 @@ type Attestor interface {
 }
 
 // attestTries bounds the attempts at attaching one attestation before
-// the run counts as failed for now (and is retried as a whole).
-const attestTries = 3
+// the run counts as failed for now (and is retried as a whole);
+// attachTimeout bounds each attempt.
+const (
+	attestTries   = 3
+	attachTimeout = 2 * time.Minute
+)
 
 // attestRun signs and attaches the provenance of a run that succeeded:
 // what the run built (final), from the run's own inputs (rreq, the
@@ -79,7 +83,7 @@ func (w *builder) attestRun(ctx context.Context, rreq *v1.Request, final *v1.Bui
 		// (each attested) had one.
 		facts.Executor = &v1.ImageDigest{Ref: ex.URI, Digest: ex.Digest}
 	}
-	b := provenanceOf(rreq, final, facts, final.SourceInfo, final.RequestID)
+	b := provenanceOf(rreq, final, facts, final.SourceInfo, final.RequestID, final.Repository)
 	d, err := w.attach(ctx, reg, final.Repository+"@"+final.Digest, b, final.Key)
 	return d, facts, err
 }
@@ -95,22 +99,31 @@ func (w *Worker) attach(ctx context.Context, reg Registry, ref string, b attest.
 			case <-time.After(time.Duration(i) * 500 * time.Millisecond):
 			}
 		}
-		d, err := w.cfg.Attestor.Attest(ctx, reg, ref, b)
+		actx, cancel := context.WithTimeout(ctx, attachTimeout)
+		d, err := w.cfg.Attestor.Attest(actx, reg, ref, b)
+		cancel()
 		if err == nil {
 			w.cfg.Metrics.attested()
 			return d, nil
 		}
 		last = err
+		if ctx.Err() != nil {
+			return "", ctx.Err()
+		}
 		w.log.Warn("attaching the provenance failed", zap.String("key", key), zap.Int("attempt", i+1), zap.Error(err))
 	}
 	return "", Transient(fmt.Errorf("attest %s: %w", ref, last))
 }
 
-// attestAnswer is the attestation of another tenant's request answered
-// from rec (a cache hit or a build joined): a statement of its own, about
-// the image in its own repository, naming its own source (content it was
-// shown to hold, the same as the build's) and its own request — never the
-// builder's tenant's git url or request id.
+// attestAnswer is the attestation of a request answered from rec in its
+// repository repo, when the build's own cannot serve: another tenant's
+// build (a cache hit or a build joined), or a build that was not attested
+// (made before the deployment had a key). It is a statement of its own,
+// about the image in the request's repository, naming its own source
+// (content it was shown to hold, the same as the build's) and its own
+// request, with the build's facts from the record — never the builder
+// tenant's git url, request id or repository. An image index's platform
+// images in repo get one each too.
 func (w *Worker) attestAnswer(ctx context.Context, req *v1.Request, rec *v1.BuildRecord, repo string) (string, error) {
 	reg, err := w.tenantRegistry(req.Tenant)
 	if err != nil {
@@ -119,19 +132,56 @@ func (w *Worker) attestAnswer(ctx context.Context, req *v1.Request, rec *v1.Buil
 	if reg == nil {
 		return "", errors.New("attesting an image needs a registry client")
 	}
-	b := provenanceOf(req, rec, rec.Provenance, w.sourceInfo.get(req.Tenant, req.RequestID), req.RequestID)
-	b.Subjects = []attest.Subject{{Name: repo, Digest: rec.Digest}}
+	for _, p := range slices.Sorted(maps.Keys(rec.Platforms)) {
+		prec := w.platformRecord(ctx, rec, p)
+		pr := platformRequest(req, p)
+		b := provenanceOf(pr, prec, prec.Provenance, w.sourceInfo.get(req.Tenant, req.RequestID), req.RequestID, repo)
+		b.SecretBuildArgs = append(slices.Clone(req.SecretBuildArgs), prec.SecretBuildArgs...)
+		if _, err := w.attach(ctx, reg, repo+"@"+prec.Digest, b, prec.Key); err != nil {
+			return "", err
+		}
+	}
+	b := provenanceOf(req, rec, rec.Provenance, w.sourceInfo.get(req.Tenant, req.RequestID), req.RequestID, repo)
 	b.SecretBuildArgs = append(slices.Clone(req.SecretBuildArgs), rec.SecretBuildArgs...)
 	return w.attach(ctx, reg, repo+"@"+rec.Digest, b, rec.Key)
 }
 
-// provenanceOf is what a statement says of a build: the inputs of its
-// build key as req gives them (every request of the key gives the same),
-// the source as src and req name it, the run's times and platforms, and
-// what the build used (facts).
-func provenanceOf(req *v1.Request, rec *v1.BuildRecord, facts *v1.BuildProvenance, src *v1.SourceInfo, invocation string) attest.Build {
+// platformRecord is the record of platform p's build of the index rec: its
+// own when still indexed with that digest, else one made of what the
+// index knows (no facts of its build).
+func (w *Worker) platformRecord(ctx context.Context, rec *v1.BuildRecord, p string) *v1.BuildRecord {
+	digest := rec.Platforms[p]
+	if key := rec.PlatformKeys[p]; key != "" {
+		if prec, _, err := w.runs.Get(ctx, key); err == nil && prec != nil && prec.State == v1.StateSucceeded && prec.Digest == digest {
+			return prec
+		}
+	}
+	return &v1.BuildRecord{Key: rec.PlatformKeys[p], State: v1.StateSucceeded, Repository: rec.Repository, Digest: digest,
+		SecretBuildArgs: rec.SecretBuildArgs, StartedAt: rec.StartedAt, FinishedAt: rec.FinishedAt}
+}
+
+// answerAttestation is the attestation the answer of req from rec names:
+// the build's own for its tenant, a statement of the answer's own for
+// another tenant or for a build not attested (attestAnswer); none for an
+// image buildq did not build (found at the destination, no run) or when
+// the worker attests nothing.
+func (w *Worker) answerAttestation(ctx context.Context, req *v1.Request, rec *v1.BuildRecord, repo string) (string, error) {
+	switch {
+	case w.cfg.Attestor == nil || rec.Run == "":
+		return rec.Attestation, nil
+	case rec.Attestation != "" && (rec.Tenant == "" || rec.Tenant == req.Tenant):
+		return rec.Attestation, nil
+	}
+	return w.attestAnswer(ctx, req, rec, repo)
+}
+
+// provenanceOf is what a statement says of a build, about its image in
+// repo: the inputs of its build key as req gives them (every request of
+// the key gives the same), the source as src and req name it, the run's
+// times and platforms, and what the build used (facts).
+func provenanceOf(req *v1.Request, rec *v1.BuildRecord, facts *v1.BuildProvenance, src *v1.SourceInfo, invocation, repo string) attest.Build {
 	b := attest.Build{
-		Subjects:        []attest.Subject{{Name: rec.Repository, Digest: rec.Digest}},
+		Subjects:        []attest.Subject{{Name: repo, Digest: rec.Digest}},
 		Key:             rec.Key,
 		Dockerfile:      req.DockerfileOrDefault(),
 		BuildArgs:       req.BuildArgs,
@@ -159,7 +209,7 @@ func provenanceOf(req *v1.Request, rec *v1.BuildRecord, facts *v1.BuildProvenanc
 		}
 	}
 	for _, p := range slices.Sorted(maps.Keys(rec.Platforms)) {
-		b.PlatformImages = append(b.PlatformImages, attest.Dependency{URI: rec.Repository + "@" + rec.Platforms[p], Digest: rec.Platforms[p], Name: p})
+		b.PlatformImages = append(b.PlatformImages, attest.Dependency{URI: repo + "@" + rec.Platforms[p], Digest: rec.Platforms[p], Name: p})
 	}
 	return b
 }

@@ -107,6 +107,20 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 		w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Platform: platformOf(req), Key: claim.Key, Phase: phase, Job: job, Message: msg})
 		hold.Started(runCtx, job)
 	})
+	// Every image built is attested before its run ends, while the
+	// lease is still renewed: the record's end is what answers, with the
+	// attestation's digest.
+	var (
+		att      string
+		facts    *v1.BuildProvenance
+		attErr   error
+		attested bool
+	)
+	if err == nil && out.Succeeded {
+		h, _ := hold.Held()
+		att, facts, attErr = w.attestRun(runCtx, rreq, finalRecord(&h, out, w.cfg.Now()), out, live)
+		attested = true
+	}
 	held, heldRev := hold.Stop()
 
 	if err != nil {
@@ -159,13 +173,15 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 	// Secret build arguments are masked in what the result says too.
 	out.Message, out.LogTail = maskSecrets(out.Message, secrets), maskSecrets(out.LogTail, secrets)
 	final := finalRecord(&held, out, w.cfg.Now())
-	if out.Succeeded {
-		// Every image built is attested before its run ends: the
-		// record's end is what answers, with the attestation's digest.
-		att, facts, err := w.attestRun(ctx, rreq, final, out, live)
-		if err != nil {
-			w.releaseClaim(ctx, &held, heldRev, maskSecrets(v1.ReasonInfrastructureError+": "+err.Error(), secrets))
-			return nil, "", false, Transient(err)
+	if attested {
+		if attErr != nil {
+			if errors.Is(context.Cause(runCtx), runs.ErrLostClaim) {
+				// The claim changed hands while attesting: follow the
+				// record, as for a build ended from outside.
+				return w.build(ctx, req, held.Key, repo, dests, seq, nil)
+			}
+			w.releaseClaim(ctx, &held, heldRev, maskSecrets(v1.ReasonInfrastructureError+": "+attErr.Error(), secrets))
+			return nil, "", false, Transient(attErr)
 		}
 		final.Attestation, final.Provenance = att, facts
 		if live != nil && att != "" {

@@ -329,8 +329,16 @@ func (w *builder) buildPlatform(ctx context.Context, req *v1.Request, repo strin
 			pb.err = err
 			return pb
 		}
+		if _, err := w.answerAttestation(ctx, sub, rec, repo); err != nil {
+			pb.err = err
+			return pb
+		}
 		if b.Repository != repo {
 			if err := w.ensureTags(ctx, b.Request.Tenant, rec, naming.Destinations(b.Repository, pb.key, nil)); err != nil {
+				pb.err = err
+				return pb
+			}
+			if _, err := w.answerAttestation(ctx, platformRequest(b.Request, p), rec, b.Repository); err != nil {
 				pb.err = err
 				return pb
 			}

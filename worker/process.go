@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"time"
@@ -179,16 +180,11 @@ func (w *Worker) resultVerdict(ctx context.Context, v verdict, req *v1.Request, 
 		v.Data.Image = dests[0]
 		v.Data.Digest = rec.Digest
 		v.Data.ImageRef = repo + "@" + rec.Digest
-		v.Data.Attestation = rec.Attestation
-		if rec.Attestation != "" && rec.Tenant != "" && rec.Tenant != req.Tenant && w.cfg.Attestor != nil {
-			// Another tenant's build: this request's answer gets a
-			// statement of its own (attest.go).
-			att, err := w.attestAnswer(ctx, req, rec, repo)
-			if err != nil {
-				return v, err
-			}
-			v.Data.Attestation = att
+		att, err := w.answerAttestation(ctx, req, rec, repo)
+		if err != nil {
+			return v, err
 		}
+		v.Data.Attestation = att
 		return v, nil
 	}
 	v.Data.Status = v1.StatusFailed
@@ -301,11 +297,20 @@ func (w *Worker) ensureTags(ctx context.Context, tenant string, rec *v1.BuildRec
 			return Transient(fmt.Errorf("copy %s to %s: %w", src, d, err))
 		}
 		if rec.Attestation != "" && w.cfg.Attestor != nil && !strings.HasPrefix(d, rec.Repository+":") && (rec.Tenant == "" || rec.Tenant == tenant) {
-			// The copy carries its provenance along: the referrer's
-			// subject is the same digest in the new repository.
-			att := rec.Repository + "@" + rec.Attestation
-			if err := w.cfg.Attestor.Copy(ctx, reg, att, d); err != nil {
-				return Transient(fmt.Errorf("copy the attestation %s to %s: %w", att, d, err))
+			// The copy carries its provenance along (an index's, its
+			// platform images' too): a referrer's subject is the same
+			// digest in the new repository.
+			atts := []string{rec.Attestation}
+			for _, p := range slices.Sorted(maps.Keys(rec.Platforms)) {
+				if prec := w.platformRecord(ctx, rec, p); prec.Attestation != "" {
+					atts = append(atts, prec.Attestation)
+				}
+			}
+			for _, a := range atts {
+				att := rec.Repository + "@" + a
+				if err := w.cfg.Attestor.Copy(ctx, reg, att, d); err != nil {
+					return Transient(fmt.Errorf("copy the attestation %s to %s: %w", att, d, err))
+				}
 			}
 		}
 	}

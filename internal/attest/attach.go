@@ -123,6 +123,9 @@ type Attached struct {
 	// Digest is the referrer manifest's.
 	Digest string
 	Bundle []byte
+	// Err is why the bundle could not be read (Bundle is nil then): one
+	// referrer that is too large or lost a blob does not hide the others.
+	Err error
 }
 
 // errNotBundle: a referrer that is not a Sigstore bundle.
@@ -133,7 +136,8 @@ const maxBundleBytes = 4 << 20
 
 // Find returns the bundles attached to subject (through the referrers
 // API, or the referrers tag where the registry has none), newest first.
-// An image with none gives an empty list, not an error.
+// An image with none gives an empty list, not an error; a bundle that
+// cannot be read is listed with its Err.
 func Find(ctx context.Context, subject name.Digest, opts []remote.Option) ([]Attached, error) {
 	opts = append(opts, remote.WithContext(ctx))
 	// Not filtered by the registry: some report a referrer's config
@@ -156,10 +160,10 @@ func Find(ctx context.Context, subject name.Digest, opts []remote.Option) ([]Att
 		if errors.Is(err, errNotBundle) {
 			continue
 		}
-		if err != nil {
+		if err != nil && ctx.Err() != nil {
 			return nil, err
 		}
-		out = append(out, Attached{Digest: d.Digest.String(), Bundle: b})
+		out = append(out, Attached{Digest: d.Digest.String(), Bundle: b, Err: err})
 	}
 	return out, nil
 }

@@ -105,6 +105,7 @@ func Statement(b Build) ([]byte, error) {
 }
 
 func statement(b Build) (*intoto.Statement, error) {
+	b = maskSecrets(b)
 	if len(b.Subjects) == 0 {
 		return nil, errors.New("attest: a statement needs a subject")
 	}
@@ -266,4 +267,53 @@ func descriptor(uri, digest, name string) (*intoto.ResourceDescriptor, error) {
 		return nil, err
 	}
 	return rd, nil
+}
+
+// maskSecrets replaces the value of every secret build argument wherever
+// it appears in b's strings (a base reference expanded from it, a target,
+// a path), not only as that argument's value.
+func maskSecrets(b Build) Build {
+	var vals []string
+	for _, n := range b.SecretBuildArgs {
+		if v := b.BuildArgs[n]; v != "" {
+			vals = append(vals, v)
+		}
+	}
+	if len(vals) == 0 {
+		return b
+	}
+	// Longest first: a secret that contains another is masked whole.
+	slices.SortFunc(vals, func(x, y string) int { return len(y) - len(x) })
+	pairs := make([]string, 0, 2*len(vals))
+	for _, v := range vals {
+		pairs = append(pairs, v, Masked)
+	}
+	r := strings.NewReplacer(pairs...)
+	m := r.Replace
+	b.Subjects = slices.Clone(b.Subjects)
+	for i := range b.Subjects {
+		b.Subjects[i].Name = m(b.Subjects[i].Name)
+	}
+	b.Dockerfile, b.Target = m(b.Dockerfile), m(b.Target)
+	b.Source.GitURL, b.Source.GitRef, b.Source.GitSubPath = m(b.Source.GitURL), m(b.Source.GitRef), m(b.Source.GitSubPath)
+	for _, deps := range []*[]Dependency{&b.Bases, &b.PlatformImages} {
+		*deps = slices.Clone(*deps)
+		for i := range *deps {
+			(*deps)[i].URI = m((*deps)[i].URI)
+		}
+	}
+	b.Executor.URI = m(b.Executor.URI)
+	args := map[string]string{}
+	secret := map[string]bool{}
+	for _, n := range b.SecretBuildArgs {
+		secret[n] = true
+	}
+	for k, v := range b.BuildArgs {
+		if !secret[k] {
+			v = m(v)
+		}
+		args[k] = v
+	}
+	b.BuildArgs = args
+	return b
 }

@@ -104,6 +104,10 @@ func Verify(ctx context.Context, subject name.Digest, v *Verifier, opts []remote
 	}
 	var why []string
 	for _, a := range found {
+		if a.Err != nil {
+			why = append(why, a.Digest+": "+a.Err.Error())
+			continue
+		}
 		p, err := verifyBundle(a.Bundle, subject.DigestStr(), v)
 		if err != nil {
 			why = append(why, a.Digest+": "+err.Error())

@@ -550,23 +550,3 @@ func TestVerifyArchive(t *testing.T) {
 		t.Fatalf("a stream cut short: %v, want an error another try may cure", err)
 	}
 }
-
-// ReadFileVerified returns a file of the context its digest names, and
-// nothing of another archive.
-func TestReadFileVerifiedChecksTheWholeArchive(t *testing.T) {
-	ctx := context.Background()
-	archive, digest := packed(t, map[string]string{"Dockerfile": "FROM scratch\n", "Dockerfile.dev": "FROM x\n"})
-	for file, want := range map[string]string{"Dockerfile": "FROM scratch\n", "Dockerfile.dev": "FROM x\n", "missing": ""} {
-		got, err := ReadFileVerified(ctx, bytes.NewReader(archive), 0, file, digest)
-		if err != nil || string(got) != want {
-			t.Fatalf("%s: %q, %v; want %q", file, got, err, want)
-		}
-	}
-	other, _ := packed(t, map[string]string{"Dockerfile": "FROM evil\n"})
-	if _, err := ReadFileVerified(ctx, bytes.NewReader(other), 0, "Dockerfile", digest); !errors.Is(err, ErrDigestMismatch) {
-		t.Fatalf("another archive under the digest: %v", err)
-	}
-	if _, err := ReadFileVerified(ctx, bytes.NewReader([]byte("not gzip")), 0, "Dockerfile", digest); !errors.Is(err, ErrDigestMismatch) {
-		t.Fatalf("not an archive: %v", err)
-	}
-}

@@ -2,7 +2,6 @@ package localexec
 
 import (
 	"bytes"
-	"slices"
 	"strings"
 
 	"github.com/moby/buildkit/frontend/dockerfile/instructions"
@@ -10,49 +9,6 @@ import (
 	"github.com/moby/buildkit/frontend/dockerfile/parser"
 	"github.com/moby/buildkit/frontend/dockerfile/shell"
 )
-
-// BaseImages returns the images a Dockerfile builds from, as references
-// after its build arguments are expanded: every stage's FROM that is not
-// an earlier stage or scratch, and every COPY --from that names an image,
-// in the order they appear, each once. It is what an executor pulls for
-// the build (the provenance's base images); a Dockerfile that does not
-// parse gives its parse error.
-func BaseImages(dockerfile []byte, buildArgs map[string]string, target, platform string) ([]string, error) {
-	b, last, err := argsOnly(dockerfile, buildArgs, target, platform)
-	if err != nil || last < 0 {
-		return nil, err
-	}
-	stages := b.stages
-	var refs []string
-	add := func(ref string) {
-		if ref != "" && !strings.EqualFold(ref, "scratch") && !slices.Contains(refs, ref) {
-			refs = append(refs, ref)
-		}
-	}
-	for i, st := range stages[:last+1] {
-		base, _, err := b.lex.ProcessWord(st.BaseName, b.global)
-		if err != nil {
-			continue
-		}
-		if _, ok := b.earlierStage(base, i); !ok {
-			add(base)
-		}
-		for _, cmd := range st.Commands {
-			c, ok := cmd.(*instructions.CopyCommand)
-			if !ok || c.From == "" {
-				continue
-			}
-			from, _, err := b.lex.ProcessWord(c.From, b.global)
-			if err != nil {
-				continue
-			}
-			if _, ok := b.earlierStage(from, i); !ok {
-				add(from)
-			}
-		}
-	}
-	return refs, nil
-}
 
 // FinalBase returns the image the target stage (the last one when target
 // is "") starts from, following FROM through earlier stages: "" when it
