@@ -64,9 +64,12 @@ func (w *builder) attestRun(ctx context.Context, rreq *v1.Request, final *v1.Bui
 			if ctx.Err() != nil {
 				return "", nil, ctx.Err()
 			}
-			w.log.Warn("the provenance names no base images", zap.String("key", final.Key), zap.Error(err))
+			// A base reference may hold a secret build argument's
+			// value: masked in both logs, as in the statement.
+			why := maskSecrets(err.Error(), secretValues(rreq, final))
+			w.log.Warn("the provenance names no base images", zap.String("key", final.Key), zap.String("error", why))
 			if log != nil {
-				_ = log.Own(ctx, "provenance: base images not named: "+err.Error())
+				_ = log.Own(ctx, "provenance: base images not named: "+why)
 			}
 		}
 	}

@@ -28,6 +28,9 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/random"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/attest"
@@ -528,5 +531,51 @@ func TestAttack_AttestSlowAttestationIsNotEndedUnattestedByTheReconciler(t *test
 	}
 	if d := oneResult(t, results, again.RequestID).Data; d.Status != v1.StatusSucceeded || d.Attestation == "" {
 		t.Errorf("a later request of the key was answered %s (%s) with attestation %q", d.Status, d.Origin, d.Attestation)
+	}
+}
+
+// A base reference expanded from a secret build argument that cannot be
+// resolved (here: not in the registry) is reported without the secret in
+// the worker's own log: "provenance: base images not named" names it
+// masked.
+func TestAttack_AttestUnresolvedSecretBaseReferenceIsMaskedInTheWorkerLog(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	store := newObjectStore()
+	signer, _ := testSigner(t)
+	const secret = "tok-0a1b2c3d4e5f6789"
+	digest, archive := packDir(t, map[string]string{"Dockerfile": "ARG TAG\nFROM " + tr.host + "/library/missing:${TAG}\nRUN make\n"})
+	r := tenantRequestFor("acme", digest)
+	r.BuildArgs = map[string]string{"TAG": secret}
+	r.SecretBuildArgs = []string{"TAG"}
+	store.put(r.Source.S3.Key, archive)
+	core, logs := observer.New(zapcore.InfoLevel)
+	e.startWorker("w1", func(c *Config) {
+		withRegistry(tr)(c)
+		c.Contexts = store
+		c.Attestor = &SigningAttestor{Signer: signer}
+		c.Logger = zap.New(core).Named("w1")
+	})
+	results := e.collect()
+	got := e.buildThrough(t, tr, results, r, 1)
+	if got.Data.Status != v1.StatusSucceeded || got.Data.Attestation == "" {
+		t.Fatalf("result %s", mustJSON(t, got.Data))
+	}
+	noted := false
+	for _, entry := range logs.All() {
+		line := entry.Message
+		for k, v := range entry.ContextMap() {
+			line += fmt.Sprintf(" %s=%v", k, v)
+		}
+		if strings.Contains(line, secret) {
+			t.Fatalf("the worker's log holds the secret: %s", line)
+		}
+		if entry.Message == "the provenance names no base images" {
+			noted = true
+		}
+	}
+	if !noted {
+		t.Fatal("the worker did not say why the provenance names no base image")
 	}
 }
