@@ -20,6 +20,7 @@ import (
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/naming"
 	"github.com/buildq/buildq/worker/internal/ledger"
+	"github.com/buildq/buildq/worker/internal/mutant"
 	"github.com/buildq/buildq/worker/internal/runs"
 )
 
@@ -56,6 +57,15 @@ func holds(cur *v1.BuildRecord, lk string, req *v1.Request, seq uint64) bool {
 // looks at the record again: a run that ended (or was let go) before the
 // entry was written may have had its waiters answered already, so the
 // request is unparked and handled on (parked false).
+//
+// The message is acked as parked (parked true) only when the entry is
+// known to be parked. Unparking is a compare-and-swap at the revision
+// this call wrote: another message of the request (a redelivery, a
+// requeue) may have parked it again since, or a requeuer dropped it, and
+// that later state stands. When unparking fails — that conflict, or a
+// write whose reply was lost and so may have been stored — the entry's
+// state is not known, and the message is not acked: it is tried again
+// (or handed back), and parks again or finds its answer.
 func (w *parking) park(ctx context.Context, wr *waiterReg, key string, cur *v1.BuildRecord) (bool, error) {
 	v := *wr.park
 	v.Parked, v.Run, v.ParkedAt = true, cur.Run, w.cfg.Now().UTC()
@@ -64,11 +74,15 @@ func (w *parking) park(ctx context.Context, wr *waiterReg, key string, cur *v1.B
 		return false, Transient(err)
 	}
 	v.Token = tok
-	if err := w.ledger.PutWaiter(ctx, key, v); err != nil {
+	rev, err := w.ledger.PutWaiterRev(ctx, key, v)
+	if err != nil {
 		return false, Transient(err)
 	}
 	wr.once.Do(func() {})
 	wr.added = true
+	if w.afterPark != nil {
+		w.afterPark(key, v.Tenant, v.RequestID)
+	}
 	now, _, err := w.runs.Get(ctx, key)
 	if err == nil && now != nil && now.State == v1.StateBuilding && now.Owner != "" && now.Run == cur.Run {
 		// Still the run the request was checked against and parked on
@@ -76,10 +90,12 @@ func (w *parking) park(ctx context.Context, wr *waiterReg, key string, cur *v1.B
 		return true, nil
 	}
 	v.Parked = false
-	if perr := w.ledger.PutWaiter(ctx, key, v); perr != nil {
-		// Still parked: the sweep answers it (the record's read error,
-		// if any, no longer matters).
-		return true, nil //nolint:nilerr // parked: the sweep answers the request whatever the read said
+	if mutant.On("unpark-overwrites") {
+		if perr := w.ledger.PutWaiter(ctx, key, v); perr != nil {
+			return true, nil //nolint:nilerr // the mutant: a failed unpark taken for parked
+		}
+	} else if perr := w.ledger.UpdateWaiter(ctx, key, v, rev); perr != nil {
+		return false, Transient(fmt.Errorf("parking on %s: the waiter entry is not known to be parked: %w", key, perr))
 	}
 	if err != nil {
 		return false, Transient(err)
@@ -320,6 +336,9 @@ type parking struct {
 	settling [64]sync.Mutex
 	// parked: the sweep's watch of runs with parked requests.
 	parked parkWatch
+	// afterPark, when set (tests only), runs after a request's entry is
+	// written parked and before its run is looked at again.
+	afterPark func(key, tenant, id string)
 }
 
 // parkWatch remembers, per build key with parked waiters, the record's

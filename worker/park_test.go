@@ -449,3 +449,65 @@ func TestParkRecheckOnANewForeignRunAcrossAWorkerStop(t *testing.T) {
 		}
 	}
 }
+
+// A handler that parked a request and then finds the run gone unparks
+// the entry only at the revision it wrote: another message of the same
+// request (a redelivery, a requeue) that parked it again meanwhile keeps
+// it parked, and the handler's own message is not acked as parked — it
+// is tried again. An unconditional unpark turned the later park into a
+// plain entry while every message of the request was acked: nobody
+// answered the request (the simulation's "stuck", seeds 6, 88 and 102).
+func TestAStaleUnparkNeverUndoesALaterPark(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	rw := e.startWorker("w1", nil)
+	ctx := context.Background()
+	req := request("unpark")
+	req.RequestID = "r-unpark"
+	key := v1.BuildKey(req, kanikoID)
+	now := time.Now().UTC()
+	// The run the handler parks on (run-1) was replaced by run-2, whose
+	// owner is alive.
+	if _, ok, err := rw.w.runs.Claim(ctx, &v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "run-2", Owner: "w-other",
+		LeaseMs: 60000, LeaseUntil: now.Add(time.Minute), Tenant: req.Tenant, RequestID: "other"}); err != nil || !ok {
+		t.Fatalf("claim: ok %v, %v", ok, err)
+	}
+	le, _, err := rw.w.ledger.Open(ctx, req.Tenant, req.Name, req.RequestID, key, 7, now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, err := json.Marshal(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wr := &waiterReg{le: le, park: &ledger.Waiter{Tenant: req.Tenant, RequestID: req.RequestID,
+		Subject: v1.RequestSubject(req.Tenant), MsgID: req.RequestID, Seq: 7, MsgTime: now, Body: body}}
+	// Between this handler's write and its look at the run, a redelivery
+	// of the request parks it on run-2.
+	rw.w.park.afterPark = func(k, tenant, id string) {
+		later := *wr.park
+		later.Parked, later.Run, later.ParkedAt, later.Token = true, "run-2", now, le.E.RequeueToken
+		if err := rw.w.ledger.PutWaiter(ctx, k, later); err != nil {
+			t.Error(err)
+		}
+	}
+	cur := &v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "run-1", Owner: "w-gone"}
+	parked, err := rw.w.park.park(ctx, wr, key, cur)
+	if parked {
+		t.Error("the handler's message would be acked as parked, but it unparked the entry")
+	}
+	if err == nil || !IsTransient(err) {
+		t.Errorf("park: %v; want a transient error (the message is tried again)", err)
+	}
+	items, err := rw.w.ledger.ListWaiters(ctx, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, it := range items[key] {
+		got = append(got, fmt.Sprintf("parked=%v run=%s", it.V.Parked, it.V.Run))
+	}
+	if len(got) != 1 || got[0] != "parked=true run=run-2" {
+		t.Fatalf("waiter entries %v; want the later park on run-2 to stand", got)
+	}
+}

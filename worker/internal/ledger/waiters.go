@@ -79,8 +79,28 @@ func (l *Ledger) AddWaiter(ctx context.Context, key, tenant, id string) {
 
 // PutWaiter writes v as the waiter entry of its request on key.
 func (l *Ledger) PutWaiter(ctx context.Context, key string, v Waiter) error {
+	_, err := l.PutWaiterRev(ctx, key, v)
+	return err
+}
+
+// PutWaiterRev is PutWaiter, returning the entry's revision.
+func (l *Ledger) PutWaiterRev(ctx context.Context, key string, v Waiter) (uint64, error) {
 	b, _ := json.Marshal(v)
-	if _, err := l.Bucket().Put(ctx, WaiterKey(key, v.Tenant, v.RequestID), b); err != nil {
+	rev, err := l.Bucket().Put(ctx, WaiterKey(key, v.Tenant, v.RequestID), b)
+	if err != nil {
+		return 0, fmt.Errorf("waiter index: %w", err)
+	}
+	return rev, nil
+}
+
+// UpdateWaiter writes v as the waiter entry of its request on key only
+// if the entry is still at revision rev: an entry written since (parked
+// again by another message of the request) or dropped (requeued,
+// answered) is left as it is, and the error says so
+// (IsWrongRevision).
+func (l *Ledger) UpdateWaiter(ctx context.Context, key string, v Waiter, rev uint64) error {
+	b, _ := json.Marshal(v)
+	if _, err := l.Bucket().Update(ctx, WaiterKey(key, v.Tenant, v.RequestID), b, rev); err != nil {
 		return fmt.Errorf("waiter index: %w", err)
 	}
 	return nil
