@@ -7,12 +7,15 @@ PKGS := ./...
 # outside the clone, see integration/README.md).
 INTEGRATION_TIMEOUT ?= 40m
 
-.PHONY: all build install test test-unit sim-race test-integration lint fmt vet bench bench-e2e bench-report bench-scale dev e2e tools node-packages clean sim soak mutants image
+.PHONY: all build syft install test test-unit sim-race test-integration lint fmt vet bench bench-e2e bench-report bench-scale dev e2e tools node-packages clean sim soak mutants image
 
 all: build
 
 build: ## Build the buildq binary into bin/
 	$(GO) build -o $(BIN)/buildq ./cmd/buildq
+
+syft: ## Build syft, the SBOM scanner (--sbom-scanner), at the version integration/tools/syft pins, into bin/
+	cd integration/tools/syft && CGO_ENABLED=0 $(GO) build -trimpath -ldflags "-X main.version=$$(awk '$$1 == "github.com/anchore/syft" {print $$2}' go.mod)" -o $(abspath $(BIN))/syft github.com/anchore/syft/cmd/syft
 
 test: test-unit sim-race sim mutants test-integration ## Unit tests (with -race), the fault simulation (8 seeds with -race, then 200 seeds and the frozen scenarios), the mutation tests, then the integration suite
 
@@ -101,9 +104,9 @@ bench-report: ## Render docs/benchmarks.md and docs/benchmarks.svg from the figu
 	$(GO) run ./hack/benchreport -in $(BENCH_OUT) -md docs/benchmarks.md -svg docs/benchmarks.svg
 
 image: PLATFORMS ?= linux/amd64,linux/arm64
-image: ## Build the buildq image without Docker and push it: make image IMAGE=registry.example.com/buildq/buildq [PLATFORMS=linux/amd64,linux/arm64] [TAG=v1] [INSECURE=1]
+image: ## Build the buildq image without Docker and push it: make image IMAGE=registry.example.com/buildq/buildq [PLATFORMS=linux/amd64,linux/arm64] [TAG=v1] [INSECURE=1] [SYFT=1: with the SBOM scanner]
 	@test -n "$(IMAGE)" || { echo "make image IMAGE=<registry>/<repository> (credentials: your docker config)"; exit 2; }
-	$(GO) run ./hack/image --repo $(IMAGE) --platform $(PLATFORMS) $(if $(TAG),--tag $(TAG)) $(if $(INSECURE),--insecure)
+	$(GO) run ./hack/image --repo $(IMAGE) --platform $(PLATFORMS) $(if $(TAG),--tag $(TAG)) $(if $(INSECURE),--insecure) $(if $(SYFT),--with-syft)
 
 # dev builds bin/buildq, then replaces make's shell with it (exec), so the
 # binary's own exit code is the recipe's: Ctrl-C stops the stack and it

@@ -49,21 +49,7 @@ func TestDevAttestationsVerifyWithCosign(t *testing.T) {
 	}
 	run := func(bin string, args ...string) (string, int) {
 		t.Helper()
-		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-		defer cancel()
-		cmd := exec.CommandContext(ctx, bin, args...)
-		cmd.Env = env
-		out, err := cmd.CombinedOutput()
-		var ee *exec.ExitError
-		switch {
-		case err == nil:
-			return string(out), 0
-		case errors.As(err, &ee):
-			return string(out), ee.ExitCode()
-		default:
-			t.Fatalf("%s %v: %v\n%s", bin, args, err, out)
-			return "", -1
-		}
+		return runTool(t, env, bin, args...)
 	}
 	buildq := filepath.Join(shared.bin, "buildq")
 	cosign := filepath.Join(shared.tools, "cosign")
@@ -168,6 +154,27 @@ func TestDevAttestationsVerifyWithCosign(t *testing.T) {
 	}
 	if out, code := run(buildq, "verify", dst.String(), "--key", pub); code != 1 {
 		t.Fatalf("buildq verify of a changed statement: exit %d, want 1\n%s", code, out)
+	}
+}
+
+// runTool runs bin with args in env (bounded to 5 minutes) and returns
+// its combined output and exit code.
+func runTool(t *testing.T, env []string, bin string, args ...string) (string, int) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, bin, args...)
+	cmd.Env = env
+	out, err := cmd.CombinedOutput()
+	var ee *exec.ExitError
+	switch {
+	case err == nil:
+		return string(out), 0
+	case errors.As(err, &ee):
+		return string(out), ee.ExitCode()
+	default:
+		t.Fatalf("%s %v: %v\n%s", bin, args, err, out)
+		return "", -1
 	}
 }
 

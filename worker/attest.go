@@ -256,6 +256,9 @@ type SigningAttestor struct {
 	// BuilderID is the deployment's builder id (attest.DefaultBuilderID
 	// when empty).
 	BuilderID string
+	// Scanner makes the SBOMs of images (nil: SBOM makes none); the
+	// worker makes them when Config.SBOM is set.
+	Scanner SBOMScanner
 }
 
 // Attest implements Attestor.

@@ -62,6 +62,9 @@ type Config struct {
 	// Attestor signs and attaches the provenance of every image the
 	// worker builds (nil: none).
 	Attestor Attestor
+	// SBOM makes the signed SBOMs that requests ask for (nil: requests
+	// that ask for one are refused as InvalidRequest).
+	SBOM SBOMMaker
 	// QueueTTL bounds how long a request may wait in the queue: a request
 	// first taken more than QueueTTL after the server stored it gets a
 	// failed result with reason Expired and is terminated without a build.
@@ -212,6 +215,9 @@ func (c Config) Validate() error {
 	}
 	if _, ok := c.Registry.(RemoteRegistry); c.Attestor != nil && c.Registry != nil && !ok {
 		errs = append(errs, fmt.Errorf("a worker that attests images needs a registry client it can attach them with, not %T", c.Registry))
+	}
+	if _, ok := c.Registry.(RemoteRegistry); c.SBOM != nil && c.Registry != nil && !ok {
+		errs = append(errs, fmt.Errorf("a worker that makes SBOMs needs a registry client it can attach them with, not %T", c.Registry))
 	}
 	if c.ContextPrefix == "" && c.Contexts != nil {
 		// Possession is shown with the request's own object: without a

@@ -484,7 +484,7 @@ func TestAStaleUnparkNeverUndoesALaterPark(t *testing.T) {
 		Subject: v1.RequestSubject(req.Tenant), MsgID: req.RequestID, Seq: 7, MsgTime: now, Body: body}}
 	// Between this handler's write and its look at the run, a redelivery
 	// of the request parks it on run-2.
-	rw.w.park.afterPark = func(k, tenant, id string) {
+	rw.w.park.afterPark = func(k, _, _ string) {
 		later := *wr.park
 		later.Parked, later.Run, later.ParkedAt, later.Token = true, "run-2", now, le.E.RequeueToken
 		if err := rw.w.ledger.PutWaiter(ctx, k, later); err != nil {

@@ -130,6 +130,10 @@ func (w *Worker) processRequest(ctx context.Context, h *handling) (verdict, *led
 		v.Term = true
 		return v, le, nil
 	}
+	if req.SBOM && w.cfg.SBOM == nil {
+		// Refused before anything is built: nothing would answer it.
+		return sbomRefused(v), le, nil
+	}
 	dests := naming.Destinations(repo, key, req.Tags)
 
 	wr := &waiterReg{le: le, park: &ledger.Waiter{Tenant: req.Tenant, RequestID: req.RequestID, Subject: msg.Subject(),
@@ -185,7 +189,7 @@ func (w *Worker) resultVerdict(ctx context.Context, v verdict, req *v1.Request, 
 			return v, err
 		}
 		v.Data.Attestation = att
-		return v, nil
+		return w.answerSBOM(ctx, v, req, rec, repo)
 	}
 	v.Data.Status = v1.StatusFailed
 	if rec.Reason == v1.ReasonCanceled {

@@ -12,6 +12,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"golang.org/x/sync/singleflight"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -54,6 +55,8 @@ type Worker struct {
 	life atomic.Pointer[context.Context]
 	// bg counts background work (answering parked requests).
 	bg sync.WaitGroup
+	// sboms makes one SBOM per image at a time (sbom.go).
+	sboms singleflight.Group
 	// ackWait is the consumer's AckWait as the server has it (nanoseconds):
 	// another worker may have set it lower than this one's.
 	ackWait atomic.Int64

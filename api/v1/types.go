@@ -146,6 +146,11 @@ type Request struct {
 	// "normal" before "low" (empty means normal). It never moves a request
 	// ahead of another tenant's share, and it is not part of the build key.
 	Priority string `json:"priority,omitempty"`
+	// SBOM asks for an SPDX SBOM of the image, signed and attached to it
+	// as an OCI referrer beside its provenance. The deployment must make
+	// SBOMs (workers run with --sbom-scanner); it is not part of the
+	// build key: a build answers requests that ask and that do not.
+	SBOM bool `json:"sbom,omitempty"`
 	// SubmittedAt is set by the producer; it is informational.
 	SubmittedAt time.Time `json:"submittedAt,omitzero"`
 }
@@ -269,6 +274,10 @@ const (
 	// with the tenant's credentials, or without any (401, 403,
 	// UNAUTHORIZED, DENIED).
 	ReasonBaseImageUnauthorized = "BaseImageUnauthorized"
+	// ReasonSBOMFailed: the image was built (and attested), but the SBOM
+	// the request asked for could not be made from it; the message says
+	// why, in the scanner's words.
+	ReasonSBOMFailed = "SBOMFailed"
 	// ReasonBaseImageUnreachable: a build Pod could not connect to a base
 	// image's registry (connection refused, timeout, no route); most
 	// often the build Pods' egress NetworkPolicy does not allow it. The
@@ -381,13 +390,19 @@ type ResultData struct {
 	// Attestation is the digest of the signed SLSA provenance attached
 	// to the image at Digest as an OCI referrer (`buildq verify` and
 	// `cosign verify-attestation` check it).
-	Attestation string  `json:"attestation,omitempty"`
-	Reason      string  `json:"reason,omitempty"`
-	Message     string  `json:"message,omitempty"`
-	LogTail     string  `json:"logTail,omitempty"`
-	Job         string  `json:"job,omitempty"`
-	Attempts    int     `json:"attempts,omitempty"`
-	Timings     Timings `json:"timings"`
+	Attestation string `json:"attestation,omitempty"`
+	// SBOM is the digest of the signed SPDX SBOM attached to the image
+	// at Digest (a request that asked for one); for an image index,
+	// SBOMs maps each platform to the SBOM attached to that platform's
+	// image.
+	SBOM     string            `json:"sbom,omitempty"`
+	SBOMs    map[string]string `json:"sboms,omitempty"`
+	Reason   string            `json:"reason,omitempty"`
+	Message  string            `json:"message,omitempty"`
+	LogTail  string            `json:"logTail,omitempty"`
+	Job      string            `json:"job,omitempty"`
+	Attempts int               `json:"attempts,omitempty"`
+	Timings  Timings           `json:"timings"`
 	// Source is what this request's context was built from (git url,
 	// ref, resolved commit, context digest); set for git sources.
 	Source *SourceInfo `json:"source,omitempty"`

@@ -10,6 +10,7 @@ import (
 
 	"github.com/buildq/buildq/internal/kaniko"
 	"github.com/buildq/buildq/internal/naming"
+	"github.com/buildq/buildq/internal/sbom"
 	"github.com/buildq/buildq/worker"
 )
 
@@ -62,6 +63,8 @@ type serveConfig struct {
 	// image's provenance; builderID is the provenance's builder id.
 	signingKey string
 	builderID  string
+	// sbom is the SBOM scanner (Path empty: none).
+	sbom sbom.Syft
 	// tenantRegistryConfigs holds <tenant>/config.json, each tenant's own
 	// registry credentials (--tenant-registry-secret's Secrets, mounted).
 	tenantRegistryConfigs string

@@ -8,6 +8,8 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/pflag"
+
+	"github.com/buildq/buildq/internal/attest"
 )
 
 // The commands under test, each with flags that pass every rule
@@ -254,5 +256,42 @@ func TestValidateCompletesTheConfig(t *testing.T) {
 	}
 	if d.worker.ID != "dev" || d.worker.ContextPrefix != "contexts/{tenant}/" || !d.worker.AnyReply {
 		t.Errorf("dev's worker config %+v", d.worker)
+	}
+}
+
+// --sbom-scanner is checked before the worker connects: SBOMs are signed,
+// so it needs --signing-key, and it must name an executable file.
+func TestSBOMScannerFlagIsCheckedAtStart(t *testing.T) {
+	t.Parallel()
+	c := sharedRuleArgs(t)
+	dir := t.TempDir()
+	exe := filepath.Join(dir, "syft")
+	if err := os.WriteFile(exe, []byte("#!/bin/sh\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	plain := filepath.Join(dir, "not-executable")
+	if err := os.WriteFile(plain, []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	key := filepath.Join(dir, "signing.key")
+	if _, _, err := attest.EnsureKeyPair(dir); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--sbom-scanner", exe}, "--sbom-scanner needs --signing-key"},
+		{[]string{"--sbom-scanner", filepath.Join(dir, "missing"), "--signing-key", key}, "no such file"},
+		{[]string{"--sbom-scanner", plain, "--signing-key", key}, "not an executable file"},
+	} {
+		code, _, stderr := cli(t, with(c.worker, tc.args...)...)
+		if code != exitInvalid || !strings.Contains(stderr, tc.want) {
+			t.Errorf("worker %v: exit %d, %q; want exit 2 saying %q", tc.args, code, stderr, tc.want)
+		}
+	}
+	code, _, stderr := cli(t, with(c.dev, "--sbom-scanner", plain)...)
+	if code != exitInvalid || !strings.Contains(stderr, "not an executable file") {
+		t.Errorf("dev --sbom-scanner %s: exit %d, %q; want exit 2", plain, code, stderr)
 	}
 }

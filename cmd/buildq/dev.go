@@ -133,6 +133,9 @@ func runDev(ctx context.Context, stderr io.Writer, c *serveConfig, gw *devGatewa
 		return err
 	}
 	defer func() { _ = log.Sync() }()
+	if err := checkScanner(c.sbom.Path); err != nil {
+		return usageErr("--sbom-scanner: %v", err)
+	}
 	var rc *rest.Config
 	if c.kubeconfig != "" {
 		// Before anything starts: a bad --kubeconfig stops dev at once.
@@ -235,7 +238,13 @@ func runDev(ctx context.Context, stderr io.Writer, c *serveConfig, gw *devGatewa
 		cfg.Naming.Registry = stack.RegistryAddr
 	}
 	cfg.Registry = reg
-	cfg.Attestor = &worker.SigningAttestor{Signer: signer, BuilderID: c.builderID}
+	att := &worker.SigningAttestor{Signer: signer, BuilderID: c.builderID}
+	cfg.Attestor = att
+	if c.sbom.Path != "" {
+		scanner := c.sbom
+		att.Scanner = &scanner
+		cfg.SBOM = att
+	}
 	// Tenants are answered from one another's builds only for content
 	// they hold, as with a worker.
 	cfg.Contexts = store

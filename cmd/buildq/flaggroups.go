@@ -43,8 +43,8 @@ var flagGroups = []flagGroup{
 		"registry", "registry-config", "registry-secret", "insecure-registry", "allowed-registry",
 		"allowed-destination", "naming-mode", "naming-project", "naming-prefix", "harbor",
 	}},
-	{"attestation", "Provenance (signed, attached to every image)", []string{
-		"signing-key", "builder-id",
+	{"attestation", "Provenance and SBOMs (signed, attached to the image)", []string{
+		"signing-key", "builder-id", "sbom-scanner", "sbom-timeout", "sbom-max-bytes",
 	}},
 	{"tenants", "Tenants", []string{
 		"single-tenant", "tenant-weight", "tenant-concurrency", "tenant-queue-limit",

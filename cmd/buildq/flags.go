@@ -1,6 +1,8 @@
 package main
 
 import (
+	"fmt"
+	"os"
 	"time"
 
 	"github.com/spf13/pflag"
@@ -8,6 +10,7 @@ import (
 	"github.com/buildq/buildq/internal/attest"
 	"github.com/buildq/buildq/internal/kaniko"
 	"github.com/buildq/buildq/internal/naming"
+	"github.com/buildq/buildq/internal/sbom"
 	"github.com/buildq/buildq/worker"
 )
 
@@ -56,6 +59,7 @@ func (c *serveConfig) registerWorker(fs *pflag.FlagSet) {
 	registerKaniko(fs, &c.kaniko, &c.naming, &c.platformNodeSelectors)
 	fs.StringVar(&c.signingKey, "signing-key", "", "PEM private key (ECDSA P-256 or Ed25519, unencrypted; mount it from a Secret) that signs the SLSA provenance attached to every image built; empty: images are not attested")
 	registerBuilderID(fs, &c.builderID)
+	registerSBOM(fs, &c.sbom)
 	c.git.register(fs, false)
 	registerBuildLogs(fs, &w.Logs)
 
@@ -90,6 +94,7 @@ func (c *serveConfig) registerDev(fs *pflag.FlagSet) {
 	registerKaniko(fs, &c.kaniko, &c.naming, &c.platformNodeSelectors)
 	registerFair(fs, &c.worker.Fair)
 	registerBuilderID(fs, &c.builderID)
+	registerSBOM(fs, &c.sbom)
 	c.git.register(fs, true)
 	registerBuildLogs(fs, &c.worker.Logs)
 	fs.StringVar(&c.logLevel, "log-level", "info", "log level: debug, info, warn, error")
@@ -163,4 +168,27 @@ func registerKaniko(fs *pflag.FlagSet, kc *kaniko.Config, np *naming.Policy, pla
 // registerBuilderID is the provenance's builder id flag.
 func registerBuilderID(fs *pflag.FlagSet, id *string) {
 	fs.StringVar(id, "builder-id", attest.DefaultBuilderID, "builder id (a URI naming this deployment) in the SLSA provenance of every image built")
+}
+
+// registerSBOM are the SBOM flags.
+func registerSBOM(fs *pflag.FlagSet, s *sbom.Syft) {
+	fs.StringVar(&s.Path, "sbom-scanner", "", "syft binary that makes the SPDX SBOM of an image for the requests that ask for one (submit --sbom); run as its own process on the image alone, never reaching a network; empty: requests that ask for an SBOM are refused")
+	fs.DurationVar(&s.Timeout, "sbom-timeout", sbom.DefaultTimeout, "bound on one image's SBOM scan")
+	fs.Int64Var(&s.MaxBytes, "sbom-max-bytes", sbom.DefaultMaxBytes, "largest image (compressed layers) the worker copies to its disk for an SBOM scan; a larger one fails its request with SBOMFailed")
+}
+
+// checkScanner says why path (--sbom-scanner) cannot be run as the SBOM
+// scanner; "" is no scanner.
+func checkScanner(path string) error {
+	if path == "" {
+		return nil
+	}
+	fi, err := os.Stat(path)
+	if err != nil {
+		return err
+	}
+	if !fi.Mode().IsRegular() || fi.Mode().Perm()&0o111 == 0 {
+		return fmt.Errorf("%s is not an executable file", path)
+	}
+	return nil
 }

@@ -31,6 +31,7 @@ type requestFlags struct {
 	labels     []string
 	timeout    time.Duration
 	priority   string
+	sbom       bool
 	bucket     string
 	maxContext int64
 
@@ -52,6 +53,7 @@ func (f *requestFlags) register(fs *pflag.FlagSet) {
 	fs.StringArrayVar(&f.labels, "label", nil, "image label KEY=VALUE (repeatable)")
 	fs.DurationVar(&f.timeout, "timeout", 0, "build timeout (default: the worker's)")
 	fs.StringVar(&f.priority, "priority", "", "high, normal or low: the order among the tenant's own queued requests (default normal)")
+	fs.BoolVar(&f.sbom, "sbom", false, "also attach a signed SPDX SBOM of the image (the deployment's workers must run with --sbom-scanner)")
 	fs.StringVar(&f.bucket, "s3-bucket", "buildq", "bucket of build contexts")
 	fs.Int64Var(&f.maxContext, "max-context-bytes", contexttar.DefaultMaxBytes, "refuse contexts larger than this")
 }
@@ -172,6 +174,7 @@ func (f *requestFlags) requestFields(defaultName string) (*v1.Request, error) {
 		Timeout:    v1.Duration{Duration: f.timeout},
 		Labels:     labels,
 		Priority:   f.priority,
+		SBOM:       f.sbom,
 	}
 	// The names of the secret ones; their values are in BuildArgs.
 	req.SecretBuildArgs = secretArgs

@@ -284,6 +284,12 @@ func printResult(stdout io.Writer, res *v1.Result, asJSON bool) error {
 				// The signed provenance; buildq verify checks it.
 				fmt.Fprintf(stdout, "  provenance %s\n", d.Attestation)
 			}
+			if d.SBOM != "" {
+				fmt.Fprintf(stdout, "  sbom   %s\n", d.SBOM)
+			}
+			for _, p := range slices.Sorted(maps.Keys(d.SBOMs)) {
+				fmt.Fprintf(stdout, "  sbom   %s %s\n", d.SBOMs[p], p)
+			}
 		default:
 			fmt.Fprintf(stdout, "%s: %s: %s\n", d.Status, d.Reason, d.Message)
 			if len(d.Platforms) > 0 {

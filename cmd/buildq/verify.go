@@ -36,10 +36,14 @@ API, under the referrers tag sha256-<hex>). verify finds it, checks the
 signature against --key (the deployment's PEM public key; buildq dev keeps
 its own at <data dir>/signing.pub), checks that the statement is about
 IMAGE's digest, and prints what it says: the source, the Dockerfile, the
-base images and executor by digest, the request, the builder.
+base images and executor by digest, the request, the builder. When the
+build was asked for an SBOM (submit --sbom), the SPDX SBOM attached beside
+the provenance is checked under the same key and named with its package
+count (-o json: the document itself).
 
-The same attestation verifies with cosign:
+The same attestations verify with cosign:
   cosign verify-attestation --key PUB --type slsaprovenance1 --insecure-ignore-tlog IMAGE
+  cosign verify-attestation --key PUB --type spdxjson --insecure-ignore-tlog IMAGE
 
 The image is named repo:tag or repo@sha256:...; a tag is resolved to its digest
 first. Registries on loopback and private addresses are reached over plain
@@ -93,10 +97,20 @@ Exit codes:
 				}
 				return failed(err)
 			}
+			// An SBOM, when the build was asked for one: the same key
+			// signs it. Not finding one is not a failure of the
+			// provenance.
+			sb, err := attest.FindSBOM(ctx, d, v, reg.RemoteOptions(ctx))
+			if err != nil {
+				fmt.Fprintf(cmd.ErrOrStderr(), "warning: looking for an SBOM: %v\n", err)
+			}
 			if output == "json" {
-				return printVerifiedJSON(cmd.OutOrStdout(), d, p)
+				return printVerifiedJSON(cmd.OutOrStdout(), d, p, sb)
 			}
 			printVerified(cmd.OutOrStdout(), d, p)
+			if sb != nil {
+				fmt.Fprintf(cmd.OutOrStdout(), "  %-12s %s (%s, %d packages, signature checked)\n", "sbom", sb.Referrer, sb.SPDXVersion, len(sb.Packages))
+			}
 			return nil
 		},
 	}
@@ -108,13 +122,23 @@ Exit codes:
 	return cmd
 }
 
-func printVerifiedJSON(w io.Writer, d name.Digest, p *attest.Provenance) error {
+func printVerifiedJSON(w io.Writer, d name.Digest, p *attest.Provenance, sb *attest.SBOM) error {
+	type sbomOut struct {
+		Referrer    string          `json:"referrer"`
+		SPDXVersion string          `json:"spdxVersion"`
+		Packages    []string        `json:"packages"`
+		Document    json.RawMessage `json:"document"`
+	}
 	out := struct {
 		Image       string          `json:"image"`
 		Verified    bool            `json:"verified"`
 		Attestation string          `json:"attestation"`
 		Statement   json.RawMessage `json:"statement"`
-	}{d.String(), true, p.Referrer, p.Statement}
+		SBOM        *sbomOut        `json:"sbom,omitempty"`
+	}{Image: d.String(), Verified: true, Attestation: p.Referrer, Statement: p.Statement}
+	if sb != nil {
+		out.SBOM = &sbomOut{Referrer: sb.Referrer, SPDXVersion: sb.SPDXVersion, Packages: sb.Packages, Document: sb.Document}
+	}
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	return enc.Encode(out)

@@ -97,12 +97,24 @@ func runWorker(ctx context.Context, c *serveConfig) error {
 		return usageErr("%v", err)
 	}
 	cfg.Registry = reg
+	if c.sbom.Path != "" && c.signingKey == "" {
+		return usageErr("--sbom-scanner needs --signing-key: SBOMs are signed with the deployment's key")
+	}
+	if err := checkScanner(c.sbom.Path); err != nil {
+		return usageErr("--sbom-scanner: %v", err)
+	}
 	if c.signingKey != "" {
 		signer, err := attest.LoadSigner(c.signingKey)
 		if err != nil {
 			return usageErr("--signing-key: %v", err)
 		}
-		cfg.Attestor = &worker.SigningAttestor{Signer: signer, BuilderID: c.builderID}
+		att := &worker.SigningAttestor{Signer: signer, BuilderID: c.builderID}
+		cfg.Attestor = att
+		if c.sbom.Path != "" {
+			scanner := c.sbom
+			att.Scanner = &scanner
+			cfg.SBOM = att
+		}
 	} else {
 		log.Warn("no --signing-key: the images this worker builds carry no signed provenance")
 	}

@@ -4,7 +4,12 @@
 // registry with go-containerregistry. It prints the pushed reference by
 // digest, the one to pin in deploy/ (make image IMAGE=repo).
 //
-//	go run ./hack/image --repo registry.example.com/buildq/buildq [--tag v1] [--platform linux/amd64,linux/arm64] [--insecure]
+//	go run ./hack/image --repo registry.example.com/buildq/buildq [--tag v1] [--platform linux/amd64,linux/arm64] [--insecure] [--with-syft]
+//
+// --with-syft adds syft, the SBOM scanner workers run with
+// --sbom-scanner /usr/local/bin/syft (deploy/components/sbom), built for
+// each platform from its pinned module (integration/tools/syft), as a
+// layer of its own.
 //
 // Registry credentials come from the docker config ($DOCKER_CONFIG or
 // ~/.docker/config.json), as for docker and crane.
@@ -40,6 +45,7 @@ func run() error {
 	tag := flag.String("tag", "", "tag to push (default: the git commit, short)")
 	platforms := flag.String("platform", "linux/amd64,linux/arm64", "platforms, comma-separated os/arch[/variant]")
 	insecure := flag.Bool("insecure", false, "the registry speaks plain HTTP")
+	withSyft := flag.Bool("with-syft", false, "add syft (the SBOM scanner, integration/tools/syft's pinned version) at /usr/local/bin/syft")
 	flag.Parse()
 	if *repo == "" {
 		return fmt.Errorf("--repo is required (the repository to push to)")
@@ -96,7 +102,28 @@ func run() error {
 		if err != nil {
 			return err
 		}
-		img, err := image.Build(b, image.Options{Platform: *plat, Created: created, Labels: map[string]string{
+		var tools map[string][]byte
+		if *withSyft {
+			syft := filepath.Join(dir, "syft-"+plat.OS+"-"+plat.Architecture+plat.Variant)
+			fmt.Fprintf(os.Stderr, "building syft for %s\n", plat)
+			version, err := syftVersion()
+			if err != nil {
+				return err
+			}
+			cmd := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w -buildid= -X main.version="+version, "-o", syft, "github.com/anchore/syft/cmd/syft")
+			cmd.Dir = filepath.Join("integration", "tools", "syft")
+			cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS="+plat.OS, "GOARCH="+plat.Architecture)
+			cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+			if err := cmd.Run(); err != nil {
+				return fmt.Errorf("go build syft for %s: %w", plat, err)
+			}
+			sb, err := os.ReadFile(syft)
+			if err != nil {
+				return err
+			}
+			tools = map[string][]byte{"syft": sb}
+		}
+		img, err := image.Build(b, image.Options{Platform: *plat, Created: created, Tools: tools, Labels: map[string]string{
 			"org.opencontainers.image.source":   "https://github.com/buildq/buildq",
 			"org.opencontainers.image.revision": revision,
 			"org.opencontainers.image.title":    "buildq",
@@ -120,4 +147,18 @@ func run() error {
 	}
 	fmt.Println(ref.Context().Digest(digest.String()).String())
 	return nil
+}
+
+// syftVersion is the syft version integration/tools/syft pins.
+func syftVersion() (string, error) {
+	b, err := os.ReadFile(filepath.Join("integration", "tools", "syft", "go.mod"))
+	if err != nil {
+		return "", fmt.Errorf("--with-syft: %w (run from the repository's root)", err)
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(l); len(f) >= 2 && f[0] == "github.com/anchore/syft" {
+			return f[1], nil
+		}
+	}
+	return "", fmt.Errorf("--with-syft: integration/tools/syft/go.mod does not require github.com/anchore/syft")
 }

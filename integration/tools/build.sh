@@ -5,6 +5,7 @@
 #   node/    kubelet and kube-scheduler (the same Kubernetes version)
 #   kaniko/  the kaniko executor (github.com/chainguard-dev/kaniko)
 #   cosign/  cosign, the third-party verifier of buildq's attestations
+#   syft/    syft, the SBOM scanner workers run (--sbom-scanner)
 # Each module's binaries live in a directory keyed by that module's go.mod
 # and go.sum, so changing one module rebuilds only its binaries, and only
 # missing binaries are built: a warm cache costs nothing. Prints on stdout
@@ -18,7 +19,7 @@ root="${BUILDQ_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/buildq/tools}"
 
 modhash() { cat "$here/$1/go.mod" "$here/$1/go.sum" | sha256sum | cut -c1-16; }
 
-# name|module|package
+# name|module|package|ldflags
 tools=(
   "etcd|.|go.etcd.io/etcd/server/v3"
   "kube-apiserver|.|k8s.io/kubernetes/cmd/kube-apiserver"
@@ -29,12 +30,13 @@ tools=(
   "kube-scheduler|node|k8s.io/kubernetes/cmd/kube-scheduler"
   "kaniko-executor|kaniko|github.com/chainguard-dev/kaniko/cmd/executor"
   "cosign|cosign|github.com/sigstore/cosign/v3/cmd/cosign"
+  "syft|syft|github.com/anchore/syft/cmd/syft|-X main.version=$(awk '$1 == "github.com/anchore/syft" {print $2}' "$here/syft/go.mod")"
 )
-set_hash="$(for m in . node kaniko cosign; do modhash "$m"; done | sha256sum | cut -c1-16)"
+set_hash="$(for m in . node kaniko cosign syft; do modhash "$m"; done | sha256sum | cut -c1-16)"
 out="$root/set-$set_hash"
 mkdir -p "$out"
 for t in "${tools[@]}"; do
-  IFS='|' read -r name mod pkg <<<"$t"
+  IFS='|' read -r name mod pkg ldflags <<<"$t"
   dir="$root/$(modhash "$mod")"
   mkdir -p "$dir"
   if [ ! -x "$dir/$name" ]; then
@@ -42,7 +44,7 @@ for t in "${tools[@]}"; do
     start=$(date +%s)
     # Build to a temporary name and rename: an interrupted build never
     # leaves a half-written binary that later runs would trust.
-    (cd "$here/$mod" && CGO_ENABLED=0 go build -trimpath -o "$dir/.$name.tmp" "$pkg")
+    (cd "$here/$mod" && CGO_ENABLED=0 go build -trimpath -ldflags "${ldflags:-}" -o "$dir/.$name.tmp" "$pkg")
     mv "$dir/.$name.tmp" "$dir/$name"
     echo "built $name in $(( $(date +%s) - start ))s" >&2
   fi

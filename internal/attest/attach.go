@@ -36,8 +36,15 @@ const emptyMediaType types.MediaType = "application/vnd.oci.empty.v1+json"
 // without the referrers API, go-containerregistry keeps the referrers
 // tag (sha256-<hex>) up to date instead. created (the build's end) is
 // the manifest's creation annotation, so attaching the same bundle twice
-// writes one manifest. It returns the referrer manifest's digest.
+// writes one manifest. It returns the referrer manifest's digest. The
+// bundle is taken to hold SLSA provenance; AttachAs names another
+// predicate type.
 func Attach(ctx context.Context, subject name.Digest, bundleJSON []byte, created time.Time, opts []remote.Option) (string, error) {
+	return AttachAs(ctx, subject, bundleJSON, PredicateSLSAProvenance, created, opts)
+}
+
+// AttachAs is Attach of a bundle whose statement has predicateType.
+func AttachAs(ctx context.Context, subject name.Digest, bundleJSON []byte, predicateType string, created time.Time, opts []remote.Option) (string, error) {
 	opts = append(opts, remote.WithContext(ctx))
 	sub, err := remote.Head(subject, opts...)
 	if err != nil {
@@ -74,7 +81,7 @@ func Attach(ctx context.Context, subject name.Digest, bundleJSON []byte, created
 		Subject:       &v1.Descriptor{MediaType: sub.MediaType, Digest: sub.Digest, Size: sub.Size},
 		Annotations: map[string]string{
 			annotationContent:       "dsse-envelope",
-			annotationPredicateType: PredicateSLSAProvenance,
+			annotationPredicateType: predicateType,
 			annotationCreated:       created.UTC().Format(time.RFC3339),
 		},
 	}

@@ -1,7 +1,7 @@
 // Package image assembles buildq's own container image without a Docker
 // engine: one layer holding the static buildq binary, the files a
 // non-root, distroless-like image needs, and a config that runs it as
-// user 65532. go-containerregistry writes it to any OCI registry.
+// user 65532; optionally a layer per tool (syft, the SBOM scanner). go-containerregistry writes it to any OCI registry.
 package image
 
 import (
@@ -9,6 +9,10 @@ import (
 	"bytes"
 	"fmt"
 	"io"
+	"maps"
+	"path"
+	"slices"
+	"strings"
 	"time"
 
 	ggcrv1 "github.com/google/go-containerregistry/pkg/v1"
@@ -34,6 +38,9 @@ type Options struct {
 	Created time.Time
 	// Labels are OCI annotations of the config (org.opencontainers.image.*).
 	Labels map[string]string
+	// Tools are more executables for /usr/local/bin, by name (syft, the
+	// SBOM scanner, for --sbom-scanner): a layer each, after buildq's.
+	Tools map[string][]byte
 }
 
 // Build returns the image of binary for opts.Platform.
@@ -58,6 +65,28 @@ func Build(binary []byte, opts Options) (ggcrv1.Image, error) {
 	})
 	if err != nil {
 		return nil, err
+	}
+	for _, n := range slices.Sorted(maps.Keys(opts.Tools)) {
+		if n == "" || strings.ContainsAny(n, "/\\") || n == path.Base(Binary) || len(opts.Tools[n]) == 0 {
+			return nil, fmt.Errorf("image: tool %q: want a file name other than buildq's, with content", n)
+		}
+		tt, err := toolLayer(n, opts.Tools[n], opts.Created)
+		if err != nil {
+			return nil, err
+		}
+		tl, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) {
+			return io.NopCloser(bytes.NewReader(tt)), nil
+		}, tarball.WithMediaType(types.OCILayer))
+		if err != nil {
+			return nil, err
+		}
+		if img, err = mutate.Append(img, mutate.Addendum{
+			Layer:     tl,
+			MediaType: types.OCILayer,
+			History:   ggcrv1.History{Created: ggcrv1.Time{Time: opts.Created}, CreatedBy: "buildq hack/image", Comment: n},
+		}); err != nil {
+			return nil, err
+		}
 	}
 	img = mutate.ConfigMediaType(img, types.OCIConfigJSON)
 	cf, err := img.ConfigFile()
@@ -109,6 +138,23 @@ func files(binary []byte, at time.Time) ([]byte, error) {
 		if err := s(); err != nil {
 			return nil, err
 		}
+	}
+	if err := tw.Close(); err != nil {
+		return nil, err
+	}
+	return buf.Bytes(), nil
+}
+
+// toolLayer is a layer of one executable, /usr/local/bin/<name>.
+func toolLayer(name string, data []byte, at time.Time) ([]byte, error) {
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	if err := tw.WriteHeader(&tar.Header{Typeflag: tar.TypeReg, Name: path.Join(path.Dir(Binary[1:]), name), Mode: 0o755,
+		Size: int64(len(data)), ModTime: at, Format: tar.FormatPAX}); err != nil {
+		return nil, err
+	}
+	if _, err := tw.Write(data); err != nil {
+		return nil, err
 	}
 	if err := tw.Close(); err != nil {
 		return nil, err

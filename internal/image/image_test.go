@@ -83,3 +83,48 @@ func TestBuildIsNonRootAndReproducible(t *testing.T) {
 		t.Fatal("an empty binary made an image")
 	}
 }
+
+func TestBuildAddsToolsAsLayersOfTheirOwn(t *testing.T) {
+	t.Parallel()
+	at := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
+	opts := Options{Platform: ggcrv1.Platform{OS: "linux", Architecture: "amd64"}, Created: at}
+	plain, err := Build([]byte("the binary"), opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	opts.Tools = map[string][]byte{"syft": []byte("the scanner")}
+	img, err := Build([]byte("the binary"), opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	layers, err := img.Layers()
+	if err != nil || len(layers) != 2 {
+		t.Fatalf("layers %d %v", len(layers), err)
+	}
+	// buildq's layer is the same with or without tools.
+	pl, _ := plain.Layers()
+	d0, _ := pl[0].Digest()
+	d1, _ := layers[0].Digest()
+	if d0 != d1 {
+		t.Fatalf("buildq's layer changed with a tool: %s vs %s", d0, d1)
+	}
+	rc, err := layers[1].Uncompressed()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rc.Close()
+	tr := tar.NewReader(rc)
+	h, err := tr.Next()
+	if err != nil {
+		t.Fatal(err)
+	}
+	data, _ := io.ReadAll(tr)
+	if h.Name != "usr/local/bin/syft" || h.Mode != 0o755 || string(data) != "the scanner" {
+		t.Fatalf("tool layer: %s mode %o %q", h.Name, h.Mode, data)
+	}
+	for _, bad := range []string{"", "buildq", "../syft", "bin/syft"} {
+		if _, err := Build([]byte("b"), Options{Tools: map[string][]byte{bad: []byte("x")}}); err == nil {
+			t.Errorf("tool %q accepted", bad)
+		}
+	}
+}
