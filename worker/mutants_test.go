@@ -56,6 +56,7 @@ var mutantCatalogue = []mutantCase{
 	{"publish-unmarked-at-once", "another worker's unmarked decision is published only after it stayed unchanged for two leases", []string{"TestAnotherWorkersUnmarkedDecisionIsNotPublishedAtOnce"}},
 	{"no-job-cleanup", "the owner deletes its run's finished Job", nil},
 	{"reconcile-any-run", "the reconciler ends a run only with that run's own Job's outcome", []string{"TestReconcilerEndsOnlyTheJobsOwnRun"}},
+	{"cancel-ignores-holder", "a cancel counts the request whose handler runs the build as waiting on it, whether or not the waiter index lists it", []string{"TestAnotherTenantsCancelSparesARunItsHolderIsNotListedFor"}},
 	{"unpark-overwrites", "a handler unparks a request's waiter entry only at the revision it parked it at, and acks its message as parked only when the entry is known to be parked", []string{"TestAStaleUnparkNeverUndoesALaterPark"}},
 	{"orphan-ends-unattested", "a worker that attests never ends a succeeded run without its attestation, not even as the reconciler", []string{"TestAReleasedRunIsNotEndedUnattestedByTheReconciler"}},
 	{"cancel-unkeyed-blind", "a cancel of a request without a key yet applies only while it has none; keyed meanwhile, it is canceled as a keyed request (its build stopped)", []string{"TestAttack_CancelRacingSetSourceStopsTheBuild"}},

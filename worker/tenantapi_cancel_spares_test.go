@@ -25,6 +25,7 @@ import (
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
+	"github.com/buildq/buildq/worker/internal/ledger"
 )
 
 var errPreconditionUID = preconditionError("the UID in the precondition does not match the Job's")
@@ -396,4 +397,50 @@ func TestAnotherTenantsCancelNeverAnswersAParkedRequest(t *testing.T) {
 		time.Sleep(100 * time.Millisecond)
 	}
 	t.Fatal("mallory got no result")
+}
+
+// A run's holder waits on it whether or not the waiter index lists it:
+// the drop of a requeued request's old entry can race the new handler's
+// registration, leaving the handler that runs the build unlisted. Another
+// tenant's cancel by key then saw nobody else waiting and stopped the
+// build under it (the simulation's "unexplained-cancel", seed 204).
+func TestAnotherTenantsCancelSparesARunItsHolderIsNotListedFor(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	e.startWorker("w1", withRegistry(tr))
+	results := e.collect()
+	ctx := context.Background()
+	a := request("holder-unlisted")
+	a.RequestID = "holder"
+	if _, err := e.pub.Publish(ctx, a); err != nil {
+		t.Fatal(err)
+	}
+	key := v1.BuildKey(a, kanikoID)
+	job := e.waitJob(kaniko.JobName(key))
+	// The holder's waiter entry is gone (a requeue's late drop).
+	kv, err := e.js.KeyValue(ctx, v1.RequestsBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := kv.Delete(ctx, ledger.WaiterKey(key, a.Tenant, a.RequestID)); err != nil {
+		t.Fatal(err)
+	}
+	m := mallorys("holder-unlisted")
+	if _, err := e.pub.Publish(ctx, m); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "mallory's request parked", func() bool { return e.parkedAs(key, m.Tenant, m.RequestID) })
+	rep := cancelRequest(t, e.nc, v1.APICancelSubject("mallory"), key)
+	if !rep.Canceled || rep.Requests != 1 || rep.Stopped {
+		t.Fatalf("mallory's cancel: %+v; want her request canceled and acme's build going on", rep)
+	}
+	if e.jobGone(job.Name)() {
+		t.Fatal("mallory's cancel deleted the job acme's request runs")
+	}
+	e.kubelet(job, 0, tr.push(t, destination(job)))
+	got := byID(results.waitFor(t, 2, 15*time.Second))
+	if ar := got[a.RequestID]; len(ar) != 1 || ar[0].Data.Status != v1.StatusSucceeded {
+		t.Fatalf("acme got %s", mustJSON(t, ar))
+	}
 }

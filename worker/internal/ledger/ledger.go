@@ -130,7 +130,12 @@ func (l *Ledger) Ready() bool { return l.Bucket() != nil }
 
 // Get reads tenant's request id; nil when unknown.
 func (l *Ledger) Get(ctx context.Context, tenant, id string) (*Entry, error) {
-	got, err := l.Bucket().Get(ctx, Key(tenant, id))
+	return l.GetKey(ctx, Key(tenant, id))
+}
+
+// GetKey reads the request whose ledger key (Key) is k; nil when unknown.
+func (l *Ledger) GetKey(ctx context.Context, k string) (*Entry, error) {
+	got, err := l.Bucket().Get(ctx, k)
 	if errors.Is(err, jetstream.ErrKeyNotFound) {
 		return nil, nil
 	}
@@ -139,7 +144,7 @@ func (l *Ledger) Get(ctx context.Context, tenant, id string) (*Entry, error) {
 	}
 	var e v1.RequestEntry
 	if err := json.Unmarshal(got.Value(), &e); err != nil {
-		return nil, fmt.Errorf("request ledger: unreadable entry for %s: %w", id, err)
+		return nil, fmt.Errorf("request ledger: unreadable entry %s: %w", k, err)
 	}
 	return &Entry{E: e, Rev: got.Revision()}, nil
 }

@@ -417,7 +417,7 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 		w.cfg.AnswerParked(ctx, key)
 	}
 	// Does anyone else still wait on the build?
-	ws, err := w.cfg.Ledger.Waiters(ctx, key)
+	ws, err := w.waiters(ctx, key)
 	if err != nil {
 		return v1.CancelReply{Key: key, Requests: n, Canceled: n > 0, Message: err.Error()}
 	}
@@ -451,6 +451,42 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 	return v1.CancelReply{Key: key, Canceled: true, Requests: n, Stopped: stopped, Message: msg}
 }
 
+// waiters are the undecided requests waiting on key: those the waiter
+// index lists, and the one whose handler runs key's build (the run's
+// holder), listed or not — a requeued request's old entry is dropped
+// after its new message is out, and that drop can remove the entry its
+// new handler registered on taking the run. A cancel must never take
+// the holder for nobody.
+func (w *Service) waiters(ctx context.Context, key string) ([]*ledger.Entry, error) {
+	ws, err := w.cfg.Ledger.Waiters(ctx, key)
+	if err != nil {
+		return nil, err
+	}
+	if mutant.On("cancel-ignores-holder") {
+		return ws, nil
+	}
+	cur, _, err := w.cfg.Runs.Get(ctx, key)
+	if err != nil {
+		return nil, err
+	}
+	if cur == nil || cur.Final() || cur.Holder == "" {
+		return ws, nil
+	}
+	for _, le := range ws {
+		if le.Key() == cur.Holder {
+			return ws, nil
+		}
+	}
+	h, err := w.cfg.Ledger.GetKey(ctx, cur.Holder)
+	if err != nil {
+		return nil, err
+	}
+	if h != nil && h.E.Result == nil {
+		ws = append(ws, h)
+	}
+	return ws, nil
+}
+
 // StopUnwaited stops key's run, as a cancel does, when no request but
 // tenant's request id (canceled) waits on it: a canceled image index's
 // platform builds that nobody else wants. It reports whether it stopped
@@ -466,7 +502,7 @@ func (w *Service) StopUnwaited(ctx context.Context, tenant, id, key string) (boo
 // Unwaited reports whether no request but tenant's request id, and none
 // not canceled, waits on key.
 func (w *Service) Unwaited(ctx context.Context, tenant, id, key string) (bool, error) {
-	ws, err := w.cfg.Ledger.Waiters(ctx, key)
+	ws, err := w.waiters(ctx, key)
 	if err != nil {
 		return false, err
 	}
