@@ -216,7 +216,7 @@ func (w *parking) settleWaiter(ctx context.Context, key string, it ledger.Waiter
 		return w.requeue(ctx, it, "the build it joined failed for its claimer's own inputs ("+failedWhy(cur)+"); it builds with its own")
 	}
 	v := w.parkedVerdict(it.V, key, le)
-	v, err = w.answer(ctx, v, req, cur, v1.OriginInflight, false, repo, naming.Destinations(repo, key, req.Tags))
+	v, err = w.safeAnswer(ctx, v, req, cur, repo, naming.Destinations(repo, key, req.Tags))
 	switch {
 	case err != nil && IsTransient(err):
 		// Registry trouble copying the image into the request's own
@@ -232,6 +232,21 @@ func (w *parking) settleWaiter(ctx context.Context, key string, it ledger.Waiter
 	}
 	drop()
 	return nil
+}
+
+// safeAnswer is answer, with a panic in it (a scanner's, a registry
+// client's) turned into an error that fails the request: a settling pass
+// runs on the sweep's or a run's end's goroutine, where nothing else
+// would recover it, and the panic would stop the worker — and the next
+// worker to settle the request.
+func (w *parking) safeAnswer(ctx context.Context, v verdict, req *v1.Request, cur *v1.BuildRecord, repo string, dests []string) (_ verdict, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			w.log.Error("panic while answering a parked request", zap.String("requestId", req.RequestID), zap.Any("panic", p))
+			err = fmt.Errorf("panic while answering the request: %v", p)
+		}
+	}()
+	return w.answer(ctx, v, req, cur, v1.OriginInflight, false, repo, dests)
 }
 
 // parkedVerdict is the start of a parked request's verdict; le is its

@@ -72,9 +72,26 @@ func (a *SigningAttestor) SBOM(ctx context.Context, reg Registry, ref string) (s
 	if have != nil {
 		return have.Referrer, nil
 	}
-	img, err := remote.Image(d, append(opts, remote.WithContext(ctx))...)
+	desc, err := remote.Get(d, append(opts, remote.WithContext(ctx))...)
 	if err != nil {
 		return "", fmt.Errorf("sbom: read %s: %w", d, err)
+	}
+	if !desc.MediaType.IsImage() {
+		// An index (pushed to the destination by hand, not built here):
+		// reading it as an image would pick one of its platforms, and the
+		// SBOM signed for the index would describe that one alone.
+		return "", &SBOMFailure{Err: fmt.Errorf("%s is %s, not one image: an SBOM is made of each image buildq builds", d, desc.MediaType)}
+	}
+	img, err := desc.Image()
+	if err != nil {
+		return "", fmt.Errorf("sbom: read %s: %w", d, err)
+	}
+	got, err := img.Digest()
+	if err != nil {
+		return "", fmt.Errorf("sbom: read %s: %w", d, err)
+	}
+	if got.String() != d.DigestStr() {
+		return "", &SBOMFailure{Err: fmt.Errorf("%s reads as %s, not the image asked for", d, got)}
 	}
 	doc, err := a.Scanner.Scan(ctx, img, d.Context().Name(), d.DigestStr())
 	if err != nil {
@@ -91,11 +108,32 @@ func (a *SigningAttestor) SBOM(ctx context.Context, reg Registry, ref string) (s
 	if err != nil {
 		return "", err
 	}
+	if len(bundle) > attest.MaxBundleBytes {
+		// Attached, it could never be read back (FindSBOM, buildq verify).
+		return "", &SBOMFailure{Err: fmt.Errorf("the signed SBOM is %d bytes, more than the %d an attachment holds", len(bundle), attest.MaxBundleBytes)}
+	}
 	return attest.AttachAs(ctx, d, bundle, attest.PredicateSPDX, time.Now(), opts)
 }
 
-// sbomTimeout bounds the SBOM of one image, its scan and its attachment.
-const sbomTimeout = 15 * time.Minute
+// sbomSlack is what the SBOM of one image may take beyond its scan's own
+// bound (a scanner that says it, ScanTimeout): the lookup, the read and
+// the attachment. A scan that runs out of its own time is the scanner's
+// failure (SBOMFailed); the outer bound is only a backstop.
+const (
+	sbomSlack          = 5 * time.Minute
+	defaultScanTimeout = 10 * time.Minute
+)
+
+// sbomTimeout bounds the SBOM of one image.
+func (w *Worker) sbomTimeout() time.Duration {
+	scan := defaultScanTimeout
+	if a, ok := w.cfg.SBOM.(*SigningAttestor); ok {
+		if st, ok := a.Scanner.(interface{ ScanTimeout() time.Duration }); ok {
+			scan = st.ScanTimeout()
+		}
+	}
+	return scan + sbomSlack
+}
 
 // answerSBOM gives v, the answer of req from rec (a success in repo),
 // the SBOMs req asks for: one of the image, or for an index one of each
@@ -127,7 +165,7 @@ func (w *Worker) answerSBOM(ctx context.Context, v verdict, req *v1.Request, rec
 					err = headPanic{p}
 				}
 			}()
-			ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), sbomTimeout)
+			ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), w.sbomTimeout())
 			defer cancel()
 			return w.cfg.SBOM.SBOM(ctx, reg, ref)
 		})

@@ -241,8 +241,7 @@ func runDev(ctx context.Context, stderr io.Writer, c *serveConfig, gw *devGatewa
 	att := &worker.SigningAttestor{Signer: signer, BuilderID: c.builderID}
 	cfg.Attestor = att
 	if c.sbom.Path != "" {
-		scanner := c.sbom
-		att.Scanner = &scanner
+		att.Scanner = &c.sbom
 		cfg.SBOM = att
 	}
 	// Tenants are answered from one another's builds only for content

@@ -111,8 +111,7 @@ func runWorker(ctx context.Context, c *serveConfig) error {
 		att := &worker.SigningAttestor{Signer: signer, BuilderID: c.builderID}
 		cfg.Attestor = att
 		if c.sbom.Path != "" {
-			scanner := c.sbom
-			att.Scanner = &scanner
+			att.Scanner = &c.sbom
 			cfg.SBOM = att
 		}
 	} else {

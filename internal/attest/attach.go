@@ -138,41 +138,68 @@ type Attached struct {
 // errNotBundle: a referrer that is not a Sigstore bundle.
 var errNotBundle = errors.New("not an attached Sigstore bundle")
 
-// maxBundleBytes bounds what is read of one attached bundle.
+// MaxBundleBytes bounds what is read of one attached bundle; nothing
+// larger is attached.
+const MaxBundleBytes = maxBundleBytes
+
 const maxBundleBytes = 4 << 20
 
+// maxReferrers bounds the referrers of one image that are read: a tenant
+// can attach any number to its own image, and each is a download.
+const maxReferrers = 16
+
 // Find returns the bundles attached to subject (through the referrers
-// API, or the referrers tag where the registry has none), newest first.
-// An image with none gives an empty list, not an error; a bundle that
-// cannot be read is listed with its Err.
+// API, or the referrers tag where the registry has none), newest first,
+// at most maxReferrers of them. An image with none gives an empty list,
+// not an error; a bundle that cannot be read is listed with its Err.
 func Find(ctx context.Context, subject name.Digest, opts []remote.Option) ([]Attached, error) {
+	var out []Attached
+	err := walk(ctx, subject, opts, "", func(a Attached) bool {
+		out = append(out, a)
+		return false
+	})
+	return out, err
+}
+
+// walk hands the bundles attached to subject to fn one at a time, newest
+// first, until fn returns true, reading at most maxReferrers (a bundle is
+// read only when its turn comes, and nothing of it is kept here).
+// predicateType, when set, passes over referrers whose annotation names
+// another predicate type.
+func walk(ctx context.Context, subject name.Digest, opts []remote.Option, predicateType string, fn func(Attached) bool) error {
 	opts = append(opts, remote.WithContext(ctx))
 	// Not filtered by the registry: some report a referrer's config
 	// media type as its artifactType (the OCI 1.1 empty type here).
 	idx, err := remote.Referrers(subject, opts...)
 	if err != nil {
-		return nil, fmt.Errorf("attest: list the referrers of %s: %w", subject, err)
+		return fmt.Errorf("attest: list the referrers of %s: %w", subject, err)
 	}
 	im, err := idx.IndexManifest()
 	if err != nil {
-		return nil, fmt.Errorf("attest: list the referrers of %s: %w", subject, err)
+		return fmt.Errorf("attest: list the referrers of %s: %w", subject, err)
 	}
-	var out []Attached
-	for i := len(im.Manifests) - 1; i >= 0; i-- {
+	read := 0
+	for i := len(im.Manifests) - 1; i >= 0 && read < maxReferrers; i-- {
 		d := im.Manifests[i]
 		if d.ArtifactType != BundleMediaType && d.ArtifactType != string(emptyMediaType) {
 			continue
 		}
+		if pt, ok := d.Annotations[annotationPredicateType]; ok && predicateType != "" && pt != predicateType {
+			continue
+		}
+		read++
 		b, err := readBundle(subject.Context().Digest(d.Digest.String()), opts)
 		if errors.Is(err, errNotBundle) {
 			continue
 		}
 		if err != nil && ctx.Err() != nil {
-			return nil, err
+			return err
 		}
-		out = append(out, Attached{Digest: d.Digest.String(), Bundle: b, Err: err})
+		if fn(Attached{Digest: d.Digest.String(), Bundle: b, Err: err}) {
+			return nil
+		}
 	}
-	return out, nil
+	return nil
 }
 
 // Get returns the bundle of the referrer at ref (repo@digest).

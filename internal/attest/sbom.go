@@ -19,9 +19,13 @@ import (
 // the type `cosign verify-attestation --type spdxjson` asks for.
 const PredicateSPDX = "https://spdx.dev/Document"
 
-// maxSBOMBytes bounds an SBOM document: its statement is signed and
-// attached as one bundle, which readers take up to maxBundleBytes of.
-const maxSBOMBytes = 3 << 20
+// MaxSBOMBytes bounds an SBOM document: its statement is signed and
+// attached as one bundle, which readers take up to MaxBundleBytes of, and
+// the bundle holds the statement base64-encoded (4/3 of it) with the
+// envelope and signature around it.
+const MaxSBOMBytes = maxSBOMBytes
+
+const maxSBOMBytes = maxBundleBytes*3/4 - 64<<10
 
 // SBOMStatement returns the in-toto Statement (JSON) whose predicate is
 // the SPDX JSON document doc, about subject. doc must be one JSON object
@@ -121,30 +125,30 @@ func ParseSBOMStatement(statement []byte) (*SBOM, error) {
 
 // FindSBOM returns the newest SBOM attached to subject that verifies
 // under v and is about subject's digest; nil when none does (other
-// attachments, provenance among them, are passed over).
+// attachments, provenance among them, are passed over). It reads the
+// referrers one at a time and stops at the first that answers.
 func FindSBOM(ctx context.Context, subject name.Digest, v *Verifier, opts []remote.Option) (*SBOM, error) {
-	found, err := Find(ctx, subject, opts)
-	if err != nil {
-		return nil, err
-	}
-	for _, a := range found {
+	var found *SBOM
+	err := walk(ctx, subject, opts, PredicateSPDX, func(a Attached) bool {
 		if a.Err != nil {
-			continue
+			return false
 		}
 		statement, err := v.Open(a.Bundle)
 		if err != nil {
-			continue
+			return false
 		}
 		s, err := ParseSBOMStatement(statement)
 		if err != nil {
-			continue
+			return false
 		}
 		for _, sub := range s.Subjects {
 			if sub.Digest == subject.DigestStr() {
 				s.Referrer = a.Digest
-				return s, nil
+				found = s
+				return true
 			}
 		}
-	}
-	return nil, nil
+		return false
+	})
+	return found, err
 }

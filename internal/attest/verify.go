@@ -95,26 +95,31 @@ func digestOf(m map[string]string) string {
 // is returned; when none does, the error (wrapping ErrNotVerified) says
 // why each failed.
 func Verify(ctx context.Context, subject name.Digest, v *Verifier, opts []remote.Option) (*Provenance, error) {
-	found, err := Find(ctx, subject, opts)
-	if err != nil {
-		return nil, err
-	}
-	if len(found) == 0 {
-		return nil, fmt.Errorf("%w: %s has no attached provenance", ErrNotVerified, subject)
-	}
-	var why []string
-	for _, a := range found {
+	var (
+		why   []string
+		found *Provenance
+	)
+	err := walk(ctx, subject, opts, PredicateSLSAProvenance, func(a Attached) bool {
 		if a.Err != nil {
 			why = append(why, a.Digest+": "+a.Err.Error())
-			continue
+			return false
 		}
 		p, err := verifyBundle(a.Bundle, subject.DigestStr(), v)
 		if err != nil {
 			why = append(why, a.Digest+": "+err.Error())
-			continue
+			return false
 		}
 		p.Referrer = a.Digest
-		return p, nil
+		found = p
+		return true
+	})
+	switch {
+	case err != nil:
+		return nil, err
+	case found != nil:
+		return found, nil
+	case len(why) == 0:
+		return nil, fmt.Errorf("%w: %s has no attached provenance", ErrNotVerified, subject)
 	}
 	return nil, fmt.Errorf("%w: %s", ErrNotVerified, strings.Join(why, "; "))
 }

@@ -12,19 +12,22 @@
 package sbom
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"time"
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/empty"
 	"github.com/google/go-containerregistry/pkg/v1/layout"
+
+	"github.com/buildq/buildq/internal/attest"
 )
 
 // DefaultTimeout bounds one scan when Syft.Timeout is zero;
@@ -48,6 +51,14 @@ type Syft struct {
 	// worker writes to TempDir for a scan (DefaultMaxBytes when zero): a
 	// larger image is not scanned.
 	MaxBytes int64
+	// MaxDocumentBytes bounds the SBOM syft writes that is read back
+	// (attest.MaxSBOMBytes when zero: nothing larger can be attached).
+	MaxDocumentBytes int64
+
+	// once makes slots; slots bounds the scans run at once (one: each
+	// scan copies an image to disk and syft unpacks it there).
+	once  sync.Once
+	slots chan struct{}
 }
 
 // config is syft's configuration for a scan: nothing syft does reaches a
@@ -102,13 +113,31 @@ func (s *Syft) Scan(ctx context.Context, img v1.Image, name, version string) ([]
 		return nil, fmt.Errorf("sbom: read the image's manifest: %w", err)
 	}
 	size := m.Config.Size
+	for _, l := range append([]v1.Descriptor{m.Config}, m.Layers...) {
+		if l.Size <= 0 {
+			// An unknown (or zero) size would count for nothing, and
+			// the blob would be copied whole, however large.
+			return nil, &ScanError{Err: fmt.Errorf("the image's manifest gives blob %s no size; nothing is copied to scan it", l.Digest)}
+		}
+	}
 	for _, l := range m.Layers {
 		size += l.Size
 	}
 	if size > limit {
 		return nil, &ScanError{Err: fmt.Errorf("the image is %d bytes, more than the %d this worker scans (--sbom-max-bytes)", size, limit)}
 	}
-	dir, err := os.MkdirTemp(s.TempDir, "buildq-sbom-")
+	timeout := s.ScanTimeout()
+	// One scan at a time; waiting for the slot counts against the
+	// caller's context, not the scan's timeout.
+	s.once.Do(func() { s.slots = make(chan struct{}, 1) })
+	select {
+	case s.slots <- struct{}{}:
+		defer func() { <-s.slots }()
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	s.sweep(timeout)
+	dir, err := os.MkdirTemp(s.TempDir, scanDirPrefix)
 	if err != nil {
 		return nil, fmt.Errorf("sbom: %w", err)
 	}
@@ -130,10 +159,6 @@ func (s *Syft) Scan(ctx context.Context, img v1.Image, name, version string) ([]
 	if err := os.Mkdir(home, 0o700); err != nil {
 		return nil, fmt.Errorf("sbom: %w", err)
 	}
-	timeout := s.Timeout
-	if timeout <= 0 {
-		timeout = DefaultTimeout
-	}
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, s.Path, "scan", oci,
@@ -153,8 +178,8 @@ func (s *Syft) Scan(ctx context.Context, img v1.Image, name, version string) ([]
 		"SYFT_CHECK_FOR_APP_UPDATE=false",
 	}
 	cmd.Dir = dir
-	var tail bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &tail, &tail
+	tail := &tailBuffer{max: 16 << 10}
+	cmd.Stdout, cmd.Stderr = tail, tail
 	cmd.WaitDelay = 5 * time.Second
 	if err := cmd.Run(); err != nil {
 		if ctx.Err() != nil {
@@ -162,11 +187,88 @@ func (s *Syft) Scan(ctx context.Context, img v1.Image, name, version string) ([]
 		}
 		return nil, &ScanError{Err: err, Output: lastLines(tail.String(), 5)}
 	}
-	doc, err := os.ReadFile(out)
+	maxDoc := s.MaxDocumentBytes
+	if maxDoc <= 0 {
+		maxDoc = attest.MaxSBOMBytes
+	}
+	fi, err := os.Stat(out)
 	if err != nil {
 		return nil, &ScanError{Err: fmt.Errorf("no SBOM written: %w", err), Output: lastLines(tail.String(), 5)}
 	}
+	if fi.Size() > maxDoc {
+		return nil, &ScanError{Err: fmt.Errorf("the SBOM is %d bytes, more than the %d an attachment holds", fi.Size(), maxDoc)}
+	}
+	f, err := os.Open(out)
+	if err != nil {
+		return nil, &ScanError{Err: fmt.Errorf("no SBOM written: %w", err)}
+	}
+	defer f.Close()
+	doc, err := io.ReadAll(io.LimitReader(f, maxDoc+1))
+	if err != nil {
+		return nil, fmt.Errorf("sbom: read the SBOM: %w", err)
+	}
+	if int64(len(doc)) > maxDoc {
+		return nil, &ScanError{Err: fmt.Errorf("the SBOM is more than the %d bytes an attachment holds", maxDoc)}
+	}
 	return doc, nil
+}
+
+// ScanTimeout is the bound on one scan (Timeout, or DefaultTimeout).
+func (s *Syft) ScanTimeout() time.Duration {
+	if s.Timeout > 0 {
+		return s.Timeout
+	}
+	return DefaultTimeout
+}
+
+// scanDirPrefix names the directories scans work in, under TempDir.
+const scanDirPrefix = "buildq-sbom-"
+
+// sweep removes the scan directories in TempDir older than twice the
+// scan timeout: left by a worker killed during a scan (its deferred
+// removal never ran). No scan runs that long.
+func (s *Syft) sweep(timeout time.Duration) {
+	root := s.TempDir
+	if root == "" {
+		root = os.TempDir()
+	}
+	entries, err := os.ReadDir(root)
+	if err != nil {
+		return
+	}
+	for _, e := range entries {
+		if !e.IsDir() || !strings.HasPrefix(e.Name(), scanDirPrefix) {
+			continue
+		}
+		fi, err := e.Info()
+		if err != nil || time.Since(fi.ModTime()) < 2*timeout {
+			continue
+		}
+		_ = os.RemoveAll(filepath.Join(root, e.Name()))
+	}
+}
+
+// tailBuffer keeps the last max bytes written to it.
+type tailBuffer struct {
+	mu  sync.Mutex
+	max int
+	b   []byte
+}
+
+func (t *tailBuffer) Write(p []byte) (int, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.b = append(t.b, p...)
+	if over := len(t.b) - t.max; over > 0 {
+		t.b = append(t.b[:0], t.b[over:]...)
+	}
+	return len(p), nil
+}
+
+func (t *tailBuffer) String() string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return string(t.b)
 }
 
 // lastLines is the last n lines of s, without a trailing newline.
