@@ -137,8 +137,8 @@ func (w *Worker) sbomTimeout() time.Duration {
 
 // answerSBOM gives v, the answer of req from rec (a success in repo),
 // the SBOMs req asks for: one of the image, or for an index one of each
-// platform's image. One per image is made per worker at a time; the
-// others in flight wait for it. A scanner's failure fails the answer
+// platform's image. One per image and tenant is made per worker at a
+// time; the others in flight wait for it. A scanner's failure fails the answer
 // (SBOMFailed); registry trouble is transient.
 func (w *Worker) answerSBOM(ctx context.Context, v verdict, req *v1.Request, rec *v1.BuildRecord, repo string) (verdict, error) {
 	if !req.SBOM {
@@ -157,7 +157,9 @@ func (w *Worker) answerSBOM(ctx context.Context, v verdict, req *v1.Request, rec
 		ref := repo + "@" + digest
 		// The scan goes on when this answer stops waiting (a shutdown):
 		// what it attaches answers the request's next delivery.
-		ch := w.sboms.DoChan(ref, func() (_ any, err error) {
+		// Shared by the requests of one tenant only: the scan reads and
+		// attaches with that tenant's registry client.
+		ch := w.sboms.DoChan(req.Tenant+"\n"+ref, func() (_ any, err error) {
 			// A panic is carried to each caller's handler (one failed
 			// result), as a shared HEAD's is (index.go).
 			defer func() {
