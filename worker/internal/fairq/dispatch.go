@@ -462,7 +462,12 @@ func (q *Queue) dispatchLoop(ctx, workCtx context.Context, wg *sync.WaitGroup) {
 func (q *Queue) dispatched(ctx, workCtx context.Context, wg *sync.WaitGroup, d *dispatcher, tk *taken) {
 	defer wg.Done()
 	defer q.release(1)
-	defer d.finished(tk.tenant)
+	// The request stops counting as its tenant's running work when its
+	// message is settled (its result out), not after its Job's cleanup:
+	// the order of tenants follows what is running, as its results show.
+	var once sync.Once
+	finished := func() { once.Do(func() { d.finished(tk.tenant) }) }
+	defer finished()
 	q.cfg.Metrics.Taken()
 	defer q.cfg.Metrics.Released()
 	m, err := asRequest(tk.msg, q.queue)
@@ -478,7 +483,7 @@ func (q *Queue) dispatched(ctx, workCtx context.Context, wg *sync.WaitGroup, d *
 		return
 	}
 	extra := q.extraSlots(tk.tenant, QueueSubject(tk.tenant, tk.prio), m.qseq)
-	act := q.handle(workCtx, Incoming{Msg: m, AckWait: tk.ackWait, Extra: extra})
+	act := q.handle(workCtx, Incoming{Msg: m, AckWait: tk.ackWait, Extra: extra}, finished)
 	if act.Kind == Retry || act.Kind == Later {
 		// Retried after transient trouble (or a wait for another
 		// worker's publish): the run it let go may have a Job running

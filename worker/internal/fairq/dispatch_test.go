@@ -1,11 +1,13 @@
 package fairq
 
 import (
+	"context"
 	"slices"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	v1 "github.com/buildq/buildq/api/v1"
 )
@@ -134,5 +136,45 @@ func TestStartedCountsTheRequestOutOfTheView(t *testing.T) {
 	d.started("a", v1.PriorityHigh) // more than the view knew of: no underflow
 	if d.view["a"][v1.PriorityHigh] != 0 || d.running["a"] != 2 {
 		t.Fatalf("view %v, running %v", d.view, d.running)
+	}
+}
+
+// recordingHandler records the steps of handling one message.
+type recordingHandler struct{ steps *[]string }
+
+func (h recordingHandler) Decide(context.Context, Incoming) Action {
+	*h.steps = append(*h.steps, "decide")
+	return Action{Kind: Settle, After: func() { *h.steps = append(*h.steps, "after") }}
+}
+func (h recordingHandler) Apply(jetstream.Msg, Action) { *h.steps = append(*h.steps, "apply") }
+func (h recordingHandler) Heartbeat(jetstream.Msg, time.Duration) func() {
+	return func() {}
+}
+
+// A request stops counting as its tenant's running work once its message
+// is settled, before its action's After (a finished build's Job cleanup,
+// which can take a while): counted until then, its tenant looked busier
+// than its results showed, and another tenant's request was taken first
+// (the simulation's share-order, seeds 8, 26 and 62).
+func TestARequestStopsCountingAsRunningWhenSettledBeforeItsCleanup(t *testing.T) {
+	var steps []string
+	q := &Queue{h: recordingHandler{steps: &steps}}
+	d := newTestDispatcher(Config{})
+	d.queued("acme", "globex")
+	d.started("globex", v1.PriorityNormal)
+	d.started("acme", v1.PriorityNormal)
+	d.started("acme", v1.PriorityNormal)
+	var order []string
+	q.handle(context.Background(), Incoming{}, func() {
+		d.finished("acme")
+		steps = append(steps, "settled")
+		order = d.order()
+	})
+	if want := []string{"decide", "apply", "settled", "after"}; !slices.Equal(steps, want) {
+		t.Fatalf("steps %v, want %v", steps, want)
+	}
+	// While the cleanup runs, acme counts one running, as globex does.
+	if d.running["acme"] != 1 || len(order) != 2 {
+		t.Fatalf("running %v, order %v", d.running, order)
 	}
 }

@@ -109,7 +109,7 @@ func (q *Queue) admit(ctx context.Context, msg jetstream.Msg) {
 	log := q.log.With(zap.Uint64("seq", meta.Sequence.Stream))
 	if len(msg.Data()) > v1.MaxRequestBytes {
 		// Refused as too large where it is: nothing worth queueing.
-		q.handle(ctx, Incoming{Msg: msg})
+		q.handle(ctx, Incoming{Msg: msg}, nil)
 		return
 	}
 	tenant := invalidTenant
@@ -126,7 +126,7 @@ func (q *Queue) admit(ctx context.Context, msg jetstream.Msg) {
 		// The queue's copy adds headers: a block near JetStream's 64 KiB
 		// limit would be refused there on every try, holding intake.
 		q.handle(ctx, Incoming{Msg: msg, Refused: &Refusal{v1.ReasonInvalidRequest, fmt.Sprintf(
-			"the request's headers are %d bytes, more than the %d allowed", n, maxRequestHeaderBytes)}})
+			"the request's headers are %d bytes, more than the %d allowed", n, maxRequestHeaderBytes)}}, nil)
 		return
 	}
 	// The limit is checked on the first delivery only: a redelivery may
@@ -199,7 +199,7 @@ func (q *Queue) admit(ctx context.Context, msg jetstream.Msg) {
 			// rather than hold it (and an intake slot) forever.
 			log.Error("the queue refuses the request; failing it", zap.Error(err))
 			q.handle(ctx, Incoming{Msg: msg, Refused: &Refusal{v1.ReasonInfrastructureError,
-				"the request could not be queued: " + err.Error()}})
+				"the request could not be queued: " + err.Error()}}, nil)
 			return
 		}
 		log.Warn("admitting the request failed; retrying it", zap.Error(err))

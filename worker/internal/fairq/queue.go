@@ -211,9 +211,15 @@ func (q *Queue) Slots() jetstream.KeyValue { return q.slots }
 func (q *Queue) UseSlots(kv jetstream.KeyValue) { q.slots = kv }
 
 // handle hands one message to the handler and acts on it as decided.
-func (q *Queue) handle(ctx context.Context, in Incoming) Action {
+// settled (nil: none) runs once the message is settled, before the
+// action's After (a finished build's Job cleanup, which may take long):
+// from then on the request no longer counts as its tenant's running work.
+func (q *Queue) handle(ctx context.Context, in Incoming, settled func()) Action {
 	act := q.h.Decide(ctx, in)
 	q.h.Apply(in.Msg, act)
+	if settled != nil {
+		settled()
+	}
 	if act.After != nil {
 		act.After()
 	}
