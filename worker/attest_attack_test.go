@@ -333,16 +333,7 @@ func multiPlatformCrossTenant(t *testing.T) (built, hit v1.ResultData, tr *testR
 	for _, r := range []*v1.Request{a, b} {
 		r.Platforms = []string{"linux/amd64", "linux/arm64"}
 	}
-	store := newObjectStore()
-	store.put(a.Source.S3.Key, tgz)
-	store.put(b.Source.S3.Key, tgz)
-	backend := NewLocalBackend(mapContexts{a.Source.S3.Key: tgz, b.Source.S3.Key: tgz}, tr.client, t.TempDir(), 0)
-	e.startLocalWorker("w1", backend, func(c *Config) {
-		withRegistry(tr)(c)
-		c.Contexts = store
-		c.Attestor = &SigningAttestor{Signer: signer}
-	})
-	results := e.collect()
+	results := startTwoTenantAttestor(t, e, tr, signer, tgz, a, b)
 	if _, err := e.pub.Publish(ctx, a); err != nil {
 		t.Fatal(err)
 	}

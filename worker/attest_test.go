@@ -296,16 +296,7 @@ func TestAnotherTenantsAnswerIsAttestedForItsOwnRequest(t *testing.T) {
 	digest, tgz := packDir(t, map[string]string{"Dockerfile": "FROM scratch\nCOPY app /app\n", "app": "shared"})
 	a := tenantRequestFor("acme", digest)
 	b := tenantRequestFor("globex", digest)
-	store := newObjectStore()
-	store.put(a.Source.S3.Key, tgz)
-	store.put(b.Source.S3.Key, tgz)
-	backend := NewLocalBackend(mapContexts{a.Source.S3.Key: tgz, b.Source.S3.Key: tgz}, tr.client, t.TempDir(), 0)
-	e.startLocalWorker("w1", backend, func(c *Config) {
-		withRegistry(tr)(c)
-		c.Contexts = store
-		c.Attestor = &SigningAttestor{Signer: signer}
-	})
-	results := e.collect()
+	results := startTwoTenantAttestor(t, e, tr, signer, tgz, a, b)
 	if _, err := e.pub.Publish(ctx, a); err != nil {
 		t.Fatal(err)
 	}
@@ -414,4 +405,21 @@ func TestAReleasedRunIsNotEndedUnattestedByTheReconciler(t *testing.T) {
 	if got, _, err := w.runs.Get(ctx, "plain"); err != nil || got.State != v1.StateSucceeded {
 		t.Fatalf("without attestations the reconciler ends the run with its Job's outcome: %+v (%v)", got, err)
 	}
+}
+
+// startTwoTenantAttestor runs a local worker that attests with signer and
+// holds the context tgz under the objects of requests a and b (two
+// tenants'), and collects the results.
+func startTwoTenantAttestor(t *testing.T, e *env, tr *testRegistry, signer *attest.Signer, tgz []byte, a, b *v1.Request) *resultCollector {
+	t.Helper()
+	store := newObjectStore()
+	store.put(a.Source.S3.Key, tgz)
+	store.put(b.Source.S3.Key, tgz)
+	backend := NewLocalBackend(mapContexts{a.Source.S3.Key: tgz, b.Source.S3.Key: tgz}, tr.client, t.TempDir(), 0)
+	e.startLocalWorker("w1", backend, func(c *Config) {
+		withRegistry(tr)(c)
+		c.Contexts = store
+		c.Attestor = &SigningAttestor{Signer: signer}
+	})
+	return e.collect()
 }
