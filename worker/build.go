@@ -28,8 +28,13 @@ type builder struct {
 	// The worker, for its configuration, ledger, runs, backend and
 	// registry.
 	*Worker
-	// heads shares concurrent registry checks of one indexed image.
-	heads singleflight.Group
+	// heads shares concurrent registry checks of one indexed image;
+	// records, concurrent reads of one key's record at intake (answer.go).
+	heads, records singleflight.Group
+	// present: indexed images the registry showed within indexCheckFresh;
+	// hits: keys whose hits were verified so (answer.go).
+	present presentImages
+	hits    recentHits
 	// orphans: the reconciler's watch of runs whose Job finished.
 	orphans orphanWatch
 	// possessed: tenants shown to hold a context (possession.go).

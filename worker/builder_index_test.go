@@ -82,8 +82,22 @@ func TestDeletedImageIsRebuilt(t *testing.T) {
 	results := e.collect()
 
 	first := e.buildThrough(t, tr, results, request("deleted"), 1)
-	// Delete it as a registry GC would: the tag and the manifest.
-	for _, ref := range []string{first.Data.Image, first.Data.ImageRef} {
+	// The index still says built; the registry says gone: build again.
+	e.deleteBuilt(t, first)
+	second := e.buildThrough(t, tr, results, request("deleted"), 2)
+	if second.Data.Origin != v1.OriginBuild || second.Data.Status != v1.StatusSucceeded {
+		t.Fatalf("second %s", mustJSON(t, second))
+	}
+	if c := e.creates.total(); c != 2 {
+		t.Errorf("%d jobs created, want 2", c)
+	}
+}
+
+// deleteBuilt deletes the image of a build's result as a registry GC
+// would (its tag and its manifest), once the build's Job is cleaned up.
+func (e *env) deleteBuilt(t *testing.T, built v1.Result) {
+	t.Helper()
+	for _, ref := range []string{built.Data.Image, built.Data.ImageRef} {
 		r, err := name.ParseReference(ref, name.Insecure)
 		if err != nil {
 			t.Fatal(err)
@@ -92,18 +106,10 @@ func TestDeletedImageIsRebuilt(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	// The index still says built; the registry says gone: build again.
-	eventually(t, 5*time.Second, "first job cleaned up", func() bool {
-		_, err := e.kube.BatchV1().Jobs(testNamespace).Get(context.Background(), first.Data.Job, metav1.GetOptions{})
+	eventually(t, 5*time.Second, "the build's Job cleaned up", func() bool {
+		_, err := e.kube.BatchV1().Jobs(testNamespace).Get(context.Background(), built.Data.Job, metav1.GetOptions{})
 		return err != nil
 	})
-	second := e.buildThrough(t, tr, results, request("deleted"), 2)
-	if second.Data.Origin != v1.OriginBuild || second.Data.Status != v1.StatusSucceeded {
-		t.Fatalf("second %s", mustJSON(t, second))
-	}
-	if c := e.creates.total(); c != 2 {
-		t.Errorf("%d jobs created, want 2", c)
-	}
 }
 
 // Labels change the image, so they are part of the build key.
@@ -204,14 +210,28 @@ func TestCheckIndexedSharesOneHead(t *testing.T) {
 			t.Fatalf("%d HEADs for %d concurrent checks of one image, want 1", n, joiners+1)
 		}
 
-		// Nothing is remembered: the next check asks again, and sees the
-		// image gone.
+		// The registry's word answers the checks of the next second
+		// (indexCheckFresh) without a HEAD; after it, a check asks
+		// again, and sees the image gone.
 		delete(reg.exists, ref)
+		if err := w.checkIndexed(context.Background(), ref); err != nil {
+			t.Fatalf("a check within a second of the HEAD returned %v, want its answer (present)", err)
+		}
+		if n := reg.heads.Load(); n != 1 {
+			t.Fatalf("%d HEADs after a check within a second of the first, want 1", n)
+		}
+		time.Sleep(indexCheckFresh)
 		if err := w.checkIndexed(context.Background(), ref); !errors.Is(err, registry.ErrNotFound) {
-			t.Fatalf("a check after the image was deleted returned %v, want ErrNotFound", err)
+			t.Fatalf("a check a second later, after the image was deleted, returned %v, want ErrNotFound", err)
 		}
 		if n := reg.heads.Load(); n != 2 {
-			t.Fatalf("%d HEADs after a second, later check, want 2", n)
+			t.Fatalf("%d HEADs after a later check, want 2", n)
+		}
+		// A not-found is never remembered: the image pushed again is
+		// seen at once.
+		reg.exists[ref] = "sha256:0123"
+		if err := w.checkIndexed(context.Background(), ref); err != nil {
+			t.Fatalf("a check after the image came back returned %v, want present", err)
 		}
 	})
 }

@@ -68,15 +68,7 @@ func (w *Worker) apply(msg jetstream.Msg, act fairq.Action) {
 	case fairq.Settle:
 		ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 		defer cancel()
-		switch {
-		case w.faults != nil && w.faults.loseAck != nil && w.faults.loseAck(act.RequestID):
-			err = errors.New("ack lost (fault injection)")
-		case act.Term:
-			err = msg.TermWithReason(act.Reason)
-		default:
-			err = msg.DoubleAck(ctx)
-		}
-		if err != nil {
+		if err := w.ack(ctx, msg, act); err != nil {
 			w.log.Warn("ack failed; the decision is recorded and a redelivery publishes the same result",
 				zap.String("requestId", act.RequestID), zap.Error(err))
 		}
@@ -84,6 +76,19 @@ func (w *Worker) apply(msg jetstream.Msg, act fairq.Action) {
 	}
 	if err != nil {
 		w.log.Debug("handing the request back failed; it is redelivered after AckWait", zap.Error(err))
+	}
+}
+
+// ack settles msg as act says: acked (and the ack confirmed), or
+// terminated.
+func (w *Worker) ack(ctx context.Context, msg jetstream.Msg, act fairq.Action) error {
+	switch {
+	case w.faults != nil && w.faults.loseAck != nil && w.faults.loseAck(act.RequestID):
+		return errors.New("ack lost (fault injection)")
+	case act.Term:
+		return msg.TermWithReason(act.Reason)
+	default:
+		return msg.DoubleAck(ctx)
 	}
 }
 

@@ -123,19 +123,36 @@ func (w *builder) finishOrphan(ctx context.Context, key string, out Outcome) tim
 	return 0
 }
 
-// indexCheckTimeout bounds one shared HEAD of checkIndexed.
-const indexCheckTimeout = time.Minute
+// indexCheckTimeout bounds one shared HEAD of checkIndexed; a HEAD that
+// found the image answers the checks of the next indexCheckFresh too.
+const (
+	indexCheckTimeout = time.Minute
+	indexCheckFresh   = time.Second
+)
 
 // checkIndexed asks the registry whether ref, an indexed image
 // (repo@digest), is still there: nil, or an error matching
 // registry.ErrNotFound, or another error. Concurrent checks of one image
 // share a single HEAD: cache hits on a popular key arrive together, and
-// each would otherwise wait for a round trip of its own. A check joins
-// only a HEAD still in flight, so its answer is never older than the
-// start of that HEAD; nothing is remembered after it returns. The shared
-// HEAD runs apart from any one caller's context (bounded by
-// indexCheckTimeout), so a caller that gives up does not fail the others.
+// each would otherwise wait for a round trip of its own. A HEAD that found
+// the image answers the checks that start within indexCheckFresh of its
+// own start: a registry's word is never older than that (an image deleted
+// meanwhile is noticed a second later at most), and a popular image costs
+// the registry one HEAD a second, not one per hit. A not-found or a failure
+// is never remembered. The shared HEAD runs apart from any one caller's
+// context (bounded by indexCheckTimeout), so a caller that gives up does
+// not fail the others.
 func (w *builder) checkIndexed(ctx context.Context, ref string) error {
+	_, err := w.checkIndexedAt(ctx, ref)
+	return err
+}
+
+// checkIndexedAt is checkIndexed, with when the registry last said the
+// image is there (the start of the HEAD whose word it is) when it is.
+func (w *builder) checkIndexedAt(ctx context.Context, ref string) (time.Time, error) {
+	if at, ok := w.present.fresh(ref, time.Now()); ok {
+		return at, nil
+	}
 	ch := w.heads.DoChan(ref, func() (_ any, err error) {
 		// singleflight re-raises a panic of this function where nothing
 		// can recover it: carry it to each caller instead, whose handler
@@ -148,17 +165,24 @@ func (w *builder) checkIndexed(ctx context.Context, ref string) error {
 		}()
 		hctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), indexCheckTimeout)
 		defer cancel()
-		_, err = w.registry.Head(hctx, ref)
-		return nil, err
+		start := time.Now()
+		if _, err = w.registry.Head(hctx, ref); err == nil {
+			w.present.saw(ref, start)
+		}
+		return start, err
 	})
 	select {
 	case r := <-ch:
 		if p, ok := errors.AsType[headPanic](r.Err); ok {
 			panic(p.v)
 		}
-		return r.Err
+		if r.Err != nil {
+			return time.Time{}, r.Err
+		}
+		at, _ := r.Val.(time.Time)
+		return at, nil
 	case <-ctx.Done():
-		return context.Cause(ctx)
+		return time.Time{}, context.Cause(ctx)
 	}
 }
 
@@ -166,3 +190,33 @@ func (w *builder) checkIndexed(ctx context.Context, ref string) error {
 type headPanic struct{ v any }
 
 func (p headPanic) Error() string { return fmt.Sprintf("panic in a registry HEAD: %v", p.v) }
+
+// presentImages remembers when each indexed image was last found in the
+// registry (the start of the HEAD that found it), for indexCheckFresh.
+type presentImages struct {
+	mu sync.Mutex
+	at map[string]time.Time
+}
+
+// fresh reports whether ref was found within indexCheckFresh of now, and
+// when.
+func (p *presentImages) fresh(ref string, now time.Time) (time.Time, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	at, ok := p.at[ref]
+	return at, ok && (now.Sub(at) < indexCheckFresh || mutant.On("registry-check-remembered"))
+}
+
+// saw records that a HEAD started at found ref.
+func (p *presentImages) saw(ref string, at time.Time) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.at == nil || len(p.at) >= 4096 {
+		// Stale entries answer nothing: dropping them all loses at most
+		// one HEAD per image.
+		p.at = map[string]time.Time{}
+	}
+	if at.After(p.at[ref]) {
+		p.at[ref] = at
+	}
+}

@@ -170,6 +170,13 @@ func (w *builder) checkPossession(ctx context.Context, req *v1.Request) error {
 	}
 }
 
+// has reports whether pk (possessionKey) was shown held on this worker.
+func (p *possessions) has(pk string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.known[pk]
+}
+
 // objectDigest returns the digest of the bytes of bucket/key: remembered
 // for the object's version when the source tells versions, read and hashed
 // otherwise. "" with a nil error: the object is no context archive.

@@ -312,6 +312,19 @@ func (w *simWorld) judge(out *simOutcome) {
 		}
 		out.results[k]++
 	}
+	// Cache hits intake answered: from the cache, never taken from a
+	// tenant's queue (no queued event).
+	taken := map[string]bool{}
+	for _, e := range w.events {
+		if e.phase == v1.PhaseQueued {
+			taken[e.id] = true
+		}
+	}
+	for _, r := range w.finalStored {
+		if r.r.Data.Origin == v1.OriginCache && !taken[r.id] {
+			out.atIntake++
+		}
+	}
 	out.parked = int(testutil.ToFloat64(w.metrics.parks))
 	out.requeued = int(testutil.ToFloat64(w.metrics.requeues))
 	out.report = w.report(out)

@@ -46,6 +46,7 @@ type simOutcome struct {
 	kinds      []string
 	report     string
 	results    map[string]int // stored results by status/reason
+	atIntake   int            // cache hits answered at intake
 	parked     int            // requests parked on a build in progress
 	requeued   int            // parked requests published again
 	// republished: requests whose (same) result was published more than

@@ -5,7 +5,6 @@ package naming
 import (
 	"errors"
 	"fmt"
-	"regexp"
 	"slices"
 	"strings"
 
@@ -90,7 +89,7 @@ func (p Policy) CheckDestination(tenant, repo string) error {
 	var shown []string
 	for _, pat := range pats {
 		exp := p.expand(pat, tenant)
-		if patternRegexp(exp).MatchString(repo) {
+		if matchPattern(exp, repo) {
 			return nil
 		}
 		shown = append(shown, exp)
@@ -105,24 +104,37 @@ func (p Policy) expand(pat, tenant string) string {
 	return strings.NewReplacer("{registry}", p.Registry, "{tenant}", tenant, "{project}", p.Project).Replace(pat)
 }
 
-// patternRegexp compiles an expanded pattern: "**" matches anything, "*"
-// anything but "/", everything else itself.
-func patternRegexp(pat string) *regexp.Regexp {
-	var b strings.Builder
-	b.WriteString("^")
-	for i := 0; i < len(pat); i++ {
+// matchPattern reports whether s matches an expanded pattern: "**"
+// matches one or more of any character, "*" one or more but "/",
+// everything else itself (as the regular expression ^…$ with ".+",
+// "[^/]+" and the rest quoted would). Matched directly: a request's
+// destination is checked on every request, cache hits at intake
+// included, and compiling the pattern each time cost more than the rest
+// of the check.
+func matchPattern(pat, s string) bool {
+	for len(pat) > 0 {
 		switch {
-		case strings.HasPrefix(pat[i:], "**"):
-			b.WriteString(".+")
-			i++
-		case pat[i] == '*':
-			b.WriteString("[^/]+")
+		case strings.HasPrefix(pat, "**"):
+			for i := 1; i <= len(s); i++ {
+				if matchPattern(pat[2:], s[i:]) {
+					return true
+				}
+			}
+			return false
+		case pat[0] == '*':
+			for i := 1; i <= len(s) && s[i-1] != '/'; i++ {
+				if matchPattern(pat[1:], s[i:]) {
+					return true
+				}
+			}
+			return false
+		case len(s) == 0 || s[0] != pat[0]:
+			return false
 		default:
-			b.WriteString(regexp.QuoteMeta(pat[i : i+1]))
+			pat, s = pat[1:], s[1:]
 		}
 	}
-	b.WriteString("$")
-	return regexp.MustCompile(b.String())
+	return s == ""
 }
 
 // HarborProject returns the Harbor project a repository of this policy's

@@ -31,7 +31,11 @@ import (
 
 // intakeLoop admits requests from buildq-workers until ctx ends.
 func (q *Queue) intakeLoop(ctx, workCtx context.Context, wg *sync.WaitGroup) {
-	sem := make(chan struct{}, intakeConcurrency)
+	// sem: requests fetched and not yet admitted, twice what is admitted
+	// at once (work), so the next fetch is under way while admissions
+	// run: without it every fetch's round trip stalls intake.
+	sem := make(chan struct{}, 2*intakeConcurrency)
+	work := make(chan struct{}, intakeConcurrency)
 	backoff := 100 * time.Millisecond
 	for ctx.Err() == nil {
 		select {
@@ -74,8 +78,14 @@ func (q *Queue) intakeLoop(ctx, workCtx context.Context, wg *sync.WaitGroup) {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				defer func() { <-sem }()
-				q.admit(workCtx, msg)
+				work <- struct{}{}
+				settle := q.admit(workCtx, msg)
+				<-work
+				<-sem
+				if settle != nil {
+					// An answer's ack: no intake slot is held for it.
+					settle()
+				}
 			}()
 		}
 		cancel()
@@ -98,8 +108,10 @@ type intakeView struct {
 }
 
 // admit moves one request from BUILDQ_REQUESTS to its tenant's queue, or
-// refuses it over the tenant's queue-length limit.
-func (q *Queue) admit(ctx context.Context, msg jetstream.Msg) {
+// refuses it over the tenant's queue-length limit, or has the handler
+// answer it at once (Answerer): then it returns what settles the message,
+// to be run once the intake slot is given back.
+func (q *Queue) admit(ctx context.Context, msg jetstream.Msg) (settle func()) {
 	meta, err := msg.Metadata()
 	if err != nil {
 		q.log.Error("message without JetStream metadata; terminating it", zap.Error(err))
@@ -128,6 +140,13 @@ func (q *Queue) admit(ctx context.Context, msg jetstream.Msg) {
 		q.handle(ctx, Incoming{Msg: msg, Refused: &Refusal{v1.ReasonInvalidRequest, fmt.Sprintf(
 			"the request's headers are %d bytes, more than the %d allowed", n, maxRequestHeaderBytes)}}, nil)
 		return
+	}
+	if a, ok := q.h.(Answerer); ok && tenant != invalidTenant {
+		// A cache hit needs no build slot: answered here, it neither
+		// waits in the queue nor counts against its limits.
+		if ok, settle := a.Answer(ctx, Incoming{Msg: msg}); ok {
+			return settle
+		}
 	}
 	// The limit is checked on the first delivery only: a redelivery may
 	// follow an admission whose ack was lost, and the count would then
@@ -210,6 +229,7 @@ func (q *Queue) admit(ctx context.Context, msg jetstream.Msg) {
 	if err := msg.DoubleAck(actx); err != nil {
 		log.Warn("ack of an admitted request failed; its redelivery is dropped as a duplicate", zap.Error(err))
 	}
+	return nil
 }
 
 // refuse answers a request intake refuses at its tenant's queue limit.

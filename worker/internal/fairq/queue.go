@@ -122,6 +122,16 @@ type Handler interface {
 	Heartbeat(msg jetstream.Msg, ackWait time.Duration) (stop func())
 }
 
+// Answerer is a Handler that answers some requests where they arrive,
+// without queueing them: cache hits, which need no build slot.
+type Answerer interface {
+	// Answer decides and publishes in's result when it can and reports
+	// whether it did, with settle (nil: nothing) to run once intake's slot
+	// is given back: the message's ack. false leaves the message
+	// untouched, with nothing written for it, to be queued.
+	Answer(ctx context.Context, in Incoming) (ok bool, settle func())
+}
+
 // Incoming is a request message to handle, and what the queue knows of
 // it.
 type Incoming struct {

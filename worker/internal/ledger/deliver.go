@@ -27,6 +27,10 @@ type Decision struct {
 	// already.
 	Recorded        bool
 	PublishedBefore bool
+	// RecordedNow: this handler recorded the decision as it created the
+	// entry (CreateDecided); Deliver publishes it without recording it
+	// again or asking who publishes.
+	RecordedNow bool
 }
 
 // DecisionOf is the recorded decision of an entry.
@@ -55,6 +59,11 @@ type Delivery struct {
 	// Async: return once published and write the mark in the background
 	// (Delivered.WaitMarked), so the handler acks its message meanwhile.
 	Async bool
+	// Unmarked: publish without writing the mark; the caller marks it
+	// (Delivered.Mark) only when its message may come again — its ack
+	// failed. A message acked for sure is never delivered again, and a
+	// request with no waiter entry has no other deliverer.
+	Unmarked bool
 }
 
 // Status is what Deliver did.
@@ -80,6 +89,16 @@ type Delivered struct {
 	Decision Decision
 	Status   Status
 	marked   chan struct{}
+	// le, l: the entry an Unmarked delivery left unmarked (Mark).
+	le *Entry
+	l  *Ledger
+}
+
+// Mark writes the mark an Unmarked delivery left out.
+func (d Delivered) Mark(ctx context.Context) {
+	if d.le != nil && d.Status == Published {
+		d.l.markPublished(ctx, d.le)
+	}
 }
 
 // WaitMarked waits for the mark an Async delivery writes.
@@ -115,7 +134,7 @@ func (l *Ledger) Deliver(ctx context.Context, le *Entry, d Decision, how Deliver
 		}
 		release = r
 	}
-	if le != nil && !d.Recorded && !mutant.On("publish-before-record") {
+	if le != nil && !d.Recorded && !d.RecordedNow && !mutant.On("publish-before-record") {
 		// The decision is stored before it is published: a redelivery
 		// publishes this same result, never a second, different one.
 		rd, err := l.Record(ctx, le, d)
@@ -153,6 +172,12 @@ func (l *Ledger) Deliver(ctx context.Context, le *Entry, d Decision, how Deliver
 	}
 	out := Delivered{Decision: d, Status: Published}
 	if le == nil {
+		return out, nil
+	}
+	if how.Unmarked {
+		release()
+		out.le = le
+		out.l = l
 		return out, nil
 	}
 	// The lock is held until the mark is written: a handler of this

@@ -182,6 +182,35 @@ func (l *Ledger) Open(ctx context.Context, tenant, name, id, key string, seq uin
 	return nil, false, errConflict
 }
 
+// CreateDecided creates the entry of a request message with its decision
+// in it: one write where Open and Record are two, for a request decided
+// before anything was written for it (a cache hit answered at intake).
+// ok is false, and nothing is written, when any entry of the request id
+// exists (another message's, a cancel's mark, or this message's own from
+// a write whose reply was lost): the caller leaves the request to the
+// queue's handler, which opens the entry as it is. The returned decision
+// has RecordedNow set: Deliver publishes it without reading it back.
+func (l *Ledger) CreateDecided(ctx context.Context, key string, seq uint64, at time.Time, d Decision) (le *Entry, _ Decision, ok bool, err error) {
+	r := d.Data
+	now := l.cfg.Now().UTC()
+	if r.Timings.FinishedAt.IsZero() {
+		r.Timings.FinishedAt = now
+	}
+	e := v1.RequestEntry{RequestID: r.RequestID, Tenant: d.Tenant, Name: d.Name, Key: key, State: string(r.Status),
+		Seq: seq, MsgTime: at.UTC(), Worker: l.cfg.Worker, UpdatedAt: now,
+		Origin: r.Origin, Digest: r.Digest, Reason: r.Reason, Result: &r, Term: d.Term}
+	b, _ := json.Marshal(e)
+	rev, err := l.Bucket().Create(ctx, Key(d.Tenant, r.RequestID), b)
+	switch {
+	case IsWrongRevision(err):
+		return nil, d, false, nil
+	case err != nil:
+		return nil, d, false, fmt.Errorf("request ledger: %w", err)
+	}
+	d.Data, d.RecordedNow = r, true
+	return &Entry{E: e, Rev: rev}, d, true, nil
+}
+
 // change is the one read–mutate–compare-and-swap loop of the ledger. It
 // applies fn to a copy of le's entry and writes it at le's revision; on a
 // conflict it reads the entry again and applies fn again, at most tries

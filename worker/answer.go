@@ -1,0 +1,281 @@
+package worker
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/naming"
+	"github.com/buildq/buildq/internal/registry"
+	"github.com/buildq/buildq/worker/internal/fairq"
+	"github.com/buildq/buildq/worker/internal/ledger"
+	"github.com/buildq/buildq/worker/internal/mutant"
+)
+
+// Cache hits at intake (docs/design.md §2d). A request whose image is
+// built already needs no build slot, so it does not wait in its tenant's
+// queue: intake answers it where it arrives. It is answered there only
+// when the answer is a plain one — the key's record succeeded, the image
+// is still in the registry, every destination holds it already, nothing
+// is left to attest or scan, and the tenant was shown to hold the content
+// — and only when nothing was written for the request yet. Anything else
+// (a build, a join, a copy, a refusal, a redelivery, an id another entry
+// holds) goes to the fair queue as before, untouched, and is handled
+// there by the same rules as every request.
+//
+// Decided before anything is written, the request's ledger entry is
+// created with its decision in it (one write), its result is published
+// with one progress event (finished), and the message is acked. The
+// published mark is written only when the ack failed: an acked message is
+// never delivered again, and nothing else delivers a request that never
+// waited on a build.
+
+// intakeLookupTimeout bounds the record's read and the registry's check
+// of an answer at intake (both shared and remembered: a few milliseconds
+// when things are well).
+const intakeLookupTimeout = 250 * time.Millisecond
+
+// Answer answers in from the cache when it can; false leaves the message
+// to intake's admission, with nothing written for it. The returned settle
+// acks the message (intake runs it after giving its slot back).
+func (h queueHandler) Answer(ctx context.Context, in fairq.Incoming) (bool, func()) {
+	return h.w.answerAtIntake(ctx, in.Msg)
+}
+
+func (w *Worker) answerAtIntake(ctx context.Context, msg jetstream.Msg) (answered bool, settle func()) {
+	defer func() {
+		if r := recover(); r != nil {
+			// The queue's handler takes the request: it opens the entry
+			// as it is, and a panic of its own becomes one failed result.
+			w.log.Error("panic while answering a request at intake; it goes to the queue", zap.Any("panic", r), zap.Stack("stack"))
+			answered, settle = false, nil
+		}
+	}()
+	meta, err := msg.Metadata()
+	if err != nil || meta.NumDelivered > 1 || !w.ledger.Ready() {
+		// A redelivery follows trouble (a lost ack, a stopped worker):
+		// it gets the queue's handler, which reads what was written.
+		return false, nil
+	}
+	v, le, ok := w.cacheVerdict(ctx, msg, meta)
+	if !ok {
+		return false, nil
+	}
+	log := w.log.With(zap.Uint64("seq", meta.Sequence.Stream))
+	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
+	res, err := w.ledger.Deliver(actx, le, v.Decision, ledger.Delivery{Publish: w.publish, Unmarked: true})
+	if err != nil || res.Status != ledger.Published {
+		cancel()
+		// Recorded, not published: the queue's handler finds the
+		// decision in the entry and publishes it.
+		log.Warn("publishing a cache hit's result failed; the request goes to the queue, whose handler publishes its recorded decision",
+			zap.String("requestId", v.Data.RequestID), zap.Error(err))
+		return false, nil
+	}
+	return true, func() {
+		defer cancel()
+		if err := w.ack(actx, msg, fairq.Action{Kind: fairq.Settle, RequestID: v.Data.RequestID}); err != nil {
+			// The message comes again: its handler must find the result
+			// marked published, not publish it a second time.
+			log.Warn("ack of a cache hit answered at intake failed; marking its result published for the redelivery",
+				zap.String("requestId", v.Data.RequestID), zap.Error(err))
+			if !mutant.On("intake-never-marks") {
+				res.Mark(actx)
+			}
+		}
+		log.Info("request done", zap.String("requestId", v.Data.RequestID), zap.String("status", string(v.Data.Status)),
+			zap.String("origin", string(v.Data.Origin)), zap.String("digest", v.Data.Digest), zap.Bool("atIntake", true))
+	}
+}
+
+// cacheVerdict decides msg from the cache when the answer is a plain one
+// (see above) and records it as the entry's creation; ok false means
+// nothing was written and the queue's handler is to take the request.
+func (w *Worker) cacheVerdict(ctx context.Context, msg jetstream.Msg, meta *jetstream.MsgMetadata) (verdict, *ledger.Entry, bool) {
+	req, err := w.decode(msg)
+	if err != nil || req.Source.Git != nil || req.SBOM {
+		return verdict{}, nil, false
+	}
+	if w.cfg.QueueTTL > 0 && !mutant.On("intake-ignores-queue-ttl") {
+		// Whether the request expired is told by the server's clock, from
+		// its ledger entry's first write (ttl.go); an entry created
+		// decided has no write before its decision. With a queue TTL,
+		// every request is the queue's.
+		return verdict{}, nil, false
+	}
+	repo, err := w.cfg.Naming.Repository(req)
+	if err == nil {
+		err = w.cfg.Naming.CheckDestination(req.Tenant, repo)
+	}
+	if err == nil && w.cfg.RegistryFor != nil {
+		_, err = w.cfg.RegistryFor(req.Tenant)
+	}
+	if err != nil {
+		return verdict{}, nil, false
+	}
+	key := w.builds.keyOf(req)
+	dests := naming.Destinations(repo, key, req.Tags)
+	// A hit is quick or not a hit for intake: a slow registry or store
+	// must not hold intake's slots (every tenant's way in) for one
+	// tenant's hits; past intakeLookupTimeout the queue takes it.
+	wait := intakeLookupTimeout
+	if mutant.On("intake-waits-on-lookups") {
+		wait = time.Hour
+	}
+	lctx, cancel := context.WithTimeout(ctx, wait)
+	rec := w.builds.cached(lctx, req, key, dests)
+	cancel()
+	if rec == nil {
+		return verdict{}, nil, false
+	}
+	started := w.cfg.Now().UTC()
+	at := meta.Timestamp
+	v := verdict{Decision: ledger.Decision{Tenant: req.Tenant, Name: req.Name, Data: v1.ResultData{
+		RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, Key: key, Attempts: int(meta.NumDelivered),
+		Timings: v1.Timings{QueuedAt: at.UTC(), StartedAt: started, QueueWaitMs: started.Sub(at).Milliseconds()},
+	}}}
+	v, err = w.resultVerdict(ctx, v, req, rec, v1.OriginCache, false, repo, dests)
+	if err != nil || v.Data.Status != v1.StatusSucceeded {
+		return verdict{}, nil, false
+	}
+	le, d, ok, err := w.ledger.CreateDecided(ctx, key, meta.Sequence.Stream, at, v.Decision)
+	if err != nil {
+		// Written or not, the queue's handler opens the entry as it is.
+		w.log.Info("creating a cache hit's ledger entry failed; the request goes to the queue",
+			zap.String("requestId", req.RequestID), zap.Error(err))
+	}
+	if !ok {
+		return verdict{}, nil, false
+	}
+	v.Decision = d
+	return v, le, true
+}
+
+// cached is key's succeeded record when it answers req as it is: the
+// image still in the registry, every destination of req holding it, its
+// provenance made (when this deployment attests), and req's tenant shown
+// to hold the content before. nil otherwise (not built, building, failed,
+// gone, or work left to do): the queue's handler takes the request.
+func (w *builder) cached(ctx context.Context, req *v1.Request, key string, dests []string) *v1.BuildRecord {
+	if req.Source.S3 != nil && w.cfg.Contexts != nil && !mutant.On("intake-skips-possession") {
+		if req.ContextDigest == "" || !w.possessed.has(possessionKey(req.Tenant, req.ContextDigest)) {
+			return nil
+		}
+	}
+	rec := w.verifiedHit(ctx, key)
+	if rec == nil {
+		return nil
+	}
+	for _, d := range dests {
+		if d != rec.Image && !slices.Contains(rec.Pushed, d) && !mutant.On("intake-ignores-destinations") {
+			return nil // a copy to make: the handler's work
+		}
+	}
+	if w.cfg.Attestor != nil && rec.Run != "" && (rec.Attestation == "" || (rec.Tenant != "" && rec.Tenant != req.Tenant)) {
+		return nil // provenance to make for this tenant
+	}
+	return rec
+}
+
+// verifiedHit is key's succeeded record whose image the registry showed,
+// or nil. A verified hit answers the hits on its key for indexCheckFresh
+// from the earlier of the record's read and the registry's word, like the
+// registry's word alone (checkIndexed): a popular key costs one read and
+// one HEAD a second, not one each per hit. A record that changed since
+// (a copy's destination added, an attestation made) leaves the hits it no
+// longer answers as they are to the queue; a record replaced because its
+// image was gone is noticed with the image, within indexCheckFresh.
+func (w *builder) verifiedHit(ctx context.Context, key string) *v1.BuildRecord {
+	if rec, ok := w.hits.fresh(key, time.Now()); ok {
+		return rec
+	}
+	// Not a hit is not remembered: a key whose build ends answers its
+	// next request from the cache at once.
+	rec, at, err := w.sharedRecord(ctx, key)
+	if err != nil || rec == nil || rec.State != v1.StateSucceeded || rec.Digest == "" {
+		return nil
+	}
+	if w.registry != nil && !mutant.On("intake-skips-registry-check") {
+		seen, err := w.checkIndexedAt(ctx, rec.Repository+"@"+rec.Digest)
+		if err != nil {
+			if !errors.Is(err, registry.ErrNotFound) {
+				w.log.Debug("registry check of a cache hit failed; the request goes to the queue", zap.Error(err))
+			}
+			return nil
+		}
+		if seen.Before(at) {
+			at = seen
+		}
+	}
+	w.hits.saw(key, rec, at)
+	return rec
+}
+
+// sharedRecord reads key's record, and when that read started.
+// Concurrent reads of one key share a single read in flight (cache hits on
+// a popular key arrive together); the start is that read's.
+func (w *builder) sharedRecord(ctx context.Context, key string) (*v1.BuildRecord, time.Time, error) {
+	type read struct {
+		rec *v1.BuildRecord
+		at  time.Time
+	}
+	ch := w.records.DoChan(key, func() (any, error) {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
+		defer cancel()
+		at := time.Now()
+		rec, _, err := w.runs.Get(rctx, key)
+		return read{rec, at}, err
+	})
+	select {
+	case r := <-ch:
+		if r.Err != nil {
+			return nil, time.Time{}, r.Err
+		}
+		got, _ := r.Val.(read)
+		return got.rec, got.at, nil
+	case <-ctx.Done():
+		return nil, time.Time{}, context.Cause(ctx)
+	}
+}
+
+// recentHits remembers verified hits (verifiedHit) by key.
+type recentHits struct {
+	mu sync.Mutex
+	m  map[string]recentHit
+}
+
+type recentHit struct {
+	rec *v1.BuildRecord
+	at  time.Time
+}
+
+// fresh is key's hit verified within indexCheckFresh of now, a copy.
+func (h *recentHits) fresh(key string, now time.Time) (*v1.BuildRecord, bool) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	hit, ok := h.m[key]
+	if !ok || (now.Sub(hit.at) >= indexCheckFresh && !mutant.On("registry-check-remembered")) {
+		return nil, false
+	}
+	c := *hit.rec // each caller its own copy (its slices and maps are only read)
+	return &c, true
+}
+
+// saw records key's hit as verified at at.
+func (h *recentHits) saw(key string, rec *v1.BuildRecord, at time.Time) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.m == nil || len(h.m) >= 4096 {
+		h.m = map[string]recentHit{} // stale entries answer nothing
+	}
+	if cur, ok := h.m[key]; !ok || at.After(cur.at) {
+		c := *rec
+		h.m[key] = recentHit{rec: &c, at: at}
+	}
+}
