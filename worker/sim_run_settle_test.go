@@ -424,15 +424,24 @@ func (w *simWorld) checkAnswer(out *simOutcome, s *simSub, d simDecision, who st
 // the build that outcome ends.
 func (w *simWorld) knownAt(key string, at time.Duration, reasons ...string) time.Duration {
 	// An image index's failure is its failing platform's: its result
-	// tells of that key's outcome too.
-	answers := map[string]bool{key: true}
+	// tells of that key's outcome too — when that key's platform is the
+	// one it names as failed ("platform P: …"), not another of its
+	// platforms.
+	answers := map[string]string{key: ""}
 	for _, s := range w.subs {
-		if slices.Contains(s.keys()[1:], key) {
-			answers[s.key] = true
+		for _, p := range s.platforms {
+			if p.key == key {
+				answers[s.key] = p.platform
+			}
 		}
 	}
 	for _, p := range w.published {
-		if p.at >= at && answers[p.r.Data.Key] && p.r.Data.Status == v1.StatusFailed && slices.Contains(reasons, p.r.Data.Reason) {
+		platform, ok := answers[p.r.Data.Key]
+		if !ok || p.at < at || p.r.Data.Status != v1.StatusFailed || !slices.Contains(reasons, p.r.Data.Reason) {
+			continue
+		}
+		if platform == "" || strings.HasPrefix(p.r.Data.Message, "platform "+platform+":") ||
+			strings.HasPrefix(p.r.Data.Message, "platform "+platform+" failed") {
 			return p.at
 		}
 	}
