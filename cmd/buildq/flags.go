@@ -113,7 +113,7 @@ func (c *serveConfig) registerRender(fs *pflag.FlagSet) {
 func registerFair(fs *pflag.FlagSet, f *worker.FairConfig) {
 	fs.StringToIntVar(&f.Weights, "tenant-weight", nil, "tenant=weight,...: each tenant's share of the build slots while tenants have work waiting (default 1; * sets every tenant not named)")
 	fs.StringToIntVar(&f.Concurrency, "tenant-concurrency", nil, "tenant=n,...: at most n of the tenant's builds run at once across all workers (a request each; an image index one per platform it builds at once); more wait (0 or absent: no limit; * sets every tenant not named)")
-	fs.StringToIntVar(&f.QueueLimit, "tenant-queue-limit", nil, "tenant=n,...: a request arriving while n of the tenant's are queued or running fails with reason QuotaExceeded, unless it is a cache hit, answered at once (0 or absent: no limit; * sets every tenant not named)")
+	fs.StringToIntVar(&f.QueueLimit, "tenant-queue-limit", nil, "tenant=n,...: a request arriving while n of the tenant's are queued or running fails with reason QuotaExceeded, unless intake answers it from the cache at once (built, nothing to copy, no --queue-ttl) (0 or absent: no limit; * sets every tenant not named)")
 }
 
 // registerSingleTenant adds --single-tenant (worker and render) and its
