@@ -3,6 +3,7 @@ package worker
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"sync"
 	"time"
@@ -78,6 +79,7 @@ func (w *Worker) answerAtIntake(ctx context.Context, msg jetstream.Msg) (answere
 			zap.String("requestId", v.Data.RequestID), zap.Error(err))
 		return false, nil
 	}
+	w.cfg.Metrics.hitAnswered("intake")
 	return true, func() {
 		defer cancel()
 		if err := w.ack(actx, msg, fairq.Action{Kind: fairq.Settle, RequestID: v.Data.RequestID}); err != nil {
@@ -92,6 +94,37 @@ func (w *Worker) answerAtIntake(ctx context.Context, msg jetstream.Msg) (answere
 		log.Info("request done", zap.String("requestId", v.Data.RequestID), zap.String("status", string(v.Data.Status)),
 			zap.String("origin", string(v.Data.Origin)), zap.String("digest", v.Data.Digest), zap.Bool("atIntake", true))
 	}
+}
+
+// answerQueuedHit answers a plain cache hit the queue's handler took —
+// one that intake could not answer, most often because its key was still
+// building then — the way intake answers one: its entry created with its
+// decision (one write), one progress event for the take and one for the
+// result, and no published mark unless its ack fails (decide). ok false
+// leaves the request to processRequest with nothing written, as intake
+// leaves it to the queue: a refusal at the queue limit, a redelivery, a
+// requeue, and anything that is not a plain hit.
+func (w *Worker) answerQueuedHit(ctx context.Context, h *handling) (v verdict, le *ledger.Entry, ok bool) {
+	msg, meta := h.in.Msg, h.meta
+	if h.in.Refused != nil || meta.NumDelivered > 1 || !w.ledger.Ready() ||
+		msg.Headers().Get(ledger.RequeueTokenHeader) != "" || mutant.On("queued-hits-full-path") {
+		return verdict{}, nil, false
+	}
+	defer func() {
+		if r := recover(); r != nil {
+			// processRequest opens the entry as it is (a decision
+			// written before the panic is published from there).
+			w.log.Error("panic while answering a queued cache hit; handling it in full", zap.Any("panic", r), zap.Stack("stack"))
+			v, le, ok = verdict{}, nil, false
+		}
+	}()
+	v, le, ok = w.cacheVerdict(ctx, msg, meta)
+	if ok {
+		wait := time.Duration(v.Data.Timings.QueueWaitMs) * time.Millisecond
+		w.event(v.Tenant, v.Name, v1.Event{RequestID: v.Data.RequestID, Key: v.Data.Key, Phase: v1.PhaseQueued,
+			Message: fmt.Sprintf("taken by %s after %s in the queue", w.cfg.ID, wait)})
+	}
+	return v, le, ok
 }
 
 // cacheVerdict decides msg from the cache when the answer is a plain one

@@ -507,6 +507,8 @@ func runScale(t *testing.T, s scaleSettings, topo scaleTopology) scaleOutcome {
 	}
 	row(fmt.Sprintf("a build's time from its claim to its outcome (emulated build: %s), p50", s.Build), "ms", benchfmt.Percentile(buildMs, 50))
 	row("results published again (same result, dropped by the stream)", "publishes", float64(republished))
+	row("cache hits answered at intake (one ledger write)", "requests", metrics["buildq_cache_hits_answered_total/intake"])
+	row("cache hits answered from the queue (one ledger write)", "requests", metrics["buildq_cache_hits_answered_total/queue"])
 	row("requests parked", "requests", metrics["buildq_parked_requests_total"])
 	row("transient retries", "retries", metrics["buildq_retries_total"])
 	row("worker peak RSS, max", "MiB", slices.Max(rss))

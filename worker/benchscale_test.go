@@ -390,7 +390,7 @@ func TestBenchScaleWorker(t *testing.T) {
 			for _, m := range mf.GetMetric() {
 				name := mf.GetName()
 				for _, l := range m.GetLabel() {
-					if l.GetName() == "origin" || l.GetName() == "status" {
+					if l.GetName() == "origin" || l.GetName() == "status" || l.GetName() == "at" {
 						name += "/" + l.GetValue()
 					}
 				}

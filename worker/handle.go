@@ -71,6 +71,9 @@ func (w *Worker) apply(msg jetstream.Msg, act fairq.Action) {
 		if err := w.ack(ctx, msg, act); err != nil {
 			w.log.Warn("ack failed; the decision is recorded and a redelivery publishes the same result",
 				zap.String("requestId", act.RequestID), zap.Error(err))
+			if act.AckFailed != nil {
+				act.AckFailed()
+			}
 		}
 		return
 	}
@@ -180,7 +183,11 @@ func (w *Worker) decide(ctx context.Context, in fairq.Incoming) fairq.Action {
 			}
 			return true
 		},
-		Async: true,
+		// A decision recorded as its entry was created (a plain cache hit
+		// taken from the queue, answer.go) is marked only when its ack
+		// fails (AckFailed below): nothing else delivers it.
+		Async:    !v.RecordedNow,
+		Unmarked: v.RecordedNow,
 	})
 	var pe *ledger.PublishError
 	switch {
@@ -220,10 +227,18 @@ func (w *Worker) decide(ctx context.Context, in fairq.Incoming) fairq.Action {
 		return a
 	}
 	v.Decision = res.Decision
+	if v.RecordedNow && res.Status == ledger.Published {
+		w.cfg.Metrics.hitAnswered("queue")
+	}
 	if v.waiter && le != nil {
 		w.ledger.DropWaiter(actx, waiterKey, tenant, id)
 	}
 	act := fairq.Action{Kind: fairq.Settle, Term: v.Term, Reason: v.Data.Reason, RequestID: v.Data.RequestID}
+	if v.RecordedNow && !mutant.On("queued-hit-never-marks") {
+		// Its message comes again: the redelivery must find the result
+		// marked published, not publish it a second time.
+		act.AckFailed = func() { res.Mark(actx) }
+	}
 	act.After = func() {
 		defer cancel()
 		res.WaitMarked()

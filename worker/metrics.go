@@ -28,6 +28,7 @@ type Metrics struct {
 	logs      *prometheus.CounterVec
 	logBytes  prometheus.Counter
 	attests   prometheus.Counter
+	hits      *prometheus.CounterVec
 }
 
 // NewMetrics registers the worker's metrics with reg.
@@ -104,8 +105,12 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		Name: "buildq_attestations_total",
 		Help: "Signed provenance statements this worker attached to the images it built.",
 	})
+	m.hits = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "buildq_cache_hits_answered_total",
+		Help: "Cache hits answered with one ledger write (the entry created with its decision), by where: intake (never queued) or queue (queued while its key was building, a plain hit when taken).",
+	}, []string{"at"})
 	reg.MustRegister(m.results, m.inFlight, m.queueWait, m.buildTime, m.retries, m.dupes, m.parks, m.requeues, m.parkedNow,
-		m.running, m.queued, m.dead, m.ready, m.refused, m.logs, m.logBytes, m.attests)
+		m.running, m.queued, m.dead, m.ready, m.refused, m.logs, m.logBytes, m.attests, m.hits)
 	return m
 }
 
@@ -159,6 +164,14 @@ func (m *Metrics) published(d v1.ResultData) {
 	m.queueWait.WithLabelValues(d.Tenant).Observe(time.Duration(d.Timings.QueueWaitMs * int64(time.Millisecond)).Seconds())
 	if d.Origin == v1.OriginBuild && d.Timings.BuildMs > 0 {
 		m.buildTime.WithLabelValues(string(d.Status)).Observe(float64(d.Timings.BuildMs) / 1000)
+	}
+}
+
+// hitAnswered counts a cache hit answered with its entry created decided,
+// at "intake" or "queue".
+func (m *Metrics) hitAnswered(at string) {
+	if m != nil {
+		m.hits.WithLabelValues(at).Inc()
 	}
 }
 

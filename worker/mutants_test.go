@@ -64,6 +64,8 @@ var mutantCatalogue = []mutantCase{
 	{"intake-ignores-queue-ttl", "with a queue TTL, whether a request expired is told by the server's clock: intake answers none", []string{"TestAttack_IntakeStaleHitOnAWorkerWithASlowClockIsExpired"}},
 	{"intake-waits-on-lookups", "a slow registry or store sends intake's hits to the queue instead of holding every tenant's way in", []string{"TestAttack_IntakeHitsOnASlowRegistryDoNotStallOtherTenants"}},
 	{"intake-never-marks", "a hit answered at intake whose ack failed is marked published before its redelivery", []string{"TestAHitWhoseAckIsLostIsMarkedForItsRedelivery"}},
+	{"queued-hits-full-path", "a plain cache hit taken from the queue is answered with one ledger write, as at intake", []string{"TestAQueuedCacheHitIsAnsweredWithOneWrite"}},
+	{"queued-hit-never-marks", "a queued hit answered unmarked whose ack failed is marked published before its redelivery", []string{"TestAQueuedHitWhoseAckIsLostIsMarkedForItsRedelivery"}},
 	{"unpark-overwrites", "a handler unparks a request's waiter entry only at the revision it parked it at, and acks its message as parked only when the entry is known to be parked", []string{"TestAStaleUnparkNeverUndoesALaterPark"}},
 	{"orphan-ends-unattested", "a worker that attests never ends a succeeded run without its attestation, not even as the reconciler", []string{"TestAReleasedRunIsNotEndedUnattestedByTheReconciler"}},
 	{"cancel-unkeyed-blind", "a cancel of a request without a key yet applies only while it has none; keyed meanwhile, it is canceled as a keyed request (its build stopped)", []string{"TestAttack_CancelRacingSetSourceStopsTheBuild"}},

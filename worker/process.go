@@ -25,6 +25,9 @@ import (
 // yet: the caller retries (transient), hands back (shutdown) or fails the
 // request.
 func (w *Worker) processRequest(ctx context.Context, h *handling) (verdict, *ledger.Entry, error) {
+	if v, le, ok := w.answerQueuedHit(ctx, h); ok {
+		return v, le, nil
+	}
 	msg, meta := h.in.Msg, h.meta
 	started := w.cfg.Now().UTC()
 	seq, at := meta.Sequence.Stream, meta.Timestamp

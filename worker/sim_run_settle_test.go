@@ -325,6 +325,7 @@ func (w *simWorld) judge(out *simOutcome) {
 			out.atIntake++
 		}
 	}
+	out.queuedHits = int(testutil.ToFloat64(w.metrics.hits.WithLabelValues("queue")))
 	out.parked = int(testutil.ToFloat64(w.metrics.parks))
 	out.requeued = int(testutil.ToFloat64(w.metrics.requeues))
 	out.report = w.report(out)

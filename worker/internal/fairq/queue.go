@@ -178,6 +178,11 @@ type Action struct {
 	// After runs once the message is settled: the ledger's mark, the
 	// request's log line, its Job's cleanup.
 	After func()
+	// AckFailed, when set, runs when a Settle could not be confirmed (the
+	// ack's reply was lost): the message comes again, and what its next
+	// handler must find is written here (a decision delivered unmarked
+	// is marked published).
+	AckFailed func()
 }
 
 // New returns a queue of the worker whose handler is h. It does not touch
