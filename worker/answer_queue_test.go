@@ -9,6 +9,7 @@ package worker
 
 import (
 	"context"
+	"errors"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -27,7 +28,7 @@ func (e *env) entryWrites(t *testing.T, id string) int {
 		t.Fatal(err)
 	}
 	h, err := kv.History(context.Background(), RequestIndexKey("acme", id))
-	if err != nil && err != jetstream.ErrKeyNotFound {
+	if err != nil && !errors.Is(err, jetstream.ErrKeyNotFound) {
 		t.Fatal(err)
 	}
 	return len(h)

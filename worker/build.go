@@ -90,6 +90,16 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 		}
 		return nil
 	}
+	if w.faults != nil && w.faults.beforeWalk != nil {
+		w.faults.beforeWalk(key)
+	}
+	// The first look's reads — the key's record, the request's own entry
+	// (answered) and its first tag in the registry (preflight) — depend
+	// on none another, nor on the possession check: they are sent at
+	// once, and each is waited for only where the walk needs it. What
+	// they find is told to nobody before possession is shown.
+	ahead := w.lookAhead(ctx, req, key, repo, dests, answered)
+	defer ahead.stop()
 	if req.Source.S3 != nil && w.cfg.Contexts != nil {
 		// Before anything else, whoever built the key or is building it:
 		// a request is answered only for content its tenant holds, and
@@ -99,14 +109,23 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 			return nil, "", false, err
 		}
 	}
-	for {
+	for first := true; ; first = false {
 		if err := ctx.Err(); err != nil {
 			return nil, "", false, err
 		}
-		if w.faults != nil && w.faults.beforeWalk != nil {
+		if !first && w.faults != nil && w.faults.beforeWalk != nil {
 			w.faults.beforeWalk(key)
 		}
-		cur, rev, err := w.runs.Get(ctx, key)
+		var (
+			cur *v1.BuildRecord
+			rev uint64
+			err error
+		)
+		if first && ahead.fresh() {
+			cur, rev, err = ahead.record()
+		} else {
+			cur, rev, err = w.runs.Get(ctx, key)
+		}
 		if err != nil {
 			return nil, "", false, Transient(err)
 		}
@@ -127,12 +146,13 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 			// hold an image (an index lost, a tag pushed by hand). It
 			// answers this request only — it is not buildq's verified
 			// build, so it never enters the shared index.
-			if found, err := w.preflight(ctx, req, key, repo, dests); err != nil || found != nil {
+			found, err := ahead.preflight(first)
+			if err != nil || found != nil {
 				return found, v1.OriginCache, false, err
 			}
 		}
 		if cur == nil || cur.State == v1.StateBuilding || (cur.State == v1.StateFailed && !ended) {
-			if err := answered(); err != nil {
+			if err := ahead.answered(first); err != nil {
 				return nil, "", false, err
 			}
 		}
@@ -275,7 +295,10 @@ func (w *builder) takeOver(ctx context.Context, req *v1.Request, cur *v1.BuildRe
 		return nil, "", false, false, nil
 	}
 	note := w.takeOverNote(cur)
-	out, origin, owned, err := w.own(ctx, req, &claim, nrev, repo, dests, seq, note)
+	// A run taken over may be ended by its former holder, come back with
+	// the same Job's outcome, while this handler runs it: its end is
+	// stored before its decision (own.go, endAhead).
+	out, origin, owned, err := w.own(withEndAhead(ctx, nil), req, &claim, nrev, repo, dests, seq, note)
 	if err == nil && origin != v1.OriginBuild && out != nil && !sharedFailure(out, req, repo) {
 		w.log.Info("the run taken over failed for its claimer's own inputs; building with this request's",
 			zap.String("key", claim.Key), zap.String("reason", out.Reason))
@@ -482,5 +505,110 @@ func (w *builder) join(ctx context.Context, key string) (final, lapsed *v1.Build
 		case <-ctx.Done():
 			return nil, nil, 0, ctx.Err()
 		}
+	}
+}
+
+// firstLook is build's first look, read ahead (lookAhead): each read runs
+// in its own goroutine from the start and is waited for only when asked.
+// A later pass of the walk reads afresh.
+type firstLook struct {
+	sent      time.Time
+	rec       func() recordRead
+	pre       func() preflightRead
+	ans       func() error
+	preflight func(first bool) (*v1.BuildRecord, error)
+	answered  func(first bool) error
+	stop      context.CancelFunc
+}
+
+type recordRead struct {
+	rec *v1.BuildRecord
+	rev uint64
+	err error
+}
+
+type preflightRead struct {
+	found *v1.BuildRecord
+	err   error
+}
+
+// lookAheadFresh is how long the first look's reads stand for the state
+// they read: a possession check that took longer (a large context read
+// from the store, a pause) leaves them stale, and the walk reads afresh —
+// its answered check especially, which keeps a stalled handler from
+// starting a build for a request answered meanwhile.
+const lookAheadFresh = 250 * time.Millisecond
+
+// fresh reports whether the reads sent ahead still stand (monotonic time:
+// a paused process counts the pause).
+func (f *firstLook) fresh() bool { return time.Since(f.sent) < lookAheadFresh }
+
+func (f *firstLook) record() (*v1.BuildRecord, uint64, error) {
+	r := f.rec()
+	return r.rec, r.rev, r.err
+}
+
+// lookAhead sends the first look's reads. Its preflight and answered wait
+// for the read sent ahead on the walk's first pass and read again on a
+// later one; stop cancels what nobody waited for.
+func (w *builder) lookAhead(ctx context.Context, req *v1.Request, key, repo string, dests []string, answered func() error) *firstLook {
+	lctx, stop := context.WithCancel(ctx)
+	f := &firstLook{stop: stop, sent: time.Now()}
+	f.rec = ahead(func() recordRead {
+		rec, rev, err := w.runs.Get(lctx, key)
+		return recordRead{rec, rev, err}
+	})
+	preflight := func(ctx context.Context) preflightRead {
+		found, err := w.preflight(ctx, req, key, repo, dests)
+		return preflightRead{found, err}
+	}
+	f.pre = ahead(func() preflightRead { return preflight(lctx) })
+	f.ans = ahead(answered)
+	f.preflight = func(first bool) (*v1.BuildRecord, error) {
+		var r preflightRead
+		if first && f.fresh() {
+			r = f.pre()
+		} else {
+			r = preflight(ctx)
+		}
+		return r.found, r.err
+	}
+	f.answered = func(first bool) error {
+		if first && f.fresh() {
+			return f.ans()
+		}
+		return answered()
+	}
+	return f
+}
+
+// ahead runs f in its own goroutine now and returns the wait for its
+// value; a panic in f is raised again in the goroutine that waits.
+func ahead[T any](f func() T) func() T {
+	type out struct {
+		v T
+		p any
+	}
+	ch := make(chan out, 1)
+	go func() {
+		var o out
+		defer func() {
+			if p := recover(); p != nil {
+				o.p = p
+			}
+			ch <- o
+		}()
+		o.v = f()
+	}()
+	var (
+		once sync.Once
+		got  out
+	)
+	return func() T {
+		once.Do(func() { got = <-ch })
+		if got.p != nil {
+			panic(got.p)
+		}
+		return got.v
 	}
 }

@@ -37,6 +37,9 @@ type verdict struct {
 	// parked: the request waits on a build without holding its message;
 	// the message is acked without a result (the build's end brings it).
 	parked bool
+	// end: its own run's end, when it was stored alongside the decision
+	// (own.go, endAhead); the Job is cleaned up once it is.
+	end *endAhead
 }
 
 // queueHandler is the worker's handler as the fair queue sees it.
@@ -174,8 +177,18 @@ func (w *Worker) decide(ctx context.Context, in fairq.Incoming) fairq.Action {
 	if le != nil {
 		waiterKey, tenant, id = le.E.Key, le.E.Tenant, le.E.RequestID
 	}
+	publish := w.publish
+	if v.end.started() && !mutant.On("publish-before-end") {
+		// The run's end, stored alongside the decision, is stored before
+		// the result goes out: whoever sees the result and asks again
+		// finds the build ended (a cache hit, not a join).
+		publish = func(ctx context.Context, d ledger.Decision) error {
+			v.end.wait()
+			return w.publish(ctx, d)
+		}
+	}
 	res, err := w.ledger.Deliver(actx, le, v.Decision, ledger.Delivery{
-		Publish: w.publish,
+		Publish: publish,
 		Unrecorded: func(err error) bool {
 			if spend() {
 				log.Warn("recording the decision failed; retrying the request", zap.Error(err))
@@ -244,6 +257,11 @@ func (w *Worker) decide(ctx context.Context, in fairq.Incoming) fairq.Action {
 		res.WaitMarked()
 		log.Info("request done", zap.String("requestId", v.Data.RequestID), zap.String("status", string(v.Data.Status)),
 			zap.String("origin", string(v.Data.Origin)), zap.String("reason", v.Data.Reason), zap.String("digest", v.Data.Digest))
+		if !v.end.settled() && !mutant.On("ahead-end-cleans-unstored") {
+			// The run's end is not stored: whoever takes the run over
+			// adopts its Job, which must still be there.
+			return
+		}
 		if v.CleanupKey != "" && !w.cfg.KeepJobs && !mutant.On("no-job-cleanup") {
 			if err := w.backend.Cleanup(actx, v.CleanupKey, v.CleanupRun); err != nil {
 				log.Warn("cleanup failed; ttlSecondsAfterFinished will remove the job", zap.Error(err))

@@ -141,8 +141,10 @@ func (w *Worker) processRequest(ctx context.Context, h *handling) (verdict, *led
 
 	wr := &waiterReg{le: le, park: &ledger.Waiter{Tenant: req.Tenant, RequestID: req.RequestID, Subject: msg.Subject(),
 		MsgID: msg.Headers().Get(v1.MsgIDHeader), Seq: seq, MsgTime: at.UTC(), Body: msg.Data()}}
-	rec, origin, owned, err := w.builds.build(ctx, req, key, repo, dests, seq, wr)
+	ea := &endAhead{req: req}
+	rec, origin, owned, err := w.builds.build(withEndAhead(ctx, ea), req, key, repo, dests, seq, wr)
 	v.waiter = wr.added
+	v.end = ea
 	if errors.Is(err, errParked) {
 		v.parked, v.waiter = true, false
 		return v, le, nil

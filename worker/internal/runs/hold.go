@@ -38,9 +38,12 @@ type Hold struct {
 	o      HoldOptions
 	cancel context.CancelCauseFunc
 
-	mu  sync.Mutex // guards rec and rev against the renewer
+	mu  sync.Mutex // guards rec, rev and sent against the renewer
 	rec v1.BuildRecord
 	rev uint64
+	// sent is when the last write of the claim that landed was sent
+	// (monotonic): the claim itself just before Hold, then each renewal.
+	sent time.Time
 
 	done, stopped chan struct{}
 	stopOnce      sync.Once
@@ -54,7 +57,7 @@ func (s *Store) Hold(ctx context.Context, rec *v1.BuildRecord, rev uint64, o Hol
 		o.Log = zap.NewNop()
 	}
 	runCtx, cancel := context.WithCancelCause(ctx)
-	h := &Hold{store: s, o: o, cancel: cancel, rec: *rec, rev: rev, done: make(chan struct{}), stopped: make(chan struct{})}
+	h := &Hold{store: s, o: o, cancel: cancel, rec: *rec, rev: rev, sent: time.Now(), done: make(chan struct{}), stopped: make(chan struct{})}
 	go h.renew(runCtx)
 	return h, runCtx
 }
@@ -73,6 +76,7 @@ func (h *Hold) renew(runCtx context.Context) {
 			h.mu.Lock()
 			c, crev := Renewed(&h.rec, h.o.Now(), h.o.Lease), h.rev
 			h.mu.Unlock()
+			sent := time.Now()
 			nrev, ok, err := h.store.Renew(runCtx, c, crev)
 			if !ok && err == nil {
 				// Someone wrote the record — or our own earlier write
@@ -91,7 +95,7 @@ func (h *Hold) renew(runCtx context.Context) {
 				return
 			default:
 				h.mu.Lock()
-				h.rec.LeaseUntil, h.rev = c.LeaseUntil, nrev
+				h.rec.LeaseUntil, h.rev, h.sent = c.LeaseUntil, nrev, sent
 				h.mu.Unlock()
 			}
 		case <-h.done:
@@ -127,6 +131,16 @@ func (h *Hold) Held() (v1.BuildRecord, uint64) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	return h.rec, h.rev
+}
+
+// SinceWrite is how long ago the last write of the claim that landed was
+// sent. Nobody takes a run over before seeing its record unchanged for a
+// lease and a half on their own clock, so while this is well under a
+// lease the run is still this holder's alone.
+func (h *Hold) SinceWrite() time.Duration {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return time.Since(h.sent)
 }
 
 // Stop stops renewing (idempotent) and returns the record as last
