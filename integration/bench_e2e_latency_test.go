@@ -53,7 +53,7 @@ func baselineJob(like *batchv1.Job, name string) *batchv1.Job {
 // message counts these benchmarks take (docs/benchmarks.md prints them).
 const (
 	p1Why = "Why buildq's path is longer (a trace of one worker's stages, and P3's count of messages): intake first asks whether the request is a cache hit it can answer at once (a read of the key's record, shared and, for a hit, remembered for a second), then moves it to its tenant's queue for fair queueing, and a dispatcher takes it from there; then the request's ledger entry (one answer per request: a KV create), the first look — the key's record, the request's own entry (is it answered already?) and the preflight of the requester's tag in the registry, sent at once beside the possession check of the context (docs/design.md §2, step 4) — the build claim (one build per key: a KV create), then the same Job create as the baseline. Each is a round trip to NATS, the store or the registry, and each carries a guarantee (fair share, one answer per request, one build per key, no tag overwritten). Not done yet, and what would meet the goal: dispatching a request straight from intake when its tenant is under its limits and nothing is queued ahead (the queue's hop: a publish, a fetch, an ack and a delete), and sending the first look beside the ledger entry's create."
-	p2Why = "After its Job finishes buildq stores the request's decision in its ledger entry by compare-and-swap (a redelivery publishes the same result, never another; a cancel that came meanwhile turns it into canceled) and, beside it, the build's final record (joiners and later requests read it; own.go, endAhead), then publishes the result once both are stored: two durable writes in sequence where the baseline makes one publish. The floor row measures exactly that for a bare program — a KV compare-and-swap, then the publish, on the same server in the same run — and it is itself above 2× the baseline here: any design that stores a request's one decision before publishing it pays it. buildq's remaining gap to that floor is its own work between the writes (the verdict, the progress event). Before the final record went out beside the decision (the same machine, 2026-12-03): 1.9–2.3 ms at p50, 2.2–4.3×."
+	p2Why = "After its Job finishes buildq stores the request's decision in its ledger entry by compare-and-swap (a redelivery publishes the same result, never another; a cancel that came meanwhile turns it into canceled) and, beside it, the build's final record (joiners and later requests read it; own.go, endAhead), then publishes the result once both are stored: two durable writes in sequence where the baseline makes one publish. The floor row measures exactly that for a bare program — a KV compare-and-swap, then the publish, on the same server in the same run — and it is itself about 2× the baseline or more: any design that stores a request's one decision before publishing it pays it, so the goal asks for that floor at best. buildq's figure is within about 1–2× the floor's in the same run (the rows give both); what is left is its own work between the writes (the verdict, the progress event), and at these sub-millisecond figures both swing with this shared machine's scheduling from run to run. Before the final record went out beside the decision (the same machine, 2026-12-03): 1.9–2.3 ms at p50, 2.2–4.3×."
 	p3How = "A cache hit is answered at intake (docs/design.md §2d): no hop through the tenant's queue; the ledger entry created with its decision in it (one write where there were three: create, decision, published mark; the mark is written only when the ack fails); one progress event (finished) where there were two; the key's record read and its image's registry HEAD shared by the hits in flight and remembered for a second (indexCheckFresh), so a popular key costs one read and one HEAD a second; the ack sent once intake's slot is given back; and intake fetching ahead (up to twice the 16 it admits at once), so no fetch stalls it. What remains per hit, listed above: the producer's publish, a share of intake's fetch, the ledger entry, the progress event, the result and the ack. A hit waits on two round trips, the entry's create and the result's publish, as the baseline waits on its read and its publish; the hit's are both durable writes to a stream where the baseline's read is not (the entry must be stored before the result is published, or a redelivery could publish another decision). Also cut: the destination check compiled its patterns into regular expressions on every request. Before (2026-12-02 01:21 UTC, on another 2-core machine, an Intel Xeon): 14.5 messages per hit, 960 hits/s, 0.14× the same-run baseline."
 	p3Why = "The hits wait on two durable stream writes in sequence (the ledger entry, then the result) where the baseline makes one; the NATS server's work per hit is about twice the baseline's, and on this 2-core machine the server, the worker and the producer share the cores."
 )
@@ -133,7 +133,7 @@ func TestBenchE2ELatency(t *testing.T) {
 	}
 	t.Cleanup(p2nc.Close)
 	p2js, _ := jetstream.New(p2nc)
-	if _, err := p2js.CreateStream(ctx, jetstream.StreamConfig{Name: "BENCH_P2", Subjects: []string{"bench.p2.>"}}); err != nil {
+	if _, err := p2js.CreateStream(ctx, jetstream.StreamConfig{Name: "BENCH_P2", Subjects: []string{"bench.p2.>", "bench.p2floor.>"}}); err != nil {
 		t.Fatal(err)
 	}
 	var p2mu sync.Mutex
@@ -185,11 +185,15 @@ func TestBenchE2ELatency(t *testing.T) {
 			return
 		}
 		go func(name string) {
+			// Not waited for: a Job that completes as the run ends
+			// finds ctx done, and that is no failure of the run.
 			if _, err := p2kv.Update(ctx, name, []byte("succeeded"), 0); err != nil {
-				t.Errorf("floor decision: %v", err)
+				if ctx.Err() == nil {
+					t.Errorf("floor decision: %v", err)
+				}
 				return
 			}
-			if _, err := p2js.Publish(ctx, "bench.p2floor."+name, []byte(name)); err != nil {
+			if _, err := p2js.Publish(ctx, "bench.p2floor."+name, []byte(name)); err != nil && ctx.Err() == nil {
 				t.Errorf("floor publish: %v", err)
 			}
 		}(j.Name)

@@ -37,8 +37,9 @@ func (e *env) entryWrites(t *testing.T, id string) int {
 // queuedBehindItsBuild publishes a build of seed and, while its Job runs
 // on the worker's only slot, a second request of the same content: intake
 // finds the key building and queues it behind the build. It then finishes
-// the Job and returns the second request.
-func (e *env) queuedBehindItsBuild(t *testing.T, tr *testRegistry, results *resultCollector, seed string) *v1.Request {
+// the Job and returns the second request; published (nil: none) is told
+// its id as soon as it has one.
+func (e *env) queuedBehindItsBuild(t *testing.T, tr *testRegistry, results *resultCollector, seed string, published func(*v1.Request)) *v1.Request {
 	t.Helper()
 	first := request(seed)
 	if _, err := e.pub.Publish(context.Background(), first); err != nil {
@@ -49,6 +50,9 @@ func (e *env) queuedBehindItsBuild(t *testing.T, tr *testRegistry, results *resu
 	hit := request(seed)
 	if _, err := e.pub.Publish(context.Background(), hit); err != nil {
 		t.Fatal(err)
+	}
+	if published != nil {
+		published(hit) // the publisher gave it its id; its ack comes after the build
 	}
 	eventually(t, 5*time.Second, "the second request queued behind the build", func() bool { return e.queueLastSeq(t) > queued })
 	e.kubelet(job, 0, tr.push(t, destination(job)))
@@ -70,7 +74,7 @@ func TestAQueuedCacheHitIsAnsweredWithOneWrite(t *testing.T) {
 	events := e.events()
 	ingested := e.ingestCounter(t)
 
-	hit := e.queuedBehindItsBuild(t, tr, results, "queued-hit")
+	hit := e.queuedBehindItsBuild(t, tr, results, "queued-hit", nil)
 	second := results.waitFor(t, 2, 10*time.Second)[1]
 	if second.ID != hit.RequestID || second.Data.Status != v1.StatusSucceeded || second.Data.Origin != v1.OriginCache {
 		t.Fatalf("the queued hit %s", mustJSON(t, second))
@@ -123,21 +127,7 @@ func TestAQueuedHitWhoseAckIsLostIsMarkedForItsRedelivery(t *testing.T) {
 	results := e.collect()
 	ingested := e.ingestCounter(t)
 
-	seed := "queued-lost-ack"
-	first := request(seed)
-	if _, err := e.pub.Publish(context.Background(), first); err != nil {
-		t.Fatal(err)
-	}
-	job := e.waitJob(kaniko.JobName(v1.BuildKey(first, "kaniko@"+testKaniko.ExecutorImage)))
-	queued := e.queueLastSeq(t)
-	hit := request(seed)
-	if _, err := e.pub.Publish(context.Background(), hit); err != nil {
-		t.Fatal(err)
-	}
-	target.Store(hit.RequestID) // the publisher gives it its id; its ack comes after the build
-	eventually(t, 5*time.Second, "the hit queued behind the build", func() bool { return e.queueLastSeq(t) > queued })
-	e.kubelet(job, 0, tr.push(t, destination(job)))
-
+	hit := e.queuedBehindItsBuild(t, tr, results, "queued-lost-ack", func(r *v1.Request) { target.Store(r.RequestID) })
 	got := results.waitFor(t, 2, 10*time.Second)
 	if got[1].ID != hit.RequestID || got[1].Data.Origin != v1.OriginCache {
 		t.Fatalf("the hit %s", mustJSON(t, got[1]))

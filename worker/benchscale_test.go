@@ -497,38 +497,23 @@ func mean(xs []float64) float64 {
 }
 
 // TestBenchScale is P9: see the top of this file.
-// scaleBefore is the reference P9's goal is judged against: the code
-// before cache hits were answered with one write (7fbab6b), run with the
-// default sizes on the machine these figures are kept from (2 cores, AMD
-// EPYC) on 2026-12-02: 100,000 requests in 452 s on the 3-node cluster
-// and in 205 s on one server.
-var scaleBefore = struct {
-	commit                  string
-	clusterPerS, singlePerS float64
-}{"7fbab6b", 100_000.0 / 452, 100_000.0 / 205}
-
-// scaleGoal states P9's goal — twice the answers per second of the
-// reference on the 3-node cluster — and whether this run met it (only a
-// run of the default sizes is judged).
-func scaleGoal(res *benchfmt.Result, s scaleSettings) {
-	res.Goal = fmt.Sprintf("the 3-node cluster answers at least twice the requests per second of the code before (%s: %.0f/s with the default sizes on the reference machine)",
-		scaleBefore.commit, scaleBefore.clusterPerS)
-	if s.Requests != 100_000 || s.Keys != 10_000 || s.Workers != 10 || s.InFlight != 16 || s.Build != time.Second {
-		return
-	}
-	for _, r := range res.Rows {
-		switch r.Metric {
-		case "cluster: throughput":
-			met := r.Value >= 2*scaleBefore.clusterPerS
-			res.Met = &met
-			res.Notes = append(res.Notes, fmt.Sprintf("Against the code before (%s, run on the reference machine): the 3-node cluster answered %.0f requests/s against %.0f/s (%.2f×).",
-				scaleBefore.commit, r.Value, scaleBefore.clusterPerS, r.Value/scaleBefore.clusterPerS))
-		case "single: throughput":
-			res.Notes = append(res.Notes, fmt.Sprintf("Against the code before (%s, run on the reference machine): one NATS server answered %.0f requests/s against %.0f/s (%.2f×).",
-				scaleBefore.commit, r.Value, scaleBefore.singlePerS, r.Value/scaleBefore.singlePerS))
-		}
-	}
+// scaleGoal states P9's goal. It is not judged by the run: its reference
+// is the code before issue 31 (7fbab6b) run the same way on the same
+// machine in the same session — a machine's speed moves from day to day
+// more than the code does (the bare P3 loop ran at 6,200 req/s on an AMD
+// EPYC one day and 17,100 on an Intel Xeon the next, both 2-core machines
+// of the same kind) — and the note says
+// what that comparison gave.
+func scaleGoal(res *benchfmt.Result) {
+	res.Goal = "the 3-node cluster answers at least twice the requests per second of the code before issue 31 (7fbab6b), both run on the same machine in the same session"
+	res.Notes = append(res.Notes, scaleReference)
 }
+
+// scaleReference is the last same-session comparison with the code before
+// issue 31, run as `git worktree add /tmp/ref 7fbab6b` and, there,
+// `BUILDQ_SCALE_TOPOLOGIES=cluster go test -tags benchscale -count=1
+// -timeout 35m -run '^TestBenchScale$' -v ./worker/`.
+const scaleReference = "Against the code before issue 31 (7fbab6b), run the same way on the same machine right before this run (2026-12-03): the 3-node cluster answered the 100,000 requests in 175 s (571/s; 85.5 messages into the servers and 3.2 ledger writes per request; NATS 171 CPU-s, workers 136) where this code, run right after it, took 158 s (634/s; 69.7 messages, 1.4 ledger writes; NATS 148 CPU-s, workers 132): 1.11×, the goal of 2× not met. (On 2026-12-02, on another 2-core machine of the kind, an AMD EPYC, the same pair was 452 s and 298 s with cache hits answered at intake only: 1.52×.) What bounds both: the 10,000 builds come first and hold the 160 slots for about 78 s (127 builds/s: slots × a build's 1.25 s), and the hits queued behind them wait for slots; then the hits run at about 1,050/s in both, which is the 2 cores' worth of CPU at 1.8–1.9 ms per answer summed over every process (three NATS servers, ten workers, the harness). Twice the rate needs the queued hits answered while the builds hold the slots, and the CPU per answer halved."
 
 func TestBenchScale(t *testing.T) {
 	if os.Getenv(scaleChildEnv) != "" {
@@ -559,7 +544,7 @@ func TestBenchScale(t *testing.T) {
 			break
 		}
 	}
-	scaleGoal(&res, s)
+	scaleGoal(&res)
 	res.Notes = append(res.Notes, fmt.Sprintf(
 		"Emulated: each worker process has its own fake Kubernetes API server (the test world's, worker/world_api_test.go: client-go's fake clientset on one object store with resource versions and resumable watches, so its informers see only its own Jobs) and the test world's node (worker/world_node_test.go), which ends every Job %s after its creation: it pushes a small random image to the Job's destinations, then writes the Pod with the digest as the kaniko container's termination message and the Job's Complete condition. Real: the worker package with the kaniko Job backend, %d slots per worker, production defaults (AckWait and lease 30 s), NATS over TCP with file storage, go-containerregistry's registry (in memory, in the harness process, over TLS) for the preflight, the index checks and the pushes. Requests are published as one backlog, key i mod %d, so the %d requests of a key are spread over the whole run.",
 		s.Build, s.InFlight, s.Keys, s.Requests/s.Keys))
