@@ -517,6 +517,28 @@ func (k *KubeBackend) Cleanup(ctx context.Context, key, run string) error {
 	return k.deleteJob(ctx, name, job.UID)
 }
 
+// WaitGone waits, on the informer cache, until the Job of run of key is
+// gone — removed, not only marked for deletion: a foreground deletion
+// leaves the Job while its Pods terminate, and until then its build may
+// still run. No Job, or another run's, is gone already.
+func (k *KubeBackend) WaitGone(ctx context.Context, key, run string) error {
+	name := kaniko.JobName(key)
+	signal, stop := k.watcher.Subscribe(name)
+	defer stop()
+	for {
+		job, _, ok := k.watcher.Get(k.cfg.Namespace, name)
+		if !ok || job.Annotations[kaniko.AnnotationRun] != run || k.watcher.Deleted(k.cfg.Namespace, name, job.UID) {
+			return nil
+		}
+		select {
+		case <-signal:
+		case <-time.After(250 * time.Millisecond): // an event missed: look again
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
 // Backoff of a finished Job whose outcome could not be read (a transient
 // API error): retried from reconcileRetryFloor, doubling up to
 // reconcileRetryMax.

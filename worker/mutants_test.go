@@ -68,6 +68,7 @@ var mutantCatalogue = []mutantCase{
 	{"queued-hit-never-marks", "a queued hit answered unmarked whose ack failed is marked published before its redelivery", []string{"TestAQueuedHitWhoseAckIsLostIsMarkedForItsRedelivery"}},
 	{"ahead-end-cleans-unstored", "a run whose end could not be stored keeps its Job for whoever takes it over, though its request was answered", []string{"TestAnEndStoredAheadThatFailsLeavesTheJobForTheTakeOver"}},
 	{"publish-before-end", "a result goes out only once its run's end is stored: whoever asks again after it finds a cache hit", []string{"TestAResultComesAfterItsRunsEnd"}},
+	{"canceled-holder-leaves-job", "a request canceled while its build runs gives its slot back only once the Job of the run the cancel ended is gone", []string{"TestACanceledBuildsSlotComesBackOnceItsJobIsGone"}},
 	{"unpark-overwrites", "a handler unparks a request's waiter entry only at the revision it parked it at, and acks its message as parked only when the entry is known to be parked", []string{"TestAStaleUnparkNeverUndoesALaterPark"}},
 	{"orphan-ends-unattested", "a worker that attests never ends a succeeded run without its attestation, not even as the reconciler", []string{"TestAReleasedRunIsNotEndedUnattestedByTheReconciler"}},
 	{"cancel-unkeyed-blind", "a cancel of a request without a key yet applies only while it has none; keyed meanwhile, it is canceled as a keyed request (its build stopped)", []string{"TestAttack_CancelRacingSetSourceStopsTheBuild"}},

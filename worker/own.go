@@ -9,7 +9,9 @@ import (
 	"go.uber.org/zap"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/worker/internal/mutant"
 	"github.com/buildq/buildq/worker/internal/runs"
+	"github.com/buildq/buildq/worker/internal/tenantapi"
 )
 
 // own runs the claimed run while renewing its lease, and ends the run with
@@ -146,13 +148,22 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 				return w.build(ctx, req, held.Key, repo, dests, seq, nil)
 			}
 		}
-		if ctx.Err() != nil && lw != nil {
+		if ctx.Err() != nil {
 			// Stopped from outside: a run a cancel ended has its log
 			// ended here (a shutdown leaves it to the worker that takes
-			// the run over).
+			// the run over), and its Job gone before this handler gives
+			// its slot back. The cancel tells the handler first and
+			// deletes the Job after (maybe on another worker); until the
+			// Job is gone its build may run beside the request the freed
+			// slot lets in, over the tenant's concurrency limit.
 			fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-			if cur, _, gerr := w.runs.Get(fctx, held.Key); gerr == nil && cur != nil && cur.Run == held.Run && cur.Final() {
-				w.logs.finish(fctx, lw, cur)
+			if cur := w.stoppedRun(fctx, &held, errors.Is(context.Cause(ctx), tenantapi.ErrCanceled)); cur != nil {
+				if lw != nil {
+					w.logs.finish(fctx, lw, cur)
+				}
+				if !mutant.On("canceled-holder-leaves-job") {
+					w.jobGone(fctx, held.Key, held.Run)
+				}
 			}
 			cancel()
 		}
@@ -247,6 +258,55 @@ func (w *builder) endAhead(ctx context.Context, held, final *v1.BuildRecord, rev
 			return endResult{nil, ectx.Err()}
 		}
 		wait = min(2*wait, w.cfg.Lease/2)
+	}
+}
+
+// stoppedRunWait is how long a handler whose request its tenant canceled
+// waits for the cancel to end its run: the cancel tells the handler first,
+// then ends the run unless others wait on it (then the run goes on, taken
+// over once the handler lets its claim go).
+const stoppedRunWait = 250 * time.Millisecond
+
+// stoppedRun is held's run as someone else ended it (a cancel, the
+// reconciler), or nil when the record is on another run or still
+// building. canceled: the handler's own request was canceled, so the
+// run's end may be on its way.
+func (w *builder) stoppedRun(ctx context.Context, held *v1.BuildRecord, canceled bool) *v1.BuildRecord {
+	deadline := time.Now().Add(stoppedRunWait)
+	for {
+		cur, _, err := w.runs.Get(ctx, held.Key)
+		switch {
+		case err != nil || cur == nil || cur.Run != held.Run:
+			return nil
+		case cur.Final():
+			return cur
+		case !canceled || time.Now().After(deadline):
+			return nil
+		}
+		select {
+		case <-time.After(20 * time.Millisecond):
+		case <-ctx.Done():
+			return nil
+		}
+	}
+}
+
+// jobGone deletes the Job of an ended run and waits until it is gone
+// (bounded by ctx), unless the deployment keeps Jobs.
+func (w *builder) jobGone(ctx context.Context, key, run string) {
+	if w.cfg.KeepJobs {
+		return
+	}
+	if err := w.backend.Cleanup(ctx, key, run); err != nil {
+		w.log.Info("deleting an ended run's Job failed; whoever ended the run deletes it", zap.String("key", key), zap.Error(err))
+		return
+	}
+	if g, ok := w.backend.(interface {
+		WaitGone(ctx context.Context, key, run string) error
+	}); ok {
+		if err := g.WaitGone(ctx, key, run); err != nil {
+			w.log.Info("the ended run's Job is not gone yet; giving the slot back all the same", zap.String("key", key), zap.Error(err))
+		}
 	}
 }
 

@@ -11,6 +11,9 @@ import (
 	"testing"
 	"time"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
 )
@@ -326,5 +329,38 @@ func TestRequestIDThatLooksLikeAKeyCanBeCanceled(t *testing.T) {
 	e.waitJob(kaniko.JobName(v1.BuildKey(req, kanikoID)))
 	if rep := cancelRequest(t, e.nc, v1.CancelSubject("acme", "web"), req.RequestID); !rep.Canceled {
 		t.Fatalf("cancel by request id %s: %+v", req.RequestID, rep)
+	}
+}
+
+// A request canceled while its build runs gives its slot back only once
+// its Job is gone: the cancel tells the handler first and deletes the Job
+// after, and until then the build would run beside the request the slot
+// lets in, over its tenant's concurrency limit (make soak, seed 323).
+func TestACanceledBuildsSlotComesBackOnceItsJobIsGone(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	slow := slowCreates{Interface: e.kube, holdDelete: func(string) { time.Sleep(500 * time.Millisecond) }}
+	e.startWorkerHooked("w1", nil, slow, nil)
+	results := e.collect()
+	r := request("cancel-slot")
+	if _, err := e.pub.Publish(context.Background(), r); err != nil {
+		t.Fatal(err)
+	}
+	job := e.waitJob(kaniko.JobName(v1.BuildKey(r, kanikoID)))
+	replied := make(chan error, 1)
+	go func() {
+		_, err := tenantAPIRequest(e.nc, "acme", v1.APICancelSubject("acme"), r.RequestID, 30*time.Second)
+		replied <- err
+	}()
+	got := results.waitFor(t, 1, 10*time.Second)[0]
+	_, err := e.kube.BatchV1().Jobs(testKaniko.Namespace).Get(context.Background(), job.Name, metav1.GetOptions{})
+	if rerr := <-replied; rerr != nil {
+		t.Errorf("cancel: %v", rerr)
+	}
+	if got.Data.Status != v1.StatusCanceled {
+		t.Fatalf("result %s, want canceled", mustJSON(t, got))
+	}
+	if !apierrors.IsNotFound(err) {
+		t.Fatalf("the canceled request was answered (its slot given back) while its Job was still there (get: %v)", err)
 	}
 }
