@@ -584,20 +584,3 @@ func runScale(t *testing.T, s scaleSettings, topo scaleTopology) scaleOutcome {
 	}
 	return out
 }
-
-// largerClusterNote says what 5 and 7 nodes would do, from this run's NATS
-// CPU per answer: with replicas 3 every write still costs three nodes'
-// work, so more nodes spread the Raft groups (their leaders and replicas),
-// not the work per answer; the ceiling rises with the nodes only as far
-// as the groups spread evenly, and one group's leader — the busiest node's
-// share at best — bounds it whatever the nodes.
-func largerClusterNote(topo scaleTopology, natsCPU []float64, n int) string {
-	if n == 0 || len(natsCPU) == 0 {
-		return ""
-	}
-	perAnswer := 1000 * sum(natsCPU) / float64(n) // ms, all nodes
-	busiest := 1000 * slices.Max(natsCPU) / float64(n)
-	at := func(nodes int) float64 { return float64(nodes) * 1000 / perAnswer }
-	return fmt.Sprintf("%s: larger clusters, from this run's CPU: the servers spent %.2f ms of CPU per answer in all, %.2f ms on the busiest node. With replicas 3 a write costs three nodes' work however many there are, so 5 or 7 nodes spread the six Raft groups (three streams, three buckets), not the work: with the groups evenly spread and a core per node, about %.0f answers/s on 5 nodes and %.0f on 7 (nodes × 1000 / the ms per answer; the same reckoning gives %.0f for these %d). A single group's leader does not split: BUILDQ_RESULTS and the ledger, every request's writes, each bound the cluster at what one core gives them, which is where partitioning the streams by tenant comes in.",
-		topo.label, perAnswer, busiest, at(5), at(7), at(topo.nodes), topo.nodes)
-}

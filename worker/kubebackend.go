@@ -539,69 +539,6 @@ func (k *KubeBackend) WaitGone(ctx context.Context, key, run string) error {
 	}
 }
 
-// Backoff of a finished Job whose outcome could not be read (a transient
-// API error): retried from reconcileRetryFloor, doubling up to
-// reconcileRetryMax.
-const (
-	reconcileRetryFloor = 500 * time.Millisecond
-	reconcileRetryMax   = time.Minute
-)
-
-// Reconcile is level-triggered reconciliation: for every finished Job the
-// informers show (at start, on events, after every relist) that no goroutine
-// of this worker waits on, it reads the outcome and hands it to finish,
-// which stores it if the build's owner is gone. It returns when ctx ends,
-// and runs once per backend (its queue is shut down then).
-func (k *KubeBackend) Reconcile(ctx context.Context, finish func(ctx context.Context, key string, out Outcome) time.Duration) {
-	stop := context.AfterFunc(ctx, k.finished.ShutDown)
-	defer stop()
-	for {
-		name, quit := k.finished.Get()
-		if quit {
-			return
-		}
-		again, retry := k.reconcileJob(ctx, name, finish)
-		switch {
-		case retry:
-			k.finished.AddRateLimited(name)
-		case again > 0:
-			// The claim still looks alive: look again once it could
-			// have lapsed.
-			k.finished.Forget(name)
-			k.finished.AddAfter(name, again)
-		default:
-			k.finished.Forget(name)
-		}
-		k.finished.Done(name)
-	}
-}
-
-// reconcileJob hands the outcome of finished Job name to finish when no
-// build of this worker waits on it. It returns when to look again, or
-// retry when the outcome could not be read.
-func (k *KubeBackend) reconcileJob(ctx context.Context, name string, finish func(ctx context.Context, key string, out Outcome) time.Duration) (again time.Duration, retry bool) {
-	if k.watcher.Subscribers(name) > 0 {
-		return 0, false // a build of this worker waits on it
-	}
-	job, pods, ok := k.watcher.Get(k.cfg.Namespace, name)
-	if !ok || job.DeletionTimestamp != nil {
-		return 0, false
-	}
-	key := job.Annotations[kaniko.AnnotationKey]
-	o := kube.JobOutcome(job, pods)
-	if key == "" || !o.Done || o.Pending {
-		return 0, false
-	}
-	out, err := k.outcome(ctx, name, job.UID, job.Annotations[kaniko.AnnotationImage], o)
-	if err != nil {
-		return 0, ctx.Err() == nil
-	}
-	out.Run = job.Annotations[kaniko.AnnotationRun]
-	secrets := kaniko.SecretValues(job)
-	out.Message, out.LogTail = maskSecrets(out.Message, secrets), maskSecrets(out.LogTail, secrets)
-	return finish(ctx, key, out), false
-}
-
 // Executor implements ExecutorDescriber: the kaniko executor image, by
 // the digest it is pinned to.
 func (k *KubeBackend) Executor() attest.Dependency { return ExecutorOf(k.cfg.ExecutorImage) }

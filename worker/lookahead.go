@@ -1,0 +1,114 @@
+package worker
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	v1 "github.com/buildq/buildq/api/v1"
+)
+
+// firstLook is build's first look, read ahead (lookAhead): each read runs
+// in its own goroutine from the start and is waited for only when asked.
+// A later pass of the walk reads afresh.
+type firstLook struct {
+	sent      time.Time
+	rec       func() recordRead
+	pre       func() preflightRead
+	ans       func() error
+	preflight func(first bool) (*v1.BuildRecord, error)
+	answered  func(first bool) error
+	stop      context.CancelFunc
+}
+
+type recordRead struct {
+	rec *v1.BuildRecord
+	rev uint64
+	err error
+}
+
+type preflightRead struct {
+	found *v1.BuildRecord
+	err   error
+}
+
+// lookAheadFresh is how long the first look's reads stand for the state
+// they read: a possession check that took longer (a large context read
+// from the store, a pause) leaves them stale, and the walk reads afresh —
+// its answered check especially, which keeps a stalled handler from
+// starting a build for a request answered meanwhile.
+const lookAheadFresh = 250 * time.Millisecond
+
+// fresh reports whether the reads sent ahead still stand (monotonic time:
+// a paused process counts the pause).
+func (f *firstLook) fresh() bool { return time.Since(f.sent) < lookAheadFresh }
+
+func (f *firstLook) record() (*v1.BuildRecord, uint64, error) {
+	r := f.rec()
+	return r.rec, r.rev, r.err
+}
+
+// lookAhead sends the first look's reads. Its preflight and answered wait
+// for the read sent ahead on the walk's first pass and read again on a
+// later one; stop cancels what nobody waited for.
+func (w *builder) lookAhead(ctx context.Context, req *v1.Request, key, repo string, dests []string, answered func() error) *firstLook {
+	lctx, stop := context.WithCancel(ctx)
+	f := &firstLook{stop: stop, sent: time.Now()}
+	f.rec = ahead(func() recordRead {
+		rec, rev, err := w.runs.Get(lctx, key)
+		return recordRead{rec, rev, err}
+	})
+	preflight := func(ctx context.Context) preflightRead {
+		found, err := w.preflight(ctx, req, key, repo, dests)
+		return preflightRead{found, err}
+	}
+	f.pre = ahead(func() preflightRead { return preflight(lctx) })
+	f.ans = ahead(answered)
+	f.preflight = func(first bool) (*v1.BuildRecord, error) {
+		var r preflightRead
+		if first && f.fresh() {
+			r = f.pre()
+		} else {
+			r = preflight(ctx)
+		}
+		return r.found, r.err
+	}
+	f.answered = func(first bool) error {
+		if first && f.fresh() {
+			return f.ans()
+		}
+		return answered()
+	}
+	return f
+}
+
+// ahead runs f in its own goroutine now and returns the wait for its
+// value; a panic in f is raised again in the goroutine that waits.
+func ahead[T any](f func() T) func() T {
+	type out struct {
+		v T
+		p any
+	}
+	ch := make(chan out, 1)
+	go func() {
+		var o out
+		defer func() {
+			if p := recover(); p != nil {
+				o.p = p
+			}
+			ch <- o
+		}()
+		o.v = f()
+	}()
+	var (
+		once sync.Once
+		got  out
+	)
+	return func() T {
+		once.Do(func() { got = <-ch })
+		if got.p != nil {
+			panic(got.p)
+		}
+		return got.v
+	}
+}
