@@ -93,11 +93,11 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 	if w.faults != nil && w.faults.beforeWalk != nil {
 		w.faults.beforeWalk(key)
 	}
-	// The first look's reads — the key's record, the request's own entry
-	// (answered) and its first tag in the registry (preflight) — depend
-	// on none another, nor on the possession check: they are sent at
-	// once, and each is waited for only where the walk needs it. What
-	// they find is told to nobody before possession is shown.
+	// The first look's reads — the key's record and the request's own
+	// entry (answered) — depend on neither each other nor the possession
+	// check: they are sent at once, and each is waited for only where the
+	// walk needs it. What they find is told to nobody before possession
+	// is shown. The preflight HEAD is sent only when the walk needs it.
 	ahead := w.lookAhead(ctx, req, key, repo, dests, answered)
 	defer ahead.stop()
 	if req.Source.S3 != nil && w.cfg.Contexts != nil {

@@ -62,7 +62,18 @@ func (w *builder) lookAhead(ctx context.Context, req *v1.Request, key, repo stri
 		found, err := w.preflight(ctx, req, key, repo, dests)
 		return preflightRead{found, err}
 	}
-	f.pre = ahead(func() preflightRead { return preflight(lctx) })
+	// The preflight is the one look not sent ahead: it is needed only
+	// when the key is not built, and a HEAD per request (and a Harbor
+	// project's creation) for every hit and join would undo the shared,
+	// remembered registry checks.
+	var (
+		preOnce sync.Once
+		pre     preflightRead
+	)
+	f.pre = func() preflightRead {
+		preOnce.Do(func() { pre = preflight(ctx) })
+		return pre
+	}
 	f.ans = ahead(answered)
 	f.preflight = func(first bool) (*v1.BuildRecord, error) {
 		var r preflightRead

@@ -69,6 +69,7 @@ var mutantCatalogue = []mutantCase{
 	{"ahead-end-cleans-unstored", "a run whose end could not be stored keeps its Job for whoever takes it over, though its request was answered", []string{"TestAnEndStoredAheadThatFailsLeavesTheJobForTheTakeOver"}},
 	{"publish-before-end", "a result goes out only once its run's end is stored: whoever asks again after it finds a cache hit", []string{"TestAResultComesAfterItsRunsEnd"}},
 	{"canceled-holder-leaves-job", "a request canceled while its build runs gives its slot back only once the Job of the run the cancel ended is gone", []string{"TestACanceledBuildsSlotComesBackOnceItsJobIsGone"}},
+	{"cancel-stops-decided-holder", "a cancel spares a run whose holder is decided succeeded while its end is on its way", []string{"TestACancelSparesARunWhoseHolderIsDecided"}},
 	{"unpark-overwrites", "a handler unparks a request's waiter entry only at the revision it parked it at, and acks its message as parked only when the entry is known to be parked", []string{"TestAStaleUnparkNeverUndoesALaterPark"}},
 	{"orphan-ends-unattested", "a worker that attests never ends a succeeded run without its attestation, not even as the reconciler", []string{"TestAReleasedRunIsNotEndedUnattestedByTheReconciler"}},
 	{"cancel-unkeyed-blind", "a cancel of a request without a key yet applies only while it has none; keyed meanwhile, it is canceled as a keyed request (its build stopped)", []string{"TestAttack_CancelRacingSetSourceStopsTheBuild"}},

@@ -234,14 +234,17 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 
 // endAhead stores the end of a run whose request's decision goes out
 // meanwhile (endAhead below). Nobody else comes back to the run for that
-// request, so a failed write is tried again for about a lease; if it
+// request, so a failed write is tried again for about a lease (10 s at
+// most); if it
 // still fails the claim is let go, so that the next request of the key
 // takes the run over at once and adopts its Job.
 func (w *builder) endAhead(ctx context.Context, held, final *v1.BuildRecord, rev uint64) endResult {
 	ectx, cancel := context.WithTimeout(context.WithoutCancel(ctx), w.cfg.Lease+15*time.Second)
 	defer cancel()
 	wait := w.cfg.Lease / 8
-	deadline := time.Now().Add(w.cfg.Lease)
+	// Within the 10 s the handler's publish and ack get (decide: actx
+	// is 15 s), so a result is never held past its own deadline.
+	deadline := time.Now().Add(min(w.cfg.Lease, 10*time.Second))
 	for {
 		stored, err := w.runs.End(ectx, final, rev)
 		if err == nil || errors.Is(err, runs.ErrSuperseded) || time.Now().Add(wait).After(deadline) {

@@ -1,9 +1,9 @@
 package worker
 
-// A handler stores its own run's end while it records and publishes its
-// request's decision (own.go, endAhead): the result does not wait for the
-// end, and a run whose end could not be stored keeps its Job for whoever
-// takes it over.
+// A handler stores its own run's end while it records its request's
+// decision (own.go, endAhead): the result goes out once both are stored,
+// and a run whose end could not be stored keeps its Job for whoever takes
+// it over.
 
 import (
 	"context"
@@ -144,5 +144,50 @@ func TestAResultComesAfterItsRunsEnd(t *testing.T) {
 	got := results.waitFor(t, 1, 10*time.Second)[0]
 	if rec := e.claim(key); rec == nil || rec.State != v1.StateSucceeded || rec.Digest != got.Data.Digest {
 		t.Fatalf("when the result arrived the run's record was %+v: the result went out before the run's end was stored", rec)
+	}
+}
+
+// A cancel by key that comes while the holder's "succeeded" is recorded
+// and the run's end is still on its way finds the build ended well: it
+// stops nothing, and the run ends succeeded, as its result says.
+func TestACancelSparesARunWhoseHolderIsDecided(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	release := make(chan struct{})
+	e.startWorkerHooked("w1", withRegistry(tr), nil, func(w *Worker) {
+		w.runs.UseBucket(&hookedKV{KeyValue: w.runs.Bucket(), onUpdate: func(_ string, value []byte) error {
+			var r v1.BuildRecord
+			if json.Unmarshal(value, &r) == nil && r.State == v1.StateSucceeded {
+				<-release // the run's end held back
+			}
+			return nil
+		}})
+	})
+	req := request("end-ahead-cancel")
+	if _, err := e.pub.Publish(context.Background(), req); err != nil {
+		t.Fatal(err)
+	}
+	key := v1.BuildKey(req, kanikoID)
+	job := e.waitJob(kaniko.JobName(key))
+	e.kubelet(job, 0, tr.push(t, destination(job)))
+	eventually(t, 10*time.Second, "the holder's decision recorded", func() bool {
+		le := e.ledgerEntry("acme", req.RequestID)
+		return le != nil && le.Result != nil
+	})
+	if rec := e.claim(key); rec == nil || rec.State != v1.StateBuilding {
+		t.Fatalf("the record %+v: its end was to be held back", rec)
+	}
+	rep := cancelRequest(t, e.nc, v1.APICancelSubject("acme"), key)
+	close(release)
+	if rep.Stopped {
+		t.Errorf("the cancel stopped a run whose holder was decided succeeded: %+v", rep)
+	}
+	eventually(t, 10*time.Second, "the run ended", func() bool {
+		rec := e.claim(key)
+		return rec != nil && rec.Final()
+	})
+	if rec := e.claim(key); rec.State != v1.StateSucceeded {
+		t.Fatalf("the run ended %s (%s) under a published success", rec.State, rec.Reason)
 	}
 }

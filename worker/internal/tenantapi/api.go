@@ -481,7 +481,11 @@ func (w *Service) waiters(ctx context.Context, key string) ([]*ledger.Entry, err
 	if err != nil {
 		return nil, err
 	}
-	if h != nil && h.E.Result == nil {
+	// A holder decided "succeeded" whose run is not final yet is storing
+	// the run's end beside its decision (worker/own.go, endAhead): the
+	// build has ended well, and stopping it now would end the run
+	// canceled under a published success.
+	if h != nil && (h.E.Result == nil || (h.E.Result.Status == v1.StatusSucceeded && !mutant.On("cancel-stops-decided-holder"))) {
 		ws = append(ws, h)
 	}
 	return ws, nil
