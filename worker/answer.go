@@ -46,10 +46,13 @@ const intakeLookupTimeout = 250 * time.Millisecond
 // to intake's admission, with nothing written for it. The returned settle
 // acks the message (intake runs it after giving its slot back).
 func (h queueHandler) Answer(ctx context.Context, in fairq.Incoming) (bool, func()) {
-	return h.w.answerAtIntake(ctx, in.Msg)
+	return h.w.answerAtIntake(ctx, in.Msg, in.SlotFree)
 }
 
-func (w *Worker) answerAtIntake(ctx context.Context, msg jetstream.Msg) (answered bool, settle func()) {
+// answerAtIntake answers msg from the cache when it can; slotFree (this
+// worker has a build slot free) lets a request that is not a hit have its
+// preflight sent ahead (intakelook.go).
+func (w *Worker) answerAtIntake(ctx context.Context, msg jetstream.Msg, slotFree bool) (answered bool, settle func()) {
 	defer func() {
 		if r := recover(); r != nil {
 			// The queue's handler takes the request: it opens the entry
@@ -64,7 +67,7 @@ func (w *Worker) answerAtIntake(ctx context.Context, msg jetstream.Msg) (answere
 		// it gets the queue's handler, which reads what was written.
 		return false, nil
 	}
-	v, le, ok := w.cacheVerdict(ctx, msg, meta)
+	v, le, ok := w.cacheVerdict(ctx, msg, meta, slotFree)
 	if !ok {
 		return false, nil
 	}
@@ -118,7 +121,7 @@ func (w *Worker) answerQueuedHit(ctx context.Context, h *handling) (v verdict, l
 			v, le, ok = verdict{}, nil, false
 		}
 	}()
-	v, le, ok = w.cacheVerdict(ctx, msg, meta)
+	v, le, ok = w.cacheVerdict(ctx, msg, meta, false)
 	if ok {
 		wait := time.Duration(v.Data.Timings.QueueWaitMs) * time.Millisecond
 		w.event(v.Tenant, v.Name, v1.Event{RequestID: v.Data.RequestID, Key: v.Data.Key, Phase: v1.PhaseQueued,
@@ -130,7 +133,9 @@ func (w *Worker) answerQueuedHit(ctx context.Context, h *handling) (v verdict, l
 // cacheVerdict decides msg from the cache when the answer is a plain one
 // (see above) and records it as the entry's creation; ok false means
 // nothing was written and the queue's handler is to take the request.
-func (w *Worker) cacheVerdict(ctx context.Context, msg jetstream.Msg, meta *jetstream.MsgMetadata) (verdict, *ledger.Entry, bool) {
+// sendAhead: a request whose key has no record has its preflight sent
+// now (intakelook.go).
+func (w *Worker) cacheVerdict(ctx context.Context, msg jetstream.Msg, meta *jetstream.MsgMetadata, sendAhead bool) (verdict, *ledger.Entry, bool) {
 	req, err := w.decode(msg)
 	if err != nil || req.Source.Git != nil || req.SBOM {
 		return verdict{}, nil, false
@@ -165,6 +170,12 @@ func (w *Worker) cacheVerdict(ctx context.Context, msg jetstream.Msg, meta *jets
 	rec := w.builds.cached(lctx, req, key, dests)
 	cancel()
 	if rec == nil {
+		// Only for a tenant shown to hold the content: whether a look of
+		// another tenant's found the key unbuilt is not this one's to
+		// time.
+		if _, absent := w.builds.looks.absentSince(key); absent && (sendAhead || mutant.On("preflight-ahead-busy")) && w.builds.shownHeld(req) && !mutant.On("no-preflight-ahead") {
+			w.builds.sendPreflight(ctx, req, key, repo, dests)
+		}
 		return verdict{}, nil, false
 	}
 	started := w.cfg.Now().UTC()
@@ -196,10 +207,8 @@ func (w *Worker) cacheVerdict(ctx context.Context, msg jetstream.Msg, meta *jets
 // to hold the content before. nil otherwise (not built, building, failed,
 // gone, or work left to do): the queue's handler takes the request.
 func (w *builder) cached(ctx context.Context, req *v1.Request, key string, dests []string) *v1.BuildRecord {
-	if req.Source.S3 != nil && w.cfg.Contexts != nil && !mutant.On("intake-skips-possession") {
-		if req.ContextDigest == "" || !w.possessed.has(possessionKey(req.Tenant, req.ContextDigest)) {
-			return nil
-		}
+	if !w.shownHeld(req) {
+		return nil
 	}
 	rec := w.verifiedHit(ctx, key)
 	if rec == nil {
@@ -216,6 +225,16 @@ func (w *builder) cached(ctx context.Context, req *v1.Request, key string, dests
 	return rec
 }
 
+// shownHeld reports whether intake may look at req's key: its tenant was
+// shown to hold the content (possession.go), or the request has no
+// context in the store to show.
+func (w *builder) shownHeld(req *v1.Request) bool {
+	if req.Source.S3 != nil && w.cfg.Contexts != nil && !mutant.On("intake-skips-possession") {
+		return req.ContextDigest != "" && w.possessed.has(possessionKey(req.Tenant, req.ContextDigest))
+	}
+	return true
+}
+
 // verifiedHit is key's succeeded record whose image the registry showed,
 // or nil. A verified hit answers the hits on its key for indexCheckFresh
 // from the earlier of the record's read and the registry's word, like the
@@ -228,9 +247,15 @@ func (w *builder) verifiedHit(ctx context.Context, key string) *v1.BuildRecord {
 	if rec, ok := w.hits.fresh(key, time.Now()); ok {
 		return rec
 	}
-	// Not a hit is not remembered: a key whose build ends answers its
-	// next request from the cache at once.
+	if _, absent := w.looks.absentSince(key); absent {
+		return nil // no record a moment ago (intakelook.go)
+	}
+	// Not a hit is not remembered (an absence only for a moment): a key
+	// whose build ends answers its next request from the cache at once.
 	rec, at, err := w.sharedRecord(ctx, key)
+	if err == nil && rec == nil {
+		w.looks.sawAbsent(key, at)
+	}
 	if err != nil || rec == nil || rec.State != v1.StateSucceeded || rec.Digest == "" {
 		return nil
 	}

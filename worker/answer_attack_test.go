@@ -408,10 +408,10 @@ func TestAttack_IntakeHitWithSBOMGoesToTheQueue(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
-	e.startWorker("w1", withRegistry(tr))
+	w1 := e.startWorker("w1", withRegistry(tr))
 	results := e.collect()
 	e.buildThrough(t, tr, results, request("atk-sbom"), 1)
-	queued := e.queueLastSeq(t)
+	mark := e.markIntake(t, w1)
 	hit := request("atk-sbom")
 	hit.SBOM = true
 	if _, err := e.pub.Publish(context.Background(), hit); err != nil {
@@ -421,8 +421,8 @@ func TestAttack_IntakeHitWithSBOMGoesToTheQueue(t *testing.T) {
 	if got.Data.Status != v1.StatusFailed || got.Data.Reason != v1.ReasonInvalidRequest || got.Data.Digest != "" {
 		t.Fatalf("an SBOM hit in a deployment without SBOMs: %s, want the handler's refusal", decision(got.Data))
 	}
-	if e.queueLastSeq(t) != queued+1 {
-		t.Error("the SBOM hit was not queued")
+	if mark.handedOn(t) != 1 {
+		t.Error("the SBOM hit was not handed on to a handler (queued, or taken straight from intake)")
 	}
 }
 
@@ -432,13 +432,13 @@ func TestAttack_IntakeHitWithANewTagIsCopiedByTheQueue(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
-	e.startWorker("w1", withRegistry(tr))
+	w1 := e.startWorker("w1", withRegistry(tr))
 	results := e.collect()
 	b := request("atk-tags")
 	b.Tags = []string{"v1"}
 	first := e.buildThrough(t, tr, results, b, 1)
 
-	queued := e.queueLastSeq(t)
+	mark := e.markIntake(t, w1)
 	same := request("atk-tags")
 	same.Tags = []string{"v1"}
 	if _, err := e.pub.Publish(context.Background(), same); err != nil {
@@ -447,8 +447,8 @@ func TestAttack_IntakeHitWithANewTagIsCopiedByTheQueue(t *testing.T) {
 	if got := oneResult(t, results, same.RequestID); got.Data.Origin != v1.OriginCache || got.Data.Digest != first.Data.Digest {
 		t.Fatalf("the hit with the built tags: %s", decision(got.Data))
 	}
-	if e.queueLastSeq(t) != queued {
-		t.Error("a hit whose tags the build pushed was queued, not answered at intake")
+	if mark.handedOn(t) != 0 {
+		t.Error("a hit whose tags the build pushed was handed on to a handler, not answered at intake")
 	}
 	other := request("atk-tags")
 	other.Tags = []string{"v2"}
@@ -459,7 +459,7 @@ func TestAttack_IntakeHitWithANewTagIsCopiedByTheQueue(t *testing.T) {
 	if got.Data.Status != v1.StatusSucceeded || got.Data.Digest != first.Data.Digest {
 		t.Fatalf("the hit with a new tag: %s", decision(got.Data))
 	}
-	if e.queueLastSeq(t) != queued+1 {
+	if mark.handedOn(t) != 1 {
 		t.Error("a hit with a tag to copy was answered at intake")
 	}
 	repo := strings.SplitN(first.Data.ImageRef, "@", 2)[0]
@@ -474,7 +474,7 @@ func TestAttack_IntakeIndexHitCarriesItsPlatforms(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
-	e.startWorker("w1", withRegistry(tr))
+	w1 := e.startWorker("w1", withRegistry(tr))
 	results := e.collect()
 	req := request("atk-index")
 	req.Platforms = []string{"linux/amd64", "linux/arm64"}
@@ -484,7 +484,7 @@ func TestAttack_IntakeIndexHitCarriesItsPlatforms(t *testing.T) {
 	rec := atkSucceeded(key, repo, digest, "acme")
 	rec.Platforms = map[string]string{"linux/amd64": digestOf("atk-amd64"), "linux/arm64": digestOf("atk-arm64")}
 	e.atkPutRecord(t, rec)
-	queued := e.queueLastSeq(t)
+	mark := e.markIntake(t, w1)
 	if _, err := e.pub.Publish(context.Background(), req); err != nil {
 		t.Fatal(err)
 	}
@@ -493,8 +493,8 @@ func TestAttack_IntakeIndexHitCarriesItsPlatforms(t *testing.T) {
 		got.Data.Platforms["linux/arm64"] != rec.Platforms["linux/arm64"] {
 		t.Fatalf("the index hit: %s", mustJSON(t, got.Data))
 	}
-	if e.queueLastSeq(t) != queued {
-		t.Error("a plain index hit was queued")
+	if mark.handedOn(t) != 0 {
+		t.Error("a plain index hit was handed on to a handler, not answered at intake")
 	}
 }
 
@@ -507,7 +507,7 @@ func TestAttack_IntakeHitOfAnotherTenantsBuildIsAttestedByTheQueue(t *testing.T)
 	e := setup(t)
 	tr := newTestRegistry(t)
 	att := &atkAttestor{}
-	e.startWorker("w1", func(c *Config) {
+	w1 := e.startWorker("w1", func(c *Config) {
 		withRegistry(tr)(c)
 		c.Naming.Allowed = []string{"{registry}/shared/**"}
 		c.Attestor = att
@@ -529,7 +529,7 @@ func TestAttack_IntakeHitOfAnotherTenantsBuildIsAttestedByTheQueue(t *testing.T)
 	orec.Attestation = "sha256:" + hex64("acme's attestation")
 	e.atkPutRecord(t, orec)
 
-	queued := e.queueLastSeq(t)
+	mark := e.markIntake(t, w1)
 	if _, err := e.pub.Publish(context.Background(), theirs); err != nil {
 		t.Fatal(err)
 	}
@@ -538,7 +538,7 @@ func TestAttack_IntakeHitOfAnotherTenantsBuildIsAttestedByTheQueue(t *testing.T)
 		t.Fatalf("acme's hit on globex's build: %s (attestation %s, %d attested), want an attestation of its own",
 			decision(got.Data), got.Data.Attestation, att.attests.Load())
 	}
-	if e.queueLastSeq(t) != queued+1 {
+	if mark.handedOn(t) != 1 {
 		t.Error("a hit that needs provenance was answered at intake")
 	}
 	if _, err := e.pub.Publish(context.Background(), own); err != nil {
@@ -548,8 +548,8 @@ func TestAttack_IntakeHitOfAnotherTenantsBuildIsAttestedByTheQueue(t *testing.T)
 	if got.Data.Status != v1.StatusSucceeded || got.Data.Attestation != orec.Attestation {
 		t.Fatalf("acme's hit on its own attested build: %s (attestation %s)", decision(got.Data), got.Data.Attestation)
 	}
-	if e.queueLastSeq(t) != queued+1 {
-		t.Error("a plain hit on the tenant's own attested build was queued")
+	if mark.handedOn(t) != 1 {
+		t.Error("a plain hit on the tenant's own attested build was handed on to a handler, not answered at intake")
 	}
 }
 

@@ -31,7 +31,7 @@ func TestAttack_IntakeCreateWhoseReplyIsLostIsPublishedByTheQueue(t *testing.T) 
 	hit.RequestID = "atk-create-lost-hit"
 	hk := RequestIndexKey("acme", hit.RequestID)
 	var landed atomic.Bool
-	e.startWorkerHooked("w1", withRegistry(tr), nil, func(w *Worker) {
+	w1 := e.startWorkerHooked("w1", withRegistry(tr), nil, func(w *Worker) {
 		inner := w.ledger.Bucket()
 		w.ledger.UseBucket(&hookedKV{KeyValue: inner, onCreate: func(k string, value []byte) error {
 			if k != hk || !landed.CompareAndSwap(false, true) {
@@ -46,7 +46,7 @@ func TestAttack_IntakeCreateWhoseReplyIsLostIsPublishedByTheQueue(t *testing.T) 
 	results := e.collect()
 	ingested := e.ingestCounter(t)
 	e.buildThrough(t, tr, results, request("atk-create-lost"), 1)
-	queued := e.queueLastSeq(t)
+	mark := e.markIntake(t, w1)
 	if _, err := e.pub.Publish(context.Background(), hit); err != nil {
 		t.Fatal(err)
 	}
@@ -58,8 +58,8 @@ func TestAttack_IntakeCreateWhoseReplyIsLostIsPublishedByTheQueue(t *testing.T) 
 		t.Fatalf("result %s", decision(got.Data))
 	}
 	e.atkSettled(t, 10*time.Second)
-	if e.queueLastSeq(t) != queued+1 {
-		t.Errorf("the hit whose create reply was lost was not queued")
+	if mark.handedOn(t) != 1 {
+		t.Errorf("the hit whose create reply was lost was not handed on to a handler (queued, or taken straight from intake)")
 	}
 	if d := e.atkEntryDecision(hit.RequestID); d != decision(got.Data) {
 		t.Errorf("the entry holds %q, the result is %q", d, decision(got.Data))
@@ -77,7 +77,7 @@ func TestAttack_IntakePublishFailureLeavesTheRecordedDecisionToTheQueue(t *testi
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
-	e.startWorker("w1", withRegistry(tr))
+	w1 := e.startWorker("w1", withRegistry(tr))
 	results := e.collect()
 	events := e.events()
 	e.buildThrough(t, tr, results, request("atk-publish-fails"), 1)
@@ -109,13 +109,13 @@ func TestAttack_IntakePublishFailureLeavesTheRecordedDecisionToTheQueue(t *testi
 	}
 	t.Cleanup(restore)
 
-	queued := e.queueLastSeq(t)
+	mark := e.markIntake(t, w1)
 	hit := request("atk-publish-fails")
 	if _, err := e.pub.Publish(ctx, hit); err != nil {
 		t.Fatal(err)
 	}
 	eventually(t, 10*time.Second, "intake's publish tried", func() bool { return events.has(hit.RequestID, v1.PhaseFinished) })
-	eventually(t, 10*time.Second, "the hit queued after its failed publish", func() bool { return e.queueLastSeq(t) > queued })
+	eventually(t, 10*time.Second, "the hit handed on after its failed publish", func() bool { return mark.handedOn(t) > 0 })
 	recorded := e.atkEntryDecision(hit.RequestID)
 	if recorded == "" {
 		t.Fatal("no decision recorded for the hit whose publish failed")
@@ -258,8 +258,8 @@ type atkHeldHit struct {
 	results *resultCollector
 	first   v1.Result
 	hit     *v1.Request
-	// queued is BUILDQ_QUEUE's last sequence before the hit.
-	queued  uint64
+	// mark is where intake stood before the hit.
+	mark    intakeMark
 	release func()
 }
 
@@ -276,7 +276,7 @@ func (e *env) heldHit(t *testing.T, tr *testRegistry, seed string) atkHeldHit {
 	results := e.collect()
 	first := e.buildThrough(t, tr, results, request(seed), 1)
 	e.atkSettled(t, 5*time.Second)
-	queued := e.queueLastSeq(t)
+	mark := e.markIntake(t, w1)
 	g.armed.Store(true)
 	hit := request(seed)
 	if _, err := e.pub.Publish(context.Background(), hit); err != nil {
@@ -287,7 +287,7 @@ func (e *env) heldHit(t *testing.T, tr *testRegistry, seed string) atkHeldHit {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the hit's HEAD was not asked")
 	}
-	return atkHeldHit{worker: w1, results: results, first: first, hit: hit, queued: queued, release: release}
+	return atkHeldHit{worker: w1, results: results, first: first, hit: hit, mark: mark, release: release}
 }
 
 // A worker stopped while a hit waits at intake (its registry HEAD in
@@ -314,19 +314,20 @@ func TestAttack_IntakeStoppedMidAnswerLosesNothing(t *testing.T) {
 	e.atkSettled(t, 10*time.Second)
 }
 
-// An answer at intake that outlives the message's AckWait (intake sends
-// no heartbeat; the HEAD is slow): the message is redelivered, admitted
-// to the queue and taken by a handler (of either worker) while the first
-// answer still waits. When that answer goes on, the entry exists: it
-// writes and publishes nothing of its own. One decision, one result.
+// An answer at intake whose registry HEAD hangs (intake sends no
+// heartbeat): intake gives the hit up after its lookup timeout, with
+// nothing written, and hands it on — queued, or taken straight from
+// intake by a handler — whose handler opens the entry and waits on the
+// same shared HEAD. When the HEAD is released, the entry exists for
+// anyone else that waited: one decision, one result.
 func TestAttack_IntakeAnswerOutlivingAckWaitGivesOneResult(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
 	h := e.heldHit(t, tr, "atk-ackwait")
-	results, first, hit, queued, release := h.results, h.first, h.hit, h.queued, h.release
+	results, first, hit, release := h.results, h.first, h.hit, h.release
 	e.startWorker("w2", withRegistry(tr))
-	eventually(t, 10*time.Second, "the redelivery admitted to the queue", func() bool { return e.queueLastSeq(t) > queued })
+	eventually(t, 10*time.Second, "the hit handed on to a handler", func() bool { return h.mark.handedOn(t) > 0 })
 	eventually(t, 5*time.Second, "the redelivery's handler opened the entry", func() bool { return e.ledgerEntry("acme", hit.RequestID) != nil })
 	release()
 	got := oneResult(t, results, hit.RequestID)

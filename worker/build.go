@@ -35,6 +35,8 @@ type builder struct {
 	// hits: keys whose hits were verified so (answer.go).
 	present presentImages
 	hits    recentHits
+	// looks: what intake saw of records and tags (intakelook.go).
+	looks intakeLooks
 	// orphans: the reconciler's watch of runs whose Job finished.
 	orphans orphanWatch
 	// possessed: tenants shown to hold a context (possession.go).
@@ -159,14 +161,24 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 		switch {
 		case cur == nil:
 			claim := w.newClaim(req, key, repo, dests, seq)
+			// The waiter index entry goes out beside the claim: a request
+			// about to claim waits on the key whether it claims or joins
+			// the run that beat it (one that parks or is answered instead
+			// has its entry removed with the rest of its index, as any).
+			indexed := make(chan struct{})
+			go func() {
+				defer close(indexed)
+				waits()
+			}()
 			rev, ok, err := w.runs.Claim(ctx, claim)
+			<-indexed
 			if err != nil {
 				return nil, "", false, Transient(err)
 			}
 			if !ok {
 				continue // another worker claimed it first: look again
 			}
-			waits()
+			w.looks.forget(key)
 			return w.own(ctx, req, claim, rev, repo, dests, seq, "")
 
 		case cur.State == v1.StateSucceeded:

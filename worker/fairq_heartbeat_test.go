@@ -16,6 +16,26 @@ import (
 	"github.com/buildq/buildq/worker/internal/fairq"
 )
 
+// lowerWorkersAckWait sets buildq-workers' AckWait to d by hand, as an
+// operator would (`nats consumer edit`): a worker never lowers it.
+func (e *env) lowerWorkersAckWait(t *testing.T, d time.Duration) {
+	t.Helper()
+	ctx := context.Background()
+	c, err := e.js.Consumer(ctx, v1.RequestsStream, v1.WorkersConsumer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := c.CachedInfo().Config
+	cfg.AckWait = d
+	if _, err := e.js.UpdateConsumer(ctx, v1.RequestsStream, cfg); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// queuedAcme keeps acme's requests on the queue's path: with a queue
+// limit, none is taken straight from intake (fairq's direct.go).
+func queuedAcme(c *Config) { c.Fair.QueueLimit = map[string]int{"acme": 100} }
+
 // Origin: the build pipeline spine (0bdb2cd).
 func TestLongBuildIsNotRedelivered(t *testing.T) {
 	t.Parallel()
@@ -44,16 +64,15 @@ func TestLongBuildIsNotRedelivered(t *testing.T) {
 }
 
 // A worker whose --ack-wait is longer than the consumer's (set lower by
-// another worker) heartbeats often enough that its requests are not
-// redelivered mid-build.
+// hand: workers only ever raise it) heartbeats often enough that its
+// requests are not redelivered mid-build.
 //
 // Origin: issue 9, a defect of the claim protocol before runs and the request ledger (54e1b33).
 func TestHeartbeatFollowsTheConsumersAckWait(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	long := e.startWorker("long", func(c *Config) { c.AckWait = 6 * time.Second })
-	short := e.startWorker("short", func(c *Config) { c.AckWait = time.Second })
-	short.stop(t) // the consumer keeps its 1 s AckWait
+	e.lowerWorkersAckWait(t, time.Second)
 	eventually(t, 10*time.Second, "the long worker to learn the consumer's AckWait", func() bool {
 		return long.w.heartbeatEvery() < time.Second
 	})
@@ -91,13 +110,13 @@ func TestDispatchAckWaitIsTheHeartbeatsOne(t *testing.T) {
 	e := setup(t)
 	tr := newTestRegistry(t)
 	ctx := context.Background()
-	e.startWorker("wA", func(c *Config) { withRegistry(tr)(c); c.MaxInFlight = 1; c.AckWait = time.Second })
+	e.startWorker("wA", func(c *Config) { withRegistry(tr)(c); queuedAcme(c); c.MaxInFlight = 1; c.AckWait = time.Second })
 	g := tenantRequest("globex", "keeps-wA-busy")
 	if _, err := e.pub.Publish(ctx, g); err != nil {
 		t.Fatal(err)
 	}
 	gj := e.waitJob(jobOf(g))
-	e.startWorker("wB", func(c *Config) { withRegistry(tr)(c); c.AckWait = 6 * time.Second })
+	e.startWorker("wB", func(c *Config) { withRegistry(tr)(c); queuedAcme(c); c.AckWait = 6 * time.Second })
 	r := tenantRequest("acme", "long-build")
 	if _, err := e.pub.Publish(ctx, r); err != nil {
 		t.Fatal(err)
@@ -124,8 +143,9 @@ func TestDispatchAckWaitIsTheHeartbeatsOne(t *testing.T) {
 // TestDispatchAckWaitIsTheHeartbeatsOne is for. A dispatch consumer
 // takes buildq-workers' AckWait as the creating worker saw it, once per
 // process (the consumer is cached); heartbeats follow buildq-workers'
-// AckWait as it is *now* (re-read every 2 s). wC (--ack-wait 6s) runs. A
-// worker with --ack-wait 1s starts (buildq-workers: 1 s); wC runs an acme
+// AckWait as it is *now* (re-read every 2 s). wC (--ack-wait 6s) runs.
+// buildq-workers goes to 1 s (then by a worker started with --ack-wait 1s;
+// workers no longer lower it, so here by hand); wC runs an acme
 // request and so creates buildq-q-normal-acme with AckWait 1 s. Then a
 // worker with --ack-wait 6s starts (a rollback of the flag; buildq-workers:
 // 6 s). wC's heartbeat goes to every 2 s; its cached consumer still has 1 s
@@ -138,7 +158,7 @@ func TestDispatchConsumerFollowsALaterAckWait(t *testing.T) {
 	e := setup(t)
 	tr := newTestRegistry(t)
 	ctx := context.Background()
-	e.startWorker("wC", func(c *Config) { withRegistry(tr)(c); c.AckWait = 6 * time.Second })
+	e.startWorker("wC", func(c *Config) { withRegistry(tr)(c); queuedAcme(c); c.AckWait = 6 * time.Second })
 	results := e.collect()
 	setupWith := func(ackWait time.Duration) {
 		cfg := testConfig("starting")
@@ -151,8 +171,8 @@ func TestDispatchConsumerFollowsALaterAckWait(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	setupWith(time.Second)              // a worker with --ack-wait 1s starts
-	time.Sleep(2500 * time.Millisecond) // wC re-reads buildq-workers' AckWait: 1 s
+	e.lowerWorkersAckWait(t, time.Second) // an operator lowers it to 1 s
+	time.Sleep(2500 * time.Millisecond)   // wC re-reads buildq-workers' AckWait: 1 s
 	r1 := tenantRequest("acme", "first")
 	if _, err := e.pub.Publish(ctx, r1); err != nil {
 		t.Fatal(err)
@@ -181,11 +201,12 @@ func TestDispatchConsumerFollowsALaterAckWait(t *testing.T) {
 	}
 }
 
-// A worker with a shorter --ack-wait joins while a queued request runs.
-// wC (--ack-wait 6s) takes acme's r1 from buildq-q-normal-acme (AckWait
-// 6 s) and heartbeats it every 2 s: heartbeat() fixes its ticker when the
-// request is taken, from the AckWait known then. A worker with --ack-wait
-// 1s starts (buildq-workers: 1 s). wC re-reads it and, on its next use of
+// buildq-workers' AckWait drops while a queued request runs (then by a
+// worker started with a shorter --ack-wait; workers no longer lower it,
+// so here by hand). wC (--ack-wait 6s) takes acme's r1 from
+// buildq-q-normal-acme (AckWait 6 s) and heartbeats it every 2 s:
+// heartbeat() fixes its ticker when the request is taken, from the
+// AckWait known then. buildq-workers goes to 1 s. wC re-reads it and, on its next use of
 // the consumer — at once: r1 itself, held, counts in the queue's view, so
 // the dispatcher tries acme again — updates buildq-q-normal-acme to AckWait 1 s —
 // which the server applies to r1, already pending. r1's ticker still beats
@@ -199,7 +220,7 @@ func TestConsumerAckWaitIsNotLoweredUnderARunningRequest(t *testing.T) {
 	e := setup(t)
 	tr := newTestRegistry(t)
 	ctx := context.Background()
-	e.startWorker("wC", func(c *Config) { withRegistry(tr)(c); c.AckWait = 6 * time.Second })
+	e.startWorker("wC", func(c *Config) { withRegistry(tr)(c); queuedAcme(c); c.AckWait = 6 * time.Second })
 	time.Sleep(2500 * time.Millisecond) // wC reads buildq-workers' AckWait: 6 s
 	r1 := tenantRequest("acme", "running")
 	if _, err := e.pub.Publish(ctx, r1); err != nil {
@@ -210,16 +231,9 @@ func TestConsumerAckWaitIsNotLoweredUnderARunningRequest(t *testing.T) {
 	if _, _, redelivered := e.streamState(); redelivered > 0 {
 		t.Fatal("premise: r1 redelivered before any AckWait changed")
 	}
-	// A worker with --ack-wait 1s starts.
-	cfg := testConfig("starting")
-	cfg.AckWait = time.Second
-	w, err := New(e.nc, nil, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := w.Setup(ctx); err != nil {
-		t.Fatal(err)
-	}
+	// buildq-workers goes to 1 s (by hand: a worker started with
+	// --ack-wait 1s no longer lowers it).
+	e.lowerWorkersAckWait(t, time.Second)
 	deadline := time.Now().Add(6 * time.Second)
 	for time.Now().Before(deadline) {
 		c, err := e.js.Consumer(ctx, v1.QueueStream, fairq.DispatchConsumer("acme", v1.PriorityNormal))

@@ -56,8 +56,9 @@ func (h queueHandler) Heartbeat(msg jetstream.Msg, ackWait time.Duration) func()
 // queueMetrics counts the fair queue's requests in flight.
 type queueMetrics struct{ m *Metrics }
 
-func (q queueMetrics) Taken()    { q.m.taken() }
-func (q queueMetrics) Released() { q.m.released() }
+func (q queueMetrics) Taken()       { q.m.taken() }
+func (q queueMetrics) Released()    { q.m.released() }
+func (q queueMetrics) TakenDirect() { q.m.takenDirect() }
 
 // apply acts on the message as decided: the only place the handler
 // settles, retries or hands back a message.

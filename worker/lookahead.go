@@ -54,24 +54,42 @@ func (f *firstLook) record() (*v1.BuildRecord, uint64, error) {
 func (w *builder) lookAhead(ctx context.Context, req *v1.Request, key, repo string, dests []string, answered func() error) *firstLook {
 	lctx, stop := context.WithCancel(ctx)
 	f := &firstLook{stop: stop, sent: time.Now()}
-	f.rec = ahead(func() recordRead {
-		rec, rev, err := w.runs.Get(lctx, key)
-		return recordRead{rec, rev, err}
-	})
+	if at, ok := w.looks.absentSince(key); ok {
+		// Intake found no record a moment ago: that read is the first
+		// look's, and stands for as long as one sent now would, counted
+		// from its own start (intakelook.go).
+		f.sent = at
+		f.rec = func() recordRead { return recordRead{} }
+	} else {
+		f.rec = ahead(func() recordRead {
+			rec, rev, err := w.runs.Get(lctx, key)
+			return recordRead{rec, rev, err}
+		})
+	}
 	preflight := func(ctx context.Context) preflightRead {
 		found, err := w.preflight(ctx, req, key, repo, dests)
 		return preflightRead{found, err}
 	}
-	// The preflight is the one look not sent ahead: it is needed only
-	// when the key is not built, and a HEAD per request (and a Harbor
-	// project's creation) for every hit and join would undo the shared,
-	// remembered registry checks.
+	// The preflight is the one look not sent ahead here: it is needed
+	// only when the key is not built, and a HEAD per request (and a
+	// Harbor project's creation) for every hit and join would undo the
+	// shared, remembered registry checks. Intake sends it ahead for a
+	// key it found no record of, on a worker with a slot free; the first
+	// pass takes that HEAD when it was sent within lookAheadFresh.
 	var (
 		preOnce sync.Once
 		pre     preflightRead
 	)
 	f.pre = func() preflightRead {
-		preOnce.Do(func() { pre = preflight(ctx) })
+		preOnce.Do(func() {
+			if p, ok := w.preflightSent(req, dests); ok {
+				if r, ok := p.wait(ctx); ok {
+					pre = r
+					return
+				}
+			}
+			pre = preflight(ctx)
+		})
 		return pre
 	}
 	f.ans = ahead(answered)

@@ -29,6 +29,7 @@ type Metrics struct {
 	logBytes  prometheus.Counter
 	attests   prometheus.Counter
 	hits      *prometheus.CounterVec
+	direct    prometheus.Counter
 }
 
 // NewMetrics registers the worker's metrics with reg.
@@ -105,12 +106,16 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		Name: "buildq_attestations_total",
 		Help: "Signed provenance statements this worker attached to the images it built.",
 	})
+	m.direct = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "buildq_requests_taken_direct_total",
+		Help: "Requests this worker's handlers took straight from intake, past the tenant's queue: the worker had a build slot free and nothing queued to take (no concurrency or queue limit on the tenant).",
+	})
 	m.hits = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "buildq_cache_hits_answered_total",
 		Help: "Cache hits answered with one ledger write (the entry created with its decision), by where: intake (never queued) or queue (queued while its key was building, a plain hit when taken).",
 	}, []string{"at"})
 	reg.MustRegister(m.results, m.inFlight, m.queueWait, m.buildTime, m.retries, m.dupes, m.parks, m.requeues, m.parkedNow,
-		m.running, m.queued, m.dead, m.ready, m.refused, m.logs, m.logBytes, m.attests, m.hits)
+		m.running, m.queued, m.dead, m.ready, m.refused, m.logs, m.logBytes, m.attests, m.hits, m.direct)
 	return m
 }
 
@@ -164,6 +169,13 @@ func (m *Metrics) published(d v1.ResultData) {
 	m.queueWait.WithLabelValues(d.Tenant).Observe(time.Duration(d.Timings.QueueWaitMs * int64(time.Millisecond)).Seconds())
 	if d.Origin == v1.OriginBuild && d.Timings.BuildMs > 0 {
 		m.buildTime.WithLabelValues(string(d.Status)).Observe(float64(d.Timings.BuildMs) / 1000)
+	}
+}
+
+// takenDirect counts a request taken straight from intake.
+func (m *Metrics) takenDirect() {
+	if m != nil {
+		m.direct.Inc()
 	}
 }
 

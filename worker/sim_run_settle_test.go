@@ -326,6 +326,7 @@ func (w *simWorld) judge(out *simOutcome) {
 		}
 	}
 	out.queuedHits = int(testutil.ToFloat64(w.metrics.hits.WithLabelValues("queue")))
+	out.direct = int(testutil.ToFloat64(w.metrics.direct))
 	out.parked = int(testutil.ToFloat64(w.metrics.parks))
 	out.requeued = int(testutil.ToFloat64(w.metrics.requeues))
 	out.report = w.report(out)

@@ -48,6 +48,7 @@ type simOutcome struct {
 	results    map[string]int // stored results by status/reason
 	atIntake   int            // cache hits answered at intake
 	queuedHits int            // plain cache hits taken from the queue, answered with one write
+	direct     int            // requests taken straight from intake (fairq's direct.go)
 	parked     int            // requests parked on a build in progress
 	requeued   int            // parked requests published again
 	// republished: requests whose (same) result was published more than

@@ -56,21 +56,48 @@ func (e *env) running(byJob map[string]string) map[string]int {
 }
 
 // waitAdmitted waits until n requests sit in the tenants' queues.
+// waitAdmitted waits until n requests have passed intake: queued, or
+// taken straight from intake by a worker's handler (dispatched direct,
+// their messages held in BUILDQ_REQUESTS), and none waiting for intake;
+// the same count twice in a row, so an admission under way is not
+// counted as a request taken direct.
 func (e *env) waitAdmitted(n uint64) {
 	e.t.Helper()
+	last := uint64(0)
 	eventually(e.t, 10*time.Second, fmt.Sprintf("%d requests admitted", n), func() bool {
-		q, err := ReadQueueState(context.Background(), e.js)
-		return err == nil && q.Messages == n && e.intakeEmpty()
+		got, ok := e.admitted()
+		same := ok && got == last
+		last = got
+		return same && got == n
 	})
 }
 
-func (e *env) intakeEmpty() bool {
-	s, err := e.js.Stream(context.Background(), v1.RequestsStream)
+// admitted is the requests queued plus those held from BUILDQ_REQUESTS
+// by their handlers; ok false while any waits for intake (undelivered, or
+// a message of BUILDQ_REQUESTS that nobody holds).
+func (e *env) admitted() (uint64, bool) {
+	ctx := context.Background()
+	q, err := ReadQueueState(ctx, e.js)
 	if err != nil {
-		return false
+		return 0, false
 	}
-	si, err := s.Info(context.Background())
-	return err == nil && si.State.Msgs == 0
+	s, err := e.js.Stream(ctx, v1.RequestsStream)
+	if err != nil {
+		return 0, false
+	}
+	si, err := s.Info(ctx)
+	if err != nil {
+		return 0, false
+	}
+	c, err := e.js.Consumer(ctx, v1.RequestsStream, v1.WorkersConsumer)
+	if err != nil {
+		return 0, false
+	}
+	ci, err := c.Info(ctx)
+	if err != nil || ci.NumPending != 0 || uint64(ci.NumAckPending) != si.State.Msgs {
+		return 0, false
+	}
+	return q.Messages, true // both streams' messages
 }
 
 // neverTwoAtOnce fails the test if acme ever runs more than one of jobs at
@@ -108,4 +135,21 @@ func holderAndNext(t *testing.T, e *env, id1, id2 string, then func()) (r1, r2 *
 	}
 	e.waitAdmitted(2)
 	return r1, r2, names
+}
+
+// intakeEmpty reports whether BUILDQ_REQUESTS holds no request.
+func (e *env) intakeEmpty() bool {
+	s, err := e.js.Stream(context.Background(), v1.RequestsStream)
+	if err != nil {
+		return false
+	}
+	si, err := s.Info(context.Background())
+	return err == nil && si.State.Msgs == 0
+}
+
+// admittedAll reports whether n requests are stored in BUILDQ_REQUESTS and
+// BUILDQ_QUEUE together, none of them waiting for intake.
+func (e *env) admittedAll(n uint64) bool {
+	got, ok := e.admitted()
+	return ok && got == n
 }

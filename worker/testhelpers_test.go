@@ -202,6 +202,19 @@ func (l *eventLog) has(requestID string, phase v1.Phase) bool {
 	return slices.ContainsFunc(l.events, func(ev v1.Event) bool { return ev.RequestID == requestID && ev.Phase == phase })
 }
 
+// count is how many events of requestID are in phase.
+func (l *eventLog) count(requestID string, phase v1.Phase) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for _, ev := range l.events {
+		if ev.RequestID == requestID && ev.Phase == phase {
+			n++
+		}
+	}
+	return n
+}
+
 func (l *eventLog) decoded() []v1.Event {
 	l.mu.Lock()
 	defer l.mu.Unlock()

@@ -34,7 +34,7 @@ func (c *serveConfig) registerWorker(fs *pflag.FlagSet) {
 	c.nats.register(fs)
 	fs.StringVar(&w.ID, "id", "", "worker id in claims, events and logs (default: hostname-pid)")
 	fs.IntVar(&w.MaxInFlight, "max-in-flight", 4, "requests this worker holds at once")
-	fs.DurationVar(&w.AckWait, "ack-wait", 30*time.Second, "AckWait of the shared consumer; heartbeats go every third of it")
+	fs.DurationVar(&w.AckWait, "ack-wait", 30*time.Second, "AckWait of the shared consumer (raised to it, never lowered: lower it with nats consumer edit); heartbeats go every third of the shorter of it and the consumer's")
 	fs.IntVar(&w.MaxDeliver, "max-deliver", 5, "transient failures after which a request gets a failed result and a dead-letter copy (counted per request; hand-backs and crashes do not count, and the consumer itself redelivers without limit)")
 	fs.DurationVar(&w.ResultsMaxAge, "results-max-age", 7*24*time.Hour, "how long result events (and the request ledger) are kept")
 	fs.StringVar(&w.ContextPrefix, "context-prefix", "contexts/{tenant}/", "S3 key prefix a tenant's contexts must have, {tenant} standing for the tenant as a whole path segment (the CLI and SDK upload there); empty: any key, which only a --single-tenant worker accepts")

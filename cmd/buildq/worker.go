@@ -27,7 +27,8 @@ func newWorkerCmd() *cobra.Command {
 
 Any number of workers share the "buildq-workers" consumer. Each creates or
 updates the streams, the consumers and the KV buckets at start, admits new
-requests into per-tenant queues (BUILDQ_QUEUE), fills its free slots from
+requests into per-tenant queues (BUILDQ_QUEUE) — or, with a slot free and
+nothing queued it could take, runs one at once — fills its free slots from
 them fairly between tenants (--tenant-weight, --tenant-concurrency,
 --tenant-queue-limit; a request's "priority" orders its tenant's own queue),
 builds every unique build key once as a kaniko Job, watches Jobs and Pods

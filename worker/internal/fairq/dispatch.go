@@ -215,6 +215,9 @@ type taken struct {
 	prio    string
 	slot    *slot
 	ackWait time.Duration
+	// direct: handed over by intake (dispatchDirect), msg is the
+	// request's own message in BUILDQ_REQUESTS; it has no queue copy.
+	direct bool
 }
 
 // next waits for requests to run on n free slots of this worker. It
@@ -245,6 +248,10 @@ func (d *dispatcher) next(ctx context.Context, n int) ([]*taken, bool) {
 			}
 		}
 		select {
+		case tk := <-d.q.direct:
+			// Nothing to take and a slot free: intake's request runs
+			// here at once (dispatchDirect).
+			return []*taken{tk}, true
 		case <-d.wake:
 		case <-time.After(idlePoll):
 			d.mu.Lock()
@@ -462,6 +469,8 @@ func (q *Queue) dispatchLoop(ctx, workCtx context.Context, wg *sync.WaitGroup) {
 func (q *Queue) dispatched(ctx, workCtx context.Context, wg *sync.WaitGroup, d *dispatcher, tk *taken) {
 	defer wg.Done()
 	defer q.release(1)
+	q.running.Add(1)
+	defer q.running.Add(-1)
 	// The request stops counting as its tenant's running work when its
 	// message is settled (its result out), not after its Job's cleanup:
 	// the order of tenants follows what is running, as its results show.
@@ -470,6 +479,10 @@ func (q *Queue) dispatched(ctx, workCtx context.Context, wg *sync.WaitGroup, d *
 	defer finished()
 	q.cfg.Metrics.Taken()
 	defer q.cfg.Metrics.Released()
+	if tk.direct {
+		q.runDirect(workCtx, tk, finished)
+		return
+	}
 	m, err := asRequest(tk.msg, q.queue)
 	if err != nil {
 		// Not put there by intake (only possible without NATS

@@ -144,9 +144,13 @@ func (q *Queue) admit(ctx context.Context, msg jetstream.Msg) (settle func()) {
 	if a, ok := q.h.(Answerer); ok && tenant != invalidTenant {
 		// A cache hit needs no build slot: answered here, it neither
 		// waits in the queue nor counts against its limits.
-		if ok, settle := a.Answer(ctx, Incoming{Msg: msg}); ok {
+		free := q.running.Load() < int64(cap(q.sem))
+		if ok, settle := a.Answer(ctx, Incoming{Msg: msg, SlotFree: free}); ok {
 			return settle
 		}
+	}
+	if q.dispatchDirect(msg, meta, tenant, prio) {
+		return nil // its handler settles it (direct.go)
 	}
 	// The limit is checked on the first delivery only: a redelivery may
 	// follow an admission whose ack was lost, and the count would then
@@ -205,6 +209,9 @@ func (q *Queue) admit(ctx context.Context, msg jetstream.Msg) (settle func()) {
 	out.Header.Set(HdrIntakeSubject, msg.Subject())
 	out.Header.Set(HdrIntakeSeq, strconv.FormatUint(meta.Sequence.Stream, 10))
 	out.Header.Set(HdrIntakeTime, meta.Timestamp.UTC().Format(time.RFC3339Nano))
+	if meta.NumDelivered > 1 {
+		out.Header.Set(HdrIntakeDelivered, strconv.FormatUint(meta.NumDelivered-1, 10))
+	}
 	if id := msg.Headers().Get(v1.MsgIDHeader); id != "" {
 		out.Header.Set(HdrIntakeMsgID, id)
 	}

@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -46,6 +47,12 @@ const (
 	HdrIntakeSeq = "Buildq-Intake-Seq"
 	// HdrIntakeTime holds the time BUILDQ_REQUESTS stored the request.
 	HdrIntakeTime = "Buildq-Intake-Time"
+	// HdrIntakeDelivered holds how many times BUILDQ_REQUESTS delivered
+	// the request before this admission, when it did (a handler that
+	// took it straight from intake, direct.go, and gave it back, or a
+	// failed admission): the queued copy's deliveries count on from
+	// there.
+	HdrIntakeDelivered = "Buildq-Intake-Delivered"
 	// HdrIntakeMsgID holds the request's own Nats-Msg-Id.
 	HdrIntakeMsgID = "Buildq-Intake-Msg-Id"
 	// intakeConcurrency bounds the requests a worker admits at once;
@@ -79,8 +86,17 @@ type Queue struct {
 	slotSeen slotWatch
 	// admitMu: per tenant, its queue-limit checks in this worker.
 	admitMu sync.Map
-	// sem: one token per request in flight (MaxInFlight).
-	sem chan struct{}
+	// sem: one token per request in flight (MaxInFlight); the dispatcher
+	// holds the free ones while it waits for work. running counts the
+	// requests this worker's dispatcher took and runs.
+	sem     chan struct{}
+	running atomic.Int64
+	// takenDirect counts the requests taken straight from intake.
+	takenDirect atomic.Uint64
+	// direct: intake hands a request straight to this worker's
+	// dispatcher while it waits with a slot free and nothing to take
+	// (dispatchDirect).
+	direct chan *taken
 }
 
 // Options are what a Queue is run with.
@@ -108,6 +124,8 @@ type Options struct {
 type Metrics interface {
 	Taken()
 	Released()
+	// TakenDirect counts a request taken straight from intake.
+	TakenDirect()
 }
 
 // Handler handles the requests the queue hands it.
@@ -147,6 +165,10 @@ type Incoming struct {
 	// (nil: none; intake's refusals, and tenants without a limit take
 	// none and need none).
 	Extra *ExtraSlots
+	// SlotFree, given to Answer: this worker has a build slot free now,
+	// so a request queued now is most likely taken at once, by this
+	// worker's dispatcher (its look ahead is worth sending).
+	SlotFree bool
 }
 
 // Refusal is why intake refused a request.
@@ -191,7 +213,7 @@ func New(js jetstream.JetStream, nc *nats.Conn, h Handler, o Options) *Queue {
 	if o.Log == nil {
 		o.Log = zap.NewNop()
 	}
-	return &Queue{cfg: o, js: js, nc: nc, h: h, log: o.Log, sem: make(chan struct{}, max(o.MaxInFlight, 1))}
+	return &Queue{cfg: o, js: js, nc: nc, h: h, log: o.Log, sem: make(chan struct{}, max(o.MaxInFlight, 1)), direct: make(chan *taken)}
 }
 
 // Setup creates or updates BUILDQ_QUEUE, its consumer and the slots

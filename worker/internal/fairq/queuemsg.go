@@ -67,6 +67,9 @@ func asRequest(m jetstream.Msg, queue jetstream.Stream) (*queuedMsg, error) {
 		hdr.Set(v1.MsgIDHeader, id)
 	}
 	meta := *qm
+	if before, err := strconv.ParseUint(h.Get(HdrIntakeDelivered), 10, 64); err == nil && before < 1<<16 {
+		meta.NumDelivered += before
+	}
 	meta.Sequence.Stream = seq
 	meta.Timestamp = at
 	meta.Stream = v1.RequestsStream
