@@ -46,13 +46,13 @@ const intakeLookupTimeout = 250 * time.Millisecond
 // to intake's admission, with nothing written for it. The returned settle
 // acks the message (intake runs it after giving its slot back).
 func (h queueHandler) Answer(ctx context.Context, in fairq.Incoming) (bool, func()) {
-	return h.w.answerAtIntake(ctx, in.Msg, in.SlotFree)
+	return h.w.answerAtIntake(ctx, in.Msg, in.TakenAtOnce)
 }
 
-// answerAtIntake answers msg from the cache when it can; slotFree (this
-// worker has a build slot free) lets a request that is not a hit have its
-// preflight sent ahead (intakelook.go).
-func (w *Worker) answerAtIntake(ctx context.Context, msg jetstream.Msg, slotFree bool) (answered bool, settle func()) {
+// answerAtIntake answers msg from the cache when it can; atOnce (the
+// request, not a hit, is most likely taken straight from intake by this
+// worker) has its preflight sent ahead (intakelook.go).
+func (w *Worker) answerAtIntake(ctx context.Context, msg jetstream.Msg, atOnce bool) (answered bool, settle func()) {
 	defer func() {
 		if r := recover(); r != nil {
 			// The queue's handler takes the request: it opens the entry
@@ -67,7 +67,7 @@ func (w *Worker) answerAtIntake(ctx context.Context, msg jetstream.Msg, slotFree
 		// it gets the queue's handler, which reads what was written.
 		return false, nil
 	}
-	v, le, ok := w.cacheVerdict(ctx, msg, meta, slotFree)
+	v, le, ok := w.cacheVerdict(ctx, msg, meta, atOnce)
 	if !ok {
 		return false, nil
 	}

@@ -161,17 +161,7 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 		switch {
 		case cur == nil:
 			claim := w.newClaim(req, key, repo, dests, seq)
-			// The waiter index entry goes out beside the claim: a request
-			// about to claim waits on the key whether it claims or joins
-			// the run that beat it (one that parks or is answered instead
-			// has its entry removed with the rest of its index, as any).
-			indexed := make(chan struct{})
-			go func() {
-				defer close(indexed)
-				waits()
-			}()
 			rev, ok, err := w.runs.Claim(ctx, claim)
-			<-indexed
 			if err != nil {
 				return nil, "", false, Transient(err)
 			}
@@ -179,6 +169,7 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 				continue // another worker claimed it first: look again
 			}
 			w.looks.forget(key)
+			waits()
 			return w.own(ctx, req, claim, rev, repo, dests, seq, "")
 
 		case cur.State == v1.StateSucceeded:

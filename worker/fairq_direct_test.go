@@ -14,6 +14,15 @@ import (
 	v1 "github.com/buildq/buildq/api/v1"
 )
 
+// waitIdle waits until w's dispatcher waits with a slot free and nothing
+// to take: a request published now is taken straight from intake (the
+// dispatcher leaves that wait only for a moment, to look at the queue
+// again every idle poll).
+func waitIdle(t *testing.T, w *runningWorker) {
+	t.Helper()
+	eventually(t, 5*time.Second, w.w.cfg.ID+"'s dispatcher idle", w.w.fq.Idle)
+}
+
 // An idle worker runs a new request on a free slot without queueing it:
 // nothing is written to BUILDQ_QUEUE, and the request's own message is
 // held, heartbeaten and acked like a queued one.
@@ -24,6 +33,7 @@ func TestAnIdleWorkerTakesARequestStraightFromIntake(t *testing.T) {
 	results := e.collect()
 	events := e.events()
 	req := request("direct")
+	waitIdle(t, w1)
 	if _, err := e.pub.Publish(context.Background(), req); err != nil {
 		t.Fatal(err)
 	}
@@ -62,6 +72,7 @@ func TestABusyWorkerQueuesWhatItCannotTakeAtOnce(t *testing.T) {
 	w1 := e.startWorker("w1", func(c *Config) { c.MaxInFlight = 1 })
 	results := e.collect()
 	r1, r2 := request("busy-1"), request("busy-2")
+	waitIdle(t, w1)
 	if _, err := e.pub.Publish(context.Background(), r1); err != nil {
 		t.Fatal(err)
 	}
@@ -102,6 +113,7 @@ func TestALimitedTenantIsNeverTakenStraightFromIntake(t *testing.T) {
 			w1 := e.startWorker("w1", tc.limit)
 			results := e.collect()
 			req := request("limited")
+			waitIdle(t, w1)
 			if _, err := e.pub.Publish(context.Background(), req); err != nil {
 				t.Fatal(err)
 			}
@@ -130,6 +142,7 @@ func TestARequestTakenStraightFromIntakeAndHandedBackIsQueued(t *testing.T) {
 	w1 := e.startWorker("w1", nil)
 	results := e.collect()
 	req := request("direct-handed-back")
+	waitIdle(t, w1)
 	if _, err := e.pub.Publish(context.Background(), req); err != nil {
 		t.Fatal(err)
 	}
@@ -137,8 +150,11 @@ func TestARequestTakenStraightFromIntakeAndHandedBackIsQueued(t *testing.T) {
 	if n := takenDirect(w1); n != 1 {
 		t.Fatalf("premise: w1 took %d requests straight from intake, want 1", n)
 	}
-	w1.stop(t)
+	// w2 waits idle first: the redelivery reaches a dispatcher that
+	// would take it straight from intake, were it a first delivery.
 	w2 := e.startWorker("w2", nil)
+	waitIdle(t, w2)
+	w1.stop(t)
 	eventually(t, 5*time.Second, "the handed-back request queued", func() bool { return e.queueLastSeq(t) == 1 })
 	if n := takenDirect(w2); n != 0 {
 		t.Fatalf("w2 took the redelivered request straight from intake (%d)", n)

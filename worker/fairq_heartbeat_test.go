@@ -8,8 +8,12 @@ package worker
 
 import (
 	"context"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap/zaptest"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
@@ -246,5 +250,36 @@ func TestConsumerAckWaitIsNotLoweredUnderARunningRequest(t *testing.T) {
 				fairq.DispatchConsumer("acme", v1.PriorityNormal), c.CachedInfo().Config.AckWait)
 		}
 		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// beatCounter is a message that counts its heartbeats.
+type beatCounter struct {
+	jetstream.Msg
+	beats atomic.Int32
+}
+
+func (m *beatCounter) InProgress() error { m.beats.Add(1); return nil }
+
+// A running request's heartbeat follows the consumer's AckWait as the
+// worker learns it, not only the one it had when the request was taken: a
+// request held on buildq-workers (taken straight from intake) whose
+// AckWait an operator lowers by hand is beaten at the new pace within a
+// second or two, instead of every third of the old AckWait — which would
+// have it redelivered, again and again, while it runs.
+func TestAHeartbeatFollowsALoweredAckWaitWhileItRuns(t *testing.T) {
+	t.Parallel()
+	w := &Worker{cfg: Config{AckWait: 6 * time.Second}, log: zaptest.NewLogger(t)}
+	w.ackWait.Store(int64(6 * time.Second))
+	m := &beatCounter{}
+	stop := w.heartbeat(m, 0)
+	defer stop()
+	time.Sleep(500 * time.Millisecond)
+	w.ackWait.Store(int64(600 * time.Millisecond)) // learned: lowered to 600 ms
+	time.Sleep(1500 * time.Millisecond)            // a look at the pace comes within a second
+	before := m.beats.Load()
+	time.Sleep(time.Second)
+	if n := m.beats.Load() - before; n < 3 {
+		t.Fatalf("%d heartbeats in the second after the AckWait went to 600 ms, want one every 200 ms", n)
 	}
 }

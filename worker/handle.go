@@ -350,8 +350,12 @@ func (w *Worker) heartbeatEvery() time.Duration {
 	return max(d/3, 100*time.Millisecond)
 }
 
-// ackWaitRefresh is how often a worker re-reads the consumer's AckWait.
-const ackWaitRefresh = 2 * time.Second
+// ackWaitRefresh is how often a worker re-reads the consumer's AckWait;
+// heartbeatCheck, how often a running request's heartbeat looks at it.
+const (
+	ackWaitRefresh = 2 * time.Second
+	heartbeatCheck = time.Second
+)
 
 // refreshAckWait re-reads the consumer's AckWait.
 func (w *Worker) refreshAckWait(ctx context.Context) {
@@ -369,19 +373,43 @@ func (w *Worker) heartbeat(msg jetstream.Msg, ackWait time.Duration) func() {
 	done := make(chan struct{})
 	var wg sync.WaitGroup
 	wg.Add(1)
-	go func() {
-		defer wg.Done()
+	// The pace follows the consumer's AckWait as it is now (re-read every
+	// ackWaitRefresh), looked at every heartbeatCheck at least: a request
+	// held on buildq-workers (taken straight from intake) whose AckWait an
+	// operator lowered by hand is beaten at the new pace within a few
+	// seconds, not after a beat of the old one. A queued request's pace
+	// never exceeds a third of its dispatch consumer's AckWait when it was
+	// taken (that AckWait is only ever raised).
+	pace := func() time.Duration {
 		every := w.heartbeatEvery()
 		if ackWait > 0 {
 			every = min(every, max(ackWait/3, 100*time.Millisecond))
 		}
-		t := time.NewTicker(every)
+		return every
+	}
+	go func() {
+		defer wg.Done()
+		every := pace()
+		step := min(every, heartbeatCheck)
+		t := time.NewTicker(step)
 		defer t.Stop()
+		last := time.Now()
 		for {
 			select {
 			case <-t.C:
-				if err := msg.InProgress(); err != nil {
-					w.log.Debug("heartbeat failed", zap.Error(err))
+				if !mutant.On("heartbeat-fixed-pace") {
+					every = pace()
+				}
+				// Beaten now if the next look would come too late.
+				if time.Since(last)+step >= every {
+					if err := msg.InProgress(); err != nil {
+						w.log.Debug("heartbeat failed", zap.Error(err))
+					}
+					last = time.Now()
+				}
+				if s := min(every, heartbeatCheck); s != step {
+					step = s
+					t.Reset(step)
 				}
 			case <-done:
 				return

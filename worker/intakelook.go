@@ -23,15 +23,16 @@ import (
 //     again. A claim on it is a create, which fails if a record appeared
 //     meanwhile, and the walk then reads afresh; this worker forgets the
 //     absence as soon as it claims the key itself.
-//   - when this worker has a build slot free (the request will be taken
-//     at once), intake sends the preflight HEAD at once, beside the
-//     queue's hop, and the handler's first look waits for that HEAD
-//     instead of sending its own — if it was sent within lookAheadFresh
-//     of the walk, and answered without error (an error sends a HEAD of
-//     the handler's own). What it found is told to nobody before the
-//     handler has shown the tenant holds the content, as before; a busy
-//     worker sends none ahead, so a backlog of queued requests costs no
-//     HEAD each that their handlers, long after, could not use.
+//   - when the request is about to be taken straight from intake by this
+//     worker (its dispatcher waits idle and the request may be: fairq's
+//     direct.go), intake sends the preflight HEAD at once, and the
+//     handler's first look waits for that HEAD instead of sending its
+//     own — if it was sent within lookAheadFresh of the walk, and
+//     answered without error (an error sends a HEAD of the handler's
+//     own). What it found is told to nobody before the handler has shown
+//     the tenant holds the content, as before. No other request has one
+//     sent ahead, so a backlog of queued requests, or a tenant over its
+//     limits, costs no HEAD each that nothing could use.
 
 // intakeLooks is what intake saw of records and tags, by key and by tag.
 type intakeLooks struct {
@@ -47,6 +48,11 @@ type preflightAhead struct {
 	done chan struct{}
 	read preflightRead
 }
+
+// preflightAheadTimeout bounds a HEAD sent ahead (with its Harbor
+// project's creation), as the handler's own request-scoped one is bounded
+// by the registry client's retries.
+const preflightAheadTimeout = 30 * time.Second
 
 // maxIntakeLooks bounds each map; past it, the map starts again (what
 // it held answers nothing once it is stale).
@@ -111,8 +117,10 @@ func (w *builder) sendPreflight(ctx context.Context, req *v1.Request, key, repo 
 			}
 		}()
 		// Not intake's lookup deadline: the HEAD outlives the admission
-		// (ctx is the worker's, ended when it stops).
-		ctx, cancel := context.WithTimeout(ctx, intakeLookupTimeout+lookAheadFresh)
+		// and gets what the handler's own would (ctx is the worker's,
+		// ended when it stops): a slow registry costs the handler that
+		// waits on it no more than its own HEAD would.
+		ctx, cancel := context.WithTimeout(ctx, preflightAheadTimeout)
 		defer cancel()
 		found, err := w.preflight(ctx, req, key, repo, dests)
 		p.read = preflightRead{found: found, err: err}

@@ -47,7 +47,7 @@ func TestAPreflightIsSentAheadFromIntake(t *testing.T) {
 	var once sync.Once
 	open := func() { once.Do(func() { close(release) }) }
 	t.Cleanup(open)
-	e.startWorkerHooked("w1", func(c *Config) { withRegistry(tr)(c); c.Registry = reg }, nil, func(w *Worker) {
+	w1 := e.startWorkerHooked("w1", func(c *Config) { withRegistry(tr)(c); c.Registry = reg }, nil, func(w *Worker) {
 		w.faults = &faultHooks{beforeWalk: func(string) {
 			select {
 			case <-release:
@@ -58,6 +58,7 @@ func TestAPreflightIsSentAheadFromIntake(t *testing.T) {
 	results := e.collect()
 	req := request("preflight-ahead")
 	tag := tr.host + "/acme/web:" + v1.DefaultTag(v1.BuildKey(req, kanikoID))
+	waitIdle(t, w1)
 	if _, err := e.pub.Publish(context.Background(), req); err != nil {
 		t.Fatal(err)
 	}
@@ -99,6 +100,40 @@ func TestABusyWorkerSendsNoPreflightAhead(t *testing.T) {
 	if n := reg.count(tag2); n != 1 {
 		t.Errorf("%d HEADs of the second request's tag once taken, want its handler's one", n)
 	}
+	e.kubelet(j2, 0, tr.push(t, destination(j2)))
+	results.waitFor(t, 2, 10*time.Second)
+}
+
+// A tenant with a concurrency limit is never taken straight from intake:
+// its requests wait in its queue, and intake sends no HEAD ahead for them
+// even on an idle worker.
+func TestALimitedTenantGetsNoPreflightAhead(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	reg := &headCounter{Registry: tr.client}
+	e.startWorker("w1", func(c *Config) {
+		withRegistry(tr)(c)
+		c.Registry = reg
+		c.Fair.Concurrency = map[string]int{"acme": 1}
+	})
+	results := e.collect()
+	r1, r2 := request("limited-ahead-1"), request("limited-ahead-2")
+	tag2 := tr.host + "/acme/web:" + v1.DefaultTag(v1.BuildKey(r2, kanikoID))
+	if _, err := e.pub.Publish(context.Background(), r1); err != nil {
+		t.Fatal(err)
+	}
+	j1 := e.waitJob(jobOf(r1))
+	if _, err := e.pub.Publish(context.Background(), r2); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 5*time.Second, "the second request queued", func() bool { return e.queueLastSeq(t) == 2 })
+	time.Sleep(300 * time.Millisecond)
+	if n := reg.count(tag2); n != 0 {
+		t.Fatalf("%d HEADs of a request waiting at its tenant's limit", n)
+	}
+	e.kubelet(j1, 0, tr.push(t, destination(j1)))
+	j2 := e.waitJob(jobOf(r2))
 	e.kubelet(j2, 0, tr.push(t, destination(j2)))
 	results.waitFor(t, 2, 10*time.Second)
 }

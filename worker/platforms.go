@@ -315,8 +315,16 @@ func (w *builder) buildPlatform(ctx context.Context, req *v1.Request, repo strin
 	}
 	pb.rec, pb.origin = rec, origin
 	if owned && !w.cfg.KeepJobs {
-		// The platform's run is ended and stored: its Job has done its part.
-		if cerr := w.backend.Cleanup(context.WithoutCancel(ctx), rec.Key, rec.Run); cerr != nil {
+		// The platform's run is ended and stored: its Job has done its
+		// part. A run a cancel ended may have its Job still running: it
+		// is gone before this platform's slot (an extra slot of the
+		// tenant's) is given back, or its build would run beside the
+		// request the slot lets in, over the tenant's limit.
+		if rec.State == v1.StateFailed && rec.Reason == v1.ReasonCanceled {
+			gctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+			w.jobGone(gctx, rec.Key, rec.Run)
+			cancel()
+		} else if cerr := w.backend.Cleanup(context.WithoutCancel(ctx), rec.Key, rec.Run); cerr != nil {
 			w.log.Warn("cleanup of a platform's build failed", zap.String("key", rec.Key), zap.Error(cerr))
 		}
 	}

@@ -212,3 +212,59 @@ func TestAttack_CanceledIndexOfAKilledWorkerLeavesNoPlatformJobRunning(t *testin
 		t.Fatalf("result %+v, want canceled", d)
 	}
 }
+
+// Cancel rule: a canceled index's platforms give their slots back only
+// once their Jobs are gone. The cancel ends the platforms' runs, and each
+// platform's build, finding its run ended from outside, returns at once;
+// its extra slot went back then while the Job's delete was still on its
+// way, and the tenant's next request, waiting at the limit, created its
+// Job beside the two platforms' (the simulation's seed 173, frozen as
+// concurrency-limit-173).
+func TestACanceledIndexsPlatformSlotsComeBackOnceTheirJobsAreGone(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	slow := slowCreates{Interface: e.kube, holdDelete: func(string) { time.Sleep(500 * time.Millisecond) }}
+	e.startWorkerHooked("w1", func(c *Config) {
+		withRegistry(tr)(c)
+		c.MaxInFlight = 4
+		c.Fair.Concurrency = map[string]int{"acme": 2}
+	}, slow, nil)
+	results := e.collect()
+	ctx := context.Background()
+	idx := multiRequest("cancel-platform-slots", "linux/amd64", "linux/arm64")
+	idx.RequestID = "index"
+	names := platformJobNames(idx, nil)
+	if _, err := e.pub.Publish(ctx, idx); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 30*time.Second, "both platforms' Jobs, on the index's two slots", func() bool { return e.unfinishedJobs(names)["acme"] == 2 })
+	next := tenantRequest("acme", "cancel-platform-next")
+	next.RequestID = "next"
+	names[jobOf(next)] = "acme"
+	if _, err := e.pub.Publish(ctx, next); err != nil {
+		t.Fatal(err)
+	}
+	e.waitAdmitted(2)
+	if _, err := tenantAPIRequest(e.nc, "acme", v1.APICancelSubject("acme"), idx.RequestID, 30*time.Second); err != nil {
+		t.Fatalf("cancel: %v", err)
+	}
+	deadline := time.Now().Add(8 * time.Second)
+	for time.Now().Before(deadline) {
+		if n := e.unfinishedJobs(names)["acme"]; n > 2 {
+			dumpSlots(t, e)
+			t.Fatalf("acme runs %d builds at once (the canceled index's platforms, their deletes on the way, and %s), its concurrency limit is 2",
+				n, jobOf(next))
+		}
+		if _, ok := e.jobs()[jobOf(next)]; ok {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if _, ok := e.jobs()[jobOf(next)]; !ok {
+		t.Fatal("the next request's Job was not created once the canceled index's Jobs were gone")
+	}
+	if got := oneResult(t, results, idx.RequestID); got.Data.Status != v1.StatusCanceled {
+		t.Errorf("the index's result: %s", decision(got.Data))
+	}
+}

@@ -40,6 +40,7 @@ var simScenarios = []simScenario{
 	{"redundant-build-171", 171, "a handler whose take-over lost its run followed the record with the run's repository for its own: the new run it claimed pushed to the request's repository and indexed the claimer's, and the next request rebuilt the key (index-misplaced)"},
 	{"concurrency-limit-41", 41, "a killed worker's slot aged out while its Job ran on; the next request of the tenant ran a third Job under a limit of 2 (slots kept for their request)"},
 	{"concurrency-limit-323", 323, "a request canceled while its build ran gave its slot back before the cancel had deleted its Job; the next request of the tenant ran a third Job under a limit of 2 (the handler now deletes the ended run's Job and waits until it is gone)"},
+	{"concurrency-limit-173", 173, "a canceled image index's platforms, whose runs the cancel ended, gave their slots back before their Jobs' deletes were through; the next request of the tenant ran a third Job under a limit of 2 (a platform whose run a cancel ended now waits until its Job is gone)"},
 	{"end-ahead-taken-over-36", 36, "a handler that had taken a run over decided from its own outcome while storing the end (JobDeleted: the former holder, back from a pause, had ended the run and deleted its Job); a run taken over is ended before its decision (own.go, endAhead)"},
 }
 

@@ -22,13 +22,17 @@ import (
 // expires a fresh request nor builds a stale one (docs/design.md §6). An
 // entry whose time cannot be read does not expire the request.
 //
-// Only the first delivery is checked: a request that was taken in time
-// and is redelivered later (a transient failure, a worker handing it back
-// at shutdown, a crash) may have a build running or others waiting on it,
-// and expiring it then would abandon work already started.
+// Only a request no handler took before is checked — its first handler,
+// the one that created its entry (the caller's fresh), not its first
+// delivery: a request that was taken in time and is redelivered later (a
+// transient failure, a worker handing it back at shutdown, a crash) has
+// its entry, and may have a build running or others waiting on it, and
+// expiring it then would abandon work already started; a delivery nobody
+// handled (to a worker's pull that died with it, or an admission that
+// failed) started nothing.
 func (w *Worker) expired(ctx context.Context, meta *jetstream.MsgMetadata, le *ledger.Entry) (string, bool) {
 	ttl := w.cfg.QueueTTL
-	if ttl <= 0 || meta.NumDelivered > 1 || le == nil {
+	if ttl <= 0 || le == nil {
 		return "", false
 	}
 	written, err := w.ledger.WrittenAt(ctx, le)

@@ -38,10 +38,7 @@ import (
 // dispatchDirect hands msg to this worker's waiting dispatcher if it may
 // (see above), and reports whether it did.
 func (q *Queue) dispatchDirect(msg jetstream.Msg, meta *jetstream.MsgMetadata, tenant, prio string) bool {
-	if tenant == invalidTenant || (meta.NumDelivered != 1 && !mutant.On("direct-redelivered")) {
-		return false
-	}
-	if (q.cfg.Fair.ConcurrencyOf(tenant) > 0 || q.cfg.Fair.QueueLimitOf(tenant) > 0) && !mutant.On("direct-limited") {
+	if !q.directable(meta, tenant) {
 		return false
 	}
 	tk := &taken{msg: directMsg{Msg: msg, hdr: directHeaders(msg.Headers())}, tenant: tenant, prio: prio, direct: true}
@@ -56,6 +53,27 @@ func (q *Queue) dispatchDirect(msg jetstream.Msg, meta *jetstream.MsgMetadata, t
 		return false // the dispatcher is busy, or holds no free slot: the queue
 	}
 }
+
+// directable reports whether a request may be taken straight from intake
+// (see above).
+func (q *Queue) directable(meta *jetstream.MsgMetadata, tenant string) bool {
+	if tenant == invalidTenant || (meta.NumDelivered != 1 && !mutant.On("direct-redelivered")) {
+		return false
+	}
+	return (q.cfg.Fair.ConcurrencyOf(tenant) == 0 && q.cfg.Fair.QueueLimitOf(tenant) == 0) || mutant.On("direct-limited")
+}
+
+// takenAtOnce reports whether a request intake is about to admit would
+// most likely be taken straight from intake: it may be, and this
+// worker's dispatcher waits idle with a slot free now.
+func (q *Queue) takenAtOnce(meta *jetstream.MsgMetadata, tenant string) bool {
+	return q.directable(meta, tenant) && q.idle.Load()
+}
+
+// Idle reports whether this worker's dispatcher waits now with a slot
+// free and nothing to take (a request arriving is taken straight from
+// intake, if it may be).
+func (q *Queue) Idle() bool { return q.idle.Load() }
 
 // TakenDirect is how many requests this worker's handlers took straight
 // from intake.

@@ -143,13 +143,26 @@ func (d *dispatcher) order() []string {
 func (d *dispatcher) started(tenant, prio string) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	d.count(tenant)
+	if n := d.view[tenant][prio]; n > 0 {
+		d.view[tenant][prio] = n - 1
+	}
+}
+
+// startedDirect counts a request of tenant taken straight from intake:
+// running and served like any, but never in the queue's view.
+func (d *dispatcher) startedDirect(tenant string) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.count(tenant)
+}
+
+// count records a request of tenant taken (d.mu held).
+func (d *dispatcher) count(tenant string) {
 	d.running[tenant]++
 	v := max(d.vtime[tenant], d.vnow)
 	d.vnow = v
 	d.vtime[tenant] = v + 1/float64(d.q.cfg.Fair.Weight(tenant))
-	if n := d.view[tenant][prio]; n > 0 {
-		d.view[tenant][prio] = n - 1
-	}
 }
 
 func (d *dispatcher) finished(tenant string) {
@@ -247,8 +260,10 @@ func (d *dispatcher) next(ctx context.Context, n int) ([]*taken, bool) {
 				return tks, true
 			}
 		}
+		d.q.idle.Store(true)
 		select {
 		case tk := <-d.q.direct:
+			d.q.idle.Store(false)
 			// Nothing to take and a slot free: intake's request runs
 			// here at once (dispatchDirect).
 			return []*taken{tk}, true
@@ -259,6 +274,7 @@ func (d *dispatcher) next(ctx context.Context, n int) ([]*taken, bool) {
 			d.mu.Unlock()
 		case <-ctx.Done():
 		}
+		d.q.idle.Store(false)
 	}
 	return nil, false
 }
@@ -458,7 +474,11 @@ func (q *Queue) dispatchLoop(ctx, workCtx context.Context, wg *sync.WaitGroup) {
 		}
 		q.release(n - len(tks))
 		for _, tk := range tks {
-			d.started(tk.tenant, tk.prio)
+			if tk.direct {
+				d.startedDirect(tk.tenant)
+			} else {
+				d.started(tk.tenant, tk.prio)
+			}
 			wg.Add(1)
 			go q.dispatched(ctx, workCtx, wg, d, tk)
 		}

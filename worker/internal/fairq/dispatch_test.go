@@ -139,6 +139,18 @@ func TestStartedCountsTheRequestOutOfTheView(t *testing.T) {
 	}
 }
 
+// A request taken straight from intake runs and is served like any, but
+// was never in the queue: the view's count of the tenant's queued
+// requests stays.
+func TestStartedDirectLeavesTheView(t *testing.T) {
+	d := newTestDispatcher(Config{})
+	d.view["a"] = map[string]uint64{v1.PriorityNormal: 2}
+	d.startedDirect("a")
+	if d.view["a"][v1.PriorityNormal] != 2 || d.running["a"] != 1 || d.vtime["a"] == 0 {
+		t.Fatalf("view %v, running %v, vtime %v", d.view, d.running, d.vtime)
+	}
+}
+
 // recordingHandler records the steps of handling one message.
 type recordingHandler struct{ steps *[]string }
 

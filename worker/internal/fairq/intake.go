@@ -144,8 +144,7 @@ func (q *Queue) admit(ctx context.Context, msg jetstream.Msg) (settle func()) {
 	if a, ok := q.h.(Answerer); ok && tenant != invalidTenant {
 		// A cache hit needs no build slot: answered here, it neither
 		// waits in the queue nor counts against its limits.
-		free := q.running.Load() < int64(cap(q.sem))
-		if ok, settle := a.Answer(ctx, Incoming{Msg: msg, SlotFree: free}); ok {
+		if ok, settle := a.Answer(ctx, Incoming{Msg: msg, TakenAtOnce: q.takenAtOnce(meta, tenant)}); ok {
 			return settle
 		}
 	}

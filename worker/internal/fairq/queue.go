@@ -91,8 +91,11 @@ type Queue struct {
 	// requests this worker's dispatcher took and runs.
 	sem     chan struct{}
 	running atomic.Int64
-	// takenDirect counts the requests taken straight from intake.
+	// takenDirect counts the requests taken straight from intake; idle
+	// is set while the dispatcher waits with a slot free and nothing to
+	// take.
 	takenDirect atomic.Uint64
+	idle        atomic.Bool
 	// direct: intake hands a request straight to this worker's
 	// dispatcher while it waits with a slot free and nothing to take
 	// (dispatchDirect).
@@ -165,10 +168,10 @@ type Incoming struct {
 	// (nil: none; intake's refusals, and tenants without a limit take
 	// none and need none).
 	Extra *ExtraSlots
-	// SlotFree, given to Answer: this worker has a build slot free now,
-	// so a request queued now is most likely taken at once, by this
-	// worker's dispatcher (its look ahead is worth sending).
-	SlotFree bool
+	// TakenAtOnce, given to Answer: a request intake does not answer is
+	// most likely taken straight from intake by this worker's idle
+	// dispatcher (direct.go), so its look ahead is worth sending.
+	TakenAtOnce bool
 }
 
 // Refusal is why intake refused a request.
