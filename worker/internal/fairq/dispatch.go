@@ -489,8 +489,6 @@ func (q *Queue) dispatchLoop(ctx, workCtx context.Context, wg *sync.WaitGroup) {
 func (q *Queue) dispatched(ctx, workCtx context.Context, wg *sync.WaitGroup, d *dispatcher, tk *taken) {
 	defer wg.Done()
 	defer q.release(1)
-	q.running.Add(1)
-	defer q.running.Add(-1)
 	// The request stops counting as its tenant's running work when its
 	// message is settled (its result out), not after its Job's cleanup:
 	// the order of tenants follows what is running, as its results show.

@@ -87,10 +87,8 @@ type Queue struct {
 	// admitMu: per tenant, its queue-limit checks in this worker.
 	admitMu sync.Map
 	// sem: one token per request in flight (MaxInFlight); the dispatcher
-	// holds the free ones while it waits for work. running counts the
-	// requests this worker's dispatcher took and runs.
-	sem     chan struct{}
-	running atomic.Int64
+	// holds the free ones while it waits for work.
+	sem chan struct{}
 	// takenDirect counts the requests taken straight from intake; idle
 	// is set while the dispatcher waits with a slot free and nothing to
 	// take.
