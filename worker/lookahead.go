@@ -74,8 +74,9 @@ func (w *builder) lookAhead(ctx context.Context, req *v1.Request, key, repo stri
 	// only when the key is not built, and a HEAD per request (and a
 	// Harbor project's creation) for every hit and join would undo the
 	// shared, remembered registry checks. Intake sends it ahead for a
-	// key it found no record of, on a worker with a slot free; the first
-	// pass takes that HEAD when it was sent within lookAheadFresh.
+	// request about to be taken straight from intake whose key it found
+	// no record of; the first pass takes that HEAD when it was sent
+	// within lookAheadFresh.
 	var (
 		preOnce sync.Once
 		pre     preflightRead
