@@ -26,6 +26,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	kretry "k8s.io/client-go/util/retry"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/contexttar"
@@ -234,13 +235,19 @@ current-context: suite
 				wantWorkers = int(n)
 			}
 		}
-		sc, err := shared.kube.AppsV1().Deployments("buildq").GetScale(ctx, "buildq-worker", metav1.GetOptions{})
+		// The deployment controller writes the just-applied Deployment
+		// too: a scale read before its write conflicts, so read it again.
+		err := kretry.RetryOnConflict(kretry.DefaultRetry, func() error {
+			sc, err := shared.kube.AppsV1().Deployments("buildq").GetScale(ctx, "buildq-worker", metav1.GetOptions{})
+			if err != nil {
+				return err
+			}
+			sc.Spec.Replicas = int32(wantWorkers)
+			_, err = shared.kube.AppsV1().Deployments("buildq").UpdateScale(ctx, "buildq-worker", sc, metav1.UpdateOptions{})
+			return err
+		})
 		if err != nil {
-			t.Fatal(err)
-		}
-		sc.Spec.Replicas = int32(wantWorkers)
-		if _, err := shared.kube.AppsV1().Deployments("buildq").UpdateScale(ctx, "buildq-worker", sc, metav1.UpdateOptions{}); err != nil {
-			t.Fatal(err)
+			t.Fatalf("scale the worker Deployment to %d: %v", wantWorkers, err)
 		}
 	}
 	// Ready through the readiness probe (/readyz: informers synced, NATS
