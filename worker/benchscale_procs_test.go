@@ -180,11 +180,13 @@ func streamSizes(ctx context.Context, js jetstream.JetStream) map[string]streamS
 type scaleTopology struct {
 	name, label string
 	nodes       int
+	bare        bool // the bare baseline (benchscale_bare_test.go), not buildq
 }
 
 var scaleTopologies = map[string]scaleTopology{
-	"single":  {name: "single", label: "single NATS", nodes: 1},
-	"cluster": {name: "cluster", label: "3-node NATS cluster, replicas 3", nodes: 3},
+	"single":       {name: "single", label: "single NATS", nodes: 1},
+	"cluster":      {name: "cluster", label: "3-node NATS cluster, replicas 3", nodes: 3},
+	"cluster-bare": {name: "cluster-bare", label: "the bare protocol on a 3-node NATS cluster, replicas 3", nodes: 3, bare: true},
 }
 
 // scaleRequest is request i: key i mod keys (so the requests of a key
@@ -205,4 +207,19 @@ type scaleOutcome struct {
 	rows   []benchfmt.Row
 	series benchfmt.Series
 	notes  []string
+	sum    scaleSummary
+}
+
+// scaleSummary is what a topology's run is compared by.
+type scaleSummary struct {
+	wall, hitRate, msgsIn, cpuPerAnswer, natsCPU, clientCPU float64
+}
+
+// bareNote compares buildq's run on the cluster with the bare protocol's
+// on a cluster of its own in the same session.
+func bareNote(s scaleSettings, q, bare scaleSummary) string {
+	return fmt.Sprintf("Against the bare protocol (benchscale_bare_test.go: the same requests, published the same way, answered with one decision per request and one build per key and nothing else) on a 3-node cluster of its own in this run: %.0f s where buildq took %.0f s (%.2f× the floor); after the builds, cache hits at %.0f/s where buildq answered %.0f/s; %.1f messages into the servers per request where buildq sent %.1f; %.2f ms of CPU per answer, all processes, where buildq spent %.2f (NATS %.0f and its clients %.0f CPU-s, against buildq's %.0f and %.0f, where buildq's clients include the emulated Kubernetes API servers and nodes and the registry). The builds alone take at least %.0f s on either (%d keys × %s ÷ %d slots).",
+		bare.wall, q.wall, q.wall/max(bare.wall, 1e-9), bare.hitRate, q.hitRate, bare.msgsIn, q.msgsIn, bare.cpuPerAnswer, q.cpuPerAnswer,
+		bare.natsCPU, bare.clientCPU, q.natsCPU, q.clientCPU,
+		float64(s.Keys)*s.Build.Seconds()/float64(s.Workers*s.InFlight), s.Keys, s.Build, s.Workers*s.InFlight)
 }

@@ -44,37 +44,7 @@ func runScale(t *testing.T, s scaleSettings, topo scaleTopology) scaleOutcome {
 	regHost := reg.host
 
 	// NATS.
-	var nodes []*scaleProc
-	ports := make([]int, topo.nodes)
-	cports := make([]int, topo.nodes)
-	for i := range topo.nodes {
-		ports[i] = freePort(t)
-		if topo.nodes > 1 {
-			cports[i] = freePort(t)
-		}
-	}
-	var urls []string
-	for i := range topo.nodes {
-		spec := scaleChild{Role: "nats", Name: fmt.Sprintf("%s-nats-%d", topo.name, i), Port: ports[i],
-			StoreDir: filepath.Join(dir, fmt.Sprintf("store-%d", i))}
-		if topo.nodes > 1 {
-			spec.ClusterPort = cports[i]
-			for j := range topo.nodes {
-				if j != i {
-					spec.Routes = append(spec.Routes, fmt.Sprintf("nats-route://127.0.0.1:%d", cports[j]))
-				}
-			}
-		}
-		if s.ProfileDir != "" && i == 0 {
-			spec.Profile = filepath.Join(s.ProfileDir, topo.name+"-nats.pprof")
-		}
-		nodes = append(nodes, startScaleChild(t, dir, "TestBenchScaleNATS", spec))
-		urls = append(urls, fmt.Sprintf("nats://127.0.0.1:%d", ports[i]))
-	}
-	for _, n := range nodes {
-		n.waitReady(t, time.Minute)
-	}
-	natsURL := strings.Join(urls, ",")
+	nodes, natsURL := startScaleNodes(t, s, topo, dir)
 	nc, err := nats.Connect(natsURL, nats.MaxReconnects(-1))
 	if err != nil {
 		t.Fatal(err)
@@ -541,6 +511,8 @@ func runScale(t *testing.T, s scaleSettings, topo scaleTopology) scaleOutcome {
 
 	// What bounds it.
 	total := sum(natsCPU) + sum(wcpu) + parentCPU
+	out.sum = scaleSummary{wall: wall.Seconds(), hitRate: rate(n-n/4, n-1), msgsIn: natsMetrics["in_msgs"] / float64(max(n, 1)),
+		cpuPerAnswer: 1000 * total / float64(max(n, 1)), natsCPU: sum(natsCPU), clientCPU: sum(wcpu) + parentCPU}
 	// The first answers include every build (the first request of each key);
 	// the second quarter on are answered mostly from the index.
 	second, last := rate(n/4, n/2), rate(n-n/4, n-1)
@@ -583,4 +555,40 @@ func runScale(t *testing.T, s scaleSettings, topo scaleTopology) scaleOutcome {
 		out.notes = append(out.notes, largerClusterNote(topo, natsCPU, n))
 	}
 	return out
+}
+
+// startScaleNodes starts topo's NATS nodes, their stores under dir, and
+// waits until each serves; natsURL names them all.
+func startScaleNodes(t *testing.T, s scaleSettings, topo scaleTopology, dir string) (nodes []*scaleProc, natsURL string) {
+	t.Helper()
+	ports := make([]int, topo.nodes)
+	cports := make([]int, topo.nodes)
+	for i := range topo.nodes {
+		ports[i] = freePort(t)
+		if topo.nodes > 1 {
+			cports[i] = freePort(t)
+		}
+	}
+	var urls []string
+	for i := range topo.nodes {
+		spec := scaleChild{Role: "nats", Name: fmt.Sprintf("%s-nats-%d", topo.name, i), Port: ports[i],
+			StoreDir: filepath.Join(dir, fmt.Sprintf("store-%d", i))}
+		if topo.nodes > 1 {
+			spec.ClusterPort = cports[i]
+			for j := range topo.nodes {
+				if j != i {
+					spec.Routes = append(spec.Routes, fmt.Sprintf("nats-route://127.0.0.1:%d", cports[j]))
+				}
+			}
+		}
+		if s.ProfileDir != "" && i == 0 {
+			spec.Profile = filepath.Join(s.ProfileDir, topo.name+"-nats.pprof")
+		}
+		nodes = append(nodes, startScaleChild(t, dir, "TestBenchScaleNATS", spec))
+		urls = append(urls, fmt.Sprintf("nats://127.0.0.1:%d", ports[i]))
+	}
+	for _, n := range nodes {
+		n.waitReady(t, time.Minute)
+	}
+	return nodes, strings.Join(urls, ",")
 }

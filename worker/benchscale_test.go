@@ -20,7 +20,8 @@ package worker
 // figure: BUILDQ_SCALE_REQUESTS (default 100000), BUILDQ_SCALE_KEYS
 // (10000), BUILDQ_SCALE_WORKERS (10), BUILDQ_SCALE_TENANTS (10),
 // BUILDQ_SCALE_IN_FLIGHT (slots per worker, 16), BUILDQ_SCALE_BUILD (one
-// emulated build, 1s), BUILDQ_SCALE_TOPOLOGIES (single,cluster),
+// emulated build, 1s), BUILDQ_SCALE_TOPOLOGIES (single,cluster,cluster-bare;
+// cluster-bare is the bare baseline of benchscale_bare_test.go),
 // BUILDQ_SCALE_PHASE_TIMEOUT (per topology, 14m), BUILDQ_SCALE_PROFILE (a
 // directory: the first worker and the first NATS node write CPU profiles
 // there).
@@ -101,17 +102,16 @@ func scaleSettingsFromEnv(t *testing.T) scaleSettings {
 		Build:        dur("BUILDQ_SCALE_BUILD", time.Second),
 		PhaseTimeout: dur("BUILDQ_SCALE_PHASE_TIMEOUT", 14*time.Minute),
 		ProfileDir:   os.Getenv("BUILDQ_SCALE_PROFILE"),
-		Topologies:   []string{"single", "cluster"},
+		Topologies:   []string{"single", "cluster", "cluster-bare"},
 	}
 	if v := os.Getenv("BUILDQ_SCALE_TOPOLOGIES"); v != "" {
 		s.Topologies = nil
 		for _, p := range strings.Split(v, ",") {
-			switch p = strings.TrimSpace(p); p {
-			case "single", "cluster":
-				s.Topologies = append(s.Topologies, p)
-			default:
-				t.Fatalf("BUILDQ_SCALE_TOPOLOGIES: %q is neither single nor cluster", p)
+			p = strings.TrimSpace(p)
+			if _, ok := scaleTopologies[p]; !ok {
+				t.Fatalf("BUILDQ_SCALE_TOPOLOGIES: %q is none of single, cluster, cluster-bare", p)
 			}
+			s.Topologies = append(s.Topologies, p)
 		}
 	}
 	if s.ProfileDir != "" {
@@ -535,8 +535,14 @@ func TestBenchScale(t *testing.T) {
 		Title: fmt.Sprintf("Toward internet scale, simulated: %d requests over %d keys of %d tenants, %d worker processes; %s",
 			s.Requests, s.Keys, s.Tenants, s.Workers, strings.Join(where, ", then ")),
 	}
+	sums := map[string]scaleSummary{}
 	for _, name := range s.Topologies {
-		o := runScale(t, s, scaleTopologies[name])
+		run := runScale
+		if scaleTopologies[name].bare {
+			run = runScaleBare
+		}
+		o := run(t, s, scaleTopologies[name])
+		sums[name] = o.sum
 		res.Rows = append(res.Rows, o.rows...)
 		res.Series = append(res.Series, o.series)
 		res.Notes = append(res.Notes, o.notes...)
@@ -545,6 +551,10 @@ func TestBenchScale(t *testing.T) {
 		}
 	}
 	scaleGoal(&res)
+	q, okq := sums["cluster"]
+	if bare, ok := sums["cluster-bare"]; ok && okq && !t.Failed() {
+		res.Notes = append(res.Notes, bareNote(s, q, bare))
+	}
 	res.Notes = append(res.Notes, fmt.Sprintf(
 		"Emulated: each worker process has its own fake Kubernetes API server (the test world's, worker/world_api_test.go: client-go's fake clientset on one object store with resource versions and resumable watches, so its informers see only its own Jobs) and the test world's node (worker/world_node_test.go), which ends every Job %s after its creation: it pushes a small random image to the Job's destinations, then writes the Pod with the digest as the kaniko container's termination message and the Job's Complete condition. Real: the worker package with the kaniko Job backend, %d slots per worker, production defaults (AckWait and lease 30 s), NATS over TCP with file storage, go-containerregistry's registry (in memory, in the harness process, over TLS) for the preflight, the index checks and the pushes. Requests are published as one backlog, key i mod %d, so the %d requests of a key are spread over the whole run.",
 		s.Build, s.InFlight, s.Keys, s.Requests/s.Keys))
