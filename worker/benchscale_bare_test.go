@@ -336,28 +336,7 @@ func runScaleBare(t *testing.T, s scaleSettings, topo scaleTopology) scaleOutcom
 		t.Fatalf("%s: setting up the streams: %v", topo.label, err)
 	}
 
-	var (
-		mu       sync.Mutex
-		firstAt  = map[string]time.Time{}
-		answered atomic.Int64
-	)
-	sub, err := nc.Subscribe("bare.results.>", func(m *nats.Msg) {
-		id := m.Header.Get(v1.MsgIDHeader)
-		now := time.Now()
-		mu.Lock()
-		if _, ok := firstAt[id]; !ok {
-			firstAt[id] = now
-			answered.Add(1)
-		}
-		mu.Unlock()
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	_ = sub.SetPendingLimits(-1, -1)
-	if err := nc.Flush(); err != nil {
-		t.Fatal(err)
-	}
+	answers := logAnswers(t, nc, "bare.results.>")
 
 	var workers []*scaleProc
 	for i := range s.Workers {
@@ -379,53 +358,26 @@ func runScaleBare(t *testing.T, s scaleSettings, topo scaleTopology) scaleOutcom
 	cpu0 := ourCPU()
 	busy0, total0 := cpuTicks()
 	start := time.Now()
-	publishDone := make(chan time.Duration, 1)
-	go func() {
-		// As runScale publishes: 32 at once, each waiting for its PubAck.
-		next := make(chan int)
-		var wg sync.WaitGroup
-		for range 32 {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for i := range next {
-					req := scaleRequest(s, i)
-					body, _ := json.Marshal(req)
-					m := nats.NewMsg("bare.requests." + req.Tenant)
-					m.Data = body
-					var err error
-					for range 20 {
-						pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-						_, err = js.PublishMsg(pctx, m, jetstream.WithMsgID(v1.MsgID(req.Tenant, req.RequestID)))
-						cancel()
-						if err == nil {
-							break
-						}
-						time.Sleep(200 * time.Millisecond)
-					}
-					if err != nil {
-						t.Errorf("publish %s: %v", req.RequestID, err)
-					}
-				}
-			}()
+	publishDone, _ := publishBacklog(t, s, func(ctx context.Context, req *v1.Request) error {
+		body, err := json.Marshal(req)
+		if err != nil {
+			return err
 		}
-		for i := range s.Requests {
-			next <- i
-		}
-		close(next)
-		wg.Wait()
-		publishDone <- time.Since(start)
-	}()
+		m := nats.NewMsg("bare.requests." + req.Tenant)
+		m.Data = body
+		_, err = js.PublishMsg(ctx, m, jetstream.WithMsgID(v1.MsgID(req.Tenant, req.RequestID)))
+		return err
+	})
 	deadline := start.Add(s.PhaseTimeout)
 	var publishTook time.Duration
-	for answered.Load() < int64(s.Requests) {
+	for answers.answered.Load() < int64(s.Requests) {
 		time.Sleep(time.Second)
 		select {
 		case publishTook = <-publishDone:
 		default:
 		}
 		if time.Now().After(deadline) {
-			t.Errorf("%s: %d of %d requests answered after %s", topo.label, answered.Load(), s.Requests, s.PhaseTimeout)
+			t.Errorf("%s: %d of %d requests answered after %s", topo.label, answers.answered.Load(), s.Requests, s.PhaseTimeout)
 			break
 		}
 	}
@@ -437,13 +389,7 @@ func runScaleBare(t *testing.T, s scaleSettings, topo scaleTopology) scaleOutcom
 	}
 	cpuAll := ourCPU() - cpu0
 	busy1, total1 := cpuTicks()
-	mu.Lock()
-	var arrivals []time.Time
-	for _, at := range firstAt {
-		arrivals = append(arrivals, at)
-	}
-	mu.Unlock()
-	slices.SortFunc(arrivals, func(a, b time.Time) int { return a.Compare(b) })
+	arrivals := answers.arrivals()
 	n := len(arrivals)
 	if n == 0 {
 		t.Fatalf("%s: no request answered", topo.label)

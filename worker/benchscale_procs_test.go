@@ -10,12 +10,16 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	v1 "github.com/buildq/buildq/api/v1"
@@ -222,4 +226,94 @@ func bareNote(s scaleSettings, q, bare scaleSummary) string {
 		bare.wall, q.wall, q.wall/max(bare.wall, 1e-9), bare.hitRate, q.hitRate, bare.msgsIn, q.msgsIn, bare.cpuPerAnswer, q.cpuPerAnswer,
 		bare.natsCPU, bare.clientCPU, q.natsCPU, q.clientCPU,
 		float64(s.Keys)*s.Build.Seconds()/float64(s.Workers*s.InFlight), s.Keys, s.Build, s.Workers*s.InFlight)
+}
+
+// answerLog is every result publish a core subscriber saw, by message id.
+type answerLog struct {
+	mu        sync.Mutex
+	firstAt   map[string]time.Time
+	publishes map[string]int
+	answered  atomic.Int64
+}
+
+// logAnswers subscribes to subject's results on nc.
+func logAnswers(t *testing.T, nc *nats.Conn, subject string) *answerLog {
+	t.Helper()
+	l := &answerLog{firstAt: map[string]time.Time{}, publishes: map[string]int{}}
+	sub, err := nc.Subscribe(subject, func(m *nats.Msg) {
+		id := m.Header.Get(v1.MsgIDHeader)
+		now := time.Now()
+		l.mu.Lock()
+		l.publishes[id]++
+		if _, ok := l.firstAt[id]; !ok {
+			l.firstAt[id] = now
+			l.answered.Add(1)
+		}
+		l.mu.Unlock()
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = sub.SetPendingLimits(-1, -1)
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+// arrivals are the first arrivals of every answer, in order.
+func (l *answerLog) arrivals() []time.Time {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	out := make([]time.Time, 0, len(l.firstAt))
+	for _, at := range l.firstAt {
+		out = append(out, at)
+	}
+	slices.SortFunc(out, func(a, b time.Time) int { return a.Compare(b) })
+	return out
+}
+
+// publishBacklog publishes every request of s as one backlog, 32 at once,
+// each waiting for its PubAck (publish), tried up to 20 times; the
+// returned channel gets the time it took, published counts the requests
+// stored.
+func publishBacklog(t *testing.T, s scaleSettings, publish func(ctx context.Context, req *v1.Request) error) (done <-chan time.Duration, published *atomic.Int64) {
+	start := time.Now()
+	out := make(chan time.Duration, 1)
+	published = &atomic.Int64{}
+	go func() {
+		next := make(chan int)
+		var wg sync.WaitGroup
+		for range 32 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := range next {
+					req := scaleRequest(s, i)
+					var err error
+					for range 20 {
+						pctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+						err = publish(pctx, req)
+						cancel()
+						if err == nil {
+							break
+						}
+						time.Sleep(200 * time.Millisecond)
+					}
+					if err != nil {
+						t.Errorf("publish %s: %v", req.RequestID, err)
+						continue
+					}
+					published.Add(1)
+				}
+			}()
+		}
+		for i := range s.Requests {
+			next <- i
+		}
+		close(next)
+		wg.Wait()
+		out <- time.Since(start)
+	}()
+	return out, published
 }

@@ -9,8 +9,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -72,30 +70,7 @@ func runScale(t *testing.T, s scaleSettings, topo scaleTopology) scaleOutcome {
 	before := streamSizes(ctx, js)
 
 	// Every result publish, as a subscriber sees it.
-	var (
-		mu        sync.Mutex
-		firstAt   = map[string]time.Time{}
-		publishes = map[string]int{}
-		answered  atomic.Int64
-	)
-	sub, err := nc.Subscribe(v1.ResultsPrefix+".>", func(m *nats.Msg) {
-		id := m.Header.Get(v1.MsgIDHeader)
-		now := time.Now()
-		mu.Lock()
-		publishes[id]++
-		if _, ok := firstAt[id]; !ok {
-			firstAt[id] = now
-			answered.Add(1)
-		}
-		mu.Unlock()
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	_ = sub.SetPendingLimits(-1, -1)
-	if err := nc.Flush(); err != nil {
-		t.Fatal(err)
-	}
+	answers := logAnswers(t, nc, v1.ResultsPrefix+".>")
 
 	// Workers.
 	var workers []*scaleProc
@@ -131,42 +106,10 @@ func runScale(t *testing.T, s scaleSettings, topo scaleTopology) scaleOutcome {
 	}
 	cpuSamples := []cpuSample{{at: time.Now(), cpu: ourCPU()}}
 	start := time.Now()
-	var published atomic.Int64
-	publishDone := make(chan time.Duration, 1)
-	go func() {
-		next := make(chan int)
-		var wg sync.WaitGroup
-		for range 32 {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for i := range next {
-					req := scaleRequest(s, i)
-					var err error
-					for range 20 {
-						pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-						_, err = pub.Publish(pctx, req)
-						cancel()
-						if err == nil {
-							break
-						}
-						time.Sleep(200 * time.Millisecond)
-					}
-					if err != nil {
-						t.Errorf("publish %s: %v", req.RequestID, err)
-						continue
-					}
-					published.Add(1)
-				}
-			}()
-		}
-		for i := range s.Requests {
-			next <- i
-		}
-		close(next)
-		wg.Wait()
-		publishDone <- time.Since(start)
-	}()
+	publishDone, published := publishBacklog(t, s, func(ctx context.Context, req *v1.Request) error {
+		_, err := pub.Publish(ctx, req)
+		return err
+	})
 
 	// Wait for every answer, sampling the rate every 10 s.
 	const window = 10 * time.Second
@@ -189,7 +132,7 @@ func runScale(t *testing.T, s scaleSettings, topo scaleTopology) scaleOutcome {
 			t.Logf("%s: %d requests published in %s", topo.label, published.Load(), publishTook.Round(time.Millisecond))
 		default:
 		}
-		n := answered.Load()
+		n := answers.answered.Load()
 		now := time.Now()
 		complete = n >= int64(s.Requests)
 		if now.Sub(lastAt) >= window || complete {
@@ -220,17 +163,13 @@ func runScale(t *testing.T, s scaleSettings, topo scaleTopology) scaleOutcome {
 		case <-time.After(time.Minute):
 		}
 	}
-	mu.Lock()
-	var arrivals []time.Time
-	for _, at := range firstAt {
-		arrivals = append(arrivals, at)
-	}
+	arrivals := answers.arrivals()
 	republished := 0
-	for _, c := range publishes {
+	answers.mu.Lock()
+	for _, c := range answers.publishes {
 		republished += c - 1
 	}
-	mu.Unlock()
-	slices.SortFunc(arrivals, func(a, b time.Time) int { return a.Compare(b) })
+	answers.mu.Unlock()
 	wall := time.Since(start)
 	if len(arrivals) > 0 {
 		wall = arrivals[len(arrivals)-1].Sub(start)

@@ -45,6 +45,9 @@ type dispatcher struct {
 	vnow    float64
 	cons    map[string]jetstream.Consumer
 	wake    chan struct{}
+	// woke: admissions announced while a look's read is in flight (nil
+	// when none is); the read may predate them, and they are kept.
+	woke map[string]map[string]uint64
 }
 
 func newDispatcher(q *Queue) *dispatcher {
@@ -65,6 +68,12 @@ func (d *dispatcher) woken(m *nats.Msg) {
 			d.view[tenant] = map[string]uint64{}
 		}
 		d.view[tenant][prio]++
+		if d.woke != nil {
+			if d.woke[tenant] == nil {
+				d.woke[tenant] = map[string]uint64{}
+			}
+			d.woke[tenant][prio]++
+		}
 	}
 	delete(d.dry, tenant)
 	delete(d.full, tenant)
@@ -77,15 +86,35 @@ func (d *dispatcher) woken(m *nats.Msg) {
 
 // look reads the queue's per-subject counts.
 func (d *dispatcher) look(ctx context.Context) {
+	d.lookWith(ctx, func(ctx context.Context) (map[string]uint64, error) {
+		info, err := d.q.queue.Info(ctx, jetstream.WithSubjectFilter(v1.QueuePrefix+".>"))
+		if err != nil {
+			return nil, err
+		}
+		return info.State.Subjects, nil
+	})
+}
+
+// lookWith makes the view from read's per-subject counts. An admission
+// announced while the read is in flight may be missing from its answer:
+// it is kept (at least what was announced), or the request would wait
+// for the next idle poll with a slot free.
+func (d *dispatcher) lookWith(ctx context.Context, read func(context.Context) (map[string]uint64, error)) {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	info, err := d.q.queue.Info(ctx, jetstream.WithSubjectFilter(v1.QueuePrefix+".>"))
+	d.mu.Lock()
+	d.woke = map[string]map[string]uint64{}
+	d.mu.Unlock()
+	subjects, err := read(ctx)
 	if err != nil {
+		d.mu.Lock()
+		d.woke = nil
+		d.mu.Unlock()
 		d.q.log.Debug("reading the queue failed", zap.Error(err))
 		return
 	}
 	view := map[string]map[string]uint64{}
-	for subj, n := range info.State.Subjects {
+	for subj, n := range subjects {
 		parts := strings.Split(subj, ".")
 		if len(parts) != 4 || n == 0 {
 			continue
@@ -96,6 +125,15 @@ func (d *dispatcher) look(ctx context.Context) {
 		view[parts[2]][parts[3]] = n
 	}
 	d.mu.Lock()
+	for t, ps := range d.woke {
+		for p, n := range ps {
+			if view[t] == nil {
+				view[t] = map[string]uint64{}
+			}
+			view[t][p] = max(view[t][p], n)
+		}
+	}
+	d.woke = nil
 	d.view, d.viewAt, d.dry = view, time.Now(), map[string]bool{}
 	d.mu.Unlock()
 }

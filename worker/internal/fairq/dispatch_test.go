@@ -129,6 +129,39 @@ func TestAnnouncementsAddWorkAndClearDryAndFull(t *testing.T) {
 	}
 }
 
+// A request admitted while the dispatcher reads the queue's counts: the
+// read may be answered before the request was stored, and its
+// announcement, recorded meanwhile, must outlast the read's view —
+// otherwise an idle worker left it queued until its next idle poll (half
+// a second, seen as P1's p99 at 2 requests/s).
+func TestAnAdmissionAnnouncedDuringALookIsKept(t *testing.T) {
+	d := newTestDispatcher(Config{})
+	d.lookWith(context.Background(), func(context.Context) (map[string]uint64, error) {
+		d.woken(&nats.Msg{Data: []byte("a " + v1.PriorityNormal)})
+		// Answered before a's request was stored: b's only.
+		return map[string]uint64{QueueSubject("b", v1.PriorityLow): 2}, nil
+	})
+	if got := d.order(); !slices.Equal(got, []string{"a", "b"}) && !slices.Equal(got, []string{"b", "a"}) {
+		t.Fatalf("order after the look = %v, want a (announced during it) and b (read)", got)
+	}
+	if d.view["a"][v1.PriorityNormal] != 1 || d.view["b"][v1.PriorityLow] != 2 {
+		t.Fatalf("view = %v", d.view)
+	}
+	// The read counted it: counted once.
+	d.lookWith(context.Background(), func(context.Context) (map[string]uint64, error) {
+		d.woken(&nats.Msg{Data: []byte("a " + v1.PriorityNormal)})
+		return map[string]uint64{QueueSubject("a", v1.PriorityNormal): 2}, nil
+	})
+	if d.view["a"][v1.PriorityNormal] != 2 {
+		t.Fatalf("view = %v, want a's 2 as read", d.view)
+	}
+	// An announcement after the look is the view's as before.
+	d.woken(&nats.Msg{Data: []byte("c " + v1.PriorityNormal)})
+	if d.woke != nil || d.view["c"][v1.PriorityNormal] != 1 {
+		t.Fatalf("after the look: woke %v, view %v", d.woke, d.view)
+	}
+}
+
 func TestStartedCountsTheRequestOutOfTheView(t *testing.T) {
 	d := newTestDispatcher(Config{})
 	d.view["a"] = map[string]uint64{v1.PriorityHigh: 1}
