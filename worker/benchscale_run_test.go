@@ -450,8 +450,13 @@ func runScale(t *testing.T, s scaleSettings, topo scaleTopology) scaleOutcome {
 
 	// What bounds it.
 	total := sum(natsCPU) + sum(wcpu) + parentCPU
-	out.sum = scaleSummary{wall: wall.Seconds(), hitRate: rate(n-n/4, n-1), msgsIn: natsMetrics["in_msgs"] / float64(max(n, 1)),
-		cpuPerAnswer: 1000 * total / float64(max(n, 1)), natsCPU: sum(natsCPU), clientCPU: sum(wcpu) + parentCPU}
+	if n > 1 {
+		// Over the same window as the bare protocol's: from the first
+		// publish to the last answer.
+		out.sum = scaleSummary{wall: wall.Seconds(), hitRate: rate(n-n/4, n-1), msgsIn: natsMetrics["in_msgs"] / float64(n),
+			cpuPerAnswer: 1000 * cpuBetween(cpuSamples, start, arrivals[n-1]) / float64(n), natsCPU: sum(natsCPU), clientCPU: sum(wcpu) + parentCPU,
+			hitCPU: cost(n/2, n-1)}
+	}
 	// The first answers include every build (the first request of each key);
 	// the second quarter on are answered mostly from the index.
 	second, last := rate(n/4, n/2), rate(n-n/4, n-1)

@@ -97,8 +97,9 @@ func (d *dispatcher) look(ctx context.Context) {
 
 // lookWith makes the view from read's per-subject counts. An admission
 // announced while the read is in flight may be missing from its answer:
-// it is kept (at least what was announced), or the request would wait
-// for the next idle poll with a slot free.
+// it is added to the answer, or the request would wait for the next idle
+// poll with a slot free. One the answer did count is counted twice: a
+// fetch then finds fewer than the view says, and the view is corrected.
 func (d *dispatcher) lookWith(ctx context.Context, read func(context.Context) (map[string]uint64, error)) {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
@@ -130,7 +131,7 @@ func (d *dispatcher) lookWith(ctx context.Context, read func(context.Context) (m
 			if view[t] == nil {
 				view[t] = map[string]uint64{}
 			}
-			view[t][p] = max(view[t][p], n)
+			view[t][p] += n
 		}
 	}
 	d.woke = nil
