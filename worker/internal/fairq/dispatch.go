@@ -46,7 +46,7 @@ type dispatcher struct {
 	cons    map[string]jetstream.Consumer
 	wake    chan struct{}
 	// woke: admissions announced while a look's read is in flight (nil
-	// when none is); the read may predate them, and they are kept.
+	// when none is); the read may predate them: they are added to it.
 	woke map[string]map[string]uint64
 }
 
