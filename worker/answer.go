@@ -46,13 +46,14 @@ const intakeLookupTimeout = 250 * time.Millisecond
 // to intake's admission, with nothing written for it. The returned settle
 // acks the message (intake runs it after giving its slot back).
 func (h queueHandler) Answer(ctx context.Context, in fairq.Incoming) (bool, func()) {
-	return h.w.answerAtIntake(ctx, in.Msg, in.TakenAtOnce)
+	return h.w.answerAtIntake(ctx, in.Msg, in.TakenAtOnce, "intake")
 }
 
 // answerAtIntake answers msg from the cache when it can; atOnce (the
 // request, not a hit, is most likely taken straight from intake by this
-// worker) has its preflight sent ahead (intakelook.go).
-func (w *Worker) answerAtIntake(ctx context.Context, msg jetstream.Msg, atOnce bool) (answered bool, settle func()) {
+// worker) has its preflight sent ahead (intakelook.go). at names where,
+// for buildq_cache_hits_answered_total: "intake", or "held" (intakehold.go).
+func (w *Worker) answerAtIntake(ctx context.Context, msg jetstream.Msg, atOnce bool, at string) (answered bool, settle func()) {
 	defer func() {
 		if r := recover(); r != nil {
 			// The queue's handler takes the request: it opens the entry
@@ -82,7 +83,7 @@ func (w *Worker) answerAtIntake(ctx context.Context, msg jetstream.Msg, atOnce b
 			zap.String("requestId", v.Data.RequestID), zap.Error(err))
 		return false, nil
 	}
-	w.cfg.Metrics.hitAnswered("intake")
+	w.cfg.Metrics.hitAnswered(at)
 	return true, func() {
 		defer cancel()
 		if err := w.ack(actx, msg, fairq.Action{Kind: fairq.Settle, RequestID: v.Data.RequestID}); err != nil {
@@ -136,29 +137,10 @@ func (w *Worker) answerQueuedHit(ctx context.Context, h *handling) (v verdict, l
 // sendAhead: a request whose key has no record has its preflight sent
 // now (intakelook.go).
 func (w *Worker) cacheVerdict(ctx context.Context, msg jetstream.Msg, meta *jetstream.MsgMetadata, sendAhead bool) (verdict, *ledger.Entry, bool) {
-	req, err := w.decode(msg)
-	if err != nil || req.Source.Git != nil || req.SBOM {
+	req, repo, key, dests, ok := w.plainCandidate(msg)
+	if !ok {
 		return verdict{}, nil, false
 	}
-	if w.cfg.QueueTTL > 0 && !mutant.On("intake-ignores-queue-ttl") {
-		// Whether the request expired is told by the server's clock, from
-		// its ledger entry's first write (ttl.go); an entry created
-		// decided has no write before its decision. With a queue TTL,
-		// every request is the queue's.
-		return verdict{}, nil, false
-	}
-	repo, err := w.cfg.Naming.Repository(req)
-	if err == nil {
-		err = w.cfg.Naming.CheckDestination(req.Tenant, repo)
-	}
-	if err == nil && w.cfg.RegistryFor != nil {
-		_, err = w.cfg.RegistryFor(req.Tenant)
-	}
-	if err != nil {
-		return verdict{}, nil, false
-	}
-	key := w.builds.keyOf(req)
-	dests := naming.Destinations(repo, key, req.Tags)
 	// A hit is quick or not a hit for intake: a slow registry or store
 	// must not hold intake's slots (every tenant's way in) for one
 	// tenant's hits; past intakeLookupTimeout the queue takes it.
@@ -184,7 +166,7 @@ func (w *Worker) cacheVerdict(ctx context.Context, msg jetstream.Msg, meta *jets
 		RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, Key: key, Attempts: int(meta.NumDelivered),
 		Timings: v1.Timings{QueuedAt: at.UTC(), StartedAt: started, QueueWaitMs: started.Sub(at).Milliseconds()},
 	}}}
-	v, err = w.resultVerdict(ctx, v, req, rec, v1.OriginCache, false, repo, dests)
+	v, err := w.resultVerdict(ctx, v, req, rec, v1.OriginCache, false, repo, dests)
 	if err != nil || v.Data.Status != v1.StatusSucceeded {
 		return verdict{}, nil, false
 	}
@@ -199,6 +181,36 @@ func (w *Worker) cacheVerdict(ctx context.Context, msg jetstream.Msg, meta *jets
 	}
 	v.Decision = d
 	return v, le, true
+}
+
+// plainCandidate decodes msg when it may be answered from the cache as it
+// is, at intake or held there: it decodes and validates, its source is no
+// git source, it asks no SBOM, no queue TTL applies, and its destination
+// and registry are the tenant's. ok false: the queue's handler takes it.
+func (w *Worker) plainCandidate(msg jetstream.Msg) (req *v1.Request, repo, key string, dests []string, ok bool) {
+	req, err := w.decode(msg)
+	if err != nil || req.Source.Git != nil || req.SBOM {
+		return nil, "", "", nil, false
+	}
+	if w.cfg.QueueTTL > 0 && !mutant.On("intake-ignores-queue-ttl") {
+		// Whether the request expired is told by the server's clock, from
+		// its ledger entry's first write (ttl.go); an entry created
+		// decided has no write before its decision. With a queue TTL,
+		// every request is the queue's.
+		return nil, "", "", nil, false
+	}
+	repo, err = w.cfg.Naming.Repository(req)
+	if err == nil {
+		err = w.cfg.Naming.CheckDestination(req.Tenant, repo)
+	}
+	if err == nil && w.cfg.RegistryFor != nil {
+		_, err = w.cfg.RegistryFor(req.Tenant)
+	}
+	if err != nil {
+		return nil, "", "", nil, false
+	}
+	key = w.builds.keyOf(req)
+	return req, repo, key, naming.Destinations(repo, key, req.Tags), true
 }
 
 // cached is key's succeeded record when it answers req as it is: the
@@ -255,6 +267,9 @@ func (w *builder) verifiedHit(ctx context.Context, key string) *v1.BuildRecord {
 	rec, at, err := w.sharedRecord(ctx, key)
 	if err == nil && rec == nil {
 		w.looks.sawAbsent(key, at)
+	}
+	if err == nil && rec != nil && rec.State == v1.StateBuilding {
+		w.looks.sawBuilding(key, rec, at)
 	}
 	if err != nil || rec == nil || rec.State != v1.StateSucceeded || rec.Digest == "" {
 		return nil

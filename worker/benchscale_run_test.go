@@ -71,6 +71,10 @@ func runScale(t *testing.T, s scaleSettings, topo scaleTopology) scaleOutcome {
 
 	// Every result publish, as a subscriber sees it.
 	answers := logAnswers(t, nc, v1.ResultsPrefix+".>")
+	var census *subjectCensus
+	if s.Census {
+		census = startCensus(t, nc)
+	}
 
 	// Workers.
 	var workers []*scaleProc
@@ -448,6 +452,10 @@ func runScale(t *testing.T, s scaleSettings, topo scaleTopology) scaleOutcome {
 	row("CPU of the machine used by this benchmark's processes", "%", 100*machine)
 	row("CPU of the machine busy (all processes, /proc/stat)", "%", machineBusy)
 
+	if census != nil {
+		out.notes = append(out.notes, topo.label+": "+census.report(n))
+		t.Log(out.notes[len(out.notes)-1])
+	}
 	// What bounds it.
 	total := sum(natsCPU) + sum(wcpu) + parentCPU
 	if n > 1 {

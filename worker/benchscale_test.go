@@ -67,6 +67,7 @@ type scaleSettings struct {
 	Topologies                                 []string
 	PhaseTimeout                               time.Duration
 	ProfileDir                                 string
+	Census                                     bool // count the clients' messages by subject (a diagnostic run)
 }
 
 func scaleSettingsFromEnv(t *testing.T) scaleSettings {
@@ -102,6 +103,7 @@ func scaleSettingsFromEnv(t *testing.T) scaleSettings {
 		Build:        dur("BUILDQ_SCALE_BUILD", time.Second),
 		PhaseTimeout: dur("BUILDQ_SCALE_PHASE_TIMEOUT", 14*time.Minute),
 		ProfileDir:   os.Getenv("BUILDQ_SCALE_PROFILE"),
+		Census:       os.Getenv("BUILDQ_SCALE_CENSUS") != "",
 		Topologies:   []string{"single", "cluster", "cluster-bare"},
 	}
 	if v := os.Getenv("BUILDQ_SCALE_TOPOLOGIES"); v != "" {

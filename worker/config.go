@@ -71,6 +71,11 @@ type Config struct {
 	// Redeliveries of a request already taken are not expired. 0 (the
 	// default) means no limit.
 	QueueTTL time.Duration
+	// HoldAtIntake is how long intake holds a request whose key is being
+	// built for another request, or is queued to be built by a request
+	// of its tenant at its priority or higher, before it admits it to the
+	// queue (intakehold.go). 0: 2 minutes; negative: never held.
+	HoldAtIntake time.Duration
 	// ContextPrefix is where a request's S3 context must live, {tenant}
 	// standing for its tenant (the CLI and SDK upload under
 	// contexts/{tenant}/). Empty: anywhere (a worker whose producers keep
@@ -166,6 +171,9 @@ func (c Config) WithDefaults() Config {
 	}
 	if c.Lease == 0 {
 		c.Lease = 30 * time.Second
+	}
+	if c.HoldAtIntake == 0 {
+		c.HoldAtIntake = 2 * time.Minute
 	}
 	if c.ShutdownTimeout == 0 {
 		c.ShutdownTimeout = 10 * time.Second

@@ -52,7 +52,12 @@ func upsertWorkersConsumer(ctx context.Context, js jetstream.JetStream, ackWait 
 		// delivered again, so a request handed back on its last delivery
 		// would be stranded without a result. The worker enforces
 		// cfg.MaxDeliver itself, on transient failures.
-		MaxDeliver:    -1,
+		MaxDeliver: -1,
+		// Unlimited too: intake holds first deliveries while their key
+		// builds (intakehold.go), each worker at most maxHeldAtIntake, and
+		// the server's default of 1,000 would stop every worker's fetch
+		// of new requests — the builds' own among them — behind them.
+		MaxAckPending: -1,
 		FilterSubject: v1.RequestsPrefix + ".>",
 	})
 	if err != nil {

@@ -69,6 +69,11 @@ func testConfig(id string) Config {
 		ShutdownTimeout: 5 * time.Second,
 		Naming:          naming.Policy{Registry: "registry.test:5000"},
 		ContextPrefix:   "contexts/{tenant}/",
+		// Duplicates of a build in progress are queued and parked by
+		// their handlers, the paths most tests exercise; a test of the
+		// holds at intake (intakehold_test.go) turns them on, and the
+		// fault simulation varies them by seed and worker.
+		HoldAtIntake: -1,
 	}
 }
 

@@ -36,9 +36,10 @@ import (
 
 // intakeLooks is what intake saw of records and tags, by key and by tag.
 type intakeLooks struct {
-	mu     sync.Mutex
-	absent map[string]time.Time       // key → when the read that found no record started
-	pre    map[string]*preflightAhead // tenant and tag → the HEAD sent ahead
+	mu       sync.Mutex
+	absent   map[string]time.Time       // key → when the read that found no record started
+	building map[string]buildingLook    // key → the read that found it building
+	pre      map[string]*preflightAhead // tenant and tag → the HEAD sent ahead
 }
 
 // preflightAhead is a preflight HEAD intake sent; done closes when read
@@ -83,11 +84,47 @@ func (l *intakeLooks) absentSince(key string) (time.Time, bool) {
 	return at, true
 }
 
-// forget drops what was seen of key: this worker wrote its record.
+// forget drops what was seen of key: this worker wrote its record, or
+// the record changed (intakehold.go).
 func (l *intakeLooks) forget(key string) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	delete(l.absent, key)
+	delete(l.building, key)
+}
+
+// buildingLook is a read that found a record building: when it started,
+// and how long the run may sit unchanged before it counts as lapsed.
+type buildingLook struct {
+	at    time.Time
+	lapse time.Duration
+}
+
+// sawBuilding remembers that a read of key's record, started at at, found
+// rec building.
+func (l *intakeLooks) sawBuilding(key string, rec *v1.BuildRecord, at time.Time) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.building == nil || len(l.building) >= maxIntakeLooks {
+		l.building = map[string]buildingLook{}
+	}
+	l.building[key] = buildingLook{at: at, lapse: rec.LapseAfter()}
+}
+
+// seen is what the last read of key's record that still stands (within
+// lookAheadFresh of now) found — "absent" or "building" — and when it
+// started, with a building run's lapse; "" when none stands or it found
+// anything else.
+func (l *intakeLooks) seen(key string) (state string, at time.Time, lapse time.Duration) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if at, ok := l.absent[key]; ok && time.Since(at) < lookAheadFresh {
+		return "absent", at, 0
+	}
+	if b, ok := l.building[key]; ok && time.Since(b.at) < lookAheadFresh {
+		return "building", b.at, b.lapse
+	}
+	return "", time.Time{}, 0
 }
 
 func preflightKey(tenant, tag string) string { return tenant + " " + tag }

@@ -22,6 +22,7 @@ type Metrics struct {
 	parks     prometheus.Counter
 	requeues  prometheus.Counter
 	parkedNow prometheus.Gauge
+	heldNow   prometheus.Gauge
 	dead      prometheus.Counter
 	ready     prometheus.Gauge
 	refused   *prometheus.CounterVec
@@ -78,6 +79,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		Name: "buildq_requeued_requests_total",
 		Help: "Parked requests published again: their run failed for its claimer's own inputs, or nobody ran it any more.",
 	})
+	m.heldNow = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "buildq_requests_held_at_intake",
+		Help: "Requests this worker's intake holds, unqueued, until the build of their key (for another request) ends.",
+	})
 	m.parkedNow = prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "buildq_requests_waiting_on_builds",
 		Help: "Requests parked on builds in progress, as this worker's last sweep of the waiter index counted them.",
@@ -112,9 +117,9 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	})
 	m.hits = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "buildq_cache_hits_answered_total",
-		Help: "Cache hits answered with one ledger write (the entry created with its decision), by where: intake (never queued) or queue (queued while its key was building, a plain hit when taken).",
+		Help: "Cache hits answered with one ledger write (the entry created with its decision), by where: intake (never queued), held (held at intake until its key's build for another request ended) or queue (queued while its key was building, a plain hit when taken).",
 	}, []string{"at"})
-	reg.MustRegister(m.results, m.inFlight, m.queueWait, m.buildTime, m.retries, m.dupes, m.parks, m.requeues, m.parkedNow,
+	reg.MustRegister(m.results, m.inFlight, m.queueWait, m.buildTime, m.retries, m.dupes, m.parks, m.requeues, m.parkedNow, m.heldNow,
 		m.running, m.queued, m.dead, m.ready, m.refused, m.logs, m.logBytes, m.attests, m.hits, m.direct)
 	return m
 }
@@ -184,6 +189,12 @@ func (m *Metrics) takenDirect() {
 func (m *Metrics) hitAnswered(at string) {
 	if m != nil {
 		m.hits.WithLabelValues(at).Inc()
+	}
+}
+
+func (m *Metrics) heldAtIntake(n int) {
+	if m != nil {
+		m.heldNow.Set(float64(n))
 	}
 }
 

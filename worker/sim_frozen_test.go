@@ -53,7 +53,9 @@ func TestFrozenScenarios(t *testing.T) {
 		t.Run(sc.name, func(t *testing.T) {
 			t.Parallel()
 			for range repeat {
-				out := runSim(t, newSimSchedule(sc.seed))
+				sched := newSimSchedule(sc.seed)
+				sched.noHolds = true
+				out := runSim(t, sched)
 				if len(out.violations) > 0 {
 					t.Errorf("frozen scenario %s (seed %d, which found: %s):\n%s", sc.name, sc.seed, sc.found, out.report)
 					return

@@ -197,15 +197,18 @@ func simSummary(outs []simOutcome, first, n int64, took time.Duration) string {
 	}
 	slices.Sort(rs)
 	fmt.Fprintf(&b, "  results stored: %s\n", strings.Join(rs, ", "))
-	parked, requeued, atIntake, fromQueue, direct := 0, 0, 0, 0, 0
+	parked, requeued, atIntake, fromQueue, direct, held, heldHits := 0, 0, 0, 0, 0, 0, 0
 	for _, o := range outs {
 		atIntake += o.atIntake
 		fromQueue += o.queuedHits
+		held += o.held
+		heldHits += o.heldHits
 		direct += o.direct
 		parked += o.parked
 		requeued += o.requeued
 	}
 	fmt.Fprintf(&b, "  cache hits answered at intake: %d; from the queue with one write: %d\n", atIntake, fromQueue)
+	fmt.Fprintf(&b, "  requests held at intake while their key built: %d (answered where held: %d; the others went to the queue)\n", held, heldHits)
 	fmt.Fprintf(&b, "  requests taken straight from intake (no queue hop): %d\n", direct)
 	fmt.Fprintf(&b, "  requests parked on builds in progress: %d (requeued: %d)\n", parked, requeued)
 	republished := 0

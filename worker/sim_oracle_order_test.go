@@ -62,7 +62,11 @@ func (w *simWorld) judgeOrder(out *simOutcome) {
 	first := map[string]take{}
 	var takes []simEvent
 	ended := map[string]time.Duration{} // the request stopped holding a slot
+	held := map[string]bool{}           // held at intake: it waited on its key's build, not in the queue
 	for _, e := range w.events {
+		if strings.HasPrefix(e.msg, "held at intake") {
+			held[e.id] = true
+		}
 		switch e.phase {
 		case v1.PhaseQueued:
 			if _, ok := first[e.id]; !ok {
@@ -105,7 +109,7 @@ func (w *simWorld) judgeOrder(out *simOutcome) {
 			continue
 		}
 		for _, o := range w.subs {
-			if o == s || !o.accepted || o.start+simOrderSlack > tk.at {
+			if o == s || !o.accepted || o.start+simOrderSlack > tk.at || held[o.id] {
 				continue
 			}
 			if ot, ok := first[o.id]; !ok || ot.at <= tk.at+200*time.Millisecond {

@@ -319,6 +319,9 @@ func (w *simWorld) judge(out *simOutcome) {
 		if e.phase == v1.PhaseQueued {
 			taken[e.id] = true
 		}
+		if strings.HasPrefix(e.msg, "held at intake") {
+			out.held++
+		}
 	}
 	for _, r := range w.finalStored {
 		if r.r.Data.Origin == v1.OriginCache && !taken[r.id] {
@@ -326,6 +329,7 @@ func (w *simWorld) judge(out *simOutcome) {
 		}
 	}
 	out.queuedHits = int(testutil.ToFloat64(w.metrics.hits.WithLabelValues("queue")))
+	out.heldHits = int(testutil.ToFloat64(w.metrics.hits.WithLabelValues("held")))
 	out.direct = int(testutil.ToFloat64(w.metrics.direct))
 	out.parked = int(testutil.ToFloat64(w.metrics.parks))
 	out.requeued = int(testutil.ToFloat64(w.metrics.requeues))

@@ -48,6 +48,8 @@ type simOutcome struct {
 	results    map[string]int // stored results by status/reason
 	atIntake   int            // cache hits answered at intake
 	queuedHits int            // plain cache hits taken from the queue, answered with one write
+	held       int            // requests held at intake (intakehold.go)
+	heldHits   int            // held requests answered from the cache where they were held
 	direct     int            // requests taken straight from intake (fairq's direct.go)
 	parked     int            // requests parked on a build in progress
 	requeued   int            // parked requests published again

@@ -45,6 +45,10 @@ type simSchedule struct {
 	reqs     []simReqPlan
 	faults   []simFault
 	burst    *simBurst
+	// noHolds: no worker holds requests at intake (the frozen scenarios,
+	// found before holds existed, run the paths they found); otherwise
+	// holds vary by seed and worker (simWorld.holdAtIntake).
+	noHolds bool
 }
 
 type simReqPlan struct {

@@ -43,7 +43,19 @@ func (w *simWorld) workerConfig(id string, slot int, skew time.Duration) Config 
 		Metrics:         w.metrics,
 		Now:             func() time.Time { return time.Now().Add(skew) },
 		Fair:            w.fair(),
+		HoldAtIntake:    w.holdAtIntake(slot),
 	}
+}
+
+// holdAtIntake varies, by seed and worker, whether intake holds requests
+// whose key is being built (intakehold.go) and for how long: never (its
+// duplicates are queued and parked by their handlers), a few seconds
+// (holds run out within the schedule and are admitted), or the default.
+func (w *simWorld) holdAtIntake(slot int) time.Duration {
+	if w.sc.noHolds {
+		return -1
+	}
+	return []time.Duration{-1, 3 * time.Second, 0}[(int(w.seed)/2+slot)%3]
 }
 
 // fair gives odd seeds fair-queueing rules: acme at most 2 requests at

@@ -44,8 +44,10 @@ type Worker struct {
 	runs *runs.Store
 	// The worker's components, each with its own state: the tenant API
 	// (internal/tenantapi), parking (park.go) and the builder (build.go).
-	api    *tenantapi.Service
-	park   *parking
+	api  *tenantapi.Service
+	park *parking
+	// room holds requests at intake while their key builds (intakehold.go).
+	room   *intakeRoom
 	builds *builder
 	// jobs: the janitor's view of Jobs left behind (janitor.go).
 	jobs janitor
@@ -107,6 +109,7 @@ func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 	}
 	w.fq = fairq.New(js, nc, queueHandler{w}, fairq.Options{Fair: cfg.Fair, ID: cfg.ID, Lease: cfg.Lease, AckWait: cfg.AckWait,
 		MaxDeliver: cfg.MaxDeliver, MaxInFlight: cfg.MaxInFlight, Now: cfg.Now, Log: log, Metrics: queueMetrics{cfg.Metrics}, Ledger: w.ledger})
+	w.room = newIntakeRoom(w)
 	w.park = &parking{cfg: &w.cfg, ledger: w.ledger, runs: w.runs, js: js, log: log, bg: &w.bg,
 		publish: w.publish, event: w.event, answer: w.resultVerdict, parked: parkWatch{seen: map[string]observed{}}}
 	w.logs = &buildLogs{cfg: &w.cfg, reader: buildlog.NewReader(js), log: log,
@@ -508,6 +511,13 @@ func (w *Worker) Run(ctx context.Context) error {
 		}()
 	}
 
+	// Requests held at intake until their key's build ends: the room
+	// closes, handing them back, when intake stops.
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		w.room.run(ctx, workCtx)
+	}()
 	// Intake admits new requests to the tenants' queues; the dispatcher
 	// runs them on this worker's free slots, fairly between tenants.
 	w.fq.Run(ctx, workCtx, &wg, w.cons, func() time.Duration { return time.Duration(w.ackWait.Load()) })

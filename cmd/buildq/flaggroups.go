@@ -51,7 +51,7 @@ var flagGroups = []flagGroup{
 		"tenant-registry-secret", "tenant-registry-configs", "tenant-git-secret", "tenant-git-configs",
 	}},
 	{"limits", "Limits", []string{
-		"max-in-flight", "default-timeout", "max-timeout", "queue-ttl",
+		"max-in-flight", "default-timeout", "max-timeout", "queue-ttl", "hold-at-intake",
 	}},
 	{"git", "Git sources", []string{
 		"allowed-git-host", "insecure-git-host", "git-timeout", "git-max-concurrent", "git-max-depth",

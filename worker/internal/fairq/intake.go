@@ -110,7 +110,8 @@ type intakeView struct {
 // admit moves one request from BUILDQ_REQUESTS to its tenant's queue, or
 // refuses it over the tenant's queue-length limit, or has the handler
 // answer it at once (Answerer): then it returns what settles the message,
-// to be run once the intake slot is given back.
+// to be run once the intake slot is given back; or the handler holds it
+// until its key's build ends (Holder), and then answers or admits it.
 func (q *Queue) admit(ctx context.Context, msg jetstream.Msg) (settle func()) {
 	meta, err := msg.Metadata()
 	if err != nil {
@@ -118,7 +119,6 @@ func (q *Queue) admit(ctx context.Context, msg jetstream.Msg) (settle func()) {
 		_ = msg.TermWithReason("no metadata")
 		return
 	}
-	log := q.log.With(zap.Uint64("seq", meta.Sequence.Stream))
 	if len(msg.Data()) > v1.MaxRequestBytes {
 		// Refused as too large where it is: nothing worth queueing.
 		q.handle(ctx, Incoming{Msg: msg}, nil)
@@ -132,8 +132,6 @@ func (q *Queue) admit(ctx context.Context, msg jetstream.Msg) (settle func()) {
 	_ = json.Unmarshal(msg.Data(), &view) // a body that does not decode is refused when it is taken
 	prio, _ := v1.PriorityOf(view.Priority)
 
-	actx, cancel := context.WithTimeout(ctx, 15*time.Second)
-	defer cancel()
 	if n := headerBytes(msg.Headers()); n > maxRequestHeaderBytes {
 		// The queue's copy adds headers: a block near JetStream's 64 KiB
 		// limit would be refused there on every try, holding intake.
@@ -141,15 +139,35 @@ func (q *Queue) admit(ctx context.Context, msg jetstream.Msg) (settle func()) {
 			"the request's headers are %d bytes, more than the %d allowed", n, maxRequestHeaderBytes)}}, nil)
 		return
 	}
+	atOnce := tenant != invalidTenant && q.takenAtOnce(meta, tenant)
 	if a, ok := q.h.(Answerer); ok && tenant != invalidTenant {
 		// A cache hit needs no build slot: answered here, it neither
 		// waits in the queue nor counts against its limits.
-		if ok, settle := a.Answer(ctx, Incoming{Msg: msg, TakenAtOnce: q.takenAtOnce(meta, tenant)}); ok {
+		if ok, settle := a.Answer(ctx, Incoming{Msg: msg, TakenAtOnce: atOnce}); ok {
 			return settle
 		}
 	}
+	if hd, ok := q.h.(Holder); ok && tenant != invalidTenant && meta.NumDelivered == 1 {
+		// A request whose key's build is queued or running elsewhere may
+		// wait for it here, holding no intake slot and no place in the
+		// queue, to be answered from the cache when the build ends.
+		if hd.Hold(ctx, Incoming{Msg: msg, TakenAtOnce: atOnce}, func(ctx context.Context) { q.enqueue(ctx, msg, meta, tenant, prio, view) }) {
+			return nil
+		}
+	}
+	q.enqueue(ctx, msg, meta, tenant, prio, view)
+	return nil
+}
+
+// enqueue admits msg to its tenant's queue (or hands it straight to this
+// worker's idle dispatcher, direct.go), or refuses it over the tenant's
+// queue-length limit.
+func (q *Queue) enqueue(ctx context.Context, msg jetstream.Msg, meta *jetstream.MsgMetadata, tenant, prio string, view intakeView) {
+	log := q.log.With(zap.Uint64("seq", meta.Sequence.Stream))
+	actx, cancel := context.WithTimeout(ctx, 15*time.Second)
+	defer cancel()
 	if q.dispatchDirect(msg, meta, tenant, prio) {
-		return nil // its handler settles it (direct.go)
+		return // its handler settles it (direct.go)
 	}
 	// The limit is checked on the first delivery only: a redelivery may
 	// follow an admission whose ack was lost, and the count would then
@@ -235,7 +253,6 @@ func (q *Queue) admit(ctx context.Context, msg jetstream.Msg) (settle func()) {
 	if err := msg.DoubleAck(actx); err != nil {
 		log.Warn("ack of an admitted request failed; its redelivery is dropped as a duplicate", zap.Error(err))
 	}
-	return nil
 }
 
 // refuse answers a request intake refuses at its tenant's queue limit.

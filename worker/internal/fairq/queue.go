@@ -151,6 +151,19 @@ type Answerer interface {
 	Answer(ctx context.Context, in Incoming) (ok bool, settle func())
 }
 
+// Holder is a QueueHandler that can hold a request at intake while its
+// key's build, queued or running for another request, is under way, and
+// answer it from the cache when the build ends (docs/design.md §2d, "Held
+// at intake"). It is asked about first deliveries only, after Answer.
+type Holder interface {
+	// Hold reports whether the holder took in: the message is then the
+	// holder's, heartbeaten on its consumer, until it either settles it
+	// (an answer's ack, a hand-back) or calls admit, once, to have intake
+	// admit it as it would have without the hold. false leaves in
+	// untouched, with nothing written for it.
+	Hold(ctx context.Context, in Incoming, admit func(ctx context.Context)) bool
+}
+
 // Incoming is a request message to handle, and what the queue knows of
 // it.
 type Incoming struct {
