@@ -264,12 +264,12 @@ func (w *builder) verifiedHit(ctx context.Context, key string) *v1.BuildRecord {
 	}
 	// Not a hit is not remembered (an absence only for a moment): a key
 	// whose build ends answers its next request from the cache at once.
-	rec, at, err := w.sharedRecord(ctx, key)
+	rec, at, rev, err := w.sharedRecord(ctx, key)
 	if err == nil && rec == nil {
 		w.looks.sawAbsent(key, at)
 	}
 	if err == nil && rec != nil && rec.State == v1.StateBuilding {
-		w.looks.sawBuilding(key, rec, at)
+		w.looks.sawBuilding(key, rec, rev, at)
 	}
 	if err != nil || rec == nil || rec.State != v1.StateSucceeded || rec.Digest == "" {
 		return nil
@@ -290,30 +290,32 @@ func (w *builder) verifiedHit(ctx context.Context, key string) *v1.BuildRecord {
 	return rec
 }
 
-// sharedRecord reads key's record, and when that read started.
-// Concurrent reads of one key share a single read in flight (cache hits on
-// a popular key arrive together); the start is that read's.
-func (w *builder) sharedRecord(ctx context.Context, key string) (*v1.BuildRecord, time.Time, error) {
+// sharedRecord reads key's record, and when that read started, with the
+// record's revision (0: none). Concurrent reads of one key share a single
+// read in flight (cache hits on a popular key arrive together); the start
+// is that read's.
+func (w *builder) sharedRecord(ctx context.Context, key string) (*v1.BuildRecord, time.Time, uint64, error) {
 	type read struct {
 		rec *v1.BuildRecord
 		at  time.Time
+		rev uint64
 	}
 	ch := w.records.DoChan(key, func() (any, error) {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
 		defer cancel()
 		at := time.Now()
-		rec, _, err := w.runs.Get(rctx, key)
-		return read{rec, at}, err
+		rec, rev, err := w.runs.Get(rctx, key)
+		return read{rec, at, rev}, err
 	})
 	select {
 	case r := <-ch:
 		if r.Err != nil {
-			return nil, time.Time{}, r.Err
+			return nil, time.Time{}, 0, r.Err
 		}
 		got, _ := r.Val.(read)
-		return got.rec, got.at, nil
+		return got.rec, got.at, got.rev, nil
 	case <-ctx.Done():
-		return nil, time.Time{}, context.Cause(ctx)
+		return nil, time.Time{}, 0, context.Cause(ctx)
 	}
 }
 

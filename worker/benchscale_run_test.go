@@ -422,6 +422,7 @@ func runScale(t *testing.T, s scaleSettings, topo scaleTopology) scaleOutcome {
 	row("results published again (same result, dropped by the stream)", "publishes", float64(republished))
 	row("cache hits answered at intake (one ledger write)", "requests", metrics["buildq_cache_hits_answered_total/intake"])
 	row("cache hits answered from the queue (one ledger write)", "requests", metrics["buildq_cache_hits_answered_total/queue"])
+	row("requests held at intake while their key built, answered where held (one ledger write)", "requests", metrics["buildq_cache_hits_answered_total/held"])
 	row("requests parked", "requests", metrics["buildq_parked_requests_total"])
 	row("transient retries", "retries", metrics["buildq_retries_total"])
 	row("worker peak RSS, max", "MiB", slices.Max(rss))

@@ -72,9 +72,9 @@ type Config struct {
 	// default) means no limit.
 	QueueTTL time.Duration
 	// HoldAtIntake is how long intake holds a request whose key is being
-	// built for another request, or is queued to be built by a request
-	// of its tenant at its priority or higher, before it admits it to the
-	// queue (intakehold.go). 0: 2 minutes; negative: never held.
+	// built for another request of its tenant, or is queued to be built
+	// by one at its priority or higher, before it admits it to the queue
+	// (intakehold.go). 0: 2 minutes; negative: never held.
 	HoldAtIntake time.Duration
 	// ContextPrefix is where a request's S3 context must live, {tenant}
 	// standing for its tenant (the CLI and SDK upload under

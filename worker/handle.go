@@ -363,6 +363,7 @@ func (w *Worker) refreshAckWait(ctx context.Context) {
 	defer cancel()
 	if info, err := w.cons.Info(ctx); err == nil {
 		w.ackWait.Store(int64(info.Config.AckWait))
+		w.ackPendingCapped.Store(info.Config.MaxAckPending > 0)
 	}
 }
 

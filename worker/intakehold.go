@@ -16,36 +16,32 @@ import (
 	"github.com/buildq/buildq/worker/internal/runs"
 )
 
-// Held at intake (docs/design.md §2d). A request whose key is being built
-// for another request, or whose key has no record yet while another
-// request of the same tenant and at least its priority is queued to build
-// it (a pending mark, internal/ledger/pending.go), is a cache hit a little
-// later. Queued, it would cost the queue's hop (a publish, a wake-up, a
-// fetch, a delete and an ack) and wait for a slot behind the builds;
-// parked by its handler, a waiter entry written and deleted and a
-// decision updated. Instead intake holds its message here, unacked and
-// heartbeaten on buildq-workers, with nothing written for it; every
-// worker watches the build records, and when the key's record changes
-// from building, its held requests are answered the way intake answers
-// a hit (the entry created with its decision, the result published, the
-// message acked) — or, when that answer is not a plain one (the build
-// failed, the record went, a copy or attestation is due), admitted to
-// the queue as intake would have admitted them at first. Nothing is
-// decided by the hold: the record's state decides, through the same
-// path as every intake answer.
+// Held at intake (docs/design.md §2d, item 4). A request whose key is
+// being built for another request of its tenant, or whose key has no
+// record yet while another request of the same tenant and at least its
+// priority is queued to build it (a pending mark,
+// internal/ledger/pending.go), is a cache hit a little later. Queued, it
+// would cost the queue's hop (a publish, a wake-up, a fetch, a delete and
+// an ack) and wait for a slot behind the builds; parked by its handler, a
+// waiter entry written and deleted and a decision updated. Instead intake
+// holds its message here, unacked and heartbeaten on buildq-workers, with
+// nothing written for it; every worker watches the build records, and
+// when the key's record changes from building, its held requests are
+// answered the way intake answers a hit (the entry created with its
+// decision, the result published, the message acked) — or, when that
+// answer is not a plain one (the build failed, the record went, a copy or
+// attestation is due), admitted to the queue as intake would have
+// admitted them at first. Nothing is decided by the hold: the record's
+// state decides, through the same path as every intake answer.
 //
-// Bounds: a worker holds at most maxHeldAtIntake requests (past that,
-// requests are queued as before); a request held --hold-at-intake (2
-// minutes) is admitted; only a first delivery is held (a redelivery may follow an
-// admission whose ack was lost); and on a stop every held request is
-// handed back (Nak), to be admitted by the worker that takes it next. A
-// worker that dies holding requests loses nothing: their messages come
-// back after AckWait and are admitted then.
-//
-// Fair share and priorities hold: a request is held on a pending mark
-// only when the mark's request is of its own tenant and at least its
-// priority, so it could not have been taken before that request anyway;
-// a build already running is what parking waits on too.
+// Held requests also go to the queue when their run's record sits
+// unchanged past its lapse, when their mark's request was decided
+// without a record, and when their hold reaches --hold-at-intake; they
+// are handed back (Nak) on a stop. A request let go keeps its heartbeat
+// until settled; one whose heartbeats lapsed is left to its redelivery.
+// A worker holds at most maxHeldAtIntake, only first deliveries, nothing
+// of a tenant with a queue-length limit, and nothing while buildq-workers
+// has a MaxAckPending number.
 
 const (
 	// maxHeldAtIntake bounds what one worker holds.
@@ -61,13 +57,20 @@ type intakeRoom struct {
 	mu    sync.Mutex
 	open  bool // the records' watch runs: requests may be held
 	byKey map[string]*heldKey
-	n     int
-	// updated: when the watch showed each key's record change, for a
-	// look that began about when a change the watch showed before the
-	// request was held (kept a second).
-	updated map[string]time.Time
-	ctx     context.Context // the worker's work context: answers and admissions run in it
-	sem     chan struct{}
+	n     int // held, and let go but not yet settled
+	// seen: the last revision of each key's record the watch showed, and
+	// when (kept a minute): a request held on a look older than that
+	// revision — a read served by a replica a moment behind — is let go
+	// at once, not left for an update that already passed.
+	seen map[string]seenRev
+	ctx  context.Context // the worker's work context: answers and admissions run in it
+	sem  chan struct{}
+}
+
+// seenRev is a record revision the watch showed, and when.
+type seenRev struct {
+	rev uint64
+	at  time.Time
 }
 
 // heldKey is what the room holds on one build key.
@@ -81,13 +84,15 @@ type heldKey struct {
 	building bool
 	changed  time.Time
 	lapse    time.Duration
-	// mark, without a record: the pending mark's request, looked up
-	// every lease/2 (checked): decided or gone, it builds nothing.
+	rev      uint64 // the last revision seen
+
+	// mark, without a record: the pending mark's request. checked: when
+	// the mark's request (or a quiet building record) was last looked up.
 	mark    ledger.Pending
 	checked time.Time
 }
 
-// heldReq is one held request.
+// heldReq is one held request; beat is when its last heartbeat went.
 type heldReq struct {
 	msg         jetstream.Msg
 	since, beat time.Time
@@ -95,7 +100,7 @@ type heldReq struct {
 }
 
 func newIntakeRoom(w *Worker) *intakeRoom {
-	return &intakeRoom{w: w, byKey: map[string]*heldKey{}, updated: map[string]time.Time{}, sem: make(chan struct{}, heldAnswering)}
+	return &intakeRoom{w: w, byKey: map[string]*heldKey{}, seen: map[string]seenRev{}, sem: make(chan struct{}, heldAnswering)}
 }
 
 // Hold is fairq.Holder: intake asks it about a first delivery it could
@@ -118,7 +123,7 @@ func (r *intakeRoom) hold(ctx context.Context, msg jetstream.Msg, atOnce bool, a
 			held = false
 		}
 	}()
-	if w.cfg.HoldAtIntake < 0 || !w.ledger.Ready() || !r.room() {
+	if w.cfg.HoldAtIntake < 0 || !w.ledger.Ready() || w.ackPendingCapped.Load() || !r.room() {
 		return false
 	}
 	meta, err := msg.Metadata()
@@ -129,10 +134,21 @@ func (r *intakeRoom) hold(ctx context.Context, msg jetstream.Msg, atOnce bool, a
 	if !ok || !w.builds.shownHeld(req) {
 		return false
 	}
-	state, lookAt, lapse := w.builds.looks.seen(key)
+	if w.cfg.Fair.QueueLimitOf(req.Tenant) > 0 && !mutant.On("hold-past-queue-limit") {
+		// Held, its requests would not count against the limit: a tenant
+		// with one queues them, and the limit is kept where it is kept.
+		return false
+	}
+	look := w.builds.looks.seen(key)
 	var mark ledger.Pending
-	switch state {
+	switch look.state {
 	case "building":
+		if look.tenant != req.Tenant && !mutant.On("hold-on-any-tenants-run") {
+			// Another tenant's run: queued, its handler parks the request
+			// in the waiter index, where a cancel of that tenant sees it
+			// and spares the build for it (§3).
+			return false
+		}
 	case "absent":
 		if atOnce {
 			return false
@@ -169,8 +185,8 @@ func (r *intakeRoom) hold(ctx context.Context, msg jetstream.Msg, atOnce bool, a
 		hk = &heldKey{changed: now, checked: now}
 		r.byKey[key] = hk
 	}
-	if state == "building" && !hk.building {
-		hk.building, hk.changed, hk.lapse = true, now, lapse
+	if look.state == "building" && !hk.building {
+		hk.building, hk.changed, hk.lapse, hk.rev = true, now, look.lapse, look.rev
 	}
 	if !hk.building && hk.mark.Tenant == "" {
 		hk.mark = mark
@@ -178,16 +194,15 @@ func (r *intakeRoom) hold(ctx context.Context, msg jetstream.Msg, atOnce bool, a
 	hk.reqs = append(hk.reqs, hr)
 	r.n++
 	n := r.n
-	// Within a second before the look: a read served by a replica may
-	// lag the watch's update by a moment.
-	changed := r.updated[key].After(lookAt.Add(-time.Second))
+	// The watch showed a revision the look did not (absent: any): the
+	// record changed before the request was held, maybe for good.
+	sr, ok := r.seen[key]
+	passed := ok && sr.rev > look.rev
 	r.mu.Unlock()
 	w.cfg.Metrics.heldAtIntake(n)
 	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: key, Phase: v1.PhaseWaiting,
-		Message: "held at intake: its key is being built for another request; answered when it ends"})
-	if changed {
-		// The record changed about when the look began, before the
-		// request was held: its update may have passed it by.
+		Message: "held at intake: its key is being built for another request; the cache answers it once that build is done"})
+	if passed {
 		r.recheck(key)
 	}
 	return true
@@ -212,10 +227,22 @@ func (r *intakeRoom) room() bool {
 }
 
 // run watches the build records until ctx ends (intake stops), then
-// hands every held request back.
+// hands every held request back. The heartbeats and time limits run on
+// their own, whether the watch runs or not.
 func (r *intakeRoom) run(ctx, workCtx context.Context) {
 	w := r.w
-	defer r.close()
+	r.mu.Lock()
+	r.ctx = workCtx
+	r.mu.Unlock()
+	ticks := make(chan struct{})
+	go func() {
+		defer close(ticks)
+		r.beats(ctx)
+	}()
+	defer func() {
+		<-ticks
+		r.close()
+	}()
 	for ctx.Err() == nil {
 		watch, err := w.runs.Bucket().WatchAll(ctx, jetstream.UpdatesOnly())
 		if err != nil {
@@ -228,7 +255,7 @@ func (r *intakeRoom) run(ctx, workCtx context.Context) {
 			}
 		}
 		r.mu.Lock()
-		r.open, r.ctx = true, workCtx
+		r.open = true
 		keys := make([]string, 0, len(r.byKey))
 		for k := range r.byKey {
 			keys = append(keys, k)
@@ -249,8 +276,6 @@ func (r *intakeRoom) run(ctx, workCtx context.Context) {
 
 // watch acts on the records' updates until the watch ends or ctx does.
 func (r *intakeRoom) watch(ctx context.Context, watch jetstream.KeyWatcher) {
-	tick := time.NewTimer(r.tickEvery())
-	defer tick.Stop()
 	for {
 		select {
 		case e, ok := <-watch.Updates():
@@ -260,9 +285,21 @@ func (r *intakeRoom) watch(ctx context.Context, watch jetstream.KeyWatcher) {
 			if e != nil {
 				r.updatedKey(e)
 			}
-		case <-tick.C:
+		case <-ctx.Done():
+			return
+		}
+	}
+}
+
+// beats runs tick until ctx ends.
+func (r *intakeRoom) beats(ctx context.Context) {
+	t := time.NewTimer(r.tickEvery())
+	defer t.Stop()
+	for {
+		select {
+		case <-t.C:
 			r.tick()
-			tick.Reset(r.tickEvery())
+			t.Reset(r.tickEvery())
 		case <-ctx.Done():
 			return
 		}
@@ -281,7 +318,9 @@ func (r *intakeRoom) updatedKey(e jetstream.KeyValueEntry) {
 	key := e.Key()
 	now := time.Now()
 	r.mu.Lock()
-	r.updated[key] = now
+	if cur, ok := r.seen[key]; !ok || e.Revision() > cur.rev {
+		r.seen[key] = seenRev{rev: e.Revision(), at: now}
+	}
 	hk := r.byKey[key]
 	if hk == nil {
 		r.mu.Unlock()
@@ -289,7 +328,10 @@ func (r *intakeRoom) updatedKey(e jetstream.KeyValueEntry) {
 	}
 	if e.Operation() == jetstream.KeyValuePut {
 		if rec := runs.Decode(key, e.Value()); rec.State == v1.StateBuilding || mutant.On("hold-until-success") && rec.State != v1.StateSucceeded {
-			hk.building, hk.changed, hk.lapse = true, now, rec.LapseAfter()
+			if !hk.building || e.Revision() > hk.rev {
+				// Changed (a read of the same revision is no sign of life).
+				hk.building, hk.changed, hk.lapse, hk.rev = true, now, rec.LapseAfter(), e.Revision()
+			}
 			r.mu.Unlock()
 			return
 		}
@@ -308,15 +350,12 @@ func (r *intakeRoom) letGo(key string, hk *heldKey, why string) {
 		return
 	}
 	delete(r.byKey, key)
-	r.n -= len(hk.reqs)
-	n := r.n
 	r.mu.Unlock()
-	r.w.cfg.Metrics.heldAtIntake(n)
 	r.w.builds.looks.forget(key)
 	if why != "" {
 		r.w.log.Info("requests held at intake go to the queue", zap.String("key", key), zap.Int("requests", len(hk.reqs)), zap.String("why", why))
 	}
-	r.release(hk.reqs)
+	r.release(hk.reqs, why != "")
 }
 
 // recheck reads key's record and lets its held requests go unless it is
@@ -335,8 +374,8 @@ func (r *intakeRoom) recheck(key string) {
 }
 
 // checkMark lets key's held requests go when the request of their pending
-// mark was decided (or aged out) without a record of the key: it builds
-// nothing, and they would wait for their limit.
+// mark was decided without a record of the key: it builds nothing, and
+// they would wait for their limit.
 func (r *intakeRoom) checkMark(key string, hk *heldKey) {
 	r.w.bg.Add(1)
 	go func() {
@@ -349,25 +388,25 @@ func (r *intakeRoom) checkMark(key string, hk *heldKey) {
 			// and undecided: its build may come.
 			return
 		}
-		r.mu.Lock()
-		building := hk.building
-		r.mu.Unlock()
-		if !building {
-			r.letGo(key, hk, "the request of its pending mark was decided without building it")
+		if e, err := r.w.runs.Bucket().Get(ctx, key); err == nil {
+			r.updatedKey(e) // a record after all: it decides
+			return
 		}
+		r.letGo(key, hk, "the request of its pending mark was decided without building it")
 	}()
 }
 
 // tick heartbeats the held requests, admits those held --hold-at-intake,
 // lets go of keys whose run lapsed or whose mark's request was decided,
-// and forgets old updates.
+// looks again at records quiet for a third of their lapse, and forgets
+// old revisions.
 func (r *intakeRoom) tick() {
 	now := time.Now()
 	pace := r.w.heartbeatEvery()
 	var (
-		beat, expired []*heldReq
-		lapsed        []string
-		check         []string
+		beat, expired  []*heldReq
+		lapsed, marked []string
+		quiet          []string
 	)
 	r.mu.Lock()
 	for key, hk := range r.byKey {
@@ -389,20 +428,23 @@ func (r *intakeRoom) tick() {
 			delete(r.byKey, key)
 		case hk.building && now.Sub(hk.changed) >= hk.lapse && !mutant.On("hold-on-lapsed-run"):
 			lapsed = append(lapsed, key)
+		case hk.building && now.Sub(hk.changed) >= hk.lapse/3 && now.Sub(hk.checked) >= hk.lapse/3:
+			// A live run is renewed every third of its lease: a record
+			// this quiet may have ended unseen (a watch that missed it).
+			hk.checked = now
+			quiet = append(quiet, key)
 		case !hk.building && hk.mark.Tenant != "" && now.Sub(hk.checked) >= r.w.cfg.Lease/2:
 			hk.checked = now
-			check = append(check, key)
+			marked = append(marked, key)
 		}
 	}
-	r.n -= len(expired)
-	n := r.n
-	for k, at := range r.updated {
-		if now.Sub(at) > time.Second {
-			delete(r.updated, k)
+	for k, sr := range r.seen {
+		if now.Sub(sr.at) > time.Minute {
+			delete(r.seen, k)
 		}
 	}
 	hks := map[string]*heldKey{}
-	for _, k := range append(slices.Clone(lapsed), check...) {
+	for _, k := range slices.Concat(lapsed, marked) {
 		hks[k] = r.byKey[k]
 	}
 	r.mu.Unlock()
@@ -410,21 +452,27 @@ func (r *intakeRoom) tick() {
 		_ = h.msg.InProgress()
 	}
 	if len(expired) > 0 {
-		r.w.cfg.Metrics.heldAtIntake(n)
 		r.w.log.Info("requests held at intake past the limit; admitting them", zap.Int("requests", len(expired)), zap.Duration("limit", r.w.cfg.HoldAtIntake))
-		r.release(expired)
+		r.release(expired, true)
 	}
 	for _, k := range lapsed {
 		r.letGo(k, hks[k], "its run's record sat unchanged past its lease: the queue's handler takes the run over")
 	}
-	for _, k := range check {
+	for _, k := range quiet {
+		r.recheck(k)
+	}
+	for _, k := range marked {
 		r.checkMark(k, hks[k])
 	}
 }
 
 // release answers each of list from the cache when the answer is a plain
-// one, and admits the others to the queue.
-func (r *intakeRoom) release(list []*heldReq) {
+// one, and admits the others to the queue (toQueue: admits them all),
+// heartbeating each until it is settled. A request whose last heartbeat
+// is older than two thirds of the AckWait may have been delivered again
+// meanwhile (a pause, a NATS outage): it is left alone, its redelivery
+// is the request now.
+func (r *intakeRoom) release(list []*heldReq, toQueue bool) {
 	r.mu.Lock()
 	ctx := r.ctx
 	r.mu.Unlock()
@@ -432,19 +480,55 @@ func (r *intakeRoom) release(list []*heldReq) {
 		r.w.bg.Add(1)
 		go func() {
 			defer r.w.bg.Done()
-			r.sem <- struct{}{}
-			defer func() { <-r.sem }()
-			if ctx.Err() != nil {
-				_ = h.msg.Nak() // stopping: handed back
+			defer r.settled()
+			r.mu.Lock()
+			last := h.beat
+			r.mu.Unlock()
+			if time.Since(last) >= 2*r.w.heartbeatEvery() && !mutant.On("hold-acts-on-a-lapsed-delivery") {
+				r.w.log.Warn("a request held at intake went unbeaten for two thirds of its AckWait; its redelivery is the request now",
+					zap.Duration("since", time.Since(last)))
 				return
 			}
-			if ok, settle := r.w.answerAtIntake(ctx, h.msg, false, "held"); ok {
+			stop := r.w.heartbeat(h.msg, 0)
+			defer stop()
+			r.sem <- struct{}{}
+			defer func() { <-r.sem }()
+			if ctx == nil || ctx.Err() != nil {
+				_ = h.msg.Nak() // stopping (or not started): handed back
+				return
+			}
+			if toQueue {
+				r.w.event2queue(h.msg)
+			} else if ok, settle := r.w.answerAtIntake(ctx, h.msg, false, "held"); ok {
 				settle()
 				return
+			} else {
+				r.w.event2queue(h.msg)
 			}
 			h.admit(ctx)
 		}()
 	}
+}
+
+// settled counts one let-go request as settled (or left to its
+// redelivery): it no longer takes room.
+func (r *intakeRoom) settled() {
+	r.mu.Lock()
+	r.n--
+	n := r.n
+	r.mu.Unlock()
+	r.w.cfg.Metrics.heldAtIntake(n)
+}
+
+// event2queue tells the request's watchers it left intake's hold for the
+// queue.
+func (w *Worker) event2queue(msg jetstream.Msg) {
+	req, err := w.decode(msg)
+	if err != nil {
+		return
+	}
+	w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Key: w.builds.keyOf(req), Phase: v1.PhaseWaiting,
+		Message: "left intake's hold for the queue"})
 }
 
 // close ends holding: every held request is handed back, to be admitted
@@ -456,9 +540,11 @@ func (r *intakeRoom) close() {
 	for _, hk := range r.byKey {
 		all = append(all, hk.reqs...)
 	}
-	r.byKey, r.n = map[string]*heldKey{}, 0
+	r.byKey = map[string]*heldKey{}
+	r.n -= len(all)
+	n := r.n
 	r.mu.Unlock()
-	r.w.cfg.Metrics.heldAtIntake(0)
+	r.w.cfg.Metrics.heldAtIntake(n)
 	for _, h := range all {
 		_ = h.msg.Nak()
 	}

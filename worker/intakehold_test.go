@@ -11,8 +11,12 @@ import (
 	"context"
 	"encoding/json"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	batchv1 "k8s.io/api/batch/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -457,4 +461,112 @@ func TestAHeldRequestOnADecidedMarkIsQueued(t *testing.T) {
 		}
 		return false
 	})
+}
+
+// A run of another tenant holds nothing: queued, the request is parked by
+// its handler in the waiter index, where that tenant's cancel sees it and
+// spares the build for it.
+func TestAnotherTenantsRunHoldsNothing(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	w1 := e.startWorker("w1", func(c *Config) {
+		withRegistry(tr)(c)
+		c.HoldAtIntake = time.Hour
+	})
+	events := e.events()
+	first := request("held-other-tenant")
+	if _, err := e.pub.Publish(context.Background(), first); err != nil {
+		t.Fatal(err)
+	}
+	e.waitJob(e.jobOf(first))
+	mark := e.markIntake(t, w1)
+	theirs := request("held-other-tenant")
+	theirs.Tenant = "globex"
+	theirs.Source.S3.Key = strings.Replace(theirs.Source.S3.Key, "contexts/acme/", "contexts/globex/", 1)
+	if _, err := e.pub.Publish(context.Background(), theirs); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 5*time.Second, "globex's request handed on", func() bool { return mark.handedOn(t) == 1 })
+	if heldAtIntake(events, theirs.RequestID) {
+		t.Error("globex's request was held on acme's run")
+	}
+}
+
+// fakeHeldMsg is a request message for the room's release, with nothing
+// behind it: what release does with it is recorded.
+type fakeHeldMsg struct {
+	jetstream.Msg
+	data       []byte
+	naks, beat atomic.Int32
+}
+
+func (m *fakeHeldMsg) Data() []byte         { return m.data }
+func (m *fakeHeldMsg) Subject() string      { return v1.RequestSubject("acme") }
+func (m *fakeHeldMsg) Headers() nats.Header { return nats.Header{} }
+func (m *fakeHeldMsg) InProgress() error    { m.beat.Add(1); return nil }
+func (m *fakeHeldMsg) Nak() error           { m.naks.Add(1); return nil }
+func (m *fakeHeldMsg) Metadata() (*jetstream.MsgMetadata, error) {
+	return &jetstream.MsgMetadata{NumDelivered: 1, Timestamp: time.Now()}, nil
+}
+
+// A held request whose heartbeats stopped for two thirds of the AckWait
+// (a pause, a NATS outage) may have been delivered again: released, it is
+// neither answered nor admitted — its redelivery is the request now.
+func TestAHeldRequestWhoseBeatsLapsedIsLeftToItsRedelivery(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	w1 := e.startWorker("w1", func(c *Config) { c.HoldAtIntake = time.Hour })
+	body, _ := json.Marshal(request("held-lapsed-beats"))
+	var admitted atomic.Int32
+	room := w1.w.room
+	eventually(t, 5*time.Second, "the room open", func() bool { return room.room() })
+	stale := &heldReq{msg: &fakeHeldMsg{data: body}, since: time.Now().Add(-time.Minute), beat: time.Now().Add(-time.Minute),
+		admit: func(context.Context) { admitted.Add(1) }}
+	fresh := &heldReq{msg: &fakeHeldMsg{data: body}, since: time.Now(), beat: time.Now(),
+		admit: func(context.Context) { admitted.Add(1) }}
+	room.mu.Lock()
+	room.n += 2
+	room.mu.Unlock()
+	room.release([]*heldReq{stale}, true)
+	room.release([]*heldReq{fresh}, true)
+	eventually(t, 5*time.Second, "the fresh request admitted", func() bool { return admitted.Load() >= 1 })
+	time.Sleep(200 * time.Millisecond)
+	if n := admitted.Load(); n != 1 {
+		t.Fatalf("%d requests admitted, want only the one still beaten (the other's delivery may have lapsed)", n)
+	}
+	room.mu.Lock()
+	n := room.n
+	room.mu.Unlock()
+	if n != 0 {
+		t.Errorf("the room still counts %d requests after both were let go", n)
+	}
+}
+
+// A tenant with a queue-length limit has nothing held: held requests would
+// not count against the limit, which the queue keeps.
+func TestATenantWithAQueueLimitHasNothingHeld(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	w1 := e.startWorker("w1", func(c *Config) {
+		withRegistry(tr)(c)
+		c.HoldAtIntake = time.Hour
+		c.Fair = FairConfig{QueueLimit: map[string]int{"acme": 100}}
+	})
+	events := e.events()
+	first := request("held-queue-limit")
+	if _, err := e.pub.Publish(context.Background(), first); err != nil {
+		t.Fatal(err)
+	}
+	e.waitJob(e.jobOf(first))
+	mark := e.markIntake(t, w1)
+	dupe := request("held-queue-limit")
+	if _, err := e.pub.Publish(context.Background(), dupe); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 5*time.Second, "the request handed on", func() bool { return mark.handedOn(t) == 1 })
+	if heldAtIntake(events, dupe.RequestID) {
+		t.Error("a request of a tenant with a queue limit was held")
+	}
 }

@@ -38,7 +38,7 @@ import (
 type intakeLooks struct {
 	mu       sync.Mutex
 	absent   map[string]time.Time       // key → when the read that found no record started
-	building map[string]buildingLook    // key → the read that found it building
+	building map[string]recordLook      // key → the read that found it building
 	pre      map[string]*preflightAhead // tenant and tag → the HEAD sent ahead
 }
 
@@ -93,38 +93,42 @@ func (l *intakeLooks) forget(key string) {
 	delete(l.building, key)
 }
 
-// buildingLook is a read that found a record building: when it started,
-// and how long the run may sit unchanged before it counts as lapsed.
-type buildingLook struct {
-	at    time.Time
-	lapse time.Duration
+// recordLook is what a read of a record found (intakehold.go): "absent"
+// or "building", when the read started, and of a building record its
+// revision, its claimer's tenant and how long the run may sit unchanged
+// before it counts as lapsed.
+type recordLook struct {
+	state  string
+	at     time.Time
+	rev    uint64
+	tenant string
+	lapse  time.Duration
 }
 
 // sawBuilding remembers that a read of key's record, started at at, found
-// rec building.
-func (l *intakeLooks) sawBuilding(key string, rec *v1.BuildRecord, at time.Time) {
+// rec building at revision rev.
+func (l *intakeLooks) sawBuilding(key string, rec *v1.BuildRecord, rev uint64, at time.Time) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.building == nil || len(l.building) >= maxIntakeLooks {
-		l.building = map[string]buildingLook{}
+		l.building = map[string]recordLook{}
 	}
-	l.building[key] = buildingLook{at: at, lapse: rec.LapseAfter()}
+	l.building[key] = recordLook{state: "building", at: at, rev: rev, tenant: rec.Tenant, lapse: rec.LapseAfter()}
 }
 
 // seen is what the last read of key's record that still stands (within
-// lookAheadFresh of now) found — "absent" or "building" — and when it
-// started, with a building run's lapse; "" when none stands or it found
-// anything else.
-func (l *intakeLooks) seen(key string) (state string, at time.Time, lapse time.Duration) {
+// lookAheadFresh of now) found; state "" when none stands or it found
+// anything but "absent" or "building".
+func (l *intakeLooks) seen(key string) recordLook {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if at, ok := l.absent[key]; ok && time.Since(at) < lookAheadFresh {
-		return "absent", at, 0
+		return recordLook{state: "absent", at: at}
 	}
 	if b, ok := l.building[key]; ok && time.Since(b.at) < lookAheadFresh {
-		return "building", b.at, b.lapse
+		return b
 	}
-	return "", time.Time{}, 0
+	return recordLook{}
 }
 
 func preflightKey(tenant, tag string) string { return tenant + " " + tag }

@@ -62,10 +62,19 @@ func (w *simWorld) judgeOrder(out *simOutcome) {
 	first := map[string]take{}
 	var takes []simEvent
 	ended := map[string]time.Duration{} // the request stopped holding a slot
-	held := map[string]bool{}           // held at intake: it waited on its key's build, not in the queue
+	// Held at intake, a request waited on its key's build, not in the
+	// queue: it is judged from when it left the hold for the queue (never,
+	// when it was answered where it was held).
+	held := map[string]bool{}
+	released := map[string]time.Duration{}
 	for _, e := range w.events {
 		if strings.HasPrefix(e.msg, "held at intake") {
 			held[e.id] = true
+		}
+		if strings.HasPrefix(e.msg, "left intake's hold") {
+			if _, ok := released[e.id]; !ok {
+				released[e.id] = e.at
+			}
 		}
 		switch e.phase {
 		case v1.PhaseQueued:
@@ -109,7 +118,10 @@ func (w *simWorld) judgeOrder(out *simOutcome) {
 			continue
 		}
 		for _, o := range w.subs {
-			if o == s || !o.accepted || o.start+simOrderSlack > tk.at || held[o.id] {
+			if o == s || !o.accepted || o.start+simOrderSlack > tk.at {
+				continue
+			}
+			if rel, ok := released[o.id]; held[o.id] && (!ok || rel+simOrderSlack > tk.at) {
 				continue
 			}
 			if ot, ok := first[o.id]; !ok || ot.at <= tk.at+200*time.Millisecond {

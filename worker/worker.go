@@ -62,6 +62,10 @@ type Worker struct {
 	// ackWait is the consumer's AckWait as the server has it (nanoseconds):
 	// another worker may have set it lower than this one's.
 	ackWait atomic.Int64
+	// ackPendingCapped: the consumer's MaxAckPending is a number (set by
+	// an older worker, or by hand), not unlimited: intake holds nothing
+	// then (intakehold.go), or it would fill that number for everyone.
+	ackPendingCapped atomic.Bool
 	cons    jetstream.Consumer
 	// fq is the fair queue (internal/fairq): BUILDQ_QUEUE, buildq-slots,
 	// intake, the dispatcher and the in-flight semaphore.
@@ -265,6 +269,7 @@ func (w *Worker) setup(ctx context.Context, patience int) (int, error) {
 	w.runs.UseBucket(builds)
 	w.cons = cons
 	w.ackWait.Store(int64(cons.CachedInfo().Config.AckWait))
+	w.ackPendingCapped.Store(cons.CachedInfo().Config.MaxAckPending > 0)
 	w.ledger.UseBucket(ledgerKV)
 	return len(steps), nil
 }

@@ -45,7 +45,7 @@ func (c *serveConfig) registerWorker(fs *pflag.FlagSet) {
 	fs.StringVar(&c.storage, "storage", "file", "JetStream storage of streams and the KV buckets: file or memory")
 	fs.IntVar(&w.Replicas, "replicas", 1, "JetStream replicas of streams and the KV buckets")
 	fs.DurationVar(&w.QueueTTL, "queue-ttl", 0, "requests that waited longer than this in the queue fail with reason Expired instead of being built (0: no limit)")
-	fs.DurationVar(&w.HoldAtIntake, "hold-at-intake", 2*time.Minute, "how long intake holds a request whose key is being built for another request (or queued to be built, by its own tenant at its priority or higher), to answer it from the cache when the build ends, before it queues it instead; negative: never hold (every such request is queued)")
+	fs.DurationVar(&w.HoldAtIntake, "hold-at-intake", 2*time.Minute, "how long intake holds a request whose key is being built for another request of its tenant (or queued to be built by one at its priority or higher), to answer it from the cache when the build ends, before it queues it instead; negative: never hold (every such request is queued)")
 	registerFair(fs, &w.Fair)
 	fs.BoolVar(&w.KeepJobs, "keep-jobs", false, "leave finished Jobs to ttlSecondsAfterFinished instead of deleting them")
 
