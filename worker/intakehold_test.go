@@ -55,17 +55,13 @@ func TestRequestsOfAKeyBeingBuiltAreHeldAtIntakeAndAnsweredFromTheCache(t *testi
 	ingested := e.ingestCounter(t)
 
 	first := request("held-building")
-	if _, err := e.pub.Publish(context.Background(), first); err != nil {
-		t.Fatal(err)
-	}
+	e.publishOrFail(t, first)
 	job := e.waitJob(e.jobOf(first))
 	mark := e.markIntake(t, w1)
 	var dupes []*v1.Request
 	for range 3 {
 		d := request("held-building")
-		if _, err := e.pub.Publish(context.Background(), d); err != nil {
-			t.Fatal(err)
-		}
+		e.publishOrFail(t, d)
 		dupes = append(dupes, d)
 	}
 	eventually(t, 5*time.Second, "the three later requests held at intake", func() bool {
@@ -85,7 +81,7 @@ func TestRequestsOfAKeyBeingBuiltAreHeldAtIntakeAndAnsweredFromTheCache(t *testi
 		}
 	}
 
-	e.kubelet(job, 0, tr.push(t, destination(job)))
+	e.succeed(t, tr, job)
 	got := results.waitFor(t, 4, 10*time.Second)
 	for _, r := range got {
 		switch r.ID {
@@ -130,22 +126,16 @@ func TestRequestsQueuedBehindTheirKeysBuilderAreHeldNotQueued(t *testing.T) {
 	events := e.events()
 
 	other := request("held-blocker")
-	if _, err := e.pub.Publish(context.Background(), other); err != nil {
-		t.Fatal(err)
-	}
+	e.publishOrFail(t, other)
 	otherJob := e.waitJob(e.jobOf(other))
 	mark := e.markIntake(t, w1)
 	builder := request("held-pending")
-	if _, err := e.pub.Publish(context.Background(), builder); err != nil {
-		t.Fatal(err)
-	}
+	e.publishOrFail(t, builder)
 	eventually(t, 5*time.Second, "the builder queued", func() bool { return mark.handedOn(t) == 1 })
 	var dupes []*v1.Request
 	for range 2 {
 		d := request("held-pending")
-		if _, err := e.pub.Publish(context.Background(), d); err != nil {
-			t.Fatal(err)
-		}
+		e.publishOrFail(t, d)
 		dupes = append(dupes, d)
 	}
 	eventually(t, 5*time.Second, "the later requests held", func() bool {
@@ -154,9 +144,9 @@ func TestRequestsQueuedBehindTheirKeysBuilderAreHeldNotQueued(t *testing.T) {
 	if heldAtIntake(events, builder.RequestID) {
 		t.Error("the key's first request was held: it builds the key, it must be queued")
 	}
-	e.kubelet(otherJob, 0, tr.push(t, destination(otherJob)))
+	e.succeed(t, tr, otherJob)
 	job := e.waitJob(e.jobOf(builder))
-	e.kubelet(job, 0, tr.push(t, destination(job)))
+	e.succeed(t, tr, job)
 	got := results.waitFor(t, 4, 10*time.Second)
 	origins := map[string]v1.Origin{}
 	for _, r := range got {
@@ -194,15 +184,11 @@ func TestAHeldRequestIsQueuedAtOnceWhenItsBuildFails(t *testing.T) {
 	events := e.events()
 
 	first := request("held-fails")
-	if _, err := e.pub.Publish(context.Background(), first); err != nil {
-		t.Fatal(err)
-	}
+	e.publishOrFail(t, first)
 	job := e.waitJob(e.jobOf(first))
 	mark := e.markIntake(t, w1)
 	dupe := request("held-fails")
-	if _, err := e.pub.Publish(context.Background(), dupe); err != nil {
-		t.Fatal(err)
-	}
+	e.publishOrFail(t, dupe)
 	eventually(t, 5*time.Second, "the later request held", func() bool { return heldAtIntake(events, dupe.RequestID) })
 	e.kubelet(job, 1, "error building image: RUN exited 1")
 	got := results.waitFor(t, 1, 10*time.Second)
@@ -221,7 +207,7 @@ func TestAHeldRequestIsQueuedAtOnceWhenItsBuildFails(t *testing.T) {
 		}
 		j, err := e.kube.BatchV1().Jobs(testNamespace).Get(context.Background(), e.jobOf(dupe), metav1.GetOptions{})
 		if err == nil && j.Annotations[kaniko.AnnotationRun] != job.Annotations[kaniko.AnnotationRun] && len(j.Status.Conditions) == 0 {
-			e.kubelet(j, 0, tr.push(t, destination(j)))
+			e.succeed(t, tr, j)
 			return true
 		}
 		return false
@@ -251,24 +237,18 @@ func TestAHeldRequestIsQueuedWhenItsHoldEnds(t *testing.T) {
 	req := request("held-no-builder")
 	e.markPendingByHand(t, req, ledger.Pending{Tenant: "acme", RequestID: "never-published", Priority: v1.PriorityNormal})
 	mark := e.markIntake(t, w1)
-	if _, err := e.pub.Publish(context.Background(), req); err != nil {
-		t.Fatal(err)
-	}
+	e.publishOrFail(t, req)
 	eventually(t, 5*time.Second, "the request held on the mark", func() bool { return heldAtIntake(events, req.RequestID) })
 	if n := mark.handedOn(t); n != 0 {
 		t.Fatalf("%d requests handed on while held", n)
 	}
 	eventually(t, 10*time.Second, "the request queued when its hold ended", func() bool { return mark.handedOn(t) == 1 })
-	e.kubelet(blocker, 0, tr.push(t, destination(blocker)))
+	e.succeed(t, tr, blocker)
 	job := e.waitJob(e.jobOf(req))
-	e.kubelet(job, 0, tr.push(t, destination(job)))
+	e.succeed(t, tr, job)
 	eventually(t, 10*time.Second, "the request built after its hold", func() bool {
-		for _, r := range results.snapshot() {
-			if r.ID == req.RequestID {
-				return r.Data.Origin == v1.OriginBuild
-			}
-		}
-		return false
+		r, ok := resultOf(results, req.RequestID)
+		return ok && r.Data.Origin == v1.OriginBuild
 	})
 }
 
@@ -301,9 +281,7 @@ func TestAPendingMarkOfAnotherTenantOrALowerPriorityHoldsNothing(t *testing.T) {
 			req := request("held-" + tc.name)
 			req.Priority = tc.prio
 			e.markPendingByHand(t, req, tc.mark)
-			if _, err := e.pub.Publish(context.Background(), req); err != nil {
-				t.Fatal(err)
-			}
+			e.publishOrFail(t, req)
 			control := tc.mark.Tenant == "acme" && tc.mark.Priority == v1.PriorityNormal
 			if control {
 				eventually(t, 5*time.Second, "the control request held", func() bool { return heldAtIntake(events, req.RequestID) })
@@ -322,9 +300,7 @@ func TestAPendingMarkOfAnotherTenantOrALowerPriorityHoldsNothing(t *testing.T) {
 func (e *env) occupySlot(t *testing.T, seed string) *batchv1.Job {
 	t.Helper()
 	r := request(seed)
-	if _, err := e.pub.Publish(context.Background(), r); err != nil {
-		t.Fatal(err)
-	}
+	e.publishOrFail(t, r)
 	return e.waitJob(e.jobOf(r))
 }
 
@@ -342,21 +318,17 @@ func TestHeldRequestsAreHandedBackWhenTheirWorkerStops(t *testing.T) {
 	results := e.collect()
 	events := e.events()
 	first := request("held-stop")
-	if _, err := e.pub.Publish(context.Background(), first); err != nil {
-		t.Fatal(err)
-	}
+	e.publishOrFail(t, first)
 	e.waitJob(e.jobOf(first))
 	dupe := request("held-stop")
-	if _, err := e.pub.Publish(context.Background(), dupe); err != nil {
-		t.Fatal(err)
-	}
+	e.publishOrFail(t, dupe)
 	eventually(t, 5*time.Second, "the later request held", func() bool { return heldAtIntake(events, dupe.RequestID) })
 	w1.stop(t)
 	e.startWorker("w2", withRegistry(tr))
 	// w2 takes the build over (its Job adopted) and the handed-back
 	// request comes to it as a redelivery.
 	job := e.waitJob(e.jobOf(first))
-	e.kubelet(job, 0, tr.push(t, destination(job)))
+	e.succeed(t, tr, job)
 	got := results.waitFor(t, 2, 20*time.Second)
 	ids := map[string]bool{}
 	for _, r := range got {
@@ -408,13 +380,11 @@ func TestAHeldRequestOnALapsedRunIsQueued(t *testing.T) {
 		t.Fatal(err)
 	}
 	mark := e.markIntake(t, w1)
-	if _, err := e.pub.Publish(context.Background(), req); err != nil {
-		t.Fatal(err)
-	}
+	e.publishOrFail(t, req)
 	eventually(t, 5*time.Second, "the request held on the run", func() bool { return heldAtIntake(events, req.RequestID) })
 	eventually(t, 10*time.Second, "the request handed on once the run lapsed", func() bool { return mark.handedOn(t) == 1 })
 	job := e.waitJob(e.jobOf(req))
-	e.kubelet(job, 0, tr.push(t, destination(job)))
+	e.succeed(t, tr, job)
 	if r := results.waitFor(t, 1, 10*time.Second)[0]; r.ID != req.RequestID || r.Data.Status != v1.StatusSucceeded {
 		t.Fatalf("result %s: want the request built by the run's take-over", mustJSON(t, r))
 	}
@@ -435,31 +405,23 @@ func TestAHeldRequestOnADecidedMarkIsQueued(t *testing.T) {
 	results := e.collect()
 	events := e.events()
 	decided := request("held-mark-decided")
-	if _, err := e.pub.Publish(context.Background(), decided); err != nil {
-		t.Fatal(err)
-	}
+	e.publishOrFail(t, decided)
 	dj := e.waitJob(e.jobOf(decided))
-	e.kubelet(dj, 0, tr.push(t, destination(dj)))
+	e.succeed(t, tr, dj)
 	results.waitFor(t, 1, 10*time.Second)
 	blocker := e.occupySlot(t, "held-mark-blocker")
 	req := request("held-mark-waiter")
 	e.markPendingByHand(t, req, ledger.Pending{Tenant: "acme", RequestID: decided.RequestID, Priority: v1.PriorityNormal})
 	mark := e.markIntake(t, w1)
-	if _, err := e.pub.Publish(context.Background(), req); err != nil {
-		t.Fatal(err)
-	}
+	e.publishOrFail(t, req)
 	eventually(t, 5*time.Second, "the request held on the mark", func() bool { return heldAtIntake(events, req.RequestID) })
 	eventually(t, 10*time.Second, "the request queued once the mark's request showed decided", func() bool { return mark.handedOn(t) == 1 })
-	e.kubelet(blocker, 0, tr.push(t, destination(blocker)))
+	e.succeed(t, tr, blocker)
 	job := e.waitJob(e.jobOf(req))
-	e.kubelet(job, 0, tr.push(t, destination(job)))
+	e.succeed(t, tr, job)
 	eventually(t, 10*time.Second, "the request built", func() bool {
-		for _, r := range results.snapshot() {
-			if r.ID == req.RequestID {
-				return r.Data.Status == v1.StatusSucceeded
-			}
-		}
-		return false
+		r, ok := resultOf(results, req.RequestID)
+		return ok && r.Data.Status == v1.StatusSucceeded
 	})
 }
 
@@ -476,17 +438,13 @@ func TestAnotherTenantsRunHoldsNothing(t *testing.T) {
 	})
 	events := e.events()
 	first := request("held-other-tenant")
-	if _, err := e.pub.Publish(context.Background(), first); err != nil {
-		t.Fatal(err)
-	}
+	e.publishOrFail(t, first)
 	e.waitJob(e.jobOf(first))
 	mark := e.markIntake(t, w1)
 	theirs := request("held-other-tenant")
 	theirs.Tenant = "globex"
 	theirs.Source.S3.Key = strings.Replace(theirs.Source.S3.Key, "contexts/acme/", "contexts/globex/", 1)
-	if _, err := e.pub.Publish(context.Background(), theirs); err != nil {
-		t.Fatal(err)
-	}
+	e.publishOrFail(t, theirs)
 	eventually(t, 5*time.Second, "globex's request handed on", func() bool { return mark.handedOn(t) == 1 })
 	if heldAtIntake(events, theirs.RequestID) {
 		t.Error("globex's request was held on acme's run")
@@ -556,17 +514,37 @@ func TestATenantWithAQueueLimitHasNothingHeld(t *testing.T) {
 	})
 	events := e.events()
 	first := request("held-queue-limit")
-	if _, err := e.pub.Publish(context.Background(), first); err != nil {
-		t.Fatal(err)
-	}
+	e.publishOrFail(t, first)
 	e.waitJob(e.jobOf(first))
 	mark := e.markIntake(t, w1)
 	dupe := request("held-queue-limit")
-	if _, err := e.pub.Publish(context.Background(), dupe); err != nil {
-		t.Fatal(err)
-	}
+	e.publishOrFail(t, dupe)
 	eventually(t, 5*time.Second, "the request handed on", func() bool { return mark.handedOn(t) == 1 })
 	if heldAtIntake(events, dupe.RequestID) {
 		t.Error("a request of a tenant with a queue limit was held")
 	}
+}
+
+// publishOrFail publishes r.
+func (e *env) publishOrFail(t *testing.T, r *v1.Request) {
+	t.Helper()
+	if _, err := e.pub.Publish(context.Background(), r); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// succeed completes job with an image pushed to its destination.
+func (e *env) succeed(t *testing.T, tr *testRegistry, job *batchv1.Job) {
+	t.Helper()
+	e.kubelet(job, 0, tr.push(t, destination(job)))
+}
+
+// resultOf is id's result among those collected so far.
+func resultOf(results *resultCollector, id string) (v1.Result, bool) {
+	for _, r := range results.snapshot() {
+		if r.ID == id {
+			return r, true
+		}
+	}
+	return v1.Result{}, false
 }

@@ -66,7 +66,7 @@ type Worker struct {
 	// an older worker, or by hand), not unlimited: intake holds nothing
 	// then (intakehold.go), or it would fill that number for everyone.
 	ackPendingCapped atomic.Bool
-	cons    jetstream.Consumer
+	cons             jetstream.Consumer
 	// fq is the fair queue (internal/fairq): BUILDQ_QUEUE, buildq-slots,
 	// intake, the dispatcher and the in-flight semaphore.
 	fq     *fairq.Queue
