@@ -449,7 +449,9 @@ func (r *intakeRoom) tick() {
 	}
 	r.mu.Unlock()
 	for _, h := range beat {
-		_ = h.msg.InProgress()
+		if !mutant.On("hold-unbeaten") {
+			_ = h.msg.InProgress()
+		}
 	}
 	if len(expired) > 0 {
 		r.w.log.Info("requests held at intake past the limit; admitting them", zap.Int("requests", len(expired)), zap.Duration("limit", r.w.cfg.HoldAtIntake))
@@ -545,6 +547,9 @@ func (r *intakeRoom) close() {
 	n := r.n
 	r.mu.Unlock()
 	r.w.cfg.Metrics.heldAtIntake(n)
+	if mutant.On("hold-not-handed-back") {
+		return
+	}
 	for _, h := range all {
 		_ = h.msg.Nak()
 	}

@@ -314,6 +314,9 @@ func TestHeldRequestsAreHandedBackWhenTheirWorkerStops(t *testing.T) {
 		withRegistry(tr)(c)
 		c.MaxInFlight = 1
 		c.HoldAtIntake = time.Hour
+		// Not handed back, the held request would come again only after
+		// this AckWait, past the test's wait.
+		c.AckWait = 30 * time.Second
 	})
 	results := e.collect()
 	events := e.events()
@@ -547,4 +550,42 @@ func resultOf(results *resultCollector, id string) (v1.Result, bool) {
 		}
 	}
 	return v1.Result{}, false
+}
+
+// A request held several AckWaits long is heartbeaten: its message is not
+// delivered again meanwhile, and the build's end answers it where it was
+// held.
+func TestAHeldRequestIsHeartbeatenAcrossAckWaits(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	w1 := e.startWorker("w1", func(c *Config) {
+		withRegistry(tr)(c)
+		c.MaxInFlight = 1
+		c.HoldAtIntake = time.Hour // AckWait: the harness's 2 s
+	})
+	results := e.collect()
+	events := e.events()
+	first := request("held-beaten")
+	e.publishOrFail(t, first)
+	job := e.waitJob(e.jobOf(first))
+	mark := e.markIntake(t, w1)
+	dupe := request("held-beaten")
+	e.publishOrFail(t, dupe)
+	eventually(t, 5*time.Second, "the later request held", func() bool { return heldAtIntake(events, dupe.RequestID) })
+	time.Sleep(7 * time.Second) // three AckWaits and more
+	if _, _, redelivered := e.streamState(); redelivered != 0 {
+		t.Errorf("%d requests delivered again while held: the hold missed its heartbeats", redelivered)
+	}
+	if n := mark.handedOn(t); n != 0 {
+		t.Errorf("%d requests handed on while held", n)
+	}
+	e.succeed(t, tr, job)
+	eventually(t, 10*time.Second, "the held request answered from the cache", func() bool {
+		r, ok := resultOf(results, dupe.RequestID)
+		return ok && r.Data.Origin == v1.OriginCache
+	})
+	if n := e.entryWrites(t, dupe.RequestID); n != 1 {
+		t.Errorf("the held request's entry was written %d times, want once", n)
+	}
 }

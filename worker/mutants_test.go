@@ -64,6 +64,8 @@ var mutantCatalogue = []mutantCase{
 	{"hold-on-any-tenants-run", "a request is held on a running build only of its own tenant: another tenant's joiner is parked where that tenant's cancel sees it", []string{"TestAnotherTenantsRunHoldsNothing"}},
 	{"hold-acts-on-a-lapsed-delivery", "a held request whose heartbeats lapsed for two thirds of the AckWait is left to its redelivery, neither answered nor admitted", []string{"TestAHeldRequestWhoseBeatsLapsedIsLeftToItsRedelivery"}},
 	{"hold-past-queue-limit", "a tenant with a queue-length limit has nothing held at intake: its requests count against the limit in the queue", []string{"TestATenantWithAQueueLimitHasNothingHeld"}},
+	{"hold-not-handed-back", "a worker that stops hands its held requests back at once (Nak), not after their AckWait", []string{"TestHeldRequestsAreHandedBackWhenTheirWorkerStops"}},
+	{"hold-unbeaten", "a request held at intake is heartbeaten: held several AckWaits, it is not delivered again", []string{"TestAHeldRequestIsHeartbeatenAcrossAckWaits"}},
 	{"hold-behind-anyone", "a request is held on a pending mark only when the mark's request is of its tenant and at least its priority", []string{"TestAPendingMarkOfAnotherTenantOrALowerPriorityHoldsNothing"}},
 	{"intake-skips-possession", "intake answers a cache hit only for a tenant shown to hold the content", []string{"TestAHitInASharedRepositoryNeedsPossessionAtIntake"}},
 	{"intake-skips-registry-check", "intake answers a cache hit only while the registry still has the image", []string{"TestDeletedImageIsRebuilt"}},
