@@ -164,7 +164,7 @@ func (r *intakeRoom) hold(ctx context.Context, msg jetstream.Msg, atOnce bool, a
 		if mine || cur.Tenant == "" {
 			return false // this request builds the key: queued
 		}
-		if (cur.Tenant != req.Tenant || priorityRank(cur.Priority) > priorityRank(prio)) && !mutant.On("hold-behind-anyone") {
+		if (cur.Tenant != req.Tenant || v1.PriorityRank(cur.Priority) > v1.PriorityRank(prio)) && !mutant.On("hold-behind-anyone") {
 			// Held, it would wait behind another tenant's queue, or
 			// behind a lower priority than its own.
 			return false
@@ -206,17 +206,6 @@ func (r *intakeRoom) hold(ctx context.Context, msg jetstream.Msg, atOnce bool, a
 		r.recheck(key)
 	}
 	return true
-}
-
-// priorityRank orders priorities, highest first.
-func priorityRank(p string) int {
-	switch p {
-	case v1.PriorityHigh:
-		return 0
-	case v1.PriorityLow:
-		return 2
-	}
-	return 1
 }
 
 // room reports whether requests may be held now.

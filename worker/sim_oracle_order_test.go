@@ -91,15 +91,7 @@ func (w *simWorld) judgeOrder(out *simOutcome) {
 			}
 		}
 	}
-	rank := func(p string) int {
-		switch p {
-		case v1.PriorityHigh:
-			return 0
-		case v1.PriorityLow:
-			return 2
-		}
-		return 1
-	}
+	rank := v1.PriorityRank
 	fair := w.fair()
 	running := func(tenant, worker string, at time.Duration) (n int) {
 		for id, t := range first {

@@ -12,6 +12,7 @@ package v1
 import (
 	"encoding/json"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 )
@@ -335,6 +336,13 @@ const (
 
 // Priorities lists the priorities in the order they are served.
 var Priorities = []string{PriorityHigh, PriorityNormal, PriorityLow}
+
+// PriorityRank orders priorities as Priorities does, highest first (0);
+// an unknown or empty one ranks as normal.
+func PriorityRank(p string) int {
+	p, _ = PriorityOf(p)
+	return slices.Index(Priorities, p)
+}
 
 // PriorityOf returns p's canonical priority ("" is normal) and whether p
 // is one.
