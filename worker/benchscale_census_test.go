@@ -28,6 +28,9 @@ func startCensus(t *testing.T, nc *nats.Conn) *subjectCensus {
 	c := &subjectCensus{counts: map[string]int{}}
 	sub, err := nc.Subscribe(">", func(m *nats.Msg) {
 		k := censusKind(m.Subject)
+		if strings.HasPrefix(m.Reply, "$JS.ACK.") {
+			k += " (a consumer's delivery)"
+		}
 		if m.Header.Get("Nats-Stream") != "" {
 			k += " (stream headers: a republish, or a direct get's reply)"
 		}
@@ -46,7 +49,8 @@ func startCensus(t *testing.T, nc *nats.Conn) *subjectCensus {
 // censusKind names a subject by its kind: tenants, request ids, keys and
 // inboxes dropped. A consumer's delivery shows under the message's own
 // subject (a request fetched counts under buildq.requests beside its
-// publish), and a KV watch's under its key's.
+// publish, marked as a consumer's delivery by its $JS.ACK reply), and a
+// KV watch's under its key's.
 func censusKind(subj string) string {
 	tok := strings.Split(subj, ".")
 	switch {

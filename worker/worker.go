@@ -232,6 +232,7 @@ func (w *Worker) setup(ctx context.Context, patience int) (int, error) {
 	var builds jetstream.KeyValue
 	var cons jetstream.Consumer
 	var ledgerKV jetstream.KeyValue
+	var ledgerStream jetstream.Stream
 	steps := []struct {
 		requests int
 		do       func(context.Context) error
@@ -244,8 +245,12 @@ func (w *Worker) setup(ctx context.Context, patience int) (int, error) {
 		{7, func(ctx context.Context) error {
 			return w.fq.Setup(ctx, cfg.Storage, cfg.Replicas, cfg.DuplicateWindow)
 		}},
-		{3, func(ctx context.Context) (err error) {
+		{4, func(ctx context.Context) (err error) {
 			ledgerKV, err = ledger.EnsureBucket(ctx, w.js, ledger.BucketConfig{TTL: cfg.ResultsMaxAge, Storage: cfg.Storage, Replicas: cfg.Replicas})
+			if err != nil {
+				return err
+			}
+			ledgerStream, err = ledger.BucketStream(ctx, w.js)
 			return err
 		}},
 		{2, func(ctx context.Context) error {
@@ -271,6 +276,7 @@ func (w *Worker) setup(ctx context.Context, patience int) (int, error) {
 	w.ackWait.Store(int64(cons.CachedInfo().Config.AckWait))
 	w.ackPendingCapped.Store(cons.CachedInfo().Config.MaxAckPending > 0)
 	w.ledger.UseBucket(ledgerKV)
+	w.ledger.UseStream(ledgerStream)
 	return len(steps), nil
 }
 

@@ -60,6 +60,11 @@ func (w *world) ledger(worker string, clk *clock, grace time.Duration, kv ...jet
 	} else {
 		l.UseBucket(w.kv)
 	}
+	st, err := BucketStream(w.t.Context(), w.js)
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	l.UseStream(st)
 	return l
 }
 

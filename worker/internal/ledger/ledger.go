@@ -98,6 +98,8 @@ type Config struct {
 type Ledger struct {
 	cfg Config
 	kv  atomic.Pointer[jetstream.KeyValue]
+	// stream is the bucket's stream, for purges (dropWaiter); nil: none.
+	stream atomic.Pointer[jetstream.Stream]
 	// publishing: the requests whose decision a goroutine of this worker
 	// is delivering; unmarked: decisions of other workers seen recorded
 	// and not marked published (deliver.go).
@@ -116,6 +118,22 @@ func New(cfg Config) *Ledger {
 // UseBucket sets the bucket: the worker's, once set up; the tests wrap it
 // to inject faults.
 func (l *Ledger) UseBucket(kv jetstream.KeyValue) { l.kv.Store(&kv) }
+
+// UseStream sets the bucket's stream (BucketStream), through which
+// entries that must leave no delete marker are removed.
+func (l *Ledger) UseStream(st jetstream.Stream) { l.stream.Store(&st) }
+
+// BucketStream is the stream that holds the bucket.
+func BucketStream(ctx context.Context, js jetstream.JetStream) (jetstream.Stream, error) {
+	st, err := js.Stream(ctx, "KV_"+v1.RequestsBucket)
+	if err != nil {
+		return nil, fmt.Errorf("stream of key-value bucket %s: %w", v1.RequestsBucket, err)
+	}
+	return st, nil
+}
+
+// bucketSubjectPrefix is the subject prefix of the bucket's entries.
+const bucketSubjectPrefix = "$KV." + v1.RequestsBucket + "."
 
 // Bucket is the bucket in use; nil before UseBucket.
 func (l *Ledger) Bucket() jetstream.KeyValue {

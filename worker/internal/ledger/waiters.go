@@ -108,7 +108,7 @@ func (l *Ledger) UpdateWaiter(ctx context.Context, key string, v Waiter, rev uin
 
 // DropWaiter removes a request's waiter entry on key.
 func (l *Ledger) DropWaiter(ctx context.Context, key, tenant, id string) {
-	if err := l.Bucket().Delete(ctx, WaiterKey(key, tenant, id)); err != nil {
+	if err := l.dropWaiter(ctx, WaiterKey(key, tenant, id), 0); err != nil {
 		l.cfg.Log.Debug("waiter index: delete failed", zap.String("key", key), zap.Error(err))
 	}
 }
@@ -116,41 +116,62 @@ func (l *Ledger) DropWaiter(ctx context.Context, key, tenant, id string) {
 // DropWaiterAt removes the waiter entry it at the revision it was read:
 // a waiter written again since (parked anew) stays.
 func (l *Ledger) DropWaiterAt(ctx context.Context, it WaiterItem) {
-	if err := l.Bucket().Delete(ctx, it.K, jetstream.LastRevision(it.Rev)); err != nil && !IsWrongRevision(err) {
+	if err := l.dropWaiter(ctx, it.K, it.Rev); err != nil && !IsWrongRevision(err) {
 		l.cfg.Log.Debug("waiter index: delete failed", zap.String("entry", it.K), zap.Error(err))
 	}
 }
 
+// dropWaiter removes the waiter entry k, at revision rev or any (rev 0),
+// leaving nothing behind: the stream's messages of the entry up to rev
+// are purged, where a key-value delete would leave a delete marker until
+// the bucket's max age. The sweep lists every waiter subject the bucket
+// holds (parking's sweepWaiters, every half lease on every worker), so
+// markers of every build of the last days would be listed again and
+// again. A write since rev (parked anew) has a later sequence and stays.
+// Without the bucket's stream (UseStream) the entry is deleted as a
+// key-value entry.
+func (l *Ledger) dropWaiter(ctx context.Context, k string, rev uint64) error {
+	st := l.stream.Load()
+	if st == nil {
+		var opts []jetstream.KVDeleteOpt
+		if rev != 0 {
+			opts = append(opts, jetstream.LastRevision(rev))
+		}
+		return l.Bucket().Delete(ctx, k, opts...)
+	}
+	opts := []jetstream.StreamPurgeOpt{jetstream.WithPurgeSubject(bucketSubjectPrefix + k)}
+	if rev != 0 {
+		opts = append(opts, jetstream.WithPurgeSequence(rev+1))
+	}
+	return (*st).Purge(ctx, opts...)
+}
+
 // ListWaiters reads the waiter entries of one build key (key) or of all
-// (key ""), by build key.
+// (key ""), by build key. With the bucket's stream (UseStream) the
+// entries' subjects come from the stream's leader (a stream info with a
+// subject filter); each entry is then read. Without it, a key listing
+// (an ordered consumer) names them: a consumer created and deleted per
+// listing, which on a cluster is two changes of the meta group's state
+// for every build's end.
 func (l *Ledger) ListWaiters(ctx context.Context, key string) (map[string][]WaiterItem, error) {
 	filter := "w.>"
 	if key != "" {
 		filter = "w." + key + ".*"
 	}
-	kv := l.Bucket()
-	lister, err := kv.ListKeysFiltered(ctx, filter)
+	keys, err := l.waiterKeys(ctx, filter)
 	if err != nil {
-		if errors.Is(err, jetstream.ErrNoKeysFound) {
-			return nil, nil
-		}
 		return nil, fmt.Errorf("waiter index: %w", err)
 	}
-	defer func() { _ = lister.Stop() }()
+	kv := l.Bucket()
 	out := map[string][]WaiterItem{}
-	seen := map[string]bool{}
-	for k := range lister.Keys() {
-		if seen[k] {
-			continue
-		}
-		seen[k] = true
+	for _, k := range keys {
 		parts := strings.Split(k, ".")
 		if len(parts) != 3 {
 			continue
 		}
 		got, err := kv.Get(ctx, k)
 		if err != nil {
-			continue // gone meanwhile
+			continue // gone meanwhile (or a delete marker)
 		}
 		v, ok := ParseWaiter(got.Value())
 		if !ok {
@@ -159,6 +180,40 @@ func (l *Ledger) ListWaiters(ctx context.Context, key string) (map[string][]Wait
 		out[parts[1]] = append(out[parts[1]], WaiterItem{K: k, Rev: got.Revision(), V: v})
 	}
 	return out, nil
+}
+
+// waiterKeys names the bucket's keys that match filter, each once.
+func (l *Ledger) waiterKeys(ctx context.Context, filter string) ([]string, error) {
+	if st := l.stream.Load(); st != nil {
+		info, err := (*st).Info(ctx, jetstream.WithSubjectFilter(bucketSubjectPrefix+filter))
+		if err != nil {
+			return nil, err
+		}
+		keys := make([]string, 0, len(info.State.Subjects))
+		for subj := range info.State.Subjects {
+			if k, ok := strings.CutPrefix(subj, bucketSubjectPrefix); ok {
+				keys = append(keys, k)
+			}
+		}
+		return keys, nil
+	}
+	lister, err := l.Bucket().ListKeysFiltered(ctx, filter)
+	if err != nil {
+		if errors.Is(err, jetstream.ErrNoKeysFound) {
+			return nil, nil
+		}
+		return nil, err
+	}
+	defer func() { _ = lister.Stop() }()
+	var keys []string
+	seen := map[string]bool{}
+	for k := range lister.Keys() {
+		if !seen[k] {
+			seen[k] = true
+			keys = append(keys, k)
+		}
+	}
+	return keys, nil
 }
 
 // Waiters returns the undecided entries of the requests waiting on key,

@@ -5,6 +5,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
+
 	v1 "github.com/buildq/buildq/api/v1"
 )
 
@@ -46,9 +48,23 @@ func TestWaiterKeyIsOneEntryPerBuildKeyAndRequest(t *testing.T) {
 	}
 }
 
+// Listed from the stream's subjects (UseStream), or without the stream by
+// a key listing.
 func TestWaiterIndexListsEachBuildKeysWaiters(t *testing.T) {
-	w := newWorld(t)
-	l := w.ledger("w1", newClock(), time.Minute)
+	for _, withStream := range []bool{true, false} {
+		t.Run(map[bool]string{true: "stream subjects", false: "key listing"}[withStream], func(t *testing.T) {
+			w := newWorld(t)
+			l := w.ledger("w1", newClock(), time.Minute)
+			if !withStream {
+				l = New(Config{Worker: "w1", Now: newClock().Now})
+				l.UseBucket(w.kv)
+			}
+			testWaiterIndexLists(t, w, l)
+		})
+	}
+}
+
+func testWaiterIndexLists(t *testing.T, w *world, l *Ledger) {
 	ctx := t.Context()
 
 	if got, err := l.ListWaiters(ctx, ""); err != nil || len(got) != 0 {
@@ -130,6 +146,66 @@ func TestDropWaiterAtRemovesOnlyTheRevisionItRead(t *testing.T) {
 	items, err = l.ListWaiters(ctx, buildA)
 	if err != nil || len(items[buildA]) != 0 {
 		t.Fatalf("after DropWaiterAt of the current revision: %+v, %v; want none", items, err)
+	}
+}
+
+// A dropped waiter leaves no delete marker: the sweep lists every waiter
+// subject the bucket holds, on every worker every half lease, and markers
+// stay for the bucket's max age (days), so they would be listed again and
+// again, more with every build. Without the bucket's stream the entry is
+// deleted as a key-value entry, marker and all.
+func TestADroppedWaiterLeavesNothingInTheBucket(t *testing.T) {
+	w := newWorld(t)
+	ctx := t.Context()
+	subjects := func() map[string]uint64 {
+		t.Helper()
+		st, err := w.js.Stream(ctx, "KV_"+v1.RequestsBucket)
+		if err != nil {
+			t.Fatal(err)
+		}
+		info, err := st.Info(ctx, jetstream.WithSubjectFilter(bucketSubjectPrefix+"w.>"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return info.State.Subjects
+	}
+	l := w.ledger("w1", newClock(), time.Minute)
+	l.AddWaiter(ctx, buildA, "acme", "r1")
+	if err := l.PutWaiter(ctx, buildA, Waiter{Tenant: "acme", RequestID: "r2", Parked: true, Run: "run1"}); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(subjects()); n != 2 {
+		t.Fatalf("%d waiter subjects after two waiters, want 2", n)
+	}
+	l.DropWaiter(ctx, buildA, "acme", "r1")
+	items, err := l.ListWaiters(ctx, buildA)
+	if err != nil || len(items[buildA]) != 1 {
+		t.Fatalf("ListWaiters = %v, %v; want r2's only", items, err)
+	}
+	l.DropWaiterAt(ctx, items[buildA][0])
+	if got := subjects(); len(got) != 0 {
+		t.Fatalf("waiter subjects after both were dropped: %v, want none (no delete markers)", got)
+	}
+	// A dropped waiter is written again as a new one; an update of the
+	// dropped revision is refused as a wrong revision.
+	l.AddWaiter(ctx, buildA, "acme", "r1")
+	if items, err := l.ListWaiters(ctx, buildA); err != nil || len(items[buildA]) != 1 || items[buildA][0].V.RequestID != "r1" {
+		t.Fatalf("ListWaiters after AddWaiter again = %v, %v", items, err)
+	}
+	err = l.UpdateWaiter(ctx, buildA, Waiter{Tenant: "acme", RequestID: "r2", Parked: true, Run: "run2"}, items[buildA][0].Rev)
+	if !IsWrongRevision(err) {
+		t.Fatalf("UpdateWaiter of a dropped waiter = %v, want a wrong revision", err)
+	}
+
+	// Without the stream: deleted, and a marker stays.
+	kvOnly := New(Config{Worker: "w2", Now: newClock().Now})
+	kvOnly.UseBucket(w.kv)
+	kvOnly.DropWaiter(ctx, buildA, "acme", "r1")
+	if items, err := l.ListWaiters(ctx, buildA); err != nil || len(items[buildA]) != 0 {
+		t.Fatalf("ListWaiters after a key-value delete = %v, %v; want none", items, err)
+	}
+	if n := len(subjects()); n != 1 {
+		t.Fatalf("%d waiter subjects after a key-value delete, want its marker", n)
 	}
 }
 
