@@ -66,6 +66,8 @@ var mutantCatalogue = []mutantCase{
 	{"hold-past-queue-limit", "a tenant with a queue-length limit has nothing held at intake: its requests count against the limit in the queue", []string{"TestATenantWithAQueueLimitHasNothingHeld"}},
 	{"hold-not-handed-back", "a worker that stops hands its held requests back at once (Nak), not after their AckWait", []string{"TestHeldRequestsAreHandedBackWhenTheirWorkerStops"}},
 	{"hold-unbeaten", "a request held at intake is heartbeaten: held several AckWaits, it is not delivered again", []string{"TestAHeldRequestIsHeartbeatenAcrossAckWaits"}},
+	{"intake-reads-every-record", "intake looks at a record its watch showed without reading it", []string{"TestAHitOnAWatchedRecordIsAnsweredAtIntakeWithoutARead"}},
+	{"watched-records-kept-across-watches", "a records' watch (re)started serves none of the records an earlier one showed", []string{"TestWatchedRecordsStandOnlyWhileTheWatchThatShowedThemRuns"}},
 	{"hold-behind-anyone", "a request is held on a pending mark only when the mark's request is of its tenant and at least its priority", []string{"TestAPendingMarkOfAnotherTenantOrALowerPriorityHoldsNothing"}},
 	{"intake-skips-possession", "intake answers a cache hit only for a tenant shown to hold the content", []string{"TestAHitInASharedRepositoryNeedsPossessionAtIntake"}},
 	{"intake-skips-registry-check", "intake answers a cache hit only while the registry still has the image", []string{"TestDeletedImageIsRebuilt"}},
