@@ -60,7 +60,17 @@ func censusKind(subj string) string {
 		return "$JS.ACK." + tok[2]
 	case tok[0] == "$JS" && len(tok) > 3 && tok[1] == "API":
 		switch tok[2] {
-		case "CONSUMER", "STREAM", "DIRECT":
+		case "DIRECT":
+			// A key-value read names its key: $JS.API.DIRECT.GET.<stream>.$KV.<bucket>.<key>.
+			k := strings.Join(tok[:4], ".") + " " + censusStream(tok)
+			if len(tok) > 7 && tok[5] == "$KV" {
+				if len(tok[7]) >= 40 {
+					return k + " (entries)"
+				}
+				return k + " " + tok[7]
+			}
+			return k
+		case "CONSUMER", "STREAM":
 			return strings.Join(tok[:4], ".") + " " + censusStream(tok)
 		}
 		return strings.Join(tok[:3], ".")
