@@ -63,27 +63,13 @@ type intakeRoom struct {
 	// revision — a read served by a replica a moment behind — is let go
 	// at once, not left for an update that already passed.
 	seen map[string]seenRev
-	ctx  context.Context // the worker's work context: answers and admissions run in it
-	sem  chan struct{}
+	// kept: the records kept in seen (seenRev.val); reconnects: the
+	// connection's reconnects when they were last checked (watchedRecord).
+	kept       int
+	reconnects uint64
+	ctx        context.Context // the worker's work context: answers and admissions run in it
+	sem        chan struct{}
 }
-
-// seenRev is a record revision the watch showed, and when. val is the
-// record at rev, kept for intake's looks (watchedRecord): a put the watch
-// showed since it last (re)started, while the room keeps fewer than
-// maxWatchedRecords; nil otherwise.
-type seenRev struct {
-	rev uint64
-	at  time.Time
-	val []byte
-}
-
-const (
-	// seenKeep is how long a record revision the watch showed is kept
-	// after it showed it.
-	seenKeep = 5 * time.Minute
-	// maxWatchedRecords bounds the records kept for intake's looks.
-	maxWatchedRecords = 32768
-)
 
 // heldKey is what the room holds on one build key.
 type heldKey struct {
@@ -276,44 +262,6 @@ func (r *intakeRoom) run(ctx, workCtx context.Context) {
 	}
 }
 
-// watchStarted forgets the records kept for intake's looks: a watch
-// (re)started shows only what changes from now on, and what changed
-// before it — while no watch ran — was not seen. The revisions stay: a
-// look older than one of them is still behind the record. r.mu held.
-func (r *intakeRoom) watchStarted() {
-	if mutant.On("watched-records-kept-across-watches") {
-		return
-	}
-	for k, sr := range r.seen {
-		if sr.val != nil {
-			sr.val = nil
-			r.seen[k] = sr
-		}
-	}
-}
-
-// watchedRecord is key's record as the records' watch last showed it,
-// with its revision, when the watch runs and kept it (seenRev): intake's
-// look at a key whose record changed in the last minutes costs no read.
-// It is as fresh as the watch, which a replica's read is not always:
-// a record building here may have ended a moment ago, and a hold on it
-// is let go when the update comes (or at once, when it came between the
-// look and the hold: hold's revision check); a record succeeded here is
-// answered only when the registry shows its image, as for a read.
-func (r *intakeRoom) watchedRecord(key string) (*v1.BuildRecord, uint64, bool) {
-	if r == nil {
-		return nil, 0, false
-	}
-	r.mu.Lock()
-	sr, ok := r.seen[key]
-	open := r.open
-	r.mu.Unlock()
-	if !open || !ok || sr.val == nil {
-		return nil, 0, false
-	}
-	return runs.Decode(key, sr.val), sr.rev, true
-}
-
 // watch acts on the records' updates until the watch ends or ctx does.
 func (r *intakeRoom) watch(ctx context.Context, watch jetstream.KeyWatcher) {
 	for {
@@ -323,7 +271,7 @@ func (r *intakeRoom) watch(ctx context.Context, watch jetstream.KeyWatcher) {
 				return
 			}
 			if e != nil {
-				r.updatedKey(e)
+				r.updatedKey(e, true)
 			}
 		case <-ctx.Done():
 			return
@@ -353,17 +301,19 @@ func (r *intakeRoom) tickEvery() time.Duration {
 }
 
 // updatedKey acts on one update of a record: the requests held on its
-// key leave the room unless it is still building.
-func (r *intakeRoom) updatedKey(e jetstream.KeyValueEntry) {
+// key leave the room unless it is still building. watched: the update
+// came from the watch, whose record intake's looks may take (a read's
+// record may be older than what the watch shows next, once it started).
+func (r *intakeRoom) updatedKey(e jetstream.KeyValueEntry, watched bool) {
 	key := e.Key()
 	now := time.Now()
 	r.mu.Lock()
 	if cur, ok := r.seen[key]; !ok || e.Revision() > cur.rev {
 		sr := seenRev{rev: e.Revision(), at: now}
-		if e.Operation() == jetstream.KeyValuePut && (ok || len(r.seen) < maxWatchedRecords) {
+		if watched && e.Operation() == jetstream.KeyValuePut && (cur.val != nil || r.kept < maxWatchedRecords || mutant.On("watched-records-uncapped")) {
 			sr.val = e.Value()
 		}
-		r.seen[key] = sr
+		r.keep(key, cur, sr)
 	}
 	hk := r.byKey[key]
 	if hk == nil {
@@ -412,7 +362,7 @@ func (r *intakeRoom) recheck(key string) {
 		ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 		defer cancel()
 		if e, err := r.w.runs.Bucket().Get(ctx, key); err == nil {
-			r.updatedKey(e)
+			r.updatedKey(e, false)
 		}
 	}()
 }
@@ -433,7 +383,7 @@ func (r *intakeRoom) checkMark(key string, hk *heldKey) {
 			return
 		}
 		if e, err := r.w.runs.Bucket().Get(ctx, key); err == nil {
-			r.updatedKey(e) // a record after all: it decides
+			r.updatedKey(e, false) // a record after all: it decides
 			return
 		}
 		r.letGo(key, hk, "the request of its pending mark was decided without building it")
@@ -484,7 +434,7 @@ func (r *intakeRoom) tick() {
 	}
 	for k, sr := range r.seen {
 		if now.Sub(sr.at) > seenKeep {
-			delete(r.seen, k)
+			r.keep(k, sr, seenRev{})
 		}
 	}
 	hks := map[string]*heldKey{}

@@ -6,14 +6,17 @@ package worker
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/testnats"
 )
 
 // A cache hit on a record the watch showed is answered at intake with no
@@ -90,12 +93,12 @@ func TestWatchedRecordsStandOnlyWhileTheWatchThatShowedThemRuns(t *testing.T) {
 	r.mu.Lock()
 	r.open = true
 	r.mu.Unlock()
-	r.updatedKey(watchEntry{key: "k1", val: rec, rev: 7, op: jetstream.KeyValuePut})
+	r.updatedKey(watchEntry{key: "k1", val: rec, rev: 7, op: jetstream.KeyValuePut}, true)
 	got, rev, ok := r.watchedRecord("k1")
 	if !ok || rev != 7 || got.State != v1.StateSucceeded {
 		t.Fatalf("watchedRecord = %+v, %d, %v; want the succeeded record at 7", got, rev, ok)
 	}
-	r.updatedKey(watchEntry{key: "k2", rev: 8, op: jetstream.KeyValueDelete})
+	r.updatedKey(watchEntry{key: "k2", rev: 8, op: jetstream.KeyValueDelete}, true)
 	if _, _, ok := r.watchedRecord("k2"); ok {
 		t.Error("a deleted record is served; want a read")
 	}
@@ -117,8 +120,73 @@ func TestWatchedRecordsStandOnlyWhileTheWatchThatShowedThemRuns(t *testing.T) {
 	if sr.rev != 7 {
 		t.Errorf("the revision the last watch showed is %d after a restart, want 7 kept", sr.rev)
 	}
-	r.updatedKey(watchEntry{key: "k1", val: rec, rev: 9, op: jetstream.KeyValuePut})
-	if _, rev, ok := r.watchedRecord("k1"); !ok || rev != 9 {
-		t.Errorf("after the new watch showed it: %d, %v; want the record at 9", rev, ok)
+	// A read's record (a held key read again) is not the watch's: it
+	// may be older than what the watch shows next.
+	r.updatedKey(watchEntry{key: "k1", val: rec, rev: 9, op: jetstream.KeyValuePut}, false)
+	if _, _, ok := r.watchedRecord("k1"); ok {
+		t.Error("a record read, not watched, is served to intake's looks")
+	}
+	r.updatedKey(watchEntry{key: "k1", val: rec, rev: 10, op: jetstream.KeyValuePut}, true)
+	if _, rev, ok := r.watchedRecord("k1"); !ok || rev != 10 {
+		t.Errorf("after the new watch showed it: %d, %v; want the record at 10", rev, ok)
+	}
+}
+
+// The records kept are bounded: past maxWatchedRecords only revisions
+// are kept, however often each key changes.
+func TestWatchedRecordsAreBounded(t *testing.T) {
+	r := newIntakeRoom(&Worker{})
+	r.mu.Lock()
+	r.open = true
+	r.mu.Unlock()
+	rec := []byte(`{"state":"building"}`)
+	n := maxWatchedRecords + 1000
+	for rev := range 2 {
+		for i := range n {
+			r.updatedKey(watchEntry{key: fmt.Sprintf("k%d", i), val: rec, rev: uint64(1 + rev), op: jetstream.KeyValuePut}, true)
+		}
+	}
+	r.mu.Lock()
+	vals := 0
+	for _, sr := range r.seen {
+		if sr.val != nil {
+			vals++
+		}
+	}
+	kept, seen := r.kept, len(r.seen)
+	r.mu.Unlock()
+	if vals > maxWatchedRecords || kept != vals {
+		t.Fatalf("%d records kept (counted %d) after two updates of %d keys; want at most %d", vals, kept, n, maxWatchedRecords)
+	}
+	if seen != n {
+		t.Fatalf("%d revisions kept, want every key's (%d)", seen, n)
+	}
+}
+
+// A connection that broke may have missed changes the watch shows late:
+// the records kept before are not served after it.
+func TestWatchedRecordsAreForgottenWhenTheConnectionBreaks(t *testing.T) {
+	srv := testnats.Start(t, testnats.Config{NoJetStream: true})
+	nc := srv.Connect(t, nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
+	r := newIntakeRoom(&Worker{nc: nc})
+	r.mu.Lock()
+	r.watchStarted()
+	r.open = true
+	r.mu.Unlock()
+	rec := []byte(`{"state":"succeeded"}`)
+	r.updatedKey(watchEntry{key: "k1", val: rec, rev: 3, op: jetstream.KeyValuePut}, true)
+	if _, _, ok := r.watchedRecord("k1"); !ok {
+		t.Fatal("the watched record is not served")
+	}
+	if err := srv.Restart(100 * time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the connection back", func() bool { return nc.IsConnected() && nc.Stats().Reconnects > 0 })
+	if _, _, ok := r.watchedRecord("k1"); ok {
+		t.Fatal("a record kept before the connection broke is served after it")
+	}
+	r.updatedKey(watchEntry{key: "k1", val: rec, rev: 4, op: jetstream.KeyValuePut}, true)
+	if _, rev, ok := r.watchedRecord("k1"); !ok || rev != 4 {
+		t.Fatalf("a record the watch showed after the reconnect: %d, %v; want it served", rev, ok)
 	}
 }

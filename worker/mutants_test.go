@@ -68,6 +68,8 @@ var mutantCatalogue = []mutantCase{
 	{"hold-unbeaten", "a request held at intake is heartbeaten: held several AckWaits, it is not delivered again", []string{"TestAHeldRequestIsHeartbeatenAcrossAckWaits"}},
 	{"intake-reads-every-record", "intake looks at a record its watch showed without reading it", []string{"TestAHitOnAWatchedRecordIsAnsweredAtIntakeWithoutARead"}},
 	{"watched-records-kept-across-watches", "a records' watch (re)started serves none of the records an earlier one showed", []string{"TestWatchedRecordsStandOnlyWhileTheWatchThatShowedThemRuns"}},
+	{"watched-records-uncapped", "the records a watch showed are kept for intake's looks up to maxWatchedRecords", []string{"TestWatchedRecordsAreBounded"}},
+	{"watched-records-kept-across-reconnects", "records a watch showed before its connection broke are not served to intake's looks after it", []string{"TestWatchedRecordsAreForgottenWhenTheConnectionBreaks"}},
 	{"hold-behind-anyone", "a request is held on a pending mark only when the mark's request is of its tenant and at least its priority", []string{"TestAPendingMarkOfAnotherTenantOrALowerPriorityHoldsNothing"}},
 	{"intake-skips-possession", "intake answers a cache hit only for a tenant shown to hold the content", []string{"TestAHitInASharedRepositoryNeedsPossessionAtIntake"}},
 	{"intake-skips-registry-check", "intake answers a cache hit only while the registry still has the image", []string{"TestDeletedImageIsRebuilt"}},
