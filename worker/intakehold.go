@@ -64,7 +64,7 @@ type intakeRoom struct {
 	// at once, not left for an update that already passed.
 	seen map[string]seenRev
 	// kept: the records kept in seen (seenRev.val); reconnects: the
-	// connection's reconnects when they were last checked (watchedRecord).
+	// connection's reconnects when they were last checked (connTrusted).
 	kept       int
 	reconnects uint64
 	ctx        context.Context // the worker's work context: answers and admissions run in it
@@ -308,9 +308,10 @@ func (r *intakeRoom) updatedKey(e jetstream.KeyValueEntry, watched bool) {
 	key := e.Key()
 	now := time.Now()
 	r.mu.Lock()
+	trusted := watched && r.connTrusted() // before cur is read: it may forget records
 	if cur, ok := r.seen[key]; !ok || e.Revision() > cur.rev {
 		sr := seenRev{rev: e.Revision(), at: now}
-		if watched && e.Operation() == jetstream.KeyValuePut && (cur.val != nil || r.kept < maxWatchedRecords || mutant.On("watched-records-uncapped")) {
+		if trusted && e.Operation() == jetstream.KeyValuePut && (cur.val != nil || r.kept < maxWatchedRecords || mutant.On("watched-records-uncapped")) {
 			sr.val = e.Value()
 		}
 		r.keep(key, cur, sr)

@@ -39,11 +39,25 @@ const (
 // before it — while no watch ran — was not seen. The revisions stay: a
 // look older than one of them is still behind the record. r.mu held.
 func (r *intakeRoom) watchStarted() {
-	r.reconnects = r.w.reconnects()
+	r.reconnects, _ = r.w.connState()
 	if mutant.On("watched-records-kept-across-watches") {
 		return
 	}
 	r.forgetRecords()
+}
+
+// connTrusted reports whether records may be kept and served now: the
+// connection is up. When it reconnected since it was last asked, the
+// watch resumes where it was and shows what changed meanwhile late, so
+// what it showed before may be behind by the outage: those records are
+// forgotten, and looks read until the watch shows more. r.mu held.
+func (r *intakeRoom) connTrusted() bool {
+	n, up := r.w.connState()
+	if n != r.reconnects && !mutant.On("watched-records-kept-across-reconnects") {
+		r.reconnects = n
+		r.forgetRecords()
+	}
+	return up
 }
 
 // forgetRecords drops every record kept for intake's looks; the
@@ -86,12 +100,8 @@ func (r *intakeRoom) watchedRecord(key string) (*v1.BuildRecord, uint64, bool) {
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if n := r.w.reconnects(); n != r.reconnects && !mutant.On("watched-records-kept-across-reconnects") {
-		// The connection broke since: the watch resumes where it was, and
-		// what changed meanwhile comes late. What it showed before may be
-		// behind by the outage: looks read until the watch shows more.
-		r.reconnects = n
-		r.forgetRecords()
+	if !r.connTrusted() {
+		return nil, 0, false
 	}
 	sr, ok := r.seen[key]
 	if !r.open || !ok || sr.val == nil {
@@ -100,15 +110,11 @@ func (r *intakeRoom) watchedRecord(key string) (*v1.BuildRecord, uint64, bool) {
 	return runs.Decode(key, sr.val), sr.rev, true
 }
 
-// reconnects is how many times the worker's connection reconnected;
-// every count is another after a connection that is down.
-func (w *Worker) reconnects() uint64 {
+// connState is how many times the worker's connection reconnected, and
+// whether it is up.
+func (w *Worker) connState() (reconnects uint64, up bool) {
 	if w.nc == nil {
-		return 0
+		return 0, true
 	}
-	n := w.nc.Stats().Reconnects
-	if !w.nc.IsConnected() {
-		n++ // down now: not the count a look may trust
-	}
-	return n
+	return w.nc.Stats().Reconnects, w.nc.IsConnected()
 }
