@@ -183,13 +183,7 @@ func TestAHeldRequestIsQueuedAtOnceWhenItsBuildFails(t *testing.T) {
 	results := e.collect()
 	events := e.events()
 
-	first := request("held-fails")
-	e.publishOrFail(t, first)
-	job := e.waitJob(e.jobOf(first))
-	mark := e.markIntake(t, w1)
-	dupe := request("held-fails")
-	e.publishOrFail(t, dupe)
-	eventually(t, 5*time.Second, "the later request held", func() bool { return heldAtIntake(events, dupe.RequestID) })
+	first, dupe, job, mark := e.holdBehindBuild(t, w1, events, "held-fails")
 	e.kubelet(job, 1, "error building image: RUN exited 1")
 	got := results.waitFor(t, 1, 10*time.Second)
 	if got[0].ID != first.RequestID || got[0].Data.Status != v1.StatusFailed {
@@ -542,6 +536,21 @@ func (e *env) succeed(t *testing.T, tr *testRegistry, job *batchv1.Job) {
 	e.kubelet(job, 0, tr.push(t, destination(job)))
 }
 
+// holdBehindBuild publishes a request of seed and waits for its Job, then
+// publishes a second of the same key and waits until w holds it at
+// intake; mark is where intake stood before the second.
+func (e *env) holdBehindBuild(t *testing.T, w *runningWorker, events *eventLog, seed string) (first, dupe *v1.Request, job *batchv1.Job, mark intakeMark) {
+	t.Helper()
+	first = request(seed)
+	e.publishOrFail(t, first)
+	job = e.waitJob(e.jobOf(first))
+	mark = e.markIntake(t, w)
+	dupe = request(seed)
+	e.publishOrFail(t, dupe)
+	eventually(t, 5*time.Second, "the later request held", func() bool { return heldAtIntake(events, dupe.RequestID) })
+	return first, dupe, job, mark
+}
+
 // resultOf is id's result among those collected so far.
 func resultOf(results *resultCollector, id string) (v1.Result, bool) {
 	for _, r := range results.snapshot() {
@@ -566,13 +575,7 @@ func TestAHeldRequestIsHeartbeatenAcrossAckWaits(t *testing.T) {
 	})
 	results := e.collect()
 	events := e.events()
-	first := request("held-beaten")
-	e.publishOrFail(t, first)
-	job := e.waitJob(e.jobOf(first))
-	mark := e.markIntake(t, w1)
-	dupe := request("held-beaten")
-	e.publishOrFail(t, dupe)
-	eventually(t, 5*time.Second, "the later request held", func() bool { return heldAtIntake(events, dupe.RequestID) })
+	_, dupe, job, mark := e.holdBehindBuild(t, w1, events, "held-beaten")
 	time.Sleep(7 * time.Second) // three AckWaits and more
 	if _, _, redelivered := e.streamState(); redelivered != 0 {
 		t.Errorf("%d requests delivered again while held: the hold missed its heartbeats", redelivered)
