@@ -43,9 +43,6 @@ import (
 	"testing"
 	"time"
 
-	ggcrv1 "github.com/google/go-containerregistry/pkg/v1"
-	"github.com/google/go-containerregistry/pkg/v1/mutate"
-	"github.com/google/go-containerregistry/pkg/v1/random"
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
@@ -270,32 +267,6 @@ func TestBenchScaleNATS(t *testing.T) {
 }
 
 // ---- the worker process ----
-
-// benchImages returns the emulated node's image of a Job: an image of its
-// own (its config names the Job), made without compressing a layer per
-// build. Every image shares one small random layer, compressed once; its
-// blob is pushed once and found in the registry after. The emulated node
-// stands in for kaniko on the cluster's nodes, whose work is not the
-// worker machine's: with a random layer per build, the node's gzip was
-// about a tenth of the worker processes' CPU, counted against buildq.
-func benchImages() (func(*batchv1.Job) (ggcrv1.Image, error), error) {
-	base, err := random.Image(512, 1)
-	if err != nil {
-		return nil, err
-	}
-	if _, err := base.Digest(); err != nil { // the layer's digest, computed once
-		return nil, err
-	}
-	return func(job *batchv1.Job) (ggcrv1.Image, error) {
-		cf, err := base.ConfigFile()
-		if err != nil {
-			return nil, err
-		}
-		cf = cf.DeepCopy()
-		cf.Config.Labels = map[string]string{"buildq.bench/job": job.Namespace + "/" + job.Name + "/" + string(job.UID)}
-		return mutate.ConfigFile(base, cf)
-	}, nil
-}
 
 // TestBenchScaleWorker is one worker process of TestBenchScale: the real
 // worker and kaniko Job backend, against a fake API server with an
