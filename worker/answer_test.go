@@ -17,6 +17,7 @@ import (
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/s3store"
+	"github.com/buildq/buildq/publisher"
 )
 
 // queueLastSeq is BUILDQ_QUEUE's last sequence: it moves whenever a
@@ -223,9 +224,13 @@ func TestAHitWhoseAckIsLostIsMarkedForItsRedelivery(t *testing.T) {
 	e := setup(t)
 	tr := newTestRegistry(t)
 	hit := request("lost-intake-ack")
+	// The hook reads the id, not hit, which the publisher writes to (its
+	// time of submission; its id when it has none).
+	hit.RequestID = publisher.NewRequestID()
+	hitID := hit.RequestID
 	var lost atomic.Bool
 	e.startWorkerHooked("w1", withRegistry(tr), nil, func(w *Worker) {
-		w.faults = &faultHooks{loseAck: func(id string) bool { return id == hit.RequestID && lost.CompareAndSwap(false, true) }}
+		w.faults = &faultHooks{loseAck: func(id string) bool { return id == hitID && lost.CompareAndSwap(false, true) }}
 	})
 	results := e.collect()
 	// Every publish into the results stream, stored or not: the mark is
