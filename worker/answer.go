@@ -148,6 +148,11 @@ func (w *Worker) cacheVerdict(ctx context.Context, msg jetstream.Msg, meta *jets
 	if mutant.On("intake-waits-on-lookups") {
 		wait = time.Hour
 	}
+	if sendAhead && w.builds.headBesideRead(req, key) {
+		// The HEAD does not depend on the record: sent now, it runs
+		// beside the read instead of after it (intakelook.go).
+		w.builds.sendPreflight(ctx, req, key, repo, dests)
+	}
 	lctx, cancel := context.WithTimeout(ctx, wait)
 	rec := w.builds.cached(lctx, req, key, dests)
 	cancel()
@@ -308,6 +313,9 @@ func (w *builder) sharedRecord(ctx context.Context, key string) (*v1.BuildRecord
 	ch := w.records.DoChan(key, func() (any, error) {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
 		defer cancel()
+		if w.faults != nil && w.faults.beforeRecordRead != nil {
+			w.faults.beforeRecordRead(key)
+		}
 		at := time.Now()
 		rec, rev, err := w.runs.Get(rctx, key)
 		return read{rec, at, rev}, err

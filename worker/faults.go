@@ -19,4 +19,7 @@ type faultHooks struct {
 	// it may block (a handler stalled while its request is handled
 	// elsewhere).
 	beforeWalk func(key string)
+	// beforeRecordRead runs before intake's shared read of a key's
+	// record (sharedRecord); it may block (a slow read).
+	beforeRecordRead func(key string)
 }

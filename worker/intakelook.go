@@ -25,7 +25,9 @@ import (
 //     absence as soon as it claims the key itself.
 //   - when the request is about to be taken straight from intake by this
 //     worker (its dispatcher waits idle and the request may be: fairq's
-//     direct.go), intake sends the preflight HEAD at once, and the
+//     direct.go), intake sends the preflight HEAD at once — beside its
+//     read of the record when it knows of no record of the key
+//     (headBesideRead), after it otherwise — and the
 //     handler's first look waits for that HEAD instead of sending its
 //     own — if it was sent within lookAheadFresh of the walk, and
 //     answered without error (an error sends a HEAD of the handler's
@@ -132,6 +134,28 @@ func (l *intakeLooks) seen(key string) recordLook {
 }
 
 func preflightKey(tenant, tag string) string { return tenant + " " + tag }
+
+// headBesideRead reports whether intake sends req's preflight HEAD before
+// it reads key's record, for a request about to be taken straight from
+// intake: its tenant was shown to hold the content, and nothing this
+// worker knows says the key has a record — no verified hit, and no
+// record the records' watch showed (intakewatched.go). Such a key is
+// most often a new build, whose walk waits on the HEAD; a hit among
+// them costs one HEAD that nothing uses. Keys this worker knows built
+// or building cost none, so a stream of hits sends no HEAD each.
+func (w *builder) headBesideRead(req *v1.Request, key string) bool {
+	if mutant.On("no-preflight-ahead") || mutant.On("preflight-after-read") || !w.shownHeld(req) {
+		return false
+	}
+	if mutant.On("preflight-beside-every-read") {
+		return true
+	}
+	if _, ok := w.hits.fresh(key, time.Now()); ok {
+		return false
+	}
+	_, _, watched := w.room.watchedRecord(key)
+	return !watched
+}
 
 // sendPreflight sends req's preflight HEAD now, in its own goroutine,
 // unless one sent ahead for the same tenant and tag still stands.

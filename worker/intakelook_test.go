@@ -7,6 +7,7 @@ package worker
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -179,5 +180,93 @@ func TestAnAbsenceSeenAtIntakeStandsForAMomentOnly(t *testing.T) {
 	}
 	if n := mark.handedOn(t); n != 0 {
 		t.Errorf("an absence older than %s kept a cache hit from intake (%d handed on)", lookAheadFresh, n)
+	}
+}
+
+// An idle worker that knows no record of a new build's key sends its
+// preflight HEAD beside intake's read of the record, not after it: the
+// HEAD, the longest of the look, does not wait on the read.
+func TestAPreflightAheadGoesBesideIntakesRecordRead(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	reg := &headCounter{Registry: tr.client}
+	req := request("preflight-beside-read")
+	key := v1.BuildKey(req, kanikoID)
+	tag := tr.host + "/acme/web:" + v1.DefaultTag(key)
+	var beside atomic.Bool
+	w1 := e.startWorkerHooked("w1", func(c *Config) { withRegistry(tr)(c); c.Registry = reg }, nil, func(w *Worker) {
+		w.faults = &faultHooks{beforeRecordRead: func(k string) {
+			if k != key {
+				return
+			}
+			// Held up to 150 ms, within intake's lookup deadline: a
+			// HEAD sent after the read cannot come meanwhile.
+			for deadline := time.Now().Add(150 * time.Millisecond); time.Now().Before(deadline); time.Sleep(2 * time.Millisecond) {
+				if reg.count(tag) > 0 {
+					beside.Store(true)
+					return
+				}
+			}
+		}}
+	})
+	results := e.collect()
+	waitIdle(t, w1)
+	if _, err := e.pub.Publish(context.Background(), req); err != nil {
+		t.Fatal(err)
+	}
+	job := e.waitJob(jobOf(req))
+	if !beside.Load() {
+		t.Error("no preflight HEAD was sent while intake read the record")
+	}
+	e.kubelet(job, 0, tr.push(t, destination(job)))
+	if r := results.waitFor(t, 1, 10*time.Second)[0]; r.Data.Status != v1.StatusSucceeded || r.Data.Origin != v1.OriginBuild {
+		t.Fatalf("result %s", mustJSON(t, r))
+	}
+	if n := reg.count(tag); n != 1 {
+		t.Errorf("%d HEADs of the request's tag, want the one sent ahead", n)
+	}
+}
+
+// A key this worker knows built sends no HEAD beside the read: its hits,
+// answered at intake, cost no HEAD of their tag each.
+func TestHitsOfAKnownKeySendNoPreflightAhead(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	reg := &headCounter{Registry: tr.client}
+	w1 := e.startWorker("w1", func(c *Config) { withRegistry(tr)(c); c.Registry = reg })
+	results := e.collect()
+	req := request("hits-known-key")
+	key := v1.BuildKey(req, kanikoID)
+	tag := tr.host + "/acme/web:" + v1.DefaultTag(key)
+	if _, err := e.pub.Publish(context.Background(), req); err != nil {
+		t.Fatal(err)
+	}
+	job := e.waitJob(jobOf(req))
+	e.kubelet(job, 0, tr.push(t, destination(job)))
+	results.waitFor(t, 1, 10*time.Second)
+	eventually(t, 5*time.Second, "the key's succeeded record shown by the records' watch", func() bool {
+		rec, _, ok := w1.w.room.watchedRecord(key)
+		return ok && rec.State == v1.StateSucceeded
+	})
+	before := reg.count(tag)
+	for range 3 {
+		// Past lookAheadFresh: a HEAD sent before is not sent again
+		// while it stands, so it would hide one sent for a hit.
+		time.Sleep(lookAheadFresh)
+		waitIdle(t, w1)
+		if _, err := e.pub.Publish(context.Background(), request("hits-known-key")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got := results.waitFor(t, 4, 10*time.Second)
+	for _, r := range got[1:] {
+		if r.Data.Origin != v1.OriginCache {
+			t.Fatalf("result %s, want a cache hit", mustJSON(t, r))
+		}
+	}
+	if n := reg.count(tag) - before; n != 0 {
+		t.Errorf("%d HEADs of the tag for 3 hits of a key the worker knows built, want 0", n)
 	}
 }
