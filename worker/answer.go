@@ -95,8 +95,9 @@ func (w *Worker) answerAtIntake(ctx context.Context, msg jetstream.Msg, atOnce b
 				res.Mark(actx)
 			}
 		}
-		log.Info("request done", zap.String("requestId", v.Data.RequestID), zap.String("status", string(v.Data.Status)),
-			zap.String("origin", string(v.Data.Origin)), zap.String("digest", v.Data.Digest), zap.Bool("atIntake", true))
+		d := res.Decision.Data
+		log.Info("request done", zap.String("requestId", d.RequestID), zap.String("status", string(d.Status)),
+			zap.String("origin", string(d.Origin)), zap.String("digest", d.Digest), zap.Bool("atIntake", true))
 	}
 }
 
@@ -149,9 +150,11 @@ func (w *Worker) cacheVerdict(ctx context.Context, msg jetstream.Msg, meta *jets
 		wait = time.Hour
 	}
 	if sendAhead && w.builds.headBesideRead(req, key) {
-		// The HEAD does not depend on the record: sent now, it runs
-		// beside the read instead of after it (intakelook.go).
+		// The HEAD and the entry's create do not depend on the record:
+		// sent now, they run beside the read instead of after it
+		// (intakelook.go, intakeopen.go).
 		w.builds.sendPreflight(ctx, req, key, repo, dests)
+		w.builds.sendOpen(ctx, req, key, meta.Sequence.Stream, meta.Timestamp)
 	}
 	lctx, cancel := context.WithTimeout(ctx, wait)
 	rec := w.builds.cached(lctx, req, key, dests)
@@ -174,6 +177,11 @@ func (w *Worker) cacheVerdict(ctx context.Context, msg jetstream.Msg, meta *jets
 	v, err := w.resultVerdict(ctx, v, req, rec, v1.OriginCache, false, repo, dests)
 	if err != nil || v.Data.Status != v1.StatusSucceeded {
 		return verdict{}, nil, false
+	}
+	if le, opened, ok := w.openedHit(ctx, req, meta.Sequence.Stream); opened {
+		// Intake opened the entry beside its read: the decision is
+		// recorded on it as it is delivered.
+		return v, le, ok
 	}
 	le, d, ok, err := w.ledger.CreateDecided(ctx, key, meta.Sequence.Stream, at, v.Decision)
 	if err != nil {

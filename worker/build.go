@@ -35,8 +35,10 @@ type builder struct {
 	// hits: keys whose hits were verified so (answer.go).
 	present presentImages
 	hits    recentHits
-	// looks: what intake saw of records and tags (intakelook.go).
+	// looks: what intake saw of records and tags (intakelook.go);
+	// opens: the ledger entries it opened ahead (intakeopen.go).
 	looks intakeLooks
+	opens intakeOpens
 	// orphans: the reconciler's watch of runs whose Job finished.
 	orphans orphanWatch
 	// possessed: tenants shown to hold a context (possession.go).

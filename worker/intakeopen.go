@@ -1,0 +1,139 @@
+package worker
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/worker/internal/ledger"
+	"github.com/buildq/buildq/worker/internal/mutant"
+)
+
+// The request's ledger entry, opened beside intake's read (docs/design.md
+// §2d, item 3). A request about to be taken straight from intake whose key
+// this worker knows nothing of (headBesideRead) is most often a new build:
+// its handler's first write is the entry's create (ledger.Open), which
+// depends on neither the record intake reads nor the HEAD sent beside it.
+// Intake sends that create too, and the handler takes its outcome instead
+// of writing its own:
+//
+//   - only the handler of the same message (tenant, request id and stream
+//     sequence) takes it, and only within lookAheadFresh of its sending;
+//     past that, or when it failed, the handler opens the entry itself
+//     (which reads it as it is now: a cancel's mark, a decision);
+//   - a hit found by the read decides the entry it opened (a compare-and-
+//     swap, then the publish: ledger.Deliver), where an entry created
+//     with its decision was one write; a hit of a key the worker had not
+//     seen is the rare case this costs;
+//   - a request that is held or queued after all keeps its entry, as a
+//     redelivered request has one: its handler, here or on another
+//     worker, opens it as it is.
+
+// openAhead is a ledger entry's create intake sent; done closes when its
+// outcome is in.
+type openAhead struct {
+	seq   uint64
+	sent  time.Time
+	done  chan struct{}
+	le    *ledger.Entry
+	fresh bool
+	err   error
+}
+
+// intakeOpens are the creates intake sent, by ledger key.
+type intakeOpens struct {
+	mu sync.Mutex
+	m  map[string]*openAhead
+}
+
+// openAheadTimeout bounds a create sent ahead, as the handler's own is
+// bounded by its request's handling.
+const openAheadTimeout = 15 * time.Second
+
+// sendOpen creates req's ledger entry now, in its own goroutine, for the
+// message at seq, published at at.
+func (w *builder) sendOpen(ctx context.Context, req *v1.Request, key string, seq uint64, at time.Time) {
+	if mutant.On("no-open-ahead") {
+		return
+	}
+	o := &openAhead{seq: seq, sent: time.Now(), done: make(chan struct{})}
+	lk := ledger.Key(req.Tenant, req.RequestID)
+	w.opens.mu.Lock()
+	if w.opens.m == nil || len(w.opens.m) >= maxIntakeLooks {
+		w.opens.m = map[string]*openAhead{}
+	}
+	w.opens.m[lk] = o
+	w.opens.mu.Unlock()
+	go func() {
+		defer close(o.done)
+		defer func() {
+			if r := recover(); r != nil {
+				o.err = fmt.Errorf("ledger entry opened ahead panicked: %v", r)
+			}
+		}()
+		// The worker's context, not intake's deadline: the create
+		// outlives the admission, as the handler's own would.
+		ctx, cancel := context.WithTimeout(ctx, openAheadTimeout)
+		defer cancel()
+		o.le, o.fresh, o.err = w.ledger.Open(ctx, req.Tenant, req.Name, req.RequestID, key, seq, at)
+	}()
+}
+
+// takeOpen removes and returns the create intake sent for the message of
+// tenant's request id at seq, when it was sent within lookAheadFresh; nil
+// when there is none.
+func (w *builder) takeOpen(tenant, id string, seq uint64) *openAhead {
+	lk := ledger.Key(tenant, id)
+	w.opens.mu.Lock()
+	defer w.opens.mu.Unlock()
+	o, ok := w.opens.m[lk]
+	if !ok || o.seq != seq {
+		return nil
+	}
+	delete(w.opens.m, lk)
+	if time.Since(o.sent) >= lookAheadFresh {
+		return nil
+	}
+	return o
+}
+
+// wait is o's entry once it is in; ok false when ctx ended first or the
+// create failed (the caller then opens the entry itself).
+func (o *openAhead) wait(ctx context.Context) (le *ledger.Entry, fresh, ok bool) {
+	select {
+	case <-o.done:
+		return o.le, o.fresh, o.err == nil
+	case <-ctx.Done():
+		return nil, false, false
+	}
+}
+
+// openEntry opens the entry of req's message at seq: the create intake
+// sent for it, or one of its own.
+func (w *Worker) openEntry(ctx context.Context, req *v1.Request, key string, seq uint64, at time.Time) (*ledger.Entry, bool, error) {
+	if o := w.builds.takeOpen(req.Tenant, req.RequestID, seq); o != nil {
+		if le, fresh, ok := o.wait(ctx); ok {
+			return le, fresh, nil
+		}
+	}
+	return w.ledger.Open(ctx, req.Tenant, req.Name, req.RequestID, key, seq, at)
+}
+
+// openedHit is the entry intake opened for a hit's message, when it opened
+// one (fresh, within lookAheadFresh) and it came in: the hit is decided
+// on it (ledger.Deliver records the decision). ok false with opened true:
+// an entry may exist and the hit is left to the queue's handler, which
+// opens it as it is.
+func (w *Worker) openedHit(ctx context.Context, req *v1.Request, seq uint64) (le *ledger.Entry, opened, ok bool) {
+	o := w.builds.takeOpen(req.Tenant, req.RequestID, seq)
+	if o == nil {
+		return nil, false, false
+	}
+	le, fresh, ok := o.wait(ctx)
+	if !ok || !fresh {
+		return nil, true, false
+	}
+	return le, true, true
+}

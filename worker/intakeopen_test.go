@@ -1,0 +1,97 @@
+package worker
+
+// The ledger entry opened beside intake's read (intakeopen.go).
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/publisher"
+)
+
+// An idle worker that knows no record of a new build's key creates the
+// request's ledger entry beside intake's read of the record, and its
+// handler builds on that entry.
+func TestTheLedgerEntryIsOpenedBesideIntakesRecordRead(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	req := request("open-beside-read")
+	req.RequestID = publisher.NewRequestID()
+	id, key := req.RequestID, v1.BuildKey(req, kanikoID)
+	var beside atomic.Bool
+	w1 := e.startWorkerHooked("w1", nil, nil, func(w *Worker) {
+		w.faults = &faultHooks{beforeRecordRead: func(k string) {
+			if k != key {
+				return
+			}
+			// Held up to 150 ms, within intake's lookup deadline: an
+			// entry created after the read cannot come meanwhile.
+			for deadline := time.Now().Add(150 * time.Millisecond); time.Now().Before(deadline); time.Sleep(2 * time.Millisecond) {
+				if e.ledgerEntry("acme", id) != nil {
+					beside.Store(true)
+					return
+				}
+			}
+		}}
+	})
+	results := e.collect()
+	waitIdle(t, w1)
+	if _, err := e.pub.Publish(context.Background(), req); err != nil {
+		t.Fatal(err)
+	}
+	job := e.waitJob(jobOf(req))
+	if !beside.Load() {
+		t.Error("the request's ledger entry was not created while intake read the record")
+	}
+	e.kubelet(job, 0, digestOf("open-beside-read"))
+	if r := results.waitFor(t, 1, 10*time.Second)[0]; r.Data.Status != v1.StatusSucceeded || r.Data.Origin != v1.OriginBuild || r.Data.Attempts != 1 {
+		t.Fatalf("result %s", mustJSON(t, r))
+	}
+	if le := e.ledgerEntry("acme", id); le == nil || le.Result == nil || le.Result.Status != v1.StatusSucceeded {
+		t.Fatalf("ledger entry %s, want the request's decision", mustJSON(t, le))
+	}
+}
+
+// A hit of a key the worker had not seen has its entry opened ahead like a
+// build's; it is answered once, from the cache, with its decision recorded
+// on that entry.
+func TestAHitOnAnEntryOpenedAheadIsAnsweredOnce(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	w1 := e.startWorker("w1", withRegistry(tr))
+	results := e.collect()
+	first := request("open-ahead-hit")
+	if _, err := e.pub.Publish(context.Background(), first); err != nil {
+		t.Fatal(err)
+	}
+	job := e.waitJob(jobOf(first))
+	e.kubelet(job, 0, tr.push(t, destination(job)))
+	results.waitFor(t, 1, 10*time.Second)
+	w1.stop(t)
+	// A worker started after the build knows nothing of its key.
+	w2 := e.startWorker("w2", withRegistry(tr))
+	waitIdle(t, w2)
+	hit := request("open-ahead-hit")
+	if _, err := e.pub.Publish(context.Background(), hit); err != nil {
+		t.Fatal(err)
+	}
+	got := results.waitFor(t, 2, 10*time.Second)[1]
+	if got.ID != hit.RequestID || got.Data.Status != v1.StatusSucceeded || got.Data.Origin != v1.OriginCache {
+		t.Fatalf("result %s, want the hit answered from the cache", mustJSON(t, got))
+	}
+	time.Sleep(300 * time.Millisecond)
+	if n := len(results.snapshot()); n != 2 {
+		t.Fatalf("%d results, want one per request", n)
+	}
+	if le := e.ledgerEntry("acme", hit.RequestID); le == nil || le.Result == nil || le.Result.Origin != v1.OriginCache {
+		t.Fatalf("ledger entry %s, want the hit's decision", mustJSON(t, le))
+	}
+	eventually(t, 5*time.Second, "the hit's message acked", func() bool {
+		msgs, pending, _ := e.streamState()
+		return msgs == 0 && pending == 0
+	})
+}
