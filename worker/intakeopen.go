@@ -40,6 +40,35 @@ type openAhead struct {
 	le    *ledger.Entry
 	fresh bool
 	err   error
+	// A cancel of the request between the create and its handler's own
+	// registration (processRequest's api.Hold) comes to the placeholder
+	// registered before the create: it is remembered (canceled), and
+	// passed on to the handler once one took the create (handler).
+	mu       sync.Mutex
+	canceled bool
+	handler  context.CancelCauseFunc
+	taken    bool
+	release  func()
+}
+
+// cancel is the placeholder's: see openAhead.
+func (o *openAhead) cancel(cause error) {
+	o.mu.Lock()
+	o.canceled = true
+	h := o.handler
+	o.mu.Unlock()
+	if h != nil {
+		h(cause)
+	}
+}
+
+// attach hands the placeholder's cancels on to handler, from now on;
+// canceled reports whether one came before.
+func (o *openAhead) attach(handler context.CancelCauseFunc) (canceled bool) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.handler = handler
+	return o.canceled
 }
 
 // intakeOpens are the creates intake sent, by ledger key.
@@ -60,6 +89,23 @@ func (w *builder) sendOpen(ctx context.Context, req *v1.Request, key string, seq
 	}
 	o := &openAhead{seq: seq, sent: time.Now(), done: make(chan struct{})}
 	lk := ledger.Key(req.Tenant, req.RequestID)
+	// Registered before the create: a cancel can mark the entry only once
+	// it exists, and its notice then finds the placeholder (or the
+	// handler's own registration, which replaces it). Released by the
+	// handler that takes the create, or after a while when none does.
+	if !mutant.On("open-ahead-misses-cancels") {
+		o.release = w.api.Hold(lk, o.cancel)
+	} else {
+		o.release = func() {}
+	}
+	time.AfterFunc(2*lookAheadFresh, func() {
+		o.mu.Lock()
+		taken := o.taken
+		o.mu.Unlock()
+		if !taken {
+			o.release()
+		}
+	})
 	w.opens.mu.Lock()
 	if w.opens.m == nil || len(w.opens.m) >= maxIntakeLooks {
 		w.opens.m = map[string]*openAhead{}
@@ -96,6 +142,9 @@ func (w *builder) takeOpen(tenant, id string, seq uint64) *openAhead {
 	if time.Since(o.sent) >= lookAheadFresh {
 		return nil
 	}
+	o.mu.Lock()
+	o.taken = true
+	o.mu.Unlock()
 	return o
 }
 
@@ -111,14 +160,23 @@ func (o *openAhead) wait(ctx context.Context) (le *ledger.Entry, fresh, ok bool)
 }
 
 // openEntry opens the entry of req's message at seq: the create intake
-// sent for it, or one of its own.
-func (w *Worker) openEntry(ctx context.Context, req *v1.Request, key string, seq uint64, at time.Time) (*ledger.Entry, bool, error) {
+// sent for it, or one of its own. handler is the handling's cancel: a
+// cancel of the request from now until the handler registers it itself
+// comes to it through intake's placeholder. done releases that
+// placeholder (the caller runs it once registered, or as it returns).
+func (w *Worker) openEntry(ctx context.Context, req *v1.Request, key string, seq uint64, at time.Time, handler context.CancelCauseFunc) (le *ledger.Entry, fresh bool, done func(), err error) {
+	done = func() {}
 	if o := w.builds.takeOpen(req.Tenant, req.RequestID, seq); o != nil {
-		if le, fresh, ok := o.wait(ctx); ok {
-			return le, fresh, nil
+		done = o.release
+		canceled := o.attach(handler)
+		if le, fresh, ok := o.wait(ctx); ok && !canceled {
+			return le, fresh, done, nil
 		}
+		// Canceled since the create (or it failed): the entry as it is
+		// now, with the cancel's mark.
 	}
-	return w.ledger.Open(ctx, req.Tenant, req.Name, req.RequestID, key, seq, at)
+	le, fresh, err = w.ledger.Open(ctx, req.Tenant, req.Name, req.RequestID, key, seq, at)
+	return le, fresh, done, err
 }
 
 // openedHit is the entry intake opened for a hit's message, when it opened
@@ -131,6 +189,9 @@ func (w *Worker) openedHit(ctx context.Context, req *v1.Request, seq uint64) (le
 	if o == nil {
 		return nil, false, false
 	}
+	// A cancel since the create is in the entry: recording the decision
+	// on it (a compare-and-swap) finds the mark and decides canceled.
+	defer o.release()
 	le, fresh, ok := o.wait(ctx)
 	if !ok || !fresh {
 		return nil, true, false

@@ -4,6 +4,7 @@ package worker
 
 import (
 	"context"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -94,4 +95,58 @@ func TestAHitOnAnEntryOpenedAheadIsAnsweredOnce(t *testing.T) {
 		msgs, pending, _ := e.streamState()
 		return msgs == 0 && pending == 0
 	})
+}
+
+// A cancel that marks the entry intake created ahead, before the handler
+// took that create, reaches the handler: the request is answered canceled
+// at once and no Job is created for it.
+func TestACancelBetweenTheCreateAheadAndItsHandlerStopsTheRequest(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	req := request("cancel-open-ahead")
+	req.RequestID = publisher.NewRequestID()
+	id, key := req.RequestID, v1.BuildKey(req, kanikoID)
+	ready, proceed := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	w1 := e.startWorkerHooked("w1", nil, nil, func(w *Worker) {
+		w.faults = &faultHooks{beforeRecordRead: func(k string) {
+			if k != key {
+				return
+			}
+			// Intake's read waits for the entry created beside it, and
+			// then for the cancel, within intake's lookup deadline.
+			for deadline := time.Now().Add(150 * time.Millisecond); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+				if e.ledgerEntry("acme", id) != nil {
+					break
+				}
+			}
+			once.Do(func() { close(ready) })
+			select {
+			case <-proceed:
+			case <-time.After(200 * time.Millisecond):
+			}
+		}}
+	})
+	results := e.collect()
+	waitIdle(t, w1)
+	if _, err := e.pub.Publish(context.Background(), req); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-ready:
+	case <-time.After(5 * time.Second):
+		t.Fatal("intake never read the record")
+	}
+	rep := cancelRequest(t, e.nc, v1.APICancelSubject("acme"), id)
+	close(proceed)
+	if !rep.Canceled {
+		t.Fatalf("cancel reply %+v, want the request canceled (its entry was created ahead)", rep)
+	}
+	r := results.waitFor(t, 1, 3*time.Second)[0]
+	if r.ID != id || r.Data.Status != v1.StatusCanceled {
+		t.Fatalf("result %s, want the request canceled", mustJSON(t, r))
+	}
+	if n := e.creates.total(); n != 0 {
+		t.Fatalf("%d Jobs created for a request canceled before its handler took it", n)
+	}
 }

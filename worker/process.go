@@ -47,7 +47,8 @@ func (w *Worker) processRequest(ctx context.Context, h *handling) (verdict, *led
 	}
 	v.Data.Key = key
 	h.known = v
-	le, fresh, err := w.openEntry(ctx, req, key, seq, at)
+	le, fresh, openDone, err := w.openEntry(ctx, req, key, seq, at, h.cancel)
+	defer openDone()
 	if errors.Is(err, ledger.ErrDuplicateID) {
 		// A parked request published again carries the token its
 		// ledger entry holds: it is that request, not a duplicate. A

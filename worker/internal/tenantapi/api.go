@@ -91,7 +91,7 @@ func New(cfg Config) *Service {
 	if cfg.ReplyRefused == nil {
 		cfg.ReplyRefused = func(string) {}
 	}
-	return &Service{cfg: cfg, held: heldRequests{m: map[string]context.CancelCauseFunc{}}, sem: make(chan struct{}, apiConcurrency),
+	return &Service{cfg: cfg, held: heldRequests{m: map[string]*heldRequest{}}, sem: make(chan struct{}, apiConcurrency),
 		reading: pollCounts{perTenant: resultsPerTenant, max: apiConcurrency / 2},
 		logsSem: make(chan struct{}, logsConcurrency)}
 }
@@ -107,26 +107,34 @@ func (w *Service) Hold(lk string, cancel context.CancelCauseFunc) (release func(
 // the cancel of its handling.
 type heldRequests struct {
 	mu sync.Mutex
-	m  map[string]context.CancelCauseFunc
+	m  map[string]*heldRequest
 }
 
+type heldRequest struct{ cancel context.CancelCauseFunc }
+
+// hold registers cancel for lk, in place of any registered before; the
+// returned release forgets this registration only, not a later one of the
+// same key (intake's placeholder, then its handler's: worker/intakeopen.go).
 func (h *heldRequests) hold(lk string, cancel context.CancelCauseFunc) func() {
+	r := &heldRequest{cancel: cancel}
 	h.mu.Lock()
-	h.m[lk] = cancel
+	h.m[lk] = r
 	h.mu.Unlock()
 	return func() {
 		h.mu.Lock()
-		delete(h.m, lk)
+		if h.m[lk] == r {
+			delete(h.m, lk)
+		}
 		h.mu.Unlock()
 	}
 }
 
 func (h *heldRequests) cancel(lk string) {
 	h.mu.Lock()
-	c := h.m[lk]
+	r := h.m[lk]
 	h.mu.Unlock()
-	if c != nil {
-		c(ErrCanceled)
+	if r != nil {
+		r.cancel(ErrCanceled)
 	}
 }
 
