@@ -183,6 +183,24 @@ func TestAnAbsenceSeenAtIntakeStandsForAMomentOnly(t *testing.T) {
 	}
 }
 
+// readHeldUntil is a beforeRecordRead hook that holds intake's read of
+// key's record until cond holds, for up to 150 ms — within intake's lookup
+// deadline, so the request goes on as it would — and records in met that
+// cond held meanwhile.
+func readHeldUntil(key string, cond func() bool, met *atomic.Bool) func(string) {
+	return func(k string) {
+		if k != key {
+			return
+		}
+		for deadline := time.Now().Add(150 * time.Millisecond); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+			if cond() {
+				met.Store(true)
+				return
+			}
+		}
+	}
+}
+
 // An idle worker that knows no record of a new build's key sends its
 // preflight HEAD beside intake's read of the record, not after it: the
 // HEAD, the longest of the look, does not wait on the read.
@@ -196,19 +214,8 @@ func TestAPreflightAheadGoesBesideIntakesRecordRead(t *testing.T) {
 	tag := tr.host + "/acme/web:" + v1.DefaultTag(key)
 	var beside atomic.Bool
 	w1 := e.startWorkerHooked("w1", func(c *Config) { withRegistry(tr)(c); c.Registry = reg }, nil, func(w *Worker) {
-		w.faults = &faultHooks{beforeRecordRead: func(k string) {
-			if k != key {
-				return
-			}
-			// Held up to 150 ms, within intake's lookup deadline: a
-			// HEAD sent after the read cannot come meanwhile.
-			for deadline := time.Now().Add(150 * time.Millisecond); time.Now().Before(deadline); time.Sleep(2 * time.Millisecond) {
-				if reg.count(tag) > 0 {
-					beside.Store(true)
-					return
-				}
-			}
-		}}
+		// A HEAD sent after the read cannot come while it is held.
+		w.faults = &faultHooks{beforeRecordRead: readHeldUntil(key, func() bool { return reg.count(tag) > 0 }, &beside)}
 	})
 	results := e.collect()
 	waitIdle(t, w1)

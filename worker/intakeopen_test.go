@@ -24,19 +24,8 @@ func TestTheLedgerEntryIsOpenedBesideIntakesRecordRead(t *testing.T) {
 	id, key := req.RequestID, v1.BuildKey(req, kanikoID)
 	var beside atomic.Bool
 	w1 := e.startWorkerHooked("w1", nil, nil, func(w *Worker) {
-		w.faults = &faultHooks{beforeRecordRead: func(k string) {
-			if k != key {
-				return
-			}
-			// Held up to 150 ms, within intake's lookup deadline: an
-			// entry created after the read cannot come meanwhile.
-			for deadline := time.Now().Add(150 * time.Millisecond); time.Now().Before(deadline); time.Sleep(2 * time.Millisecond) {
-				if e.ledgerEntry("acme", id) != nil {
-					beside.Store(true)
-					return
-				}
-			}
-		}}
+		// An entry created after the read cannot come while it is held.
+		w.faults = &faultHooks{beforeRecordRead: readHeldUntil(key, func() bool { return e.ledgerEntry("acme", id) != nil }, &beside)}
 	})
 	results := e.collect()
 	waitIdle(t, w1)
@@ -108,6 +97,8 @@ func TestACancelBetweenTheCreateAheadAndItsHandlerStopsTheRequest(t *testing.T) 
 	id, key := req.RequestID, v1.BuildKey(req, kanikoID)
 	ready, proceed := make(chan struct{}), make(chan struct{})
 	var once sync.Once
+	var created atomic.Bool
+	untilCreated := readHeldUntil(key, func() bool { return e.ledgerEntry("acme", id) != nil }, &created)
 	w1 := e.startWorkerHooked("w1", nil, nil, func(w *Worker) {
 		w.faults = &faultHooks{beforeRecordRead: func(k string) {
 			if k != key {
@@ -115,11 +106,7 @@ func TestACancelBetweenTheCreateAheadAndItsHandlerStopsTheRequest(t *testing.T) 
 			}
 			// Intake's read waits for the entry created beside it, and
 			// then for the cancel, within intake's lookup deadline.
-			for deadline := time.Now().Add(150 * time.Millisecond); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
-				if e.ledgerEntry("acme", id) != nil {
-					break
-				}
-			}
+			untilCreated(k)
 			once.Do(func() { close(ready) })
 			select {
 			case <-proceed:
