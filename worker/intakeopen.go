@@ -128,9 +128,9 @@ func (w *builder) sendOpen(ctx context.Context, req *v1.Request, key string, seq
 }
 
 // takeOpen removes and returns the create intake sent for the message of
-// tenant's request id at seq, when it was sent within lookAheadFresh; nil
-// when there is none.
-func (w *builder) takeOpen(tenant, id string, seq uint64) *openAhead {
+// tenant's request id at seq; nil when there is none, or when fresh asks
+// for one sent within lookAheadFresh and it is older.
+func (w *builder) takeOpen(tenant, id string, seq uint64, fresh bool) *openAhead {
 	lk := ledger.Key(tenant, id)
 	w.opens.mu.Lock()
 	defer w.opens.mu.Unlock()
@@ -139,7 +139,7 @@ func (w *builder) takeOpen(tenant, id string, seq uint64) *openAhead {
 		return nil
 	}
 	delete(w.opens.m, lk)
-	if time.Since(o.sent) >= lookAheadFresh {
+	if fresh && time.Since(o.sent) >= lookAheadFresh {
 		return nil
 	}
 	o.mu.Lock()
@@ -166,7 +166,7 @@ func (o *openAhead) wait(ctx context.Context) (le *ledger.Entry, fresh, ok bool)
 // placeholder (the caller runs it once registered, or as it returns).
 func (w *Worker) openEntry(ctx context.Context, req *v1.Request, key string, seq uint64, at time.Time, handler context.CancelCauseFunc) (le *ledger.Entry, fresh bool, done func(), err error) {
 	done = func() {}
-	if o := w.builds.takeOpen(req.Tenant, req.RequestID, seq); o != nil {
+	if o := w.builds.takeOpen(req.Tenant, req.RequestID, seq, true); o != nil {
 		done = o.release
 		canceled := o.attach(handler)
 		if le, fresh, ok := o.wait(ctx); ok && !canceled {
@@ -180,12 +180,15 @@ func (w *Worker) openEntry(ctx context.Context, req *v1.Request, key string, seq
 }
 
 // openedHit is the entry intake opened for a hit's message, when it opened
-// one (fresh, within lookAheadFresh) and it came in: the hit is decided
+// one (this call's create, not one found) and it came in: the hit is decided
 // on it (ledger.Deliver records the decision). ok false with opened true:
 // an entry may exist and the hit is left to the queue's handler, which
 // opens it as it is.
 func (w *Worker) openedHit(ctx context.Context, req *v1.Request, seq uint64) (le *ledger.Entry, opened, ok bool) {
-	o := w.builds.takeOpen(req.Tenant, req.RequestID, seq)
+	// Of any age: the decision is recorded by a compare-and-swap, which
+	// finds whatever changed the entry since (a cancel's mark). A hit
+	// whose look took long under load is still answered here.
+	o := w.builds.takeOpen(req.Tenant, req.RequestID, seq, mutant.On("opened-hit-fresh-only"))
 	if o == nil {
 		return nil, false, false
 	}

@@ -137,3 +137,27 @@ func TestACancelBetweenTheCreateAheadAndItsHandlerStopsTheRequest(t *testing.T) 
 		t.Fatalf("%d Jobs created for a request canceled before its handler took it", n)
 	}
 }
+
+// A hit whose look took longer than lookAheadFresh (a loaded machine) is
+// still decided on the entry intake opened for it: its compare-and-swap
+// finds whatever changed the entry since, so age does not matter, and
+// without it the hit would find its own entry and go to the queue.
+func TestAHitIsDecidedOnItsOpenedEntryOfAnyAge(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	w1 := e.startWorker("w1", nil)
+	req := request("opened-hit-age")
+	req.RequestID = publisher.NewRequestID()
+	key := v1.BuildKey(req, kanikoID)
+	at := time.Now()
+	w1.w.builds.sendOpen(context.Background(), req, key, 7, at)
+	time.Sleep(lookAheadFresh + 50*time.Millisecond)
+	le, opened, ok := w1.w.openedHit(context.Background(), req, 7)
+	if !opened || !ok || le == nil || le.E.RequestID != req.RequestID || le.E.Seq != 7 {
+		t.Fatalf("opened %v ok %v entry %+v, want the entry intake created", opened, ok, le)
+	}
+	// Taken once: nobody else finds it after.
+	if o := w1.w.builds.takeOpen(req.Tenant, req.RequestID, 7, false); o != nil {
+		t.Fatal("the create was taken twice")
+	}
+}

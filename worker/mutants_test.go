@@ -92,6 +92,7 @@ var mutantCatalogue = []mutantCase{
 	{"preflight-beside-every-read", "no HEAD is sent beside the read for a key the worker knows built: hits cost no HEAD of their tag", []string{"TestHitsOfAKnownKeySendNoPreflightAhead"}},
 	{"no-open-ahead", "an idle worker that knows no record of the key creates the request's ledger entry beside intake's record read", []string{"TestTheLedgerEntryIsOpenedBesideIntakesRecordRead"}},
 	{"open-ahead-misses-cancels", "a cancel between intake's create ahead and its handler reaches the handler: no build for a request the cancel confirmed", []string{"TestACancelBetweenTheCreateAheadAndItsHandlerStopsTheRequest"}},
+	{"opened-hit-fresh-only", "a hit whose look took longer than lookAheadFresh is still decided on the entry intake opened for it", []string{"TestAHitIsDecidedOnItsOpenedEntryOfAnyAge"}},
 	{"preflight-ahead-busy", "no preflight HEAD is sent from intake for a request that will wait: on a busy worker, or of a tenant with a limit", []string{"TestABusyWorkerSendsNoPreflightAhead", "TestALimitedTenantGetsNoPreflightAhead"}},
 	{"heartbeat-fixed-pace", "a running request's heartbeat follows the consumer's AckWait as the worker learns it, lowered by hand or not", []string{"TestAHeartbeatFollowsALoweredAckWaitWhileItRuns"}},
 	{"stale-absence", "an absence of a record seen at intake stands for a moment only: a key built since is a cache hit at intake", []string{"TestAnAbsenceSeenAtIntakeStandsForAMomentOnly"}},
