@@ -79,6 +79,11 @@ type slotValue struct {
 	// request runs on a live key again, since the builds its earlier
 	// handler let go may still have Jobs running.
 	Extra bool `json:"extra,omitempty"`
+	// TookExtra: a live key its request took from one of its kept
+	// extras (the first kept key a dispatcher found for it). The
+	// request's other kept keys then stand in for that extra: they are
+	// not freed because the request runs on this live key.
+	TookExtra bool `json:"tookExtra,omitempty"`
 }
 
 // lease is the holder's lease (def for a value without one).
@@ -224,7 +229,7 @@ func (q *Queue) acquireSlotFor(ctx context.Context, tenant string, limit int, mi
 		}
 		st := q.readSlot(key, e)
 		if !st.kept {
-			if st.v.QueueSeq > 0 {
+			if st.v.QueueSeq > 0 && !st.v.TookExtra {
 				held[st.v.QueueSeq] = true
 			}
 			continue
@@ -363,6 +368,7 @@ func (s *slot) hold(ctx context.Context, subject string, qseq uint64) error {
 // take takes a reserved slot for its request, which the caller holds.
 func (s *slot) take(ctx context.Context) error {
 	s.val.Subject, s.val.QueueSeq = s.reservedFor.Subject, s.reservedFor.QueueSeq
+	s.val.TookExtra = s.reservedFor.Extra && !s.val.Extra
 	rev, err := s.q.slots.Update(ctx, s.key, s.bytes(), s.rev)
 	if err != nil {
 		return err
@@ -484,7 +490,7 @@ func (q *Queue) KeepSlots(ctx context.Context) {
 		}
 		st := q.readSlot(k, e)
 		if !st.kept {
-			if st.v.QueueSeq > 0 {
+			if st.v.QueueSeq > 0 && !st.v.TookExtra {
 				held[st.v.QueueSeq] = true
 			}
 			continue

@@ -186,6 +186,37 @@ func TestAKeptSlotIsReservedForItsRequestUntilThatRequestIsFinished(t *testing.T
 	}
 }
 
+// A request handed back with an extra slot, whose extra was handed back
+// before its own key: a dispatcher that finds only the extra kept takes it
+// as the request's own slot. The own key, handed back after, then stands in
+// for the extra: it stays reserved for the request, and another request of
+// the tenant does not get it while the first runs on (found by
+// TestAttack_IndexExtraSlotIsKeptWhileItsPlatformJobRunsAfterShutdown).
+func TestAKeptOwnKeyStandsInForTheExtraItsRequestTook(t *testing.T) {
+	w := newSlotsWorld(t)
+	clk := &clock{now: time.Unix(1000, 0)}
+	q := w.queue("reader", 10*time.Second, clk)
+	ctx := t.Context()
+	subj, seq := w.enqueue("acme")
+	w.putSlot(q, "acme.0", slotValue{Holder: "gone/1", LeaseMs: 4000, HandedBack: true, Subject: subj, QueueSeq: seq, Extra: true})
+	w.putSlot(q, "acme.1", slotValue{Holder: "gone/2", LeaseMs: 4000, Subject: subj, QueueSeq: seq})
+
+	s, ok := q.acquireSlot(ctx, "acme", 2)
+	if !ok || !s.reserved || s.key != "acme.0" || s.reservedFor.QueueSeq != seq {
+		t.Fatalf("premise: the kept extra offered reserved for its request: %+v, %v", s, ok)
+	}
+	if err := s.take(ctx); err != nil {
+		t.Fatal(err)
+	}
+	defer s.release()
+	w.putSlot(q, "acme.1", slotValue{Holder: "gone/2", LeaseMs: 4000, HandedBack: true, Subject: subj, QueueSeq: seq})
+
+	other, ok := q.acquireSlot(ctx, "acme", 2)
+	if !ok || !other.reserved || other.key != "acme.1" || other.reservedFor.QueueSeq != seq {
+		t.Fatalf("another request's look at acme's slots: %+v, %v; want acme.1 reserved for the request that runs on acme.0", other, ok)
+	}
+}
+
 // KeepSlots frees the kept keys that are free, and only those.
 func TestKeepSlotsFreesOnlyKeptKeysThatAreFree(t *testing.T) {
 	w := newSlotsWorld(t)
