@@ -329,10 +329,14 @@ func (c *Client) Wait(ctx context.Context, tenant, name, requestID string, since
 	}
 
 	// A result decided before the subscription: ask the status service.
+	// The asking stops when Wait returns, however it returns: an answer
+	// it no longer needs is not waited for, and nothing is asked again.
+	pctx, stop := context.WithCancel(ctx)
+	defer stop()
 	go func() {
 		backoff := time.Second
-		for ctx.Err() == nil {
-			r, answered := c.decided(ctx, tenant, requestID)
+		for pctx.Err() == nil {
+			r, answered := c.decided(pctx, tenant, requestID)
 			if r != nil {
 				offer(r)
 			}
@@ -344,7 +348,7 @@ func (c *Client) Wait(ctx context.Context, tenant, name, requestID string, since
 			// it may have been published before the subscription. Ask
 			// again later.
 			select {
-			case <-ctx.Done():
+			case <-pctx.Done():
 				return
 			case <-time.After(backoff):
 			}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"os/exec"
+	"runtime"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -186,6 +187,49 @@ func TestWaitAndWatch(t *testing.T) {
 	if err := c.Watch(ctx, publisher.Filter{Tenant: "a.*"}, func(v1.Result) error { return nil }); err == nil {
 		t.Fatal("bad tenant filter accepted")
 	}
+}
+
+// TestWaitLeavesNothingRunning: a Wait that returns on its subscription
+// while its question to the status service is still unanswered stops
+// asking. Nothing it started runs on after it, under a context that may
+// never end, to ask again later (not parallel: it counts the package's
+// goroutines).
+func TestWaitLeavesNothingRunning(t *testing.T) {
+	c, js := setup(t, true)
+	nc := js.Conn()
+	// A status service that takes the question and never answers.
+	asked := make(chan struct{}, 1)
+	if _, err := nc.Subscribe(v1.APIStatusSubject("acme"), func(*nats.Msg) {
+		select {
+		case asked <- struct{}{}:
+		default:
+		}
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		<-asked
+		b, _ := json.Marshal(v1.NewResult("/test", v1.ResultData{RequestID: "r1", Tenant: "acme", Name: "web", Status: v1.StatusSucceeded}, time.Now()))
+		m := nats.NewMsg(v1.ResultsIngestPrefix + ".acme.web")
+		m.Header.Set(v1.MsgIDHeader, "r1")
+		m.Data = b
+		if _, err := js.PublishMsg(context.Background(), m); err != nil {
+			t.Error(err)
+		}
+	}()
+	// No deadline, as a producer may call it.
+	r, err := c.Wait(context.Background(), "acme", "web", "r1", time.Time{})
+	if err != nil || r.ID != "r1" {
+		t.Fatalf("wait: %v %+v", err, r)
+	}
+	waiting := func() int {
+		buf := make([]byte, 1<<20)
+		return strings.Count(string(buf[:runtime.Stack(buf, true)]), "created by github.com/buildq/buildq/publisher.(*Client).Wait")
+	}
+	eventually(t, func() bool { return waiting() == 0 })
 }
 
 // TestImportDoesNotPullKubernetes checks the promise of the package doc:
