@@ -21,6 +21,9 @@ import (
 // tenant could have pushed anything under that tag. Registry trouble is
 // transient: the request is retried, no Job is created meanwhile.
 func (w *builder) preflight(ctx context.Context, req *v1.Request, key, repo string, dests []string) (*v1.BuildRecord, error) {
+	if isPlatformPart(ctx) {
+		return nil, nil // never an image buildq did not build (asPlatformPart)
+	}
 	reg, err := w.tenantRegistry(req.Tenant)
 	if err != nil || reg == nil {
 		return nil, err

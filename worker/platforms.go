@@ -13,6 +13,7 @@ import (
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/naming"
 	"github.com/buildq/buildq/internal/registry"
+	"github.com/buildq/buildq/worker/internal/mutant"
 )
 
 // A request with several platforms is one run of its own key (the key
@@ -122,6 +123,26 @@ func platformSub(req *v1.Request, b Build, p string) *v1.Request {
 	sub := platformRequest(b.Request, p)
 	sub.Tenant, sub.Name, sub.RequestID = req.Tenant, req.Name, req.RequestID
 	return sub
+}
+
+type platformPartKey struct{}
+
+// asPlatformPart marks the walk of one platform's build of an index run.
+// Its image goes into an image index that is shared like any build
+// (buildq-builds, joiners, other tenants' copies), so it must be buildq's
+// own build of the platform's key: an image found at the platform's tag
+// (pushed by hand, or left from an index lost) is not taken, as the
+// preflight takes one for a request's own first tag (preflight). The
+// index's own tag is looked at before its key is claimed, as any
+// request's.
+func asPlatformPart(ctx context.Context) context.Context {
+	return context.WithValue(ctx, platformPartKey{}, true)
+}
+
+// isPlatformPart reports whether ctx is a platform's build of an index.
+func isPlatformPart(ctx context.Context) bool {
+	on, _ := ctx.Value(platformPartKey{}).(bool)
+	return on && !mutant.On("platform-takes-found-tag")
 }
 
 // platformRequest is r narrowed to platform p: the build of p's image.
@@ -303,7 +324,7 @@ func (w *builder) buildPlatform(ctx context.Context, req *v1.Request, repo strin
 	pb := platformBuild{platform: p, key: key}
 	dests := naming.Destinations(repo, pb.key, nil)
 	wr := &waiterReg{}
-	rec, origin, owned, err := w.build(ctx, sub, pb.key, repo, dests, seq, wr)
+	rec, origin, owned, err := w.build(asPlatformPart(ctx), sub, pb.key, repo, dests, seq, wr)
 	if wr.added {
 		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 		w.ledger.DropWaiter(dctx, pb.key, sub.Tenant, sub.RequestID)

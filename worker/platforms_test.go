@@ -117,6 +117,59 @@ func TestMultiPlatformRequestPushesOneIndexOfItsPlatformsBuilds(t *testing.T) {
 	})
 }
 
+// Mallory pushes an image of her own under the tag her repository's build
+// of one platform would use, then asks for an image index of that content.
+// An index is shared like any build (the index, its joiners, other
+// tenants' copies), so its platforms must be buildq's own builds: the
+// planted image is not taken, the platform is built (its Job pushes over
+// the tag), and acme's request for the same index gets no planted image.
+// Before asPlatformPart, the platform's preflight took the planted image
+// and the index made of it entered the shared index.
+//
+// Origin: the fault simulation with tags pushed by hand ("hand-tags"),
+// seed 17 (wrong-image: an index of no known content).
+func TestAPlatformOfAnIndexTakesNoImageFoundAtItsTag(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	e.startWorker("w1", withRegistry(tr))
+	results := e.collect()
+	ctx := context.Background()
+
+	m := mallorys("planted-platform")
+	m.Image = tr.host + "/mallory/evil"
+	m.Platforms = []string{"linux/amd64", "linux/arm64"}
+	evil := tr.push(t, m.Image+":"+v1.DefaultTag(platformKey(m, "linux/arm64")))
+	if _, err := e.pub.Publish(ctx, m); err != nil {
+		t.Fatal(err)
+	}
+	built := map[string]string{}
+	for _, p := range m.Platforms {
+		job := e.waitJob(kaniko.JobName(platformKey(m, p)))
+		built[p] = tr.push(t, destination(job))
+		e.kubelet(job, 0, built[p])
+	}
+	d := oneResult(t, results, m.RequestID).Data
+	if d.Status != v1.StatusSucceeded || d.Platforms["linux/arm64"] != built["linux/arm64"] || d.Platforms["linux/amd64"] != built["linux/amd64"] {
+		t.Fatalf("mallory's index %+v, want its platforms' builds %v (the planted image is %s)", d, built, evil)
+	}
+	if idx, err := tr.client.IndexPlatforms(ctx, d.Image); err != nil || idx["linux/arm64"] != built["linux/arm64"] {
+		t.Fatalf("the index at %s holds %v (%v), want linux/arm64 %s", d.Image, idx, err, built["linux/arm64"])
+	}
+
+	a := multiRequest("planted-platform", "linux/amd64", "linux/arm64")
+	if _, err := e.pub.Publish(ctx, a); err != nil {
+		t.Fatal(err)
+	}
+	ad := oneResult(t, results, a.RequestID).Data
+	if ad.Status != v1.StatusSucceeded || ad.Platforms["linux/arm64"] != built["linux/arm64"] {
+		t.Fatalf("acme's index %+v, want linux/arm64 %s (the planted image is %s)", ad, built["linux/arm64"], evil)
+	}
+	if n := e.creates.total(); n != 2 {
+		t.Fatalf("%d Jobs created, want one per platform", n)
+	}
+}
+
 // Origin: issue 29, "a failing platform fails the request with that
 // platform named … the others' images stay in the cache".
 func TestMultiPlatformFailureNamesThePlatformAndKeepsTheOthers(t *testing.T) {

@@ -16,6 +16,7 @@ package worker
 // violation again.
 
 import (
+	"slices"
 	"testing"
 )
 
@@ -55,6 +56,9 @@ func TestFrozenScenarios(t *testing.T) {
 			for range repeat {
 				sched := newSimSchedule(sc.seed)
 				sched.noHolds = true
+				// Found before tags pushed by hand were modeled: the
+				// paths they found run without them.
+				sched.kinds = slices.DeleteFunc(sched.kinds, func(k string) bool { return k == "hand-tags" })
 				out := runSim(t, sched)
 				if len(out.violations) > 0 {
 					t.Errorf("frozen scenario %s (seed %d, which found: %s):\n%s", sc.name, sc.seed, sc.found, out.report)

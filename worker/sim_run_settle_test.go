@@ -298,6 +298,7 @@ func (w *simWorld) judge(out *simOutcome) {
 	w.judgeAnsweredBuilds(out)
 	w.judgePublishers(out)
 	w.judgeHandledAfterAnswer(out)
+	w.judgeHandTags(out)
 	for _, j := range n.order {
 		if j.created > w.quiet && w.quiet > 0 {
 			w.violate(out, "job-after-quiet", "job %s of %s created at %.3fs by %s, after every request was answered and acked (%.3fs)",
@@ -349,7 +350,8 @@ func (w *simWorld) checkAnswer(out *simOutcome, s *simSub, d simDecision, who st
 	switch {
 	case d.status == v1.StatusSucceeded:
 		im, _ := s.want()
-		if d.digest != im.digest {
+		byHand := w.answeredByHand(s, d)
+		if d.digest != im.digest && !byHand {
 			other := digestContent[d.digest]
 			if other == "" {
 				other = "no known content"
@@ -360,7 +362,9 @@ func (w *simWorld) checkAnswer(out *simOutcome, s *simSub, d simDecision, who st
 		repo, _ := naming.Policy{Registry: w.world.reg.host}.Repository(s.req)
 		if !strings.HasPrefix(d.image, repo+":") {
 			w.violate(out, "wrong-destination", "request %s: image %s is not in its repository %s (%s)", s.id, d.image, repo, who)
-		} else if got, ok := w.registry[d.image]; ok && got != d.digest {
+		} else if got, ok := w.registry[d.image]; ok && got != d.digest && !byHand {
+			// (An image found by hand may be replaced later by a copy of
+			// the key's build, for a request answered from the index.)
 			w.violate(out, "image-not-pushed", "request %s: %s is %s in the registry, the result says %s (%s)", s.id, d.image, got, d.digest, who)
 		}
 	case d.status == v1.StatusFailed && (d.reason == v1.ReasonBuildFailed || d.reason == v1.ReasonPushFailed):

@@ -195,6 +195,9 @@ func runSim(t *testing.T, sc *simSchedule) simOutcome {
 			t.Fatal(err)
 		}
 	}
+	if sc.has("hand-tags") {
+		w.pushHandTags()
+	}
 
 	for i := range sc.workers {
 		s := &simSlot{idx: i, skew: sc.skews[i], pauses: map[string][]time.Duration{}}

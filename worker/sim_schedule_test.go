@@ -189,6 +189,12 @@ func newSimSchedule(seed int64) *simSchedule {
 	s.addBurst()
 	s.addStalls()
 	s.addPlatforms()
+	// Tags pushed by hand before any request (simWorld.pushHandTags),
+	// in two seeds of five: drawn from the seed's hash, not from r, so
+	// the rest of every seed's schedule stays what it was.
+	if simHash(seed, "hand-tags", 0)%5 < 2 {
+		s.kinds = append(s.kinds, "hand-tags")
+	}
 	return s
 }
 

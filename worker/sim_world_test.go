@@ -109,6 +109,8 @@ type simJob struct {
 	key, name, uid, creator string
 	run, tenant             string
 	content                 string
+	request                 string   // its request-id annotation
+	dests                   []string // its --destination arguments
 	created                 time.Duration
 	finished                time.Duration // 0: not finished
 	succeeded               bool
@@ -152,7 +154,7 @@ func (n *simNode) observe(ev apiEvent, cause string, plan buildPlan) {
 	switch ev.typ {
 	case watch.Added:
 		key := job.Annotations[kaniko.AnnotationKey]
-		j := &simJob{key: key, name: job.Name, uid: string(job.UID), creator: cause, content: simContentOf(job), created: w.trace.rel(),
+		j := &simJob{key: key, name: job.Name, uid: string(job.UID), creator: cause, content: simContentOf(job), request: job.Annotations[kaniko.AnnotationRequestID], dests: jobDestinations(job), created: w.trace.rel(),
 			run: job.Annotations[kaniko.AnnotationRun], tenant: job.Labels[kaniko.LabelTenant]}
 		for _, o := range n.order {
 			if o.key == key && o.deleted == 0 {
@@ -444,6 +446,9 @@ type simWorld struct {
 	// indexed: every succeeded record's Repository@Digest → nil when the
 	// registry has it at the end, else the error of its HEAD.
 	indexed map[string]error
+	// handTags: the tags pushed by hand before the schedule ran
+	// ("hand-tags"), each to the digest pushed there.
+	handTags map[string]string
 }
 
 // simSub is one submission: a request id and what the producer saw.

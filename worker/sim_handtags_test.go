@@ -1,0 +1,79 @@
+package worker
+
+// Tags pushed by hand, in the fault simulation ("hand-tags"): before any
+// request, an image nobody built is pushed to some requests' own first
+// tag (an index lost, a tag pushed by hand). The preflight runs before a
+// request claims its key and looks at that tag (docs/design.md, "The
+// dedupe index"): the request is answered with the image there, origin
+// cache, and no request's Job ever pushes to the tag. A claim made before
+// its tag was checked, or a run taken over that pushed where its claimer
+// never looked, would push over it: the oracle names that
+// tag-overwritten.
+//
+// A platform's build of an image index is the exception both ways: its
+// tag (the request's repository's tag of the platform's key, the same as
+// a one-platform request's of that platform) is buildq's own, and the
+// index is shared, so the platform takes no image found there — it
+// builds, and its Job pushes over the tag (asPlatformPart). An index made
+// of an image found by hand would name no known content (wrong-image).
+
+import (
+	"strings"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/naming"
+)
+
+// firstTag is the tag s's preflight checks: its repository's tag of its
+// key (naming.Destinations' first).
+func (w *simWorld) firstTag(s *simSub) string {
+	repo, err := naming.Policy{Registry: w.world.reg.host}.Repository(s.req)
+	if err != nil {
+		return ""
+	}
+	return repo + ":" + v1.DefaultTag(s.key)
+}
+
+// pushHandTags pushes an image of its own to the first tag of about one
+// submission's tag in three (an image index's requests excepted), chosen
+// by the seed's hash, before the workers take any request.
+func (w *simWorld) pushHandTags() {
+	w.handTags = map[string]string{}
+	for _, s := range w.subs {
+		if multiPlatform(s.req) {
+			continue
+		}
+		tag := w.firstTag(s)
+		// Chosen by the tag without the registry's address (a port that
+		// changes from run to run), so a seed pushes the same tags.
+		if _, done := w.handTags[tag]; done || tag == "" || simHash(w.seed, "hand/"+strings.TrimPrefix(tag, w.world.reg.host), 0)%3 != 0 {
+			continue
+		}
+		w.handTags[tag] = w.world.reg.push(w.t, tag)
+		w.trace.add("setup %s pushed by hand: %s", tag, w.handTags[tag])
+	}
+}
+
+// answeredByHand reports whether d answers s with the image pushed by hand
+// to its first tag, as its preflight finds it.
+func (w *simWorld) answeredByHand(s *simSub, d simDecision) bool {
+	tag := w.firstTag(s)
+	digest, ok := w.handTags[tag]
+	return ok && d.digest == digest && d.origin == v1.OriginCache && d.image == tag
+}
+
+// judgeHandTags: no Job pushes to a tag pushed by hand before any request,
+// but an image index's platform's.
+func (w *simWorld) judgeHandTags(out *simOutcome) {
+	for _, j := range w.node.order {
+		if s := w.subByID[j.request]; s != nil && multiPlatform(s.req) {
+			continue
+		}
+		for _, d := range j.dests {
+			if _, ok := w.handTags[d]; ok {
+				w.violate(out, "tag-overwritten", "job %s of %s, created by %s at %.3fs, pushes to %s, which held an image pushed by hand before any request: its preflight must have found it",
+					j.uid, w.keyName(j.key), j.creator, j.created.Seconds(), d)
+			}
+		}
+	}
+}
