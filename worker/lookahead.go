@@ -95,9 +95,6 @@ func (w *builder) lookAhead(ctx context.Context, req *v1.Request, key, repo stri
 	}
 	f.ans = ahead(answered)
 	f.preflight = func(first bool) (*v1.BuildRecord, error) {
-		if isPlatformPart(ctx) {
-			return nil, nil // never an image buildq did not build (asPlatformPart)
-		}
 		var r preflightRead
 		if first && f.fresh() {
 			r = f.pre()
