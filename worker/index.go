@@ -38,6 +38,8 @@ func (w *builder) preflight(ctx context.Context, req *v1.Request, key, repo stri
 	}
 	digest, err := reg.Head(ctx, dests[0])
 	switch {
+	case err == nil && mutant.On("preflight-ignores-found-tag"):
+		return nil, nil
 	case err == nil:
 		now := w.cfg.Now().UTC()
 		return &v1.BuildRecord{Key: key, State: v1.StateSucceeded, Repository: repo, Image: dests[0], Pushed: []string{dests[0]},

@@ -63,16 +63,29 @@ func (w *simWorld) answeredByHand(s *simSub, d simDecision) bool {
 }
 
 // judgeHandTags: no Job pushes to a tag pushed by hand before any request,
-// but an image index's platform's.
+// but an image index's platform's. A platform's run taken over by another
+// request's handler (a one-platform request of the same content, which
+// joined it) is still that platform's: its Job names the taker, its
+// record the claimer.
 func (w *simWorld) judgeHandTags(out *simOutcome) {
+	claimer := map[string]string{} // run → the request that claimed it
+	for _, rv := range w.records {
+		if rv.rec.Run != "" && claimer[rv.rec.Run] == "" {
+			claimer[rv.rec.Run] = rv.rec.RequestID
+		}
+	}
+	platformRun := func(id string) bool {
+		s := w.subByID[id]
+		return s != nil && multiPlatform(s.req)
+	}
 	for _, j := range w.node.order {
-		if s := w.subByID[j.request]; s != nil && multiPlatform(s.req) {
+		if platformRun(j.request) || platformRun(claimer[j.run]) {
 			continue
 		}
 		for _, d := range j.dests {
 			if _, ok := w.handTags[d]; ok {
-				w.violate(out, "tag-overwritten", "job %s of %s, created by %s at %.3fs, pushes to %s, which held an image pushed by hand before any request: its preflight must have found it",
-					j.uid, w.keyName(j.key), j.creator, j.created.Seconds(), d)
+				w.violate(out, "tag-overwritten", "job %s of %s for request %s, created by %s at %.3fs, pushes to %s, which held an image pushed by hand before any request: its preflight must have found it",
+					j.uid, w.keyName(j.key), j.request, j.creator, j.created.Seconds(), d)
 			}
 		}
 	}
