@@ -80,9 +80,11 @@ type slotValue struct {
 	// handler let go may still have Jobs running.
 	Extra bool `json:"extra,omitempty"`
 	// TookExtra: a live key its request took from one of its kept
-	// extras (the first kept key a dispatcher found for it). The
-	// request's other kept keys then stand in for that extra: they are
-	// not freed because the request runs on this live key.
+	// extras, or from a kept TookExtra key (the first kept key a
+	// dispatcher found for it). The request's other kept keys then stand
+	// in for that extra: they are not freed because the request runs on
+	// this live key. Kept in its turn, it is free only once its request
+	// is finished, like an extra.
 	TookExtra bool `json:"tookExtra,omitempty"`
 }
 
@@ -156,10 +158,11 @@ func (q *Queue) readSlot(key string, e jetstream.KeyValueEntry) slotState {
 }
 
 // slotFree reports whether a kept key is free: it names no request, its
-// request runs on a live key (held: the queue sequences live keys name),
-// or its request is finished (its message gone from the queue).
+// request runs on a live own key (held: the queue sequences of the live
+// keys runsOn counts) and it is not an extra or a stand-in for one, or
+// its request is finished (its message gone from the queue).
 func (q *Queue) slotFree(ctx context.Context, s slotState, held map[uint64]bool) (bool, error) {
-	if s.v.QueueSeq == 0 || (held[s.v.QueueSeq] && (!s.v.Extra || mutant.On("extra-slot-free-on-live-key"))) {
+	if s.v.QueueSeq == 0 || (held[s.v.QueueSeq] && ((!s.v.Extra && !s.v.TookExtra) || mutant.On("extra-slot-free-on-live-key"))) {
 		return true, nil
 	}
 	_, err := q.queue.GetMsg(ctx, s.v.QueueSeq)
@@ -170,6 +173,15 @@ func (q *Queue) slotFree(ctx context.Context, s slotState, held map[uint64]bool)
 		return false, err
 	}
 	return false, nil
+}
+
+// runsOn reports whether a live key's request runs on it as on its own
+// key: the key its handler took first, standing in for no kept extra. A
+// live extra does not (its handler builds a platform on it; the request's
+// kept own key may still have a build running), nor does a key taken from
+// a kept extra (it stands in for that extra).
+func runsOn(v slotValue) bool {
+	return v.QueueSeq > 0 && !v.Extra && !v.TookExtra
 }
 
 // slot is one of a tenant's concurrency slots, held while its request runs.
@@ -229,7 +241,7 @@ func (q *Queue) acquireSlotFor(ctx context.Context, tenant string, limit int, mi
 		}
 		st := q.readSlot(key, e)
 		if !st.kept {
-			if st.v.QueueSeq > 0 && !st.v.TookExtra {
+			if runsOn(st.v) {
 				held[st.v.QueueSeq] = true
 			}
 			continue
@@ -368,7 +380,7 @@ func (s *slot) hold(ctx context.Context, subject string, qseq uint64) error {
 // take takes a reserved slot for its request, which the caller holds.
 func (s *slot) take(ctx context.Context) error {
 	s.val.Subject, s.val.QueueSeq = s.reservedFor.Subject, s.reservedFor.QueueSeq
-	s.val.TookExtra = s.reservedFor.Extra && !s.val.Extra
+	s.val.TookExtra = (s.reservedFor.Extra || s.reservedFor.TookExtra) && !s.val.Extra
 	rev, err := s.q.slots.Update(ctx, s.key, s.bytes(), s.rev)
 	if err != nil {
 		return err
@@ -490,7 +502,7 @@ func (q *Queue) KeepSlots(ctx context.Context) {
 		}
 		st := q.readSlot(k, e)
 		if !st.kept {
-			if st.v.QueueSeq > 0 && !st.v.TookExtra {
+			if runsOn(st.v) {
 				held[st.v.QueueSeq] = true
 			}
 			continue
