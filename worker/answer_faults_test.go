@@ -58,8 +58,8 @@ func TestAttack_IntakeCreateWhoseReplyIsLostIsPublishedByTheQueue(t *testing.T) 
 		t.Fatalf("result %s", decision(got.Data))
 	}
 	e.atkSettled(t, 10*time.Second)
-	if mark.handedOn(t) != 1 {
-		t.Errorf("the hit whose create reply was lost was not handed on to a handler (queued, or taken straight from intake)")
+	if n := mark.handedOn(t); n != 1 {
+		t.Errorf("requests handed on to a handler (queued, or taken straight from intake) since the hit was published: %d, want 1 (the hit whose create reply was lost)", n)
 	}
 	if d := e.atkEntryDecision(hit.RequestID); d != decision(got.Data) {
 		t.Errorf("the entry holds %q, the result is %q", d, decision(got.Data))

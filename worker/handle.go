@@ -66,6 +66,9 @@ func (w *Worker) apply(msg jetstream.Msg, act fairq.Action) {
 	var err error
 	switch act.Kind {
 	case fairq.HandBack:
+		if md, merr := msg.Metadata(); merr == nil && md.Stream == v1.RequestsStream {
+			w.fq.IntakeQuiet() // taken from intake's pull: none of its may still wait (IntakeQuiet)
+		}
 		err = msg.Nak()
 	case fairq.Retry, fairq.Later:
 		err = msg.NakWithDelay(act.Delay)

@@ -545,6 +545,9 @@ func (r *intakeRoom) close() {
 	if mutant.On("hold-not-handed-back") {
 		return
 	}
+	if len(all) > 0 {
+		r.w.fq.IntakeQuiet() // held requests came from intake's pulls
+	}
 	for _, h := range all {
 		_ = h.msg.Nak()
 	}

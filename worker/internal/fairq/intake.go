@@ -37,6 +37,11 @@ func (q *Queue) intakeLoop(ctx, workCtx context.Context, wg *sync.WaitGroup) {
 	sem := make(chan struct{}, 2*intakeConcurrency)
 	work := make(chan struct{}, intakeConcurrency)
 	backoff := 100 * time.Millisecond
+	var pullGone time.Time
+	defer func() {
+		q.pullGone = pullGone
+		close(q.intakeEnded)
+	}()
 	for ctx.Err() == nil {
 		select {
 		case sem <- struct{}{}:
@@ -54,6 +59,7 @@ func (q *Queue) intakeLoop(ctx, workCtx context.Context, wg *sync.WaitGroup) {
 			}
 		}
 		fctx, cancel := context.WithTimeout(ctx, fetchWait)
+		sent := time.Now()
 		batch, err := q.intake.Fetch(n, jetstream.FetchContext(fctx))
 		if err != nil {
 			cancel()
@@ -92,11 +98,42 @@ func (q *Queue) intakeLoop(ctx, workCtx context.Context, wg *sync.WaitGroup) {
 		for range n - got {
 			<-sem
 		}
+		if batch.Error() != nil {
+			// Cut short (stopping) or broken: the pull may still wait
+			// on the server until its expiry, within fetchWait of
+			// being sent. A fetch that ended on its own — full, or
+			// told by the server it expired — left none.
+			pullGone = sent.Add(fetchWait)
+		}
 		if err := batch.Error(); err == nil || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) || errors.Is(err, nats.ErrTimeout) {
 			backoff = 100 * time.Millisecond
 		} else if ctx.Err() == nil {
 			q.log.Warn("fetch of new requests ended with an error", zap.Error(err))
 		}
+	}
+}
+
+// IntakeQuiet waits, once intake was told to stop, until no pull of its
+// can still be waiting on the server. A request handed back (Nak) while
+// one is goes to it: the fetch that sent it has stopped reading (the
+// client drops what comes), and the request comes back only after the
+// consumer's AckWait instead of at once. The server checks a pull's
+// interest before it delivers, but the client unsubscribes a fetch it
+// cut short only after it has closed the fetch's messages, so a stopping
+// worker cannot order its hand-backs after that unsubscribe; it waits
+// for the cut pull's expiry instead (at most fetchWait, and only when a
+// fetch was cut short). Call it only after ctx of Run has ended.
+func (q *Queue) IntakeQuiet() {
+	t := time.NewTimer(fetchWait)
+	defer t.Stop()
+	select {
+	case <-q.intakeEnded:
+	case <-t.C:
+		return // intake never ran, or is stuck: hand back all the same
+	}
+	if d := time.Until(q.pullGone); d > 0 {
+		t.Reset(d)
+		<-t.C
 	}
 }
 

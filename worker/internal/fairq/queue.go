@@ -27,9 +27,11 @@ import (
 )
 
 const (
-	// fetchWait bounds one pull request of intake; shorter means a faster
-	// stop.
-	fetchWait = 2 * time.Second
+	// fetchWait bounds one pull request of intake: a stopping worker
+	// that hands back a request taken from intake waits at most this
+	// long for its last pull to expire (IntakeQuiet); an idle worker
+	// sends one pull request per fetchWait.
+	fetchWait = time.Second
 	// invalidTenant queues requests whose subject names no valid tenant
 	// (they are answered InvalidRequest); no tenant can be called this.
 	invalidTenant = "_invalid"
@@ -98,6 +100,11 @@ type Queue struct {
 	// dispatcher while it waits with a slot free and nothing to take
 	// (dispatchDirect).
 	direct chan *taken
+	// intakeEnded is closed when the intake loop has ended; pullGone is
+	// from then on when its last pull is gone from the server for sure
+	// (IntakeQuiet).
+	intakeEnded chan struct{}
+	pullGone    time.Time
 }
 
 // Options are what a Queue is run with.
@@ -227,7 +234,7 @@ func New(js jetstream.JetStream, nc *nats.Conn, h Handler, o Options) *Queue {
 	if o.Log == nil {
 		o.Log = zap.NewNop()
 	}
-	return &Queue{cfg: o, js: js, nc: nc, h: h, log: o.Log, sem: make(chan struct{}, max(o.MaxInFlight, 1)), direct: make(chan *taken)}
+	return &Queue{cfg: o, js: js, nc: nc, h: h, log: o.Log, sem: make(chan struct{}, max(o.MaxInFlight, 1)), direct: make(chan *taken), intakeEnded: make(chan struct{})}
 }
 
 // Setup creates or updates BUILDQ_QUEUE, its consumer and the slots
