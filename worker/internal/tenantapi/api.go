@@ -425,7 +425,7 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 		w.cfg.AnswerParked(ctx, key)
 	}
 	// Does anyone else still wait on the build?
-	ws, err := w.waiters(ctx, key)
+	ws, judged, err := w.waiters(ctx, key)
 	if err != nil {
 		return v1.CancelReply{Key: key, Requests: n, Canceled: n > 0, Message: err.Error()}
 	}
@@ -447,7 +447,7 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 		return v1.CancelReply{Key: key, Canceled: true, Requests: n,
 			Message: fmt.Sprintf("canceled %d request(s); the build goes on for %d other request(s)", n, others)}
 	}
-	stopped, msg := w.stopBuild(ctx, tenant, key, n > 0)
+	stopped, msg := w.stopBuild(ctx, tenant, key, n > 0, judged)
 	if n == 0 && !stopped {
 		return v1.CancelReply{Key: key, Message: msg}
 	}
@@ -465,29 +465,32 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 // after its new message is out, and that drop can remove the entry its
 // new handler registered on taking the run. A cancel must never take
 // the holder for nobody.
-func (w *Service) waiters(ctx context.Context, key string) ([]*ledger.Entry, error) {
+//
+// It returns the run it read too (nil: none): the waiters counted are
+// that run's, and only that run may be stopped on their count (stopBuild).
+func (w *Service) waiters(ctx context.Context, key string) ([]*ledger.Entry, *v1.BuildRecord, error) {
 	ws, err := w.cfg.Ledger.Waiters(ctx, key)
 	if err != nil {
-		return nil, err
-	}
-	if mutant.On("cancel-ignores-holder") {
-		return ws, nil
+		return nil, nil, err
 	}
 	cur, _, err := w.cfg.Runs.Get(ctx, key)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
+	}
+	if mutant.On("cancel-ignores-holder") {
+		return ws, cur, nil
 	}
 	if cur == nil || cur.Final() || cur.Holder == "" {
-		return ws, nil
+		return ws, cur, nil
 	}
 	for _, le := range ws {
 		if le.Key() == cur.Holder {
-			return ws, nil
+			return ws, cur, nil
 		}
 	}
 	h, err := w.cfg.Ledger.GetKey(ctx, cur.Holder)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	// A holder decided "succeeded" whose run is not final yet is storing
 	// the run's end beside its decision (worker/own.go, endAhead): the
@@ -496,7 +499,7 @@ func (w *Service) waiters(ctx context.Context, key string) ([]*ledger.Entry, err
 	if h != nil && (h.E.Result == nil || (h.E.Result.Status == v1.StatusSucceeded && !mutant.On("cancel-stops-decided-holder"))) {
 		ws = append(ws, h)
 	}
-	return ws, nil
+	return ws, cur, nil
 }
 
 // StopUnwaited stops key's run, as a cancel does, when no request but
@@ -504,26 +507,33 @@ func (w *Service) waiters(ctx context.Context, key string) ([]*ledger.Entry, err
 // platform builds that nobody else wants. It reports whether it stopped
 // the run.
 func (w *Service) StopUnwaited(ctx context.Context, tenant, id, key string) (bool, error) {
-	if ok, err := w.Unwaited(ctx, tenant, id, key); !ok || err != nil {
+	ok, judged, err := w.unwaited(ctx, tenant, id, key)
+	if !ok || err != nil {
 		return false, err
 	}
-	stopped, _ := w.stopBuild(ctx, tenant, key, true)
+	stopped, _ := w.stopBuild(ctx, tenant, key, true, judged)
 	return stopped, nil
 }
 
 // Unwaited reports whether no request but tenant's request id, and none
 // not canceled, waits on key.
 func (w *Service) Unwaited(ctx context.Context, tenant, id, key string) (bool, error) {
-	ws, err := w.waiters(ctx, key)
+	ok, _, err := w.unwaited(ctx, tenant, id, key)
+	return ok, err
+}
+
+// unwaited is Unwaited, with the run whose waiters it counted.
+func (w *Service) unwaited(ctx context.Context, tenant, id, key string) (bool, *v1.BuildRecord, error) {
+	ws, judged, err := w.waiters(ctx, key)
 	if err != nil {
-		return false, err
+		return false, nil, err
 	}
 	for _, le := range ws {
 		if !le.E.Canceled && (le.E.Tenant != tenant || le.E.RequestID != id) && !mutant.On("index-cancel-stops-shared") {
-			return false, nil
+			return false, judged, nil
 		}
 	}
-	return true, nil
+	return true, judged, nil
 }
 
 // cancelUnkeyed cancels a request that has no build key yet, unless it
@@ -545,9 +555,12 @@ func (w *Service) cancelUnkeyed(ctx context.Context, le *ledger.Entry) (rep v1.C
 }
 
 // stopBuild ends key's current run as Canceled and deletes its Job, when
-// the run is still building and tenant may stop it (it canceled requests
-// waiting on it, or its own request claimed it).
-func (w *Service) stopBuild(ctx context.Context, tenant, key string, hadRequests bool) (bool, string) {
+// the run is still building, is the run judged (the one whose waiters the
+// caller counted: a run begun since has waiters nobody counted — a request
+// that looked again after the judged run ended, and claimed the key), and
+// tenant may stop it (it canceled requests waiting on it, or its own
+// request claimed it).
+func (w *Service) stopBuild(ctx context.Context, tenant, key string, hadRequests bool, judged *v1.BuildRecord) (bool, string) {
 	for {
 		cur, rev, err := w.cfg.Runs.Get(ctx, key)
 		switch {
@@ -561,6 +574,8 @@ func (w *Service) stopBuild(ctx context.Context, tenant, key string, hadRequests
 			return false, "no build is known for key " + key
 		case cur.Final():
 			return false, "the build already finished: " + cur.State
+		case judged == nil || cur.Run != judged.Run:
+			return false, "the build counted ended, and a new build of the key began meanwhile: it goes on"
 		}
 		final := runs.Canceled(cur, w.cfg.Now())
 		ok, err := w.cfg.Runs.EndAt(ctx, final, rev)
@@ -584,8 +599,8 @@ func (w *Service) stopBuild(ctx context.Context, tenant, key string, hadRequests
 		// stopped too — its handler may be gone (a worker killed), and
 		// the platforms' Jobs would run on for nobody.
 		for _, pk := range cur.PlatformKeys {
-			if alone, err := w.Unwaited(ctx, "", "", pk); err == nil && alone {
-				if stopped, _ := w.stopBuild(ctx, tenant, pk, true); stopped {
+			if alone, pjudged, err := w.unwaited(ctx, "", "", pk); err == nil && alone {
+				if stopped, _ := w.stopBuild(ctx, tenant, pk, true, pjudged); stopped {
 					w.cfg.Log.Info("build canceled with its image index", zap.String("key", pk), zap.String("index", key))
 				}
 			}

@@ -1,0 +1,97 @@
+package tenantapi
+
+import (
+	"context"
+	"encoding/json"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/testnats"
+	"github.com/buildq/buildq/worker/internal/ledger"
+	"github.com/buildq/buildq/worker/internal/runs"
+)
+
+// onGetKV is a build-records bucket that runs before, once, ahead of the
+// n-th read of a key.
+type onGetKV struct {
+	jetstream.KeyValue
+	n      int32
+	reads  atomic.Int32
+	before func()
+}
+
+func (k *onGetKV) Get(ctx context.Context, key string) (jetstream.KeyValueEntry, error) {
+	if k.reads.Add(1) == k.n {
+		k.before()
+	}
+	return k.KeyValue.Get(ctx, key)
+}
+
+// Found by the fault simulation (frozen scenario concurrency-limit-173,
+// one run in four): a canceled image index's handler stops its
+// platforms' builds that nobody else waits on. It counted the waiters of
+// a platform's run; that run ended (the cancel's own stop), a request of
+// the same tenant that waited on it looked again and claimed the key;
+// then the stop ended the key's current run — the new one, under the
+// request that ran it, which was answered Canceled without any cancel of
+// it. Only the run whose waiters were counted may be stopped.
+func TestAStopOfAnUnwaitedBuildSparesARunBegunAfterItsWaitersWereCounted(t *testing.T) {
+	_, nc, js := testnats.JetStream(t)
+	ctx := t.Context()
+	builds, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: v1.BuildsBucket, History: 1, Storage: jetstream.MemoryStorage})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lkv, err := ledger.EnsureBucket(ctx, js, ledger.BucketConfig{Storage: jetstream.MemoryStorage, Replicas: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := ledger.New(ledger.Config{Worker: "w1", Now: time.Now, Log: zap.NewNop()})
+	l.UseBucket(lkv)
+
+	key := strings.Repeat("a", 64)
+	platformRun := &v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "run-of-the-index", Owner: "w1",
+		Tenant: "acme", Name: "api", RequestID: "index", Holder: ledger.Key("acme", "index")}
+	b, _ := json.Marshal(platformRun)
+	if _, err := builds.Put(ctx, key, b); err != nil {
+		t.Fatal(err)
+	}
+	newRun := &v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "run-of-the-joiner", Owner: "w2",
+		Tenant: "acme", Name: "api", RequestID: "joiner", Holder: ledger.Key("acme", "joiner")}
+	// The waiters are counted on the first read of the record; before the
+	// stop's read, the counted run is over and the joiner's has begun.
+	kv := &onGetKV{KeyValue: builds, n: 2, before: func() {
+		b, _ := json.Marshal(newRun)
+		if _, err := builds.Put(context.Background(), key, b); err != nil {
+			t.Error(err)
+		}
+	}}
+	rs := runs.New()
+	rs.UseBucket(kv)
+	var jobsStopped atomic.Int32
+	svc := New(Config{Ledger: l, Runs: rs, NC: nc, Now: time.Now, Log: zap.NewNop(),
+		StopBuild:    func(context.Context, string, string) error { jobsStopped.Add(1); return nil },
+		AnswerParked: func(context.Context, string) {}})
+
+	stopped, err := svc.StopUnwaited(ctx, "acme", "index", key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if kv.reads.Load() < 2 {
+		t.Fatalf("premise: the record was read %d time(s), want the count's read and the stop's", kv.reads.Load())
+	}
+	cur, _, err := rs.Get(ctx, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if stopped || jobsStopped.Load() != 0 || cur.Run != newRun.Run || cur.State != v1.StateBuilding {
+		t.Fatalf("stopped %v, Jobs stopped %d, record %s %s (%s); want the joiner's run building, untouched",
+			stopped, jobsStopped.Load(), cur.Run, cur.State, cur.Reason)
+	}
+}
