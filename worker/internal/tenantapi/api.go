@@ -575,7 +575,7 @@ func (w *Service) stopBuild(ctx context.Context, tenant, key string, hadRequests
 		case cur.Final():
 			return false, "the build already finished: " + cur.State
 		case judged == nil || cur.Run != judged.Run:
-			return false, "the build counted ended, and a new build of the key began meanwhile: it goes on"
+			return false, "the build ended, and a new build of the key began meanwhile: it goes on"
 		}
 		final := runs.Canceled(cur, w.cfg.Now())
 		ok, err := w.cfg.Runs.EndAt(ctx, final, rev)
