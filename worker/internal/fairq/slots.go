@@ -218,24 +218,33 @@ func (q *Queue) acquireSlot(ctx context.Context, tenant string, limit int) (*slo
 	return q.acquireSlotFor(ctx, tenant, limit, 0)
 }
 
-// acquireSlotFor is acquireSlot preferring, among the kept keys, one kept
-// for the request of queue sequence mine (0: none).
+// acquireSlotFor is acquireSlot for the request of queue sequence mine
+// (0: none): a key kept for that request comes first, before a missing
+// key is created — a kept key left aside would sit idle, reserved for the
+// request, until the request is finished.
 func (q *Queue) acquireSlotFor(ctx context.Context, tenant string, limit int, mine uint64) (*slot, bool) {
 	val := slotValue{Holder: q.cfg.ID + "/" + runs.NewRunID(), LeaseMs: q.cfg.Lease.Milliseconds()}
 	b, _ := json.Marshal(val)
 	var kept []slotState
+	var missing []string
 	held := map[uint64]bool{}
 	for i := range limit {
 		key := tenant + "." + strconv.Itoa(i)
-		rev, err := q.slots.Create(ctx, key, b)
-		if err == nil {
-			return q.newSlot(tenant, key, val, rev), true
-		}
-		if !ledger.IsWrongRevision(err) {
-			q.log.Warn("taking a concurrency slot failed", zap.String("tenant", tenant), zap.Error(err))
-			return nil, false
+		if mine == 0 {
+			rev, err := q.slots.Create(ctx, key, b)
+			if err == nil {
+				return q.newSlot(tenant, key, val, rev), true
+			}
+			if !ledger.IsWrongRevision(err) {
+				q.log.Warn("taking a concurrency slot failed", zap.String("tenant", tenant), zap.Error(err))
+				return nil, false
+			}
 		}
 		e, err := q.slots.Get(ctx, key)
+		if mine != 0 && (errors.Is(err, jetstream.ErrKeyNotFound) || errors.Is(err, jetstream.ErrKeyDeleted)) {
+			missing = append(missing, key)
+			continue
+		}
 		if err != nil {
 			continue // deleted meanwhile, or unreadable now: looked at again later
 		}
@@ -247,6 +256,25 @@ func (q *Queue) acquireSlotFor(ctx context.Context, tenant string, limit int, mi
 			continue
 		}
 		kept = append(kept, st)
+	}
+	if mine != 0 {
+		for _, st := range kept {
+			if st.v.QueueSeq == mine {
+				s := q.newSlot(tenant, st.key, val, st.rev)
+				s.reserved, s.reservedFor, s.watched = true, st.v, st.watched
+				return s, true
+			}
+		}
+		for _, key := range missing {
+			rev, err := q.slots.Create(ctx, key, b)
+			if err == nil {
+				return q.newSlot(tenant, key, val, rev), true
+			}
+			if !ledger.IsWrongRevision(err) {
+				q.log.Warn("taking a concurrency slot failed", zap.String("tenant", tenant), zap.Error(err))
+				return nil, false
+			}
+		}
 	}
 	var reserved *slotState
 	for i, st := range kept {

@@ -111,3 +111,43 @@ func TestALiveExtraDoesNotFreeItsRequestsKeptOwnKey(t *testing.T) {
 		t.Fatal("KeepSlots kept the own key of a request that runs on a live own key")
 	}
 }
+
+// A request taking an extra slot takes the key kept for it before it
+// creates a missing one: the kept key (its earlier handler's, whose
+// build may still run) would otherwise sit idle, reserved for the
+// request, while the tenant's limit counts it.
+func TestAnExtraTakesItsRequestsKeptKeyBeforeAMissingOne(t *testing.T) {
+	w := newSlotsWorld(t)
+	clk := &clock{now: time.Unix(1000, 0)}
+	q := w.queue("reader", 10*time.Second, clk)
+	ctx := t.Context()
+	subj, seq := w.enqueue("acme")
+	// acme.0 is missing; acme.1 is the extra the request's earlier
+	// handler kept; acme.2 is the request's own live key.
+	w.putSlot(q, "acme.1", slotValue{Holder: "gone/1", LeaseMs: 4000, HandedBack: true, Subject: subj, QueueSeq: seq, Extra: true})
+	w.putSlot(q, "acme.2", slotValue{Holder: "live/2", LeaseMs: 4000, Subject: subj, QueueSeq: seq})
+
+	extras := q.extraSlots("acme", subj, seq)
+	extras.limit = 3
+	release, ok := extras.Take(ctx)
+	if !ok {
+		t.Fatal("the request took no extra slot, with one kept for it and one missing")
+	}
+	if v, _ := w.slotOf(q, "acme.1"); v.HandedBack || !v.Extra || v.QueueSeq != seq {
+		t.Fatalf("acme.1, kept for the request, is still kept (%+v): the extra went elsewhere", v)
+	}
+	if _, ok := w.slotOf(q, "acme.0"); ok {
+		t.Fatal("the extra created acme.0 and left the key kept for its request idle")
+	}
+	release()
+
+	// With nothing kept for it, an extra creates the missing key.
+	release, ok = extras.Take(ctx)
+	if !ok {
+		t.Fatal("the request took no extra slot, with acme.0 and acme.1 missing")
+	}
+	defer release()
+	if _, ok := w.slotOf(q, "acme.0"); !ok {
+		t.Fatal("an extra with no kept key did not create the first missing key")
+	}
+}
