@@ -157,12 +157,28 @@ func (q *Queue) readSlot(key string, e jetstream.KeyValueEntry) slotState {
 	return slotState{key: key, rev: e.Revision(), v: v, watched: watched, kept: v.HandedBack || watched >= lease+lease/2}
 }
 
+// liveOwn is, per request (queue sequence), the newest revision read of
+// a live key its request runs on (runsOn).
+type liveOwn map[uint64]uint64
+
+// saw notes a live key read.
+func (l liveOwn) saw(st slotState) {
+	if runsOn(st.v) && st.rev > l[st.v.QueueSeq] {
+		l[st.v.QueueSeq] = st.rev
+	}
+}
+
 // slotFree reports whether a kept key is free: it names no request, its
-// request runs on a live own key (held: the queue sequences of the live
-// keys runsOn counts) and it is not an extra or a stand-in for one, or
-// its request is finished (its message gone from the queue).
-func (q *Queue) slotFree(ctx context.Context, s slotState, held map[uint64]bool) (bool, error) {
-	if s.v.QueueSeq == 0 || (held[s.v.QueueSeq] && ((!s.v.Extra && !s.v.TookExtra) || mutant.On("extra-slot-free-on-live-key"))) {
+// request runs on a live own key written after the kept key (held) and it
+// is not an extra or a stand-in for one, or its request is finished (its
+// message gone from the queue). "Written after" makes the rule one-way:
+// two kept-or-live own keys of one request, judged by two readers that
+// see them differently (one watched a dead holder's key lapse, the other
+// started watching it later), are never freed each on the strength of
+// the other — the older of the two never frees the newer, and a live
+// holder's renewals soon make its key the newer.
+func (q *Queue) slotFree(ctx context.Context, s slotState, held liveOwn) (bool, error) {
+	if s.v.QueueSeq == 0 || (held[s.v.QueueSeq] > s.rev && ((!s.v.Extra && !s.v.TookExtra) || mutant.On("extra-slot-free-on-live-key"))) {
 		return true, nil
 	}
 	_, err := q.queue.GetMsg(ctx, s.v.QueueSeq)
@@ -227,7 +243,7 @@ func (q *Queue) acquireSlotFor(ctx context.Context, tenant string, limit int, mi
 	b, _ := json.Marshal(val)
 	var kept []slotState
 	var missing []string
-	held := map[uint64]bool{}
+	held := liveOwn{}
 	for i := range limit {
 		key := tenant + "." + strconv.Itoa(i)
 		if mine == 0 {
@@ -250,9 +266,7 @@ func (q *Queue) acquireSlotFor(ctx context.Context, tenant string, limit int, mi
 		}
 		st := q.readSlot(key, e)
 		if !st.kept {
-			if runsOn(st.v) {
-				held[st.v.QueueSeq] = true
-			}
+			held.saw(st)
 			continue
 		}
 		kept = append(kept, st)
@@ -522,7 +536,7 @@ func (q *Queue) KeepSlots(ctx context.Context) {
 		return
 	}
 	var kept []slotState
-	held := map[uint64]bool{}
+	held := liveOwn{}
 	for k := range keys.Keys() {
 		e, err := q.slots.Get(ctx, k)
 		if err != nil {
@@ -530,9 +544,7 @@ func (q *Queue) KeepSlots(ctx context.Context) {
 		}
 		st := q.readSlot(k, e)
 		if !st.kept {
-			if runsOn(st.v) {
-				held[st.v.QueueSeq] = true
-			}
+			held.saw(st)
 			continue
 		}
 		kept = append(kept, st)
