@@ -557,8 +557,9 @@ func (w *Service) cancelUnkeyed(ctx context.Context, le *ledger.Entry) (rep v1.C
 // stopBuild ends key's current run as Canceled and deletes its Job, when
 // the run is still building, is the run judged (the one whose waiters the
 // caller counted: a run begun since has waiters nobody counted — a request
-// that looked again after the judged run ended, and claimed the key), and
-// tenant may stop it (it canceled requests waiting on it, or its own
+// that looked again after the judged run ended, and claimed the key) with
+// the holder it had then (a take-over keeps the run and names its taker,
+// a request nobody counted, the holder), and tenant may stop it (it canceled requests waiting on it, or its own
 // request claimed it).
 func (w *Service) stopBuild(ctx context.Context, tenant, key string, hadRequests bool, judged *v1.BuildRecord) (bool, string) {
 	for {
@@ -576,6 +577,10 @@ func (w *Service) stopBuild(ctx context.Context, tenant, key string, hadRequests
 			return false, "the build already finished: " + cur.State
 		case judged == nil || cur.Run != judged.Run:
 			return false, "the build ended, and a new build of the key began meanwhile: it goes on"
+		case cur.Holder != judged.Holder:
+			// A take-over keeps the run and names its taker the holder:
+			// a request that looked after the waiters were counted.
+			return false, "another request took the build over meanwhile: it goes on"
 		}
 		final := runs.Canceled(cur, w.cfg.Now())
 		ok, err := w.cfg.Runs.EndAt(ctx, final, rev)

@@ -95,3 +95,69 @@ func TestAStopOfAnUnwaitedBuildSparesARunBegunAfterItsWaitersWereCounted(t *test
 			stopped, jobsStopped.Load(), cur.Run, cur.State, cur.Reason)
 	}
 }
+
+// A take-over keeps the run's id and names its taker the holder
+// (worker/build.go, takeOver). A canceled index's platform run, let go by
+// its stopping worker, is counted with no waiter; before the stop,
+// another tenant's request of the same content indexes itself as a
+// waiter and takes the run over. The stop must spare it: its holder is a
+// request nobody counted (found by an attack on the run check).
+func TestAStopSparesARunTakenOverAfterItsWaitersWereCounted(t *testing.T) {
+	_, nc, js := testnats.JetStream(t)
+	ctx := t.Context()
+	builds, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: v1.BuildsBucket, History: 1, Storage: jetstream.MemoryStorage})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lkv, err := ledger.EnsureBucket(ctx, js, ledger.BucketConfig{Storage: jetstream.MemoryStorage, Replicas: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := ledger.New(ledger.Config{Worker: "w1", Now: time.Now, Log: zap.NewNop()})
+	l.UseBucket(lkv)
+
+	key := strings.Repeat("b", 64)
+	// The index's platform run, released by its owner (the worker stopped).
+	released := &v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "run-of-the-platform", Owner: "",
+		Tenant: "acme", Name: "api", RequestID: "index", Holder: ledger.Key("acme", "index")}
+	b, _ := json.Marshal(released)
+	if _, err := builds.Put(ctx, key, b); err != nil {
+		t.Fatal(err)
+	}
+	// globex's request of the same content: waits on the key, then takes
+	// the released run over — same run id, its own Holder and Owner.
+	if _, _, err := l.Open(ctx, "globex", "web", "joiner", key, 7, time.Now()); err != nil {
+		t.Fatal(err)
+	}
+	taken := *released
+	taken.Owner, taken.Holder = "w2", ledger.Key("globex", "joiner")
+	kv := &onGetKV{KeyValue: builds, n: 2, before: func() {
+		l.AddWaiter(context.Background(), key, "globex", "joiner")
+		b, _ := json.Marshal(&taken)
+		if _, err := builds.Put(context.Background(), key, b); err != nil {
+			t.Error(err)
+		}
+	}}
+	rs := runs.New()
+	rs.UseBucket(kv)
+	var jobsStopped atomic.Int32
+	svc := New(Config{Ledger: l, Runs: rs, NC: nc, Now: time.Now, Log: zap.NewNop(),
+		StopBuild:    func(context.Context, string, string) error { jobsStopped.Add(1); return nil },
+		AnswerParked: func(context.Context, string) {}})
+
+	// The canceled index's handler stops its platform's build nobody else
+	// waits on (worker/platforms.go).
+	stopped, err := svc.StopUnwaited(ctx, "acme", "index", key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if kv.reads.Load() < 2 {
+		t.Fatalf("premise: the record was read %d time(s)", kv.reads.Load())
+	}
+	ws, _ := l.Waiters(ctx, key)
+	cur, _, _ := rs.Get(ctx, key)
+	if stopped || jobsStopped.Load() != 0 || cur.State != v1.StateBuilding {
+		t.Errorf("acme's stop ended a run held by globex's request (taken over after the count; waiters now: %d): stopped %v, Jobs stopped %d, record %s %s (%s) holder %s",
+			len(ws), stopped, jobsStopped.Load(), cur.Run, cur.State, cur.Reason, cur.Holder)
+	}
+}
