@@ -491,7 +491,10 @@ func (r *intakeRoom) release(list []*heldReq, toQueue bool) {
 			r.sem <- struct{}{}
 			defer func() { <-r.sem }()
 			if ctx == nil || ctx.Err() != nil {
-				_ = h.msg.Nak() // stopping (or not started): handed back
+				// Stopping (or not started): handed back, once intake's
+				// cut pull can no longer take it (IntakeQuiet).
+				r.w.fq.IntakeQuiet()
+				_ = h.msg.Nak()
 				return
 			}
 			if toQueue {
