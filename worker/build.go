@@ -66,16 +66,21 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 	// when it finds no other request waiting on it, and the waiter index
 	// is best effort (a claimer killed between its claim and its index
 	// entry has none, and its redelivery has not written it yet). A
-	// claimer whose own ledger entry is not canceled builds again.
-	ownEnd := func(r *v1.BuildRecord) bool {
+	// claimer whose own ledger entry is not canceled builds again; one
+	// whose entry cannot be read now tries again later (transient), and
+	// is not answered "canceled" on a guess.
+	ownEnd := func(r *v1.BuildRecord) (bool, error) {
 		if !mine(r) {
-			return false
+			return false, nil
 		}
 		if r.State != v1.StateFailed || r.Reason != v1.ReasonCanceled || mutant.On("claimer-takes-others-cancel") {
-			return true
+			return true, nil
 		}
 		le, err := w.ledger.Get(ctx, req.Tenant, req.RequestID)
-		return err != nil || le == nil || le.E.Canceled
+		if err != nil {
+			return false, Transient(fmt.Errorf("reading the ledger entry of a claimer whose run was canceled: %w", err))
+		}
+		return le == nil || le.E.Canceled, nil
 	}
 	// A request that is not answered from the index waits on a build:
 	// index it, so a cancel of the key finds it.
@@ -143,7 +148,12 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 				return nil, "", false, err
 			}
 		}
-		ended := cur != nil && cur.State == v1.StateFailed && ownEnd(cur)
+		ended := false
+		if cur != nil && cur.State == v1.StateFailed {
+			if ended, err = ownEnd(cur); err != nil {
+				return nil, "", false, err
+			}
+		}
 		fresh := cur == nil || (cur.State == v1.StateFailed && !ended)
 		if fresh {
 			// Before claiming: the requester's own first tag may already
@@ -253,7 +263,11 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 				return nil, "", false, err
 			}
 			if final != nil {
-				if ownEnd(final) {
+				own, err := ownEnd(final)
+				if err != nil {
+					return nil, "", false, err
+				}
+				if own {
 					return final, v1.OriginBuild, true, nil
 				}
 				if !sharedFailure(final, req, repo) {

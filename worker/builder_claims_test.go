@@ -328,3 +328,57 @@ func TestClaimerNotCanceledBuildsAgainAfterAnotherRequestsCancel(t *testing.T) {
 		t.Fatalf("a claimer canceled itself: %+v %s %v, want its canceled run", got, origin, err)
 	}
 }
+
+// A claimer whose run another request's cancel ended, and whose own
+// ledger entry cannot be read at that moment, is not answered "canceled"
+// on a guess: the build reports a transient error (the handler tries the
+// request again) and starts nothing.
+func TestClaimerOfACanceledRunWithAnUnreadableEntryTriesAgain(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	b := countingBackend{runs: make(chan Build, 1)}
+	w := ruleWorker(t, e, b)
+	ctx := context.Background()
+
+	req := request("claimer-entry-unreadable")
+	const seq = 7
+	key := w.builds.keyOf(req)
+	repo, err := w.cfg.Naming.Repository(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dests := naming.Destinations(repo, key, req.Tags)
+	entry := v1.RequestEntry{RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, Key: key, State: "building",
+		Seq: seq, UpdatedAt: time.Now().UTC()}
+	raw, _ := json.Marshal(entry)
+	lk := RequestIndexKey(req.Tenant, req.RequestID)
+	if _, err := w.ledger.Bucket().Put(ctx, lk, raw); err != nil {
+		t.Fatal(err)
+	}
+	claim := w.builds.newClaim(req, key, repo, dests, seq)
+	rev, ok, err := w.runs.Claim(ctx, claim)
+	if err != nil || !ok {
+		t.Fatalf("claim: %v %v", ok, err)
+	}
+	if ok, err := w.runs.EndAt(ctx, runs.Canceled(claim, time.Now()), rev); err != nil || !ok {
+		t.Fatalf("cancel the run: %v %v", ok, err)
+	}
+	w.ledger.UseBucket(&hookedKV{KeyValue: w.ledger.Bucket(), onGet: func(_ context.Context, k string) error {
+		if k == lk {
+			return errors.New("the ledger is unreachable")
+		}
+		return nil
+	}})
+
+	bctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	rec, _, _, err := w.builds.build(bctx, req, key, repo, dests, seq, nil)
+	if !IsTransient(err) {
+		t.Fatalf("build: %+v, %v; want a transient error, not an answer", rec, err)
+	}
+	select {
+	case bd := <-b.runs:
+		t.Fatalf("a build %s was started while the claimer's entry could not be read", bd.Run)
+	default:
+	}
+}
