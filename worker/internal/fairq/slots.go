@@ -244,16 +244,24 @@ func (q *Queue) acquireSlotFor(ctx context.Context, tenant string, limit int, mi
 	var kept []slotState
 	var missing []string
 	held := liveOwn{}
+	// create takes key if nobody holds it; done: the caller returns s
+	// and ok (taken, or the bucket failed).
+	create := func(key string) (s *slot, ok, done bool) {
+		rev, err := q.slots.Create(ctx, key, b)
+		if err == nil {
+			return q.newSlot(tenant, key, val, rev), true, true
+		}
+		if !ledger.IsWrongRevision(err) {
+			q.log.Warn("taking a concurrency slot failed", zap.String("tenant", tenant), zap.Error(err))
+			return nil, false, true
+		}
+		return nil, false, false
+	}
 	for i := range limit {
 		key := tenant + "." + strconv.Itoa(i)
 		if mine == 0 {
-			rev, err := q.slots.Create(ctx, key, b)
-			if err == nil {
-				return q.newSlot(tenant, key, val, rev), true
-			}
-			if !ledger.IsWrongRevision(err) {
-				q.log.Warn("taking a concurrency slot failed", zap.String("tenant", tenant), zap.Error(err))
-				return nil, false
+			if s, ok, done := create(key); done {
+				return s, ok
 			}
 		}
 		e, err := q.slots.Get(ctx, key)
@@ -274,19 +282,12 @@ func (q *Queue) acquireSlotFor(ctx context.Context, tenant string, limit int, mi
 	if mine != 0 {
 		for _, st := range kept {
 			if st.v.QueueSeq == mine {
-				s := q.newSlot(tenant, st.key, val, st.rev)
-				s.reserved, s.reservedFor, s.watched = true, st.v, st.watched
-				return s, true
+				return q.reservedSlot(tenant, val, st), true
 			}
 		}
 		for _, key := range missing {
-			rev, err := q.slots.Create(ctx, key, b)
-			if err == nil {
-				return q.newSlot(tenant, key, val, rev), true
-			}
-			if !ledger.IsWrongRevision(err) {
-				q.log.Warn("taking a concurrency slot failed", zap.String("tenant", tenant), zap.Error(err))
-				return nil, false
+			if s, ok, done := create(key); done {
+				return s, ok
 			}
 		}
 	}
@@ -297,7 +298,7 @@ func (q *Queue) acquireSlotFor(ctx context.Context, tenant string, limit int, mi
 			continue
 		}
 		if !free {
-			if reserved == nil || (mine != 0 && st.v.QueueSeq == mine && reserved.v.QueueSeq != mine) {
+			if reserved == nil {
 				reserved = &kept[i]
 			}
 			continue
@@ -308,11 +309,17 @@ func (q *Queue) acquireSlotFor(ctx context.Context, tenant string, limit int, mi
 		}
 	}
 	if reserved != nil {
-		s := q.newSlot(tenant, reserved.key, val, reserved.rev)
-		s.reserved, s.reservedFor, s.watched = true, reserved.v, reserved.watched
-		return s, true
+		return q.reservedSlot(tenant, val, *reserved), true
 	}
 	return nil, false
+}
+
+// reservedSlot is st, a key kept for its request, offered to a dispatcher
+// or a handler of that request to take (take) as val.
+func (q *Queue) reservedSlot(tenant string, val slotValue, st slotState) *slot {
+	s := q.newSlot(tenant, st.key, val, st.rev)
+	s.reserved, s.reservedFor, s.watched = true, st.v, st.watched
+	return s
 }
 
 // ExtraSlots lets the handler of one dispatched request take more of its
