@@ -425,7 +425,7 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 		w.cfg.AnswerParked(ctx, key)
 	}
 	// Does anyone else still wait on the build?
-	ws, judged, err := w.waiters(ctx, key)
+	ws, run, err := w.waiters(ctx, key)
 	if err != nil {
 		return v1.CancelReply{Key: key, Requests: n, Canceled: n > 0, Message: err.Error()}
 	}
@@ -447,7 +447,7 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 		return v1.CancelReply{Key: key, Canceled: true, Requests: n,
 			Message: fmt.Sprintf("canceled %d request(s); the build goes on for %d other request(s)", n, others)}
 	}
-	stopped, msg := w.stopBuild(ctx, tenant, key, n > 0, judged)
+	stopped, msg := w.stopBuild(ctx, tenant, key, n > 0, countOf(run, mine, before, ws))
 	if n == 0 && !stopped {
 		return v1.CancelReply{Key: key, Message: msg}
 	}
@@ -511,6 +511,7 @@ func (w *Service) StopUnwaited(ctx context.Context, tenant, id, key string) (boo
 	if !ok || err != nil {
 		return false, err
 	}
+	judged.reqs[ledger.Key(tenant, id)] = true
 	stopped, _ := w.stopBuild(ctx, tenant, key, true, judged)
 	return stopped, nil
 }
@@ -522,18 +523,37 @@ func (w *Service) Unwaited(ctx context.Context, tenant, id, key string) (bool, e
 	return ok, err
 }
 
-// unwaited is Unwaited, with the run whose waiters it counted.
-func (w *Service) unwaited(ctx context.Context, tenant, id, key string) (bool, *v1.BuildRecord, error) {
-	ws, judged, err := w.waiters(ctx, key)
+// unwaited is Unwaited, with the run whose waiters it counted and them.
+func (w *Service) unwaited(ctx context.Context, tenant, id, key string) (bool, counted, error) {
+	ws, run, err := w.waiters(ctx, key)
 	if err != nil {
-		return false, nil, err
+		return false, counted{}, err
 	}
+	judged := countOf(run, ws)
 	for _, le := range ws {
 		if !le.E.Canceled && (le.E.Tenant != tenant || le.E.RequestID != id) && !mutant.On("index-cancel-stops-shared") {
 			return false, judged, nil
 		}
 	}
 	return true, judged, nil
+}
+
+// counted is what a stop's caller judged: the run whose waiters it
+// counted, and the requests it counted (ledger keys), canceled or not.
+type counted struct {
+	run  *v1.BuildRecord
+	reqs map[string]bool
+}
+
+// countOf is the judgement of run with the requests of lists.
+func countOf(run *v1.BuildRecord, lists ...[]*ledger.Entry) counted {
+	c := counted{run: run, reqs: map[string]bool{}}
+	for _, l := range lists {
+		for _, le := range l {
+			c.reqs[le.Key()] = true
+		}
+	}
+	return c
 }
 
 // cancelUnkeyed cancels a request that has no build key yet, unless it
@@ -557,11 +577,13 @@ func (w *Service) cancelUnkeyed(ctx context.Context, le *ledger.Entry) (rep v1.C
 // stopBuild ends key's current run as Canceled and deletes its Job, when
 // the run is still building, is the run judged (the one whose waiters the
 // caller counted: a run begun since has waiters nobody counted — a request
-// that looked again after the judged run ended, and claimed the key) with
-// the holder it had then (a take-over keeps the run and names its taker,
-// a request nobody counted, the holder), and tenant may stop it (it canceled requests waiting on it, or its own
+// that looked again after the judged run ended, and claimed the key), held
+// by its holder then or by a request the caller counted (a take-over keeps
+// the run and names its taker the holder: a taker nobody counted may be a
+// waiter that came since; a counted one was canceled, or there would be
+// no stop), and tenant may stop it (it canceled requests waiting on it, or its own
 // request claimed it).
-func (w *Service) stopBuild(ctx context.Context, tenant, key string, hadRequests bool, judged *v1.BuildRecord) (bool, string) {
+func (w *Service) stopBuild(ctx context.Context, tenant, key string, hadRequests bool, judged counted) (bool, string) {
 	for {
 		cur, rev, err := w.cfg.Runs.Get(ctx, key)
 		switch {
@@ -575,9 +597,9 @@ func (w *Service) stopBuild(ctx context.Context, tenant, key string, hadRequests
 			return false, "no build is known for key " + key
 		case cur.Final():
 			return false, "the build already finished: " + cur.State
-		case judged == nil || cur.Run != judged.Run:
+		case judged.run == nil || cur.Run != judged.run.Run:
 			return false, "the build ended, and a new build of the key began meanwhile: it goes on"
-		case cur.Holder != judged.Holder:
+		case cur.Holder != judged.run.Holder && !judged.reqs[cur.Holder]:
 			// A take-over keeps the run and names its taker the holder:
 			// a request that looked after the waiters were counted.
 			return false, "another request took the build over meanwhile: it goes on"

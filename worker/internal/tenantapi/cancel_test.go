@@ -161,3 +161,73 @@ func TestAStopSparesARunTakenOverAfterItsWaitersWereCounted(t *testing.T) {
 			len(ws), stopped, jobsStopped.Load(), cur.Run, cur.State, cur.Reason, cur.Holder)
 	}
 }
+
+// Cancel by build key: acme's A holds the run, acme's B waits on it. Both
+// are canceled and counted, and nobody else waits. Before the stop reads
+// the record again, A's handler let its claim go and B's handler, not yet
+// told of its own cancel, took the run over (same run, holder B). B was
+// counted and is canceled, so the run is stopped: spared, it would run on
+// for nobody once B's handler let it go too (found by an attack on the
+// holder check).
+func TestACancelByKeyStopsARunTakenOverByARequestItCanceled(t *testing.T) {
+	_, nc, js := testnats.JetStream(t)
+	ctx := t.Context()
+	builds, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: v1.BuildsBucket, History: 1, Storage: jetstream.MemoryStorage})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lkv, err := ledger.EnsureBucket(ctx, js, ledger.BucketConfig{Storage: jetstream.MemoryStorage, Replicas: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := ledger.New(ledger.Config{Worker: "w1", Now: time.Now, Log: zap.NewNop()})
+	l.UseBucket(lkv)
+
+	key := strings.Repeat("c", 64)
+	for i, id := range []string{"A", "B"} {
+		if _, _, err := l.Open(ctx, "acme", "api", id, key, uint64(10+i), time.Now()); err != nil {
+			t.Fatal(err)
+		}
+		l.AddWaiter(ctx, key, "acme", id)
+	}
+	held := &v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "run-1", Owner: "w1",
+		Tenant: "acme", Name: "api", RequestID: "A", Holder: ledger.Key("acme", "A")}
+	b, _ := json.Marshal(held)
+	if _, err := builds.Put(ctx, key, b); err != nil {
+		t.Fatal(err)
+	}
+	taken := *held
+	taken.Owner, taken.Holder = "w2", ledger.Key("acme", "B")
+	kv := &onGetKV{KeyValue: builds, n: 2, before: func() {
+		b, _ := json.Marshal(&taken)
+		if _, err := builds.Put(context.Background(), key, b); err != nil {
+			t.Error(err)
+		}
+	}}
+	rs := runs.New()
+	rs.UseBucket(kv)
+	var jobsStopped atomic.Int32
+	svc := New(Config{Ledger: l, Runs: rs, NC: nc, Now: time.Now, Log: zap.NewNop(),
+		StopBuild:    func(context.Context, string, string) error { jobsStopped.Add(1); return nil },
+		AnswerParked: func(context.Context, string) {}})
+
+	rep := svc.cancel(ctx, "acme", key)
+	if kv.reads.Load() < 2 {
+		t.Fatalf("premise: the record was read %d time(s)", kv.reads.Load())
+	}
+	if rep.Requests != 2 {
+		t.Fatalf("premise: canceled %d request(s): %+v", rep.Requests, rep)
+	}
+	cur, _, _ := rs.Get(ctx, key)
+	ws, _ := l.Waiters(ctx, key)
+	live := 0
+	for _, le := range ws {
+		if !le.E.Canceled {
+			live++
+		}
+	}
+	if !rep.Stopped || jobsStopped.Load() == 0 || cur.State == v1.StateBuilding {
+		t.Errorf("both requests of the key canceled (undecided waiters left: %d), yet the run goes on: reply %+v; Jobs stopped %d; record %s %s holder %s",
+			live, rep, jobsStopped.Load(), cur.Run, cur.State, cur.Holder)
+	}
+}
