@@ -84,8 +84,11 @@ type Queue struct {
 	// queue is BUILDQ_QUEUE; slots the per-tenant concurrency slots.
 	queue jetstream.Stream
 	slots jetstream.KeyValue
-	// slotSeen: how long this worker has seen each slot key unchanged.
+	// slotSeen: how long this worker has seen each slot key unchanged;
+	// renewing: the holders (slotValue.Holder) of the slots this worker
+	// renews now — live, whatever its reads of them show.
 	slotSeen slotWatch
+	renewing sync.Map
 	// admitMu: per tenant, its queue-limit checks in this worker.
 	admitMu sync.Map
 	// sem: one token per request in flight (MaxInFlight); the dispatcher

@@ -154,7 +154,14 @@ func (q *Queue) readSlot(key string, e jetstream.KeyValueEntry) slotState {
 	// The watch tolerates gaps of this worker's own reading pace too (it
 	// reads every third of its lease).
 	watched := q.slotSeen.watch(key, e.Revision(), max(lease, q.cfg.Lease), q.cfg.Now())
-	return slotState{key: key, rev: e.Revision(), v: v, watched: watched, kept: v.HandedBack || watched >= lease+lease/2}
+	kept := v.HandedBack || watched >= lease+lease/2
+	if _, mine := q.renewing.Load(v.Holder); mine && !v.HandedBack {
+		// This worker holds it and renews it: live, even while its
+		// renewals fail (other workers may judge it lapsed then, as the
+		// design allows; this one must not take its own live key).
+		kept = false
+	}
+	return slotState{key: key, rev: e.Revision(), v: v, watched: watched, kept: kept}
 }
 
 // liveOwn is, per request (queue sequence), the newest revision read of
@@ -442,6 +449,7 @@ func (s *slot) take(ctx context.Context) error {
 
 func (s *slot) startRenew() {
 	s.renewing = true
+	s.q.renewing.Store(s.val.Holder, true)
 	go s.renew()
 }
 
@@ -450,6 +458,7 @@ func (s *slot) stopRenew() {
 		s.renewing = false
 		close(s.stop)
 		<-s.done
+		s.q.renewing.Delete(s.val.Holder)
 	}
 }
 
