@@ -538,6 +538,21 @@ func (w *Service) unwaited(ctx context.Context, tenant, id, key string) (bool, c
 	return true, judged, nil
 }
 
+// waitingSince reports whether a request the caller did not count, and
+// not canceled, waits on key now.
+func (w *Service) waitingSince(ctx context.Context, key string, judged counted) (bool, error) {
+	ws, _, err := w.waiters(ctx, key)
+	if err != nil {
+		return false, err
+	}
+	for _, le := range ws {
+		if !le.E.Canceled && !judged.reqs[le.Key()] {
+			return true, nil
+		}
+	}
+	return false, nil
+}
+
 // counted is what a stop's caller judged: the run whose waiters it
 // counted, and the requests it counted (ledger keys), canceled or not.
 type counted struct {
@@ -603,6 +618,14 @@ func (w *Service) stopBuild(ctx context.Context, tenant, key string, hadRequests
 			// A take-over keeps the run and names its taker the holder:
 			// a request that looked after the waiters were counted.
 			return false, "another request took the build over meanwhile: it goes on"
+		}
+		// A request that began waiting since the count (its handler
+		// parked or joined, or took the run over) is one nobody counted:
+		// the build goes on for it. Read last, just before the end.
+		if waiting, err := w.waitingSince(ctx, key, judged); err != nil {
+			return false, err.Error()
+		} else if waiting {
+			return false, "another request began waiting on the build meanwhile: it goes on"
 		}
 		final := runs.Canceled(cur, w.cfg.Now())
 		ok, err := w.cfg.Runs.EndAt(ctx, final, rev)

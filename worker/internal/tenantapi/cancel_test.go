@@ -3,6 +3,7 @@ package tenantapi
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -229,5 +230,93 @@ func TestACancelByKeyStopsARunTakenOverByARequestItCanceled(t *testing.T) {
 	if !rep.Stopped || jobsStopped.Load() == 0 || cur.State == v1.StateBuilding {
 		t.Errorf("both requests of the key canceled (undecided waiters left: %d), yet the run goes on: reply %+v; Jobs stopped %d; record %s %s holder %s",
 			live, rep, jobsStopped.Load(), cur.Run, cur.State, cur.Holder)
+	}
+}
+
+// stopWorld is a tenant API on a ledger and a build-records bucket whose
+// n-th read runs before first (onGetKV); jobs counts the Jobs stopped.
+type stopWorld struct {
+	l      *ledger.Ledger
+	builds jetstream.KeyValue
+	rs     *runs.Store
+	svc    *Service
+	jobs   *atomic.Int32
+	kv     *onGetKV
+}
+
+func newStopWorld(t *testing.T, n int32, before func(w *stopWorld)) *stopWorld {
+	_, nc, js := testnats.JetStream(t)
+	ctx := t.Context()
+	builds, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: v1.BuildsBucket, History: 1, Storage: jetstream.MemoryStorage})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lkv, err := ledger.EnsureBucket(ctx, js, ledger.BucketConfig{Storage: jetstream.MemoryStorage, Replicas: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := ledger.New(ledger.Config{Worker: "w1", Now: time.Now, Log: zap.NewNop()})
+	l.UseBucket(lkv)
+	w := &stopWorld{l: l, builds: builds, jobs: &atomic.Int32{}}
+	w.kv = &onGetKV{KeyValue: builds, n: n, before: func() { before(w) }}
+	w.rs = runs.New()
+	w.rs.UseBucket(w.kv)
+	w.svc = New(Config{Ledger: l, Runs: w.rs, NC: nc, Now: time.Now, Log: zap.NewNop(),
+		StopBuild:    func(context.Context, string, string) error { w.jobs.Add(1); return nil },
+		AnswerParked: func(context.Context, string) {}})
+	return w
+}
+
+func (w *stopWorld) put(t *testing.T, r *v1.BuildRecord) {
+	b, _ := json.Marshal(r)
+	if _, err := w.builds.Put(context.Background(), r.Key, b); err != nil {
+		t.Error(err)
+	}
+}
+
+// A request of another tenant begins waiting on a build after a cancel
+// counted its waiters and before the stop: the build goes on for it,
+// whether the run's holder stayed (A) or changed to a request the cancel
+// counted and canceled (B, its handler not yet told). Found by an attack
+// on the holder check.
+func TestAStopSparesABuildARequestBeganWaitingOnAfterTheCount(t *testing.T) {
+	for _, takenOver := range []bool{false, true} {
+		t.Run(fmt.Sprintf("taken-over=%v", takenOver), func(t *testing.T) {
+			key := strings.Repeat("d", 64)
+			held := &v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "run-1", Owner: "w1",
+				Tenant: "acme", Name: "api", RequestID: "A", Holder: ledger.Key("acme", "A")}
+			w := newStopWorld(t, 2, func(w *stopWorld) {
+				ctx := context.Background()
+				if _, _, err := w.l.Open(ctx, "globex", "web", "G", key, 30, time.Now()); err != nil {
+					t.Error(err)
+				}
+				w.l.AddWaiter(ctx, key, "globex", "G")
+				if takenOver {
+					taken := *held
+					taken.Owner, taken.Holder = "w2", ledger.Key("acme", "B")
+					w.put(t, &taken)
+				}
+			})
+			ctx := t.Context()
+			for i, id := range []string{"A", "B"} {
+				if _, _, err := w.l.Open(ctx, "acme", "api", id, key, uint64(10+i), time.Now()); err != nil {
+					t.Fatal(err)
+				}
+				w.l.AddWaiter(ctx, key, "acme", id)
+			}
+			w.put(t, held)
+			rep := w.svc.cancel(ctx, "acme", key)
+			if w.kv.reads.Load() < 2 {
+				t.Fatalf("premise: the record was read %d time(s)", w.kv.reads.Load())
+			}
+			if rep.Requests != 2 {
+				t.Fatalf("premise: canceled %d request(s): %+v", rep.Requests, rep)
+			}
+			cur, _, _ := w.rs.Get(ctx, key)
+			if rep.Stopped || w.jobs.Load() != 0 || cur.State != v1.StateBuilding {
+				t.Errorf("the build was stopped while globex's G, not canceled, waits on it: reply %+v, Jobs stopped %d, record %s %s",
+					rep, w.jobs.Load(), cur.Run, cur.State)
+			}
+		})
 	}
 }
