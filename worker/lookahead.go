@@ -6,6 +6,7 @@ import (
 	"time"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/worker/internal/mutant"
 )
 
 // firstLook is build's first look, read ahead (lookAhead): each read runs
@@ -83,7 +84,11 @@ func (w *builder) lookAhead(ctx context.Context, req *v1.Request, key, repo stri
 	)
 	f.pre = func() preflightRead {
 		preOnce.Do(func() {
-			if p, ok := w.preflightSent(req, dests); ok {
+			// A platform of an index takes no image found at its tag:
+			// a HEAD sent ahead for a one-platform request of the same
+			// tenant and tag found what that request may take, not what
+			// the platform may (preflight).
+			if p, ok := w.preflightSent(req, dests); ok && (!isPlatformPart(ctx) || mutant.On("platform-takes-found-tag-ahead")) {
 				if r, ok := p.wait(ctx); ok {
 					pre = r
 					return

@@ -58,6 +58,7 @@ var mutantCatalogue = []mutantCase{
 	{"reconcile-any-run", "the reconciler ends a run only with that run's own Job's outcome", []string{"TestReconcilerEndsOnlyTheJobsOwnRun"}},
 	{"cancel-ignores-holder", "a cancel counts the request whose handler runs the build as waiting on it, whether or not the waiter index lists it", []string{"TestAnotherTenantsCancelSparesARunItsHolderIsNotListedFor"}},
 	{"platform-takes-found-tag", "a platform's build of an image index takes no image found at its tag: the index is shared, so its images are buildq's own builds", []string{"TestAPlatformOfAnIndexTakesNoImageFoundAtItsTag"}},
+	{"platform-takes-found-tag-ahead", "a platform's build of an image index takes no image that a HEAD sent ahead for a one-platform request found at the same tag", []string{"TestAPlatformTakesNoPreflightSentAheadForAOnePlatformRequest"}},
 	{"preflight-ignores-found-tag", "a request's preflight answers it with an image found at its own first tag: its Job never pushes over a tag it did not build", []string{"TestPlantedTagAnswersOnlyItsPusher"}},
 	{"hold-forever", "a request held at intake is admitted to the queue when its hold reaches --hold-at-intake", []string{"TestAHeldRequestIsQueuedWhenItsHoldEnds"}},
 	{"hold-until-success", "a request held at intake leaves the hold as soon as its key's record stops building, whatever its state", []string{"TestAHeldRequestIsQueuedAtOnceWhenItsBuildFails"}},
