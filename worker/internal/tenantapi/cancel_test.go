@@ -43,57 +43,31 @@ func (k *onGetKV) Get(ctx context.Context, key string) (jetstream.KeyValueEntry,
 // request that ran it, which was answered Canceled without any cancel of
 // it. Only the run whose waiters were counted may be stopped.
 func TestAStopOfAnUnwaitedBuildSparesARunBegunAfterItsWaitersWereCounted(t *testing.T) {
-	_, nc, js := testnats.JetStream(t)
-	ctx := t.Context()
-	builds, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: v1.BuildsBucket, History: 1, Storage: jetstream.MemoryStorage})
-	if err != nil {
-		t.Fatal(err)
-	}
-	lkv, err := ledger.EnsureBucket(ctx, js, ledger.BucketConfig{Storage: jetstream.MemoryStorage, Replicas: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	l := ledger.New(ledger.Config{Worker: "w1", Now: time.Now, Log: zap.NewNop()})
-	l.UseBucket(lkv)
-
 	key := strings.Repeat("a", 64)
 	platformRun := &v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "run-of-the-index", Owner: "w1",
 		Tenant: "acme", Name: "api", RequestID: "index", Holder: ledger.Key("acme", "index")}
-	b, _ := json.Marshal(platformRun)
-	if _, err := builds.Put(ctx, key, b); err != nil {
-		t.Fatal(err)
-	}
 	newRun := &v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "run-of-the-joiner", Owner: "w2",
 		Tenant: "acme", Name: "api", RequestID: "joiner", Holder: ledger.Key("acme", "joiner")}
 	// The waiters are counted on the first read of the record; before the
 	// stop's read, the counted run is over and the joiner's has begun.
-	kv := &onGetKV{KeyValue: builds, n: 2, before: func() {
-		b, _ := json.Marshal(newRun)
-		if _, err := builds.Put(context.Background(), key, b); err != nil {
-			t.Error(err)
-		}
-	}}
-	rs := runs.New()
-	rs.UseBucket(kv)
-	var jobsStopped atomic.Int32
-	svc := New(Config{Ledger: l, Runs: rs, NC: nc, Now: time.Now, Log: zap.NewNop(),
-		StopBuild:    func(context.Context, string, string) error { jobsStopped.Add(1); return nil },
-		AnswerParked: func(context.Context, string) {}})
+	w := newStopWorld(t, 2, func(w *stopWorld) { w.put(t, newRun) })
+	ctx := t.Context()
+	w.put(t, platformRun)
 
-	stopped, err := svc.StopUnwaited(ctx, "acme", "index", key)
+	stopped, err := w.svc.StopUnwaited(ctx, "acme", "index", key)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if kv.reads.Load() < 2 {
-		t.Fatalf("premise: the record was read %d time(s), want the count's read and the stop's", kv.reads.Load())
+	if w.kv.reads.Load() < 2 {
+		t.Fatalf("premise: the record was read %d time(s), want the count's read and the stop's", w.kv.reads.Load())
 	}
-	cur, _, err := rs.Get(ctx, key)
+	cur, _, err := w.rs.Get(ctx, key)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if stopped || jobsStopped.Load() != 0 || cur.Run != newRun.Run || cur.State != v1.StateBuilding {
+	if stopped || w.jobs.Load() != 0 || cur.Run != newRun.Run || cur.State != v1.StateBuilding {
 		t.Fatalf("stopped %v, Jobs stopped %d, record %s %s (%s); want the joiner's run building, untouched",
-			stopped, jobsStopped.Load(), cur.Run, cur.State, cur.Reason)
+			stopped, w.jobs.Load(), cur.Run, cur.State, cur.Reason)
 	}
 }
 
@@ -104,62 +78,38 @@ func TestAStopOfAnUnwaitedBuildSparesARunBegunAfterItsWaitersWereCounted(t *test
 // waiter and takes the run over. The stop must spare it: its holder is a
 // request nobody counted (found by an attack on the run check).
 func TestAStopSparesARunTakenOverAfterItsWaitersWereCounted(t *testing.T) {
-	_, nc, js := testnats.JetStream(t)
-	ctx := t.Context()
-	builds, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: v1.BuildsBucket, History: 1, Storage: jetstream.MemoryStorage})
-	if err != nil {
-		t.Fatal(err)
-	}
-	lkv, err := ledger.EnsureBucket(ctx, js, ledger.BucketConfig{Storage: jetstream.MemoryStorage, Replicas: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	l := ledger.New(ledger.Config{Worker: "w1", Now: time.Now, Log: zap.NewNop()})
-	l.UseBucket(lkv)
-
 	key := strings.Repeat("b", 64)
 	// The index's platform run, released by its owner (the worker stopped).
 	released := &v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "run-of-the-platform", Owner: "",
 		Tenant: "acme", Name: "api", RequestID: "index", Holder: ledger.Key("acme", "index")}
-	b, _ := json.Marshal(released)
-	if _, err := builds.Put(ctx, key, b); err != nil {
-		t.Fatal(err)
-	}
 	// globex's request of the same content: waits on the key, then takes
 	// the released run over — same run id, its own Holder and Owner.
-	if _, _, err := l.Open(ctx, "globex", "web", "joiner", key, 7, time.Now()); err != nil {
-		t.Fatal(err)
-	}
 	taken := *released
 	taken.Owner, taken.Holder = "w2", ledger.Key("globex", "joiner")
-	kv := &onGetKV{KeyValue: builds, n: 2, before: func() {
-		l.AddWaiter(context.Background(), key, "globex", "joiner")
-		b, _ := json.Marshal(&taken)
-		if _, err := builds.Put(context.Background(), key, b); err != nil {
-			t.Error(err)
-		}
-	}}
-	rs := runs.New()
-	rs.UseBucket(kv)
-	var jobsStopped atomic.Int32
-	svc := New(Config{Ledger: l, Runs: rs, NC: nc, Now: time.Now, Log: zap.NewNop(),
-		StopBuild:    func(context.Context, string, string) error { jobsStopped.Add(1); return nil },
-		AnswerParked: func(context.Context, string) {}})
+	w := newStopWorld(t, 2, func(w *stopWorld) {
+		w.l.AddWaiter(context.Background(), key, "globex", "joiner")
+		w.put(t, &taken)
+	})
+	ctx := t.Context()
+	w.put(t, released)
+	if _, _, err := w.l.Open(ctx, "globex", "web", "joiner", key, 7, time.Now()); err != nil {
+		t.Fatal(err)
+	}
 
 	// The canceled index's handler stops its platform's build nobody else
 	// waits on (worker/platforms.go).
-	stopped, err := svc.StopUnwaited(ctx, "acme", "index", key)
+	stopped, err := w.svc.StopUnwaited(ctx, "acme", "index", key)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if kv.reads.Load() < 2 {
-		t.Fatalf("premise: the record was read %d time(s)", kv.reads.Load())
+	if w.kv.reads.Load() < 2 {
+		t.Fatalf("premise: the record was read %d time(s)", w.kv.reads.Load())
 	}
-	ws, _ := l.Waiters(ctx, key)
-	cur, _, _ := rs.Get(ctx, key)
-	if stopped || jobsStopped.Load() != 0 || cur.State != v1.StateBuilding {
+	ws, _ := w.l.Waiters(ctx, key)
+	cur, _, _ := w.rs.Get(ctx, key)
+	if stopped || w.jobs.Load() != 0 || cur.State != v1.StateBuilding {
 		t.Errorf("acme's stop ended a run held by globex's request (taken over after the count; waiters now: %d): stopped %v, Jobs stopped %d, record %s %s (%s) holder %s",
-			len(ws), stopped, jobsStopped.Load(), cur.Run, cur.State, cur.Reason, cur.Holder)
+			len(ws), stopped, w.jobs.Load(), cur.Run, cur.State, cur.Reason, cur.Holder)
 	}
 }
 
@@ -171,65 +121,32 @@ func TestAStopSparesARunTakenOverAfterItsWaitersWereCounted(t *testing.T) {
 // for nobody once B's handler let it go too (found by an attack on the
 // holder check).
 func TestACancelByKeyStopsARunTakenOverByARequestItCanceled(t *testing.T) {
-	_, nc, js := testnats.JetStream(t)
-	ctx := t.Context()
-	builds, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: v1.BuildsBucket, History: 1, Storage: jetstream.MemoryStorage})
-	if err != nil {
-		t.Fatal(err)
-	}
-	lkv, err := ledger.EnsureBucket(ctx, js, ledger.BucketConfig{Storage: jetstream.MemoryStorage, Replicas: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	l := ledger.New(ledger.Config{Worker: "w1", Now: time.Now, Log: zap.NewNop()})
-	l.UseBucket(lkv)
-
 	key := strings.Repeat("c", 64)
-	for i, id := range []string{"A", "B"} {
-		if _, _, err := l.Open(ctx, "acme", "api", id, key, uint64(10+i), time.Now()); err != nil {
-			t.Fatal(err)
-		}
-		l.AddWaiter(ctx, key, "acme", id)
-	}
 	held := &v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "run-1", Owner: "w1",
 		Tenant: "acme", Name: "api", RequestID: "A", Holder: ledger.Key("acme", "A")}
-	b, _ := json.Marshal(held)
-	if _, err := builds.Put(ctx, key, b); err != nil {
-		t.Fatal(err)
-	}
 	taken := *held
 	taken.Owner, taken.Holder = "w2", ledger.Key("acme", "B")
-	kv := &onGetKV{KeyValue: builds, n: 2, before: func() {
-		b, _ := json.Marshal(&taken)
-		if _, err := builds.Put(context.Background(), key, b); err != nil {
-			t.Error(err)
+	w := newStopWorld(t, 2, func(w *stopWorld) { w.put(t, &taken) })
+	ctx := t.Context()
+	for i, id := range []string{"A", "B"} {
+		if _, _, err := w.l.Open(ctx, "acme", "api", id, key, uint64(10+i), time.Now()); err != nil {
+			t.Fatal(err)
 		}
-	}}
-	rs := runs.New()
-	rs.UseBucket(kv)
-	var jobsStopped atomic.Int32
-	svc := New(Config{Ledger: l, Runs: rs, NC: nc, Now: time.Now, Log: zap.NewNop(),
-		StopBuild:    func(context.Context, string, string) error { jobsStopped.Add(1); return nil },
-		AnswerParked: func(context.Context, string) {}})
+		w.l.AddWaiter(ctx, key, "acme", id)
+	}
+	w.put(t, held)
 
-	rep := svc.cancel(ctx, "acme", key)
-	if kv.reads.Load() < 2 {
-		t.Fatalf("premise: the record was read %d time(s)", kv.reads.Load())
+	rep := w.svc.cancel(ctx, "acme", key)
+	if w.kv.reads.Load() < 2 {
+		t.Fatalf("premise: the record was read %d time(s)", w.kv.reads.Load())
 	}
 	if rep.Requests != 2 {
 		t.Fatalf("premise: canceled %d request(s): %+v", rep.Requests, rep)
 	}
-	cur, _, _ := rs.Get(ctx, key)
-	ws, _ := l.Waiters(ctx, key)
-	live := 0
-	for _, le := range ws {
-		if !le.E.Canceled {
-			live++
-		}
-	}
-	if !rep.Stopped || jobsStopped.Load() == 0 || cur.State == v1.StateBuilding {
-		t.Errorf("both requests of the key canceled (undecided waiters left: %d), yet the run goes on: reply %+v; Jobs stopped %d; record %s %s holder %s",
-			live, rep, jobsStopped.Load(), cur.Run, cur.State, cur.Holder)
+	cur, _, _ := w.rs.Get(ctx, key)
+	if !rep.Stopped || w.jobs.Load() == 0 || cur.State == v1.StateBuilding {
+		t.Errorf("both requests of the key canceled, yet the run goes on: reply %+v; Jobs stopped %d; record %s %s holder %s",
+			rep, w.jobs.Load(), cur.Run, cur.State, cur.Holder)
 	}
 }
 
