@@ -58,7 +58,10 @@ func (e *natsAuthEnv) tenantsApart(t *testing.T) {
 	defer func() { stopWatch(); <-watchDone }()
 
 	t.Run("A submits with the CLI and waits", func(t *testing.T) {
-		dir := contextDir(t, map[string]string{"Dockerfile": "FROM scratch\nCOPY a.txt /a.txt\n", "a.txt": "cli\n"})
+		// Content of this mode alone: both modes share the registry and
+		// run side by side, and a build of the other's content would
+		// answer this one from the image at its tag (no "pushed" event).
+		dir := contextDir(t, map[string]string{"Dockerfile": "FROM scratch\nCOPY a.txt /a.txt\n", "a.txt": "cli " + t.Name() + "\n"})
 		args := append([]string{"submit", dir, "--tenant", "acme", "--name", "web", "--wait", "--wait-timeout", "2m", "-o", "json"}, e.cliNATS("acme")...)
 		stdout, stderr, code := runCLI(t, 3*time.Minute, append(args, s3...)...)
 		if code != 0 {
