@@ -39,6 +39,12 @@ type Config struct {
 	IndexTTL time.Duration
 	// DuplicateWindow of both streams (default 10m, the contract's minimum).
 	DuplicateWindow time.Duration
+	// FirstAge: a finished build's result is published before its
+	// decision is recorded when its request is younger than this, and a
+	// publish of an older request's result first looks for one stored
+	// for it (docs/design.md §4). Default half the duplicate window, at
+	// most that; negative: never published first (tests).
+	FirstAge time.Duration
 	// Storage of streams and the KV bucket (default file).
 	Storage jetstream.StorageType
 	// Replicas of streams and the KV bucket (default 1).
@@ -166,6 +172,9 @@ func (c Config) WithDefaults() Config {
 	if c.DuplicateWindow == 0 {
 		c.DuplicateWindow = 10 * time.Minute
 	}
+	if c.FirstAge == 0 {
+		c.FirstAge = c.DuplicateWindow / 2
+	}
 	if c.Replicas == 0 {
 		c.Replicas = 1
 	}
@@ -201,6 +210,9 @@ func (c Config) Validate() error {
 	}
 	if c.DuplicateWindow < 10*time.Minute {
 		errs = append(errs, fmt.Errorf("duplicate window must be at least 10m, got %s", c.DuplicateWindow))
+	}
+	if c.FirstAge > c.DuplicateWindow/2 {
+		errs = append(errs, fmt.Errorf("first-publish age must be at most half the duplicate window (%s), got %s", c.DuplicateWindow/2, c.FirstAge))
 	}
 	if c.Lease < time.Second {
 		errs = append(errs, fmt.Errorf("lease must be at least 1s, got %s", c.Lease))

@@ -182,16 +182,29 @@ func (w *Worker) decide(ctx context.Context, in fairq.Incoming) fairq.Action {
 		waiterKey, tenant, id = le.E.Key, le.E.Tenant, le.E.RequestID
 	}
 	publish := w.publish
-	if v.end.started() && !mutant.On("publish-before-end") {
-		// The run's end, stored alongside the decision, is stored before
-		// the result goes out: whoever sees the result and asks again
-		// finds the build ended (a cache hit, not a join).
-		publish = func(ctx context.Context, d ledger.Decision) error {
-			v.end.wait()
-			return w.publish(ctx, d)
+	var first func(context.Context, ledger.Decision) (ledger.Ack, error)
+	if v.end.started() {
+		if v.Data.Status != v1.StatusCanceled && w.nc.IsConnected() && !mutant.On("never-publish-first") {
+			// The handler of a finished build: a young request's result
+			// goes out first, and its decision and the run's end are
+			// stored after it, beside each other (ledger.Delivery.First).
+			// Whoever sees the result and asks again before the run's end
+			// is stored joins the ended run and is answered from it.
+			first = w.publish
+		}
+		if !mutant.On("publish-before-end") {
+			// Recorded first (an old request, or a failed first publish):
+			// the run's end, stored alongside the decision, is stored
+			// before the result goes out, so whoever sees the result and
+			// asks again finds a cache hit.
+			publish = func(ctx context.Context, d ledger.Decision) (ledger.Ack, error) {
+				v.end.wait()
+				return w.publish(ctx, d)
+			}
 		}
 	}
 	res, err := w.ledger.Deliver(actx, le, v.Decision, ledger.Delivery{
+		First:   first,
 		Publish: publish,
 		Unrecorded: func(err error) bool {
 			if spend() {
@@ -206,8 +219,22 @@ func (w *Worker) decide(ctx context.Context, in fairq.Incoming) fairq.Action {
 		Async:    !v.RecordedNow,
 		Unmarked: v.RecordedNow,
 	})
-	var pe *ledger.PublishError
+	var (
+		pe *ledger.PublishError
+		re *ledger.RecordError
+	)
 	switch {
+	case errors.As(err, &re) && spend():
+		// The result is stored; its entry is not written yet. The
+		// redelivery publishes it again, is answered as a duplicate and
+		// records the stored result.
+		log.Warn("recording a stored result failed; retrying the request", zap.Error(re.Err), zap.String("requestId", v.Data.RequestID))
+		a := retryIn()
+		w.retrying(v, le, meta, a.Delay, "recording the stored result failed: "+re.Err.Error())
+		return a
+	case errors.As(err, &re):
+		log.Error("recording a stored result failed on the request's last delivery; its entry stays undecided until it ages out",
+			zap.Error(re.Err), zap.String("requestId", v.Data.RequestID))
 	case errors.As(err, &pe):
 		// Counted in the ledger, like every transient failure: a
 		// request's deliveries also count hand-backs and waits for
@@ -426,13 +453,13 @@ func (w *Worker) heartbeat(msg jetstream.Msg, ackWait time.Duration) func() {
 // publish publishes a decision's result, after its last progress event:
 // a client waiting for the result sees the last step before the result
 // ends its wait.
-func (w *Worker) publish(ctx context.Context, d ledger.Decision) error {
+func (w *Worker) publish(ctx context.Context, d ledger.Decision) (ledger.Ack, error) {
 	w.event(d.Tenant, d.Name, v1.Event{RequestID: d.Data.RequestID, Key: d.Data.Key, Phase: v1.PhaseFinished,
 		Message: finishedMessage(d.Data), Job: d.Data.Job})
 	ev := v1.NewResult(w.source, d.Data, w.cfg.Now())
 	b, err := json.Marshal(ev)
 	if err != nil {
-		return err
+		return ledger.Ack{}, err
 	}
 	// Into the results stream, which stores it as
 	// v1.ResultSubject(tenant, name) and publishes it there once stored.
@@ -440,11 +467,12 @@ func (w *Worker) publish(ctx context.Context, d ledger.Decision) error {
 	m.Header.Set(v1.MsgIDHeader, v1.MsgID(d.Tenant, d.Data.RequestID))
 	m.Header.Set("Content-Type", v1.CloudEventsContentType)
 	m.Data = b
-	if _, err := w.js.PublishMsg(ctx, m); err != nil {
-		return fmt.Errorf("publish result %s: %w", d.Data.RequestID, err)
+	ack, err := w.js.PublishMsg(ctx, m)
+	if err != nil {
+		return ledger.Ack{}, fmt.Errorf("publish result %s: %w", d.Data.RequestID, err)
 	}
 	w.cfg.Metrics.published(d.Data)
-	return nil
+	return ledger.Ack{Duplicate: ack.Duplicate, Seq: ack.Sequence}, nil
 }
 
 func (w *Worker) deadLetter(ctx context.Context, tenant string, msg jetstream.Msg, cause error) {

@@ -47,9 +47,9 @@ func TestAnotherWorkersUnmarkedDecisionIsNotPublishedAtOnce(t *testing.T) {
 	}
 	le := &ledger.Entry{E: entry, Rev: rev}
 	published := 0
-	res, err := w.ledger.Deliver(ctx, le, ledger.DecisionOf(entry), ledger.Delivery{Publish: func(context.Context, ledger.Decision) error {
+	res, err := w.ledger.Deliver(ctx, le, ledger.DecisionOf(entry), ledger.Delivery{Publish: func(context.Context, ledger.Decision) (ledger.Ack, error) {
 		published++
-		return nil
+		return ledger.Ack{}, nil
 	}})
 	if err != nil {
 		t.Fatal(err)
@@ -234,7 +234,7 @@ func TestWaitingForAnUnmarkedDecisionDoesNotSpendTheDeliveryBudget(t *testing.T)
 	lk := RequestIndexKey("acme", req.RequestID)
 	var decisionWrites atomic.Int32
 	landed := make(chan struct{})
-	w1 := e.startWorkerHooked("w1", withRegistry(tr), nil, func(w *Worker) {
+	w1 := e.startWorkerHooked("w1", both(withRegistry(tr), recordFirst), nil, func(w *Worker) {
 		w.ledger.UseBucket(&faultyKV{KeyValue: w.ledger.Bucket(), onUpdate: func(k string, value []byte) string {
 			if k != lk || !bytes.Contains(value, []byte(`"result":`)) || bytes.Contains(value, []byte(`"published":true`)) {
 				return writePasses

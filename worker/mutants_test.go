@@ -84,6 +84,8 @@ var mutantCatalogue = []mutantCase{
 	{"queued-hits-full-path", "a plain cache hit taken from the queue is answered with one ledger write, as at intake", []string{"TestAQueuedCacheHitIsAnsweredWithOneWrite"}},
 	{"queued-hit-never-marks", "a queued hit answered unmarked whose ack failed is marked published before its redelivery", []string{"TestAQueuedHitWhoseAckIsLostIsMarkedForItsRedelivery"}},
 	{"ahead-end-cleans-unstored", "a run whose end could not be stored keeps its Job for whoever takes it over, though its request was answered", []string{"TestAnEndStoredAheadThatFailsLeavesTheJobForTheTakeOver"}},
+	{"never-publish-first", "a finished build's result goes out before its decision is recorded", []string{"TestAFinishedBuildsResultGoesOutBeforeItsDecisionIsRecorded"}},
+	{"cancel-trusts-its-mark", "a cancel says canceled only of a canceled result it saw stored", []string{"TestACancelOfARequestWhoseResultWasPublishedFirstSaysItFinished"}},
 	{"publish-before-end", "a result goes out only once its run's end is stored: whoever asks again after it finds a cache hit", []string{"TestAResultComesAfterItsRunsEnd"}},
 	{"canceled-holder-leaves-job", "a request canceled while its build runs gives its slot back only once the Job of the run the cancel ended is gone", []string{"TestACanceledBuildsSlotComesBackOnceItsJobIsGone"}},
 	{"cancel-stops-decided-holder", "a cancel spares a run whose holder is decided succeeded while its end is on its way", []string{"TestACancelSparesARunWhoseHolderIsDecided"}},

@@ -124,7 +124,7 @@ func TestAResultComesAfterItsRunsEnd(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
-	e.startWorkerHooked("w1", withRegistry(tr), nil, func(w *Worker) {
+	e.startWorkerHooked("w1", both(withRegistry(tr), recordFirst), nil, func(w *Worker) {
 		w.runs.UseBucket(&hookedKV{KeyValue: w.runs.Bucket(), onUpdate: func(_ string, value []byte) error {
 			var r v1.BuildRecord
 			if json.Unmarshal(value, &r) == nil && r.State == v1.StateSucceeded {

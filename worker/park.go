@@ -339,7 +339,7 @@ type parking struct {
 	// background (the worker waits for it when it stops).
 	bg *sync.WaitGroup
 	// publish publishes a decision's result (the worker's publisher).
-	publish func(context.Context, ledger.Decision) error
+	publish func(context.Context, ledger.Decision) (ledger.Ack, error)
 	// event publishes a progress event (nil: none).
 	event func(tenant, name string, e v1.Event)
 	// answer completes a parked request's verdict from the final record

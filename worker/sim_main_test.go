@@ -198,7 +198,10 @@ func simSummary(outs []simOutcome, first, n int64, took time.Duration) string {
 	slices.Sort(rs)
 	fmt.Fprintf(&b, "  results stored: %s\n", strings.Join(rs, ", "))
 	parked, requeued, atIntake, fromQueue, direct, held, heldHits := 0, 0, 0, 0, 0, 0, 0
+	nFirst, nLost := 0, 0
 	for _, o := range outs {
+		nFirst += o.publishedFirst
+		nLost += o.lostPublishes
 		atIntake += o.atIntake
 		fromQueue += o.queuedHits
 		held += o.held
@@ -211,6 +214,7 @@ func simSummary(outs []simOutcome, first, n int64, took time.Duration) string {
 	fmt.Fprintf(&b, "  requests held at intake while their key built: %d (answered where held: %d; the others went to the queue)\n", held, heldHits)
 	fmt.Fprintf(&b, "  requests taken straight from intake (no queue hop): %d\n", direct)
 	fmt.Fprintf(&b, "  requests parked on builds in progress: %d (requeued: %d)\n", parked, requeued)
+	fmt.Fprintf(&b, "  results published before their decision was recorded: %d; publishes that lost to another result stored first: %d\n", nFirst, nLost)
 	republished := 0
 	var republishedSeeds []string
 	for _, o := range outs {

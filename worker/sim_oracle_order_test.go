@@ -247,6 +247,7 @@ func (w *simWorld) judgeAnsweredBuilds(out *simOutcome) {
 type simIngest struct {
 	id, worker string
 	at         time.Duration
+	status     v1.Status
 }
 
 // watchIngest records every publish of a result into the stream.
@@ -257,7 +258,7 @@ func (w *simWorld) watchIngest() error {
 			return
 		}
 		w.mu.Lock()
-		w.ingest = append(w.ingest, simIngest{id: r.Data.RequestID, worker: strings.TrimPrefix(r.Source, "/buildq/worker/"), at: w.now()})
+		w.ingest = append(w.ingest, simIngest{id: r.Data.RequestID, worker: strings.TrimPrefix(r.Source, "/buildq/worker/"), at: w.now(), status: r.Data.Status})
 		w.mu.Unlock()
 	})
 	if err != nil {
@@ -272,6 +273,11 @@ func (w *simWorld) watchIngest() error {
 // and publishing: not in a calm stretch). The stream's duplicate window
 // keeps subscribers from seeing a second publish, so this is the rule that
 // keeps the work (and the messages) to one. Called with w.mu held.
+//
+// A cancel is the exception: it publishes the "canceled" of each request
+// it marked, to learn whether that, or a finished build's result
+// published before its record, was stored first; either publish may then
+// be a second one, while the cancel is in flight.
 func (w *simWorld) judgePublishers(out *simOutcome) {
 	first := map[string]simIngest{}
 	for _, p := range w.ingest {
@@ -280,7 +286,7 @@ func (w *simWorld) judgePublishers(out *simOutcome) {
 			first[p.id] = p
 			continue
 		}
-		if p.worker != f.worker && w.calm(f.at-time.Second, p.at) {
+		if p.worker != f.worker && w.calm(f.at-time.Second, p.at) && !w.canceling(p.id, p.at) {
 			w.violate(out, "second-publisher", "the result of %s was published by %s at %.3fs and again by %s at %.3fs, with nothing in the way of the first",
 				p.id, f.worker, f.at.Seconds(), p.worker, p.at.Seconds())
 			first[p.id] = simIngest{id: p.id, worker: p.worker, at: p.at} // one report per publisher
@@ -288,10 +294,55 @@ func (w *simWorld) judgePublishers(out *simOutcome) {
 	}
 }
 
+// canceling reports whether a cancel that names request id (its id, or
+// its key) was in flight at "at" (with 100 ms of slack each side).
+func (w *simWorld) canceling(id string, at time.Duration) bool {
+	s := w.subByID[id]
+	if s == nil {
+		return false
+	}
+	for _, c := range w.cancels {
+		names := c.target == id || (c.target == s.key && c.key == s.key)
+		if names && c.tenant == s.req.Tenant && c.sent-100*time.Millisecond <= at && (c.done == simNever || at <= c.done+100*time.Millisecond) {
+			return true
+		}
+	}
+	return false
+}
+
+// judgeCancelReplies checks that a cancel of a request by its id that
+// said "canceled" was right: the request's stored result is "canceled".
+// A finished build's result may be stored before its decision is
+// recorded, so a cancel mark alone decides nothing; the cancel says
+// "canceled" only of a "canceled" it saw stored (or says it could not
+// confirm it). Called with w.mu held.
+func (w *simWorld) judgeCancelReplies(out *simOutcome) {
+	stored := map[string][]simStored{}
+	for _, r := range w.finalStored {
+		stored[r.id] = append(stored[r.id], r)
+	}
+	for _, c := range w.cancels {
+		s := w.subByID[c.target]
+		if s == nil || !c.canceled || c.done == simNever || strings.Contains(c.reply, tenantapiNotConfirmed) {
+			continue
+		}
+		for _, r := range stored[c.target] {
+			if r.r.Data.Status != v1.StatusCanceled {
+				w.violate(out, "cancel-unhonored", "the cancel of request %s answered at %.3fs said canceled (%q), and its stored result is %s",
+					c.target, c.done.Seconds(), c.reply, decisionOf(r.subject, r.r))
+			}
+		}
+	}
+}
+
+// tenantapiNotConfirmed is what a cancel reply says of a "canceled" it
+// recorded and could not confirm stored (tenantapi).
+const tenantapiNotConfirmed = "its result event says how it ended"
+
 // judgeHandledAfterAnswer checks that a request whose decision is recorded
 // is not handled again: its redelivery publishes the recorded decision and
 // starts nothing — no "taken" (queued) event of a new handling a while
-// after its result was published. When the handling began is the event's
+// after its result was published and its decision recorded. When the handling began is the event's
 // own time, not when the observer saw it: a handler that took the request
 // before the answer and was then cut off NATS (a stall) publishes its
 // event at the reconnect, after the answer, although it took the request
@@ -303,6 +354,15 @@ func (w *simWorld) judgeHandledAfterAnswer(out *simOutcome) {
 	for _, p := range w.published {
 		if t, ok := firstPub[p.id]; !ok || p.at < t {
 			firstPub[p.id] = p.at
+		}
+	}
+	for id, t := range firstPub {
+		// A finished build's result is published before its decision
+		// is recorded: until it is, a redelivery (its handler cut off
+		// NATS or killed between the two) is handled again, decides
+		// the same from the run, and adopts the stored result.
+		if d, ok := w.decidedAt[id]; ok && d > t {
+			firstPub[id] = d
 		}
 	}
 	for _, e := range w.events {
@@ -318,7 +378,7 @@ func (w *simWorld) judgeHandledAfterAnswer(out *simOutcome) {
 			took = e.sent
 		}
 		if took > t+500*time.Millisecond {
-			w.violate(out, "handled-after-answer", "%s took request %s again at %.3fs (seen at %.3fs), whose result was published at %.3fs",
+			w.violate(out, "handled-after-answer", "%s took request %s again at %.3fs (seen at %.3fs), whose result was published and decision recorded by %.3fs",
 				e.worker, e.id, took.Seconds(), e.at.Seconds(), t.Seconds())
 			continue
 		}

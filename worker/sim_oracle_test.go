@@ -53,11 +53,45 @@ func (w *simWorld) watchRecords(ctx context.Context) error {
 	}
 	c, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	_, err := w.js.CreateStream(c, jetstream.StreamConfig{
+	if _, err := w.js.CreateStream(c, jetstream.StreamConfig{
 		Name: simRecordsStream, Storage: jetstream.FileStorage,
 		Mirror: &jetstream.StreamSource{Name: "KV_" + v1.BuildsBucket},
+	}); err != nil {
+		return err
+	}
+	_, err := w.js.CreateStream(c, jetstream.StreamConfig{
+		Name: simLedgerStream, Storage: jetstream.FileStorage,
+		Mirror: &jetstream.StreamSource{Name: "KV_" + v1.RequestsBucket},
 	})
 	return err
+}
+
+// simLedgerStream copies every write of the request ledger, with the
+// server's time of each (decidedAt).
+const simLedgerStream = "SIM_LEDGER"
+
+// readDecided reads when each request's decision was first stored in
+// its ledger entry (request id → time since the schedule began).
+func (w *simWorld) readDecided(ctx context.Context) (map[string]time.Duration, error) {
+	idOf := map[string]string{}
+	w.mu.Lock()
+	for _, s := range w.subs {
+		idOf["$KV."+v1.RequestsBucket+"."+RequestIndexKey(s.req.Tenant, s.id)] = s.id
+	}
+	w.mu.Unlock()
+	out := map[string]time.Duration{}
+	err := w.streamMsgs(ctx, simLedgerStream, func(m *jetstream.RawStreamMsg) error {
+		id, ok := idOf[m.Subject]
+		if _, seen := out[id]; !ok || seen || m.Header.Get("KV-Operation") != "" {
+			return nil
+		}
+		var e v1.RequestEntry
+		if json.Unmarshal(m.Data, &e) == nil && e.Result != nil {
+			out[id] = m.Time.Sub(w.trace.t0)
+		}
+		return nil
+	})
+	return out, err
 }
 
 // recordsCopied reports whether the copy holds the bucket's last write:

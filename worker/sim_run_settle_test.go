@@ -297,6 +297,7 @@ func (w *simWorld) judge(out *simOutcome) {
 	w.judgeLedger(out)
 	w.judgeAnsweredBuilds(out)
 	w.judgePublishers(out)
+	w.judgeCancelReplies(out)
 	w.judgeHandledAfterAnswer(out)
 	w.judgeHandTags(out)
 	for _, j := range n.order {
@@ -327,6 +328,28 @@ func (w *simWorld) judge(out *simOutcome) {
 	for _, r := range w.finalStored {
 		if r.r.Data.Origin == v1.OriginCache && !taken[r.id] {
 			out.atIntake++
+		}
+	}
+	// Results published before their decision was recorded, and
+	// publishes that lost to a different result stored first.
+	firstPub := map[string]time.Duration{}
+	for _, p := range w.published {
+		if t, ok := firstPub[p.id]; !ok || p.at < t {
+			firstPub[p.id] = p.at
+		}
+	}
+	for id, t := range firstPub {
+		if d, ok := w.decidedAt[id]; ok && d > t {
+			out.publishedFirst++
+		}
+	}
+	storedStatus := map[string]v1.Status{}
+	for _, r := range w.finalStored {
+		storedStatus[r.id] = r.r.Data.Status
+	}
+	for _, p := range w.ingest {
+		if st, ok := storedStatus[p.id]; ok && st != p.status {
+			out.lostPublishes++
 		}
 	}
 	out.queuedHits = int(testutil.ToFloat64(w.metrics.hits.WithLabelValues("queue")))

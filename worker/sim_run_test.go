@@ -53,6 +53,10 @@ type simOutcome struct {
 	direct     int            // requests taken straight from intake (fairq's direct.go)
 	parked     int            // requests parked on a build in progress
 	requeued   int            // parked requests published again
+	// publishedFirst: results published before their decision was
+	// recorded; lostPublishes: publishes of another status than the
+	// result stored first (a cancel's race with a build's end).
+	publishedFirst, lostPublishes int
 	// republished: requests whose (same) result was published more than
 	// once: not a violation (a worker killed between its publish and its
 	// ack publishes it again), but each copy reaches core subscribers.
@@ -251,13 +255,18 @@ func runSim(t *testing.T, sc *simSchedule) simOutcome {
 	}
 	lc, lcancel := context.WithTimeout(context.Background(), 30*time.Second)
 	ledger, err := w.readLedger(lc)
+	if err != nil {
+		lcancel()
+		t.Fatalf("harness: read the request ledger: %v", err)
+	}
+	decided, err := w.readDecided(lc)
 	lcancel()
 	if err != nil {
-		t.Fatalf("harness: read the request ledger: %v", err)
+		t.Fatalf("harness: read the request ledger's writes: %v", err)
 	}
 	indexed := w.checkIndexed(recs)
 	w.mu.Lock()
-	w.records, w.ledger, w.indexed = recs, ledger, indexed
+	w.records, w.ledger, w.indexed, w.decidedAt = recs, ledger, indexed, decided
 	w.mu.Unlock()
 	w.judge(&out)
 	return out

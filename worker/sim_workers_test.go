@@ -44,7 +44,18 @@ func (w *simWorld) workerConfig(id string, slot int, skew time.Duration) Config 
 		Now:             func() time.Time { return time.Now().Add(skew) },
 		Fair:            w.fair(),
 		HoldAtIntake:    w.holdAtIntake(slot),
+		FirstAge:        w.firstAge(slot),
 	}
+}
+
+// firstAge varies, by seed and worker, how young a request must be for a
+// finished build's result to be published before its decision is
+// recorded: the default (half the duplicate window: every request of a
+// schedule), or a second or two, so that later decisions are recorded
+// first and their publishes look for a result stored first
+// (ledger.Results.Find).
+func (w *simWorld) firstAge(slot int) time.Duration {
+	return []time.Duration{0, 2 * time.Second, 700 * time.Millisecond}[(int(w.seed)+slot)%3]
 }
 
 // holdAtIntake varies, by seed and worker, whether intake holds requests

@@ -437,6 +437,9 @@ type simWorld struct {
 	finalStored []simStored
 	// records: the build records' revisions, as the observer saw them.
 	records []simRecordRev
+	// decidedAt: when each request's decision was first stored in its
+	// ledger entry (request id → since the schedule began).
+	decidedAt map[string]time.Duration
 	events  []simEvent
 	ingest  []simIngest
 	// ledger: the accepted requests' ledger entries once settled.

@@ -340,7 +340,10 @@ func TestACanceledBuildsSlotComesBackOnceItsJobIsGone(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	slow := slowCreates{Interface: e.kube, holdDelete: func(string) { time.Sleep(500 * time.Millisecond) }}
-	e.startWorkerHooked("w1", nil, slow, nil)
+	// Recording first, the handler publishes "canceled" as it gives its
+	// slot back; publishing first, the cancel does (the slot's handler
+	// code is the same).
+	e.startWorkerHooked("w1", recordFirst, slow, nil)
 	results := e.collect()
 	r := request("cancel-slot")
 	if _, err := e.pub.Publish(context.Background(), r); err != nil {

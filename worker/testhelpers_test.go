@@ -169,6 +169,19 @@ func (b countingBackend) Run(ctx context.Context, bd Build, _ Started) (Outcome,
 func (countingBackend) Cleanup(context.Context, string, string) error { return nil }
 
 // withRegistry points a worker's naming policy and registry checks at tr.
+// recordFirst runs a worker that records every decision before it
+// publishes it (Config.FirstAge < 0): a finished build's result, too.
+func recordFirst(c *Config) { c.FirstAge = -1 }
+
+// both applies each of the mutations in turn.
+func both(ms ...func(*Config)) func(*Config) {
+	return func(c *Config) {
+		for _, m := range ms {
+			m(c)
+		}
+	}
+}
+
 func withRegistry(tr *testRegistry) func(*Config) {
 	return func(c *Config) {
 		c.Registry = tr.client

@@ -101,8 +101,9 @@ func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 	}
 	log := cfg.Logger.With(zap.String("worker", cfg.ID))
 	w := &Worker{
-		runs:     runs.New(),
-		ledger:   ledger.New(ledger.Config{Worker: cfg.ID, Now: cfg.Now, PublishGrace: publishGrace(cfg.Lease), Log: log}),
+		runs: runs.New(),
+		ledger: ledger.New(ledger.Config{Worker: cfg.ID, Now: cfg.Now, PublishGrace: publishGrace(cfg.Lease),
+			Results: storedResults{js}, FirstAge: max(cfg.FirstAge, 0), Log: log}),
 		cfg:      cfg,
 		registry: cfg.Registry,
 		nc:       nc,
@@ -122,6 +123,9 @@ func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 		}}
 	apiCfg := tenantapi.Config{Ledger: w.ledger, Runs: w.runs, NC: nc, Log: log, Now: cfg.Now, AnyReply: cfg.AnyReply,
 		StopBuild: w.stopBuild, AnswerParked: w.park.answerWaiters, ReplyRefused: cfg.Metrics.replyRefused}
+	if cfg.FirstAge > 0 {
+		apiCfg.Publish = w.publish
+	}
 	if cfg.Logs.Enabled {
 		apiCfg.Logs, apiCfg.Archive, apiCfg.EndLog = buildlog.NewReader(js), cfg.Logs.Archive, w.logs.endRun
 	}

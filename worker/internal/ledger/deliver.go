@@ -1,8 +1,10 @@
 package ledger
 
 import (
+	"cmp"
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"time"
 
@@ -48,10 +50,43 @@ func (d Decision) Canceled() Decision {
 	return d
 }
 
+// Ack is what a result's publish was answered: the results stream's
+// PubAck.
+type Ack struct {
+	// Duplicate: the stream held a result of this request id already
+	// (its duplicate window) and dropped this one; Seq is that result's.
+	Duplicate bool
+	Seq       uint64
+}
+
+// Results reads the results the stream stored. The first result stored
+// under a request's message id is its decision: a later publish of
+// another is dropped as a duplicate, and its publisher adopts the stored
+// one (Deliver).
+type Results interface {
+	// Stored is the result stored at seq.
+	Stored(ctx context.Context, seq uint64) (v1.ResultData, error)
+	// Find is the result stored for tenant's request id, published
+	// under name at or after since; nil when there is none.
+	Find(ctx context.Context, tenant, name, id string, since time.Time) (*v1.ResultData, error)
+}
+
 // Delivery says how Deliver publishes.
 type Delivery struct {
-	// Publish publishes the decision's result.
-	Publish func(ctx context.Context, d Decision) error
+	// Publish publishes the decision's result and returns its PubAck.
+	Publish func(ctx context.Context, d Decision) (Ack, error)
+	// First, when set, publishes the decision before it is recorded,
+	// when the request is young enough (Config.FirstAge) that any result
+	// stored for it before is inside the stream's duplicate window; the
+	// stored result is then recorded with its published mark in one
+	// write. The handler of a finished build delivers so: its result
+	// goes out before any write. Publish is used when it is not, or when
+	// its publish failed.
+	First func(ctx context.Context, d Decision) (Ack, error)
+	// Now: a decision another worker recorded and left unmarked is
+	// published at once rather than after PublishGrace; the cancel does
+	// so to learn which result was stored before it replies.
+	Now bool
 	// Unrecorded is asked, when recording the decision failed, whether
 	// to publish it all the same (the request's last try); without it,
 	// or when it says no, Deliver returns the error.
@@ -108,6 +143,15 @@ func (d Delivered) WaitMarked() {
 	}
 }
 
+// RecordError: the decision's result is stored, and recording it in the
+// entry failed. The message must not be settled: its redelivery
+// publishes again, is answered as a duplicate, and records the stored
+// result.
+type RecordError struct{ Err error }
+
+func (e *RecordError) Error() string { return "record the stored result: " + e.Err.Error() }
+func (e *RecordError) Unwrap() error { return e.Err }
+
 // PublishError is a failed publish of a recorded decision.
 type PublishError struct{ Err error }
 
@@ -117,11 +161,15 @@ func (e *PublishError) Unwrap() error { return e.Err }
 // Deliver is the one-decision-one-publish rule: it records d as the
 // request's decision (or takes the one recorded first), publishes it
 // unless it was published before, and marks it published — record, then
-// publish, then mark. One goroutine of this worker delivers a request at
-// a time (the handler, a parked request's answer, a cancel all come
-// here): another that found the decision recorded and not yet marked
-// would publish it again. le nil (input too broken for an entry) is
-// published without a record.
+// publish, then mark. The first result the stream stores under the
+// request's message id is the decision: a publish answered as a
+// duplicate adopts the stored result, and the entry is written to match
+// it. With how.First a young request's decision is published first and
+// recorded after (deliverFirst). One goroutine of this worker delivers a
+// request at a time (the handler, a parked request's answer, a cancel
+// all come here): another that found the decision recorded and not yet
+// marked would publish it again. le nil (input too broken for an entry)
+// is published without a record.
 func (l *Ledger) Deliver(ctx context.Context, le *Entry, d Decision, how Delivery) (Delivered, error) {
 	if d.Data.Timings.FinishedAt.IsZero() {
 		d.Data.Timings.FinishedAt = l.cfg.Now().UTC()
@@ -133,6 +181,13 @@ func (l *Ledger) Deliver(ctx context.Context, le *Entry, d Decision, how Deliver
 			return Delivered{Decision: d, Status: Busy}, nil
 		}
 		release = r
+	}
+	if how.First != nil && le != nil && !d.Recorded && !d.RecordedNow && l.young(le) {
+		out, err, done := l.deliverFirst(ctx, le, d, how)
+		if done {
+			release()
+			return out, err
+		}
 	}
 	if le != nil && !d.Recorded && !d.RecordedNow && !mutant.On("publish-before-record") {
 		// The decision is stored before it is published: a redelivery
@@ -156,7 +211,7 @@ func (l *Ledger) Deliver(ctx context.Context, le *Entry, d Decision, how Deliver
 		// Decided before this call and not marked published: by this
 		// worker (its publish failed), or by another party that may be
 		// publishing it right now.
-		switch right, err := l.publishRight(ctx, le); right {
+		switch right, err := l.publishRight(ctx, le, how.Now); right {
 		case publishDone:
 			release()
 			d.PublishedBefore = true
@@ -166,9 +221,36 @@ func (l *Ledger) Deliver(ctx context.Context, le *Entry, d Decision, how Deliver
 			return Delivered{Decision: d, Status: Later}, err
 		}
 	}
-	if err := how.Publish(ctx, d); err != nil {
+	if le != nil && l.cfg.Results != nil && l.cfg.FirstAge > 0 && !l.young(le) && !d.RecordedNow {
+		// Old enough that a result published first for it may have left
+		// the duplicate window: look for one before publishing another.
+		found, err := l.cfg.Results.Find(ctx, le.E.Tenant, le.E.Name, le.E.RequestID, le.E.MsgTime)
+		if err != nil {
+			release()
+			return Delivered{Decision: d}, &PublishError{Err: fmt.Errorf("look for a stored result: %w", err)}
+		}
+		if found != nil {
+			ad, err := l.adopt(ctx, le, d, *found)
+			release()
+			return Delivered{Decision: ad, Status: WasPublished}, err
+		}
+	}
+	ack, err := how.Publish(ctx, d)
+	if err != nil {
 		release()
 		return Delivered{Decision: d}, &PublishError{Err: err}
+	}
+	if ack.Duplicate && le != nil && l.cfg.Results != nil {
+		stored, err := l.cfg.Results.Stored(ctx, ack.Seq)
+		if err != nil {
+			release()
+			return Delivered{Decision: d}, &PublishError{Err: fmt.Errorf("read the stored result: %w", err)}
+		}
+		if !SameResult(stored, d.Data) {
+			ad, err := l.adopt(ctx, le, d, stored)
+			release()
+			return Delivered{Decision: ad, Status: WasPublished}, err
+		}
 	}
 	out := Delivered{Decision: d, Status: Published}
 	if le == nil {
@@ -194,6 +276,90 @@ func (l *Ledger) Deliver(ctx context.Context, le *Entry, d Decision, how Deliver
 		l.markPublished(ctx, le)
 	}()
 	return out, nil
+}
+
+// young reports whether le's request is young enough to be published
+// first (Config.FirstAge): any result stored for it before now was
+// stored after its message, inside the stream's duplicate window, so
+// another publish is answered as its duplicate.
+func (l *Ledger) young(le *Entry) bool {
+	return l.cfg.Results != nil && l.cfg.FirstAge > 0 && !le.E.MsgTime.IsZero() &&
+		l.cfg.Now().Sub(le.E.MsgTime) < l.cfg.FirstAge
+}
+
+// deliverFirst publishes d before recording it, then records the stored
+// result — d, or the one stored before it — with its published mark in
+// one write. done is false when the publish failed: whether it was
+// stored is unknown, and the caller delivers d as usual (record, then
+// publish again: the stream answers a stored copy as a duplicate).
+func (l *Ledger) deliverFirst(ctx context.Context, le *Entry, d Decision, how Delivery) (_ Delivered, _ error, done bool) {
+	ack, err := how.First(ctx, d)
+	if err != nil {
+		l.cfg.Log.Debug("publishing a result ahead of its record failed; recording it first", zap.String("requestId", d.Data.RequestID), zap.Error(err))
+		return Delivered{}, nil, false
+	}
+	status := Published
+	if ack.Duplicate {
+		stored, err := l.cfg.Results.Stored(ctx, ack.Seq)
+		if err != nil {
+			return Delivered{Decision: d}, &RecordError{Err: fmt.Errorf("read the stored result: %w", err)}, true
+		}
+		if !SameResult(stored, d.Data) {
+			d.Data, status = stored, WasPublished
+		}
+	}
+	if err := l.recordStored(ctx, le, d); err != nil {
+		return Delivered{Decision: d}, &RecordError{Err: err}, true
+	}
+	d.Recorded, d.PublishedBefore = true, status == WasPublished
+	return Delivered{Decision: d, Status: status}, nil, true
+}
+
+// adopt makes the stored result the request's decision: d's result lost
+// to it. The entry is written to match, marked published; d's cleanup of
+// the run it ended stands (that run ended all the same).
+func (l *Ledger) adopt(ctx context.Context, le *Entry, d Decision, stored v1.ResultData) (Decision, error) {
+	l.cfg.Log.Info("another result of the request was stored first; adopting it",
+		zap.String("requestId", d.Data.RequestID), zap.String("stored", string(stored.Status)), zap.String("ours", string(d.Data.Status)))
+	d.Data = stored
+	if err := l.recordStored(ctx, le, d); err != nil {
+		return d, &RecordError{Err: err}
+	}
+	d.Recorded, d.PublishedBefore = true, true
+	return d, nil
+}
+
+// recordStored records d, whose result the stream stored, as the
+// entry's decision with its published mark, whatever the entry held: a
+// decision recorded there that the stream did not store (a cancel's, a
+// racing handler's) gives way to it.
+func (l *Ledger) recordStored(ctx context.Context, le *Entry, d Decision) error {
+	_, err := l.change(ctx, le, 10, func(e *v1.RequestEntry) bool {
+		if e.Published && e.Result != nil && SameResult(*e.Result, d.Data) {
+			return false
+		}
+		r := d.Data
+		e.Key, e.State, e.Origin, e.Digest, e.Reason = cmp.Or(r.Key, e.Key), string(r.Status), r.Origin, r.Digest, r.Reason
+		e.Result, e.Published = &r, true
+		if e.CleanupKey == "" {
+			e.CleanupKey, e.CleanupRun = d.CleanupKey, d.CleanupRun
+		}
+		if !d.Recorded {
+			e.Term = d.Term
+		}
+		e.Worker, e.UpdatedAt = l.cfg.Worker, l.cfg.Now().UTC()
+		return true
+	})
+	if errors.Is(err, errGone) {
+		return nil // aged out, and its result with it
+	}
+	return err
+}
+
+// SameResult reports whether two results tell a client the same: status,
+// reason, key, digest and origin.
+func SameResult(a, b v1.ResultData) bool {
+	return a.Status == b.Status && a.Reason == b.Reason && a.Key == b.Key && a.Digest == b.Digest && a.Origin == b.Origin
 }
 
 // markPublished marks the entry's result as stored (best effort: without
@@ -234,7 +400,7 @@ const (
 // PublishGrace on this worker's clock, and then only by the one taker
 // whose compare-and-swap names it the decision's worker: a decider that
 // is only slow publishes it itself, and is not joined by a second publish.
-func (l *Ledger) publishRight(ctx context.Context, le *Entry) (publishRight, error) {
+func (l *Ledger) publishRight(ctx context.Context, le *Entry, now bool) (publishRight, error) {
 	cur, err := l.Get(ctx, le.E.Tenant, le.E.RequestID)
 	switch {
 	case err != nil:
@@ -246,16 +412,16 @@ func (l *Ledger) publishRight(ctx context.Context, le *Entry) (publishRight, err
 		return publishLater, errors.New("request ledger: the decision read before is not there")
 	}
 	*le = *cur
-	if le.E.Worker == l.cfg.Worker {
+	if le.E.Worker == l.cfg.Worker || now {
 		return publishNow, nil
 	}
-	now := l.cfg.Now()
-	if !l.unmarked.lapsed(le.Key(), le.Rev, now, l.cfg.PublishGrace) && !mutant.On("publish-unmarked-at-once") {
+	at := l.cfg.Now()
+	if !l.unmarked.lapsed(le.Key(), le.Rev, at, l.cfg.PublishGrace) && !mutant.On("publish-unmarked-at-once") {
 		return publishLater, nil
 	}
 	decidedBy := le.E.Worker
 	ok, err := l.change(ctx, le, 1, func(e *v1.RequestEntry) bool {
-		e.Worker, e.UpdatedAt = l.cfg.Worker, now.UTC()
+		e.Worker, e.UpdatedAt = l.cfg.Worker, at.UTC()
 		return true
 	})
 	switch {

@@ -184,7 +184,7 @@ type publisher struct {
 	hook func(d Decision)
 }
 
-func (p *publisher) Publish(_ context.Context, d Decision) error {
+func (p *publisher) Publish(_ context.Context, d Decision) (Ack, error) {
 	p.mu.Lock()
 	hook := p.hook
 	p.mu.Unlock()
@@ -194,10 +194,10 @@ func (p *publisher) Publish(_ context.Context, d Decision) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.fail != nil {
-		return p.fail
+		return Ack{}, p.fail
 	}
 	p.got = append(p.got, d)
-	return nil
+	return Ack{Seq: uint64(len(p.got))}, nil
 }
 
 func (p *publisher) count() int {

@@ -91,7 +91,15 @@ type Config struct {
 	// PublishGrace is how long another worker's recorded decision may
 	// stay unmarked before this worker publishes it (see Deliver).
 	PublishGrace time.Duration
-	Log          *zap.Logger
+	// Results reads the results stream (Deliver adopts a result stored
+	// first); nil: publishes are taken as the decision recorded.
+	Results Results
+	// FirstAge: a request younger than this may have its result
+	// published before it is recorded (Delivery.First), and a publish of
+	// an older one looks for a result stored for it first. At most half
+	// the results stream's duplicate window; 0: never published first.
+	FirstAge time.Duration
+	Log      *zap.Logger
 }
 
 // Ledger is a worker's handle on the bucket.

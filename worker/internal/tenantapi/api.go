@@ -54,6 +54,13 @@ type Config struct {
 	// AnswerParked answers the requests parked on key (the worker's
 	// parking): a canceled parked request has no handler to tell.
 	AnswerParked func(ctx context.Context, key string)
+	// Publish publishes a result (the worker's publisher). A cancel
+	// delivers each request's "canceled" itself and says canceled only
+	// of those whose canceled result the stream stored: a finished
+	// build's handler publishes its result before recording it, so a
+	// cancel mark alone does not decide. Nil: the mark decides (the
+	// handler, told of it, publishes "canceled").
+	Publish func(ctx context.Context, d ledger.Decision) (ledger.Ack, error)
 	// ReplyRefused counts a request left unanswered for its reply subject
 	// (may be nil).
 	ReplyRefused func(tenant string)
@@ -409,16 +416,35 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 			return v1.CancelReply{Key: key, Message: err.Error()}
 		}
 	}
-	n := 0
+	n, finished := 0, 0
+	var (
+		unconfirmed []string
+		finishedAs  string
+	)
 	for _, le := range mine {
 		ok, err := w.cfg.Ledger.MarkCanceled(ctx, le)
 		if err != nil {
 			return v1.CancelReply{Key: key, Requests: n, Canceled: n > 0, Message: err.Error()}
 		}
-		if ok {
-			n++
-			_ = w.cfg.NC.Publish(internalCancelSubject, []byte(ledger.Key(le.E.Tenant, le.E.RequestID)))
+		if !ok {
+			continue
 		}
+		switch canceled, err := w.deliverCanceled(ctx, le); {
+		case err != nil:
+			unconfirmed = append(unconfirmed, le.E.RequestID+": "+err.Error())
+		case !canceled:
+			// Its build's result was stored before the cancel's.
+			finished, finishedAs = finished+1, le.E.State
+			continue
+		}
+		n++
+		_ = w.cfg.NC.Publish(internalCancelSubject, []byte(ledger.Key(le.E.Tenant, le.E.RequestID)))
+	}
+	if n == 0 && finished == 1 {
+		return v1.CancelReply{Key: key, Message: "the request already has its result: " + finishedAs}
+	}
+	if n == 0 && finished > 0 {
+		return v1.CancelReply{Key: key, Message: fmt.Sprintf("the %d request(s) of tenant %s on key %s had finished before the cancel", finished, tenant, key)}
 	}
 	if n > 0 {
 		// Parked requests have no handler to tell: answer them here.
@@ -456,7 +482,62 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 	} else {
 		msg = fmt.Sprintf("canceled %d request(s)", n)
 	}
-	return v1.CancelReply{Key: key, Canceled: true, Requests: n, Stopped: stopped, Message: msg}
+	return v1.CancelReply{Key: key, Canceled: true, Requests: n, Stopped: stopped, Message: msg + notes(finished, unconfirmed)}
+}
+
+// notes tells what a cancel's reply leaves out: requests whose build's
+// result was stored before the cancel's, and canceled requests whose
+// "canceled" could not be confirmed stored.
+func notes(finished int, unconfirmed []string) string {
+	var s string
+	if finished > 0 {
+		s += fmt.Sprintf("; %d other request(s) had finished before the cancel", finished)
+	}
+	if len(unconfirmed) > 0 {
+		s += "; the canceled result of " + strings.Join(unconfirmed, ", ") + " is recorded but not confirmed stored: " + notConfirmed
+	}
+	return s
+}
+
+// notConfirmed ends a cancel reply's note on a result not confirmed stored.
+const notConfirmed = "its result event says how it ended"
+
+// deliverBusyWait bounds how long a cancel waits for another goroutine
+// of this worker that is delivering the same request.
+const deliverBusyWait = 2 * time.Second
+
+// deliverCanceled delivers the "canceled" of le's request, whose cancel
+// mark was just written, and reports whether the stream stored it (or
+// a copy of it): otherwise another result — a finished build's,
+// published before its record — was stored first, and is the request's.
+// The entry then holds that result.
+func (w *Service) deliverCanceled(ctx context.Context, le *ledger.Entry) (bool, error) {
+	if w.cfg.Publish == nil || mutant.On("cancel-trusts-its-mark") {
+		return true, nil
+	}
+	e := le.E
+	d := ledger.Decision{Tenant: e.Tenant, Name: e.Name, Data: v1.ResultData{RequestID: e.RequestID, Tenant: e.Tenant, Name: e.Name,
+		Key: e.Key, Timings: v1.Timings{QueuedAt: e.MsgTime}}}.Canceled()
+	if e.Source != nil {
+		d.Data.Source = &e.Source.SourceInfo
+	}
+	deadline := time.Now().Add(deliverBusyWait)
+	for {
+		res, err := w.cfg.Ledger.Deliver(ctx, le, d, ledger.Delivery{Publish: w.cfg.Publish, Now: true})
+		switch {
+		case err != nil:
+			return false, err
+		case res.Status == ledger.Published || res.Status == ledger.WasPublished:
+			return res.Decision.Data.Status == v1.StatusCanceled, nil
+		case time.Now().After(deadline):
+			return false, errors.New("another handler of this worker is publishing its result")
+		}
+		select {
+		case <-time.After(20 * time.Millisecond):
+		case <-ctx.Done():
+			return false, ctx.Err()
+		}
+	}
 }
 
 // cancelUnkeyed cancels a request that has no build key yet, unless it
