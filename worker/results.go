@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -44,11 +45,36 @@ func (r storedResults) Stored(ctx context.Context, seq uint64) (v1.ResultData, e
 const findBatch = 256
 
 // Find is the result stored for tenant's request id under name at or
-// after since: the stream's headers on the request's result subject are
-// read from since on (an ephemeral consumer, headers only), and the
-// result whose message id is the request's is read in full. It is rare:
-// only a publish of a request older than the ledger's FirstAge looks.
+// after since. The subject's last result is read first (one direct
+// get): it is the request's, or older than since, most of the time.
+// Otherwise the stream's headers on the subject are read from since on
+// (an ephemeral consumer, headers only), and the result whose message id
+// is the request's is read in full. Publishes of requests older than
+// the worker's FirstAge look, and the status service for an undecided
+// entry (its result may be out before it is recorded).
 func (r storedResults) Find(ctx context.Context, tenant, name, id string, since time.Time) (*v1.ResultData, error) {
+	// The subject's last result first: most often it is the request's own
+	// (just published), or older than the request (nothing to find).
+	st, err := r.js.Stream(ctx, v1.ResultsStream)
+	if err != nil {
+		return nil, fmt.Errorf("stream %s: %w", v1.ResultsStream, err)
+	}
+	want := v1.MsgID(tenant, id)
+	last, err := st.GetLastMsgForSubject(ctx, v1.ResultSubject(tenant, name))
+	switch {
+	case errors.Is(err, jetstream.ErrMsgNotFound):
+		return nil, nil
+	case err != nil:
+		return nil, fmt.Errorf("look for the result of %s: %w", id, err)
+	case last.Header.Get(v1.MsgIDHeader) == want:
+		var res v1.Result
+		if err := json.Unmarshal(last.Data, &res); err != nil {
+			return nil, fmt.Errorf("result %d of %s: %w", last.Sequence, v1.ResultsStream, err)
+		}
+		return &res.Data, nil
+	case !since.IsZero() && last.Time.Before(since.Add(-time.Second)):
+		return nil, nil
+	}
 	cfg := jetstream.ConsumerConfig{
 		FilterSubject:     v1.ResultSubject(tenant, name),
 		DeliverPolicy:     jetstream.DeliverAllPolicy,
@@ -72,7 +98,6 @@ func (r storedResults) Find(ctx context.Context, tenant, name, id string, since 
 		_ = r.js.DeleteConsumer(dctx, v1.ResultsStream, c.CachedInfo().Name)
 	}()
 	pending := c.CachedInfo().NumPending
-	want := v1.MsgID(tenant, id)
 	for pending > 0 {
 		batch, err := c.Fetch(int(min(pending, findBatch)), jetstream.FetchMaxWait(2*time.Second))
 		if err != nil {
@@ -103,4 +128,59 @@ func (r storedResults) Find(ctx context.Context, tenant, name, id string, since 
 		pending -= uint64(min(uint64(n), pending))
 	}
 	return nil, nil
+}
+
+// serverClock bounds the NATS server's clock from above, so that how old a
+// request is — against its message's stream time — is judged by the
+// server's clock and never the worker's (docs/design.md §6: no worker's
+// clock decides). A sample is the server's time stamp in a stream info
+// response and the local (monotonic) time its request was sent: the stamp
+// was taken after the send, so stamp + time since the send is at least
+// the server's time now.
+type serverClock struct {
+	mu   sync.Mutex
+	ts   time.Time // the server's time stamp of the last sample
+	sent time.Time // when its request was sent, with its monotonic reading
+	// window is BUILDQ_RESULTS' duplicate window as the sample read it.
+	window time.Duration
+}
+
+// sample records an info response's time stamp and the results stream's
+// duplicate window; a response without a time stamp (an older server)
+// leaves the clock unknown.
+func (c *serverClock) sample(ts, sent time.Time, window time.Duration) {
+	if ts.IsZero() {
+		return
+	}
+	c.mu.Lock()
+	c.ts, c.sent, c.window = ts, sent, window
+	c.mu.Unlock()
+}
+
+// young reports whether a request whose message the server stored at
+// msgTime is younger than firstAge and than half the results stream's
+// duplicate window, on the server's clock. Unknown is not young.
+func (c *serverClock) young(msgTime time.Time, firstAge time.Duration) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.ts.IsZero() || firstAge <= 0 {
+		return false
+	}
+	now := c.ts.Add(time.Since(c.sent))
+	return now.Sub(msgTime) < min(firstAge, c.window/2)
+}
+
+// sampleServerClock reads BUILDQ_RESULTS' info: the server's time stamp
+// and the stream's duplicate window as it is now (another deployment's
+// worker may have set it).
+func (w *Worker) sampleServerClock(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	sent := time.Now()
+	st, err := w.js.Stream(ctx, v1.ResultsStream)
+	if err != nil {
+		return
+	}
+	info := st.CachedInfo()
+	w.serverClock.sample(info.TimeStamp, sent, info.Config.Duplicates)
 }

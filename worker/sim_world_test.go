@@ -440,8 +440,8 @@ type simWorld struct {
 	// decidedAt: when each request's decision was first stored in its
 	// ledger entry (request id → since the schedule began).
 	decidedAt map[string]time.Duration
-	events  []simEvent
-	ingest  []simIngest
+	events    []simEvent
+	ingest    []simIngest
 	// ledger: the accepted requests' ledger entries once settled.
 	ledger   map[string]*v1.RequestEntry
 	quiet    time.Duration

@@ -190,15 +190,22 @@ func withRegistry(tr *testRegistry) func(*Config) {
 }
 
 // build publishes req, plays a kubelet that pushes to the Job's destination
-// and returns the result.
+// and returns the result, once the run's end is stored too: a finished
+// build's result is published before its run's end is stored, and a test
+// that asks again expects a cache hit, not a join of the ending run.
 func (e *env) buildThrough(t *testing.T, tr *testRegistry, results *resultCollector, req *v1.Request, want int) v1.Result {
 	t.Helper()
 	if _, err := e.pub.Publish(context.Background(), req); err != nil {
 		t.Fatal(err)
 	}
-	job := e.waitJob(kaniko.JobName(v1.BuildKey(req, "kaniko@"+testKaniko.ExecutorImage)))
+	key := v1.BuildKey(req, "kaniko@"+testKaniko.ExecutorImage)
+	job := e.waitJob(kaniko.JobName(key))
 	e.kubelet(job, 0, tr.push(t, destination(job)))
 	got := results.waitFor(t, want, 10*time.Second)
+	eventually(t, 10*time.Second, "the run's end stored", func() bool {
+		rec := e.claim(key)
+		return rec == nil || rec.Final()
+	})
 	return got[want-1]
 }
 

@@ -40,6 +40,9 @@ type Worker struct {
 	log      *zap.Logger
 	// ledger owns buildq-requests (internal/ledger).
 	ledger *ledger.Ledger
+	// serverClock bounds the NATS server's clock (results.go): whether a
+	// request is young enough for its result to be published first.
+	serverClock serverClock
 	// runs owns buildq-builds (internal/runs).
 	runs *runs.Store
 	// The worker's components, each with its own state: the tenant API
@@ -101,9 +104,7 @@ func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 	}
 	log := cfg.Logger.With(zap.String("worker", cfg.ID))
 	w := &Worker{
-		runs: runs.New(),
-		ledger: ledger.New(ledger.Config{Worker: cfg.ID, Now: cfg.Now, PublishGrace: publishGrace(cfg.Lease),
-			Results: storedResults{js}, FirstAge: max(cfg.FirstAge, 0), Log: log}),
+		runs:     runs.New(),
 		cfg:      cfg,
 		registry: cfg.Registry,
 		nc:       nc,
@@ -112,6 +113,11 @@ func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 		log:      log,
 		source:   "/buildq/worker/" + cfg.ID,
 	}
+	lcfg := ledger.Config{Worker: cfg.ID, Now: cfg.Now, PublishGrace: publishGrace(cfg.Lease), Results: storedResults{js}, Log: log}
+	if cfg.FirstAge > 0 {
+		lcfg.Young = func(msgTime time.Time) bool { return w.serverClock.young(msgTime, cfg.FirstAge) }
+	}
+	w.ledger = ledger.New(lcfg)
 	w.fq = fairq.New(js, nc, queueHandler{w}, fairq.Options{Fair: cfg.Fair, ID: cfg.ID, Lease: cfg.Lease, AckWait: cfg.AckWait,
 		MaxDeliver: cfg.MaxDeliver, MaxInFlight: cfg.MaxInFlight, Now: cfg.Now, Log: log, Metrics: queueMetrics{cfg.Metrics}, Ledger: w.ledger})
 	w.room = newIntakeRoom(w)
@@ -124,7 +130,7 @@ func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 	apiCfg := tenantapi.Config{Ledger: w.ledger, Runs: w.runs, NC: nc, Log: log, Now: cfg.Now, AnyReply: cfg.AnyReply,
 		StopBuild: w.stopBuild, AnswerParked: w.park.answerWaiters, ReplyRefused: cfg.Metrics.replyRefused}
 	if cfg.FirstAge > 0 {
-		apiCfg.Publish = w.publish
+		apiCfg.Publish, apiCfg.Results = w.publish, storedResults{js}
 	}
 	if cfg.Logs.Enabled {
 		apiCfg.Logs, apiCfg.Archive, apiCfg.EndLog = buildlog.NewReader(js), cfg.Logs.Archive, w.logs.endRun
@@ -409,6 +415,8 @@ func (w *Worker) Run(ctx context.Context) error {
 			r.Reconcile(workCtx, w.builds.finishOrphan)
 		}()
 	}
+	// The server's clock, before any result is published (results.go).
+	w.sampleServerClock(workCtx)
 	w.log.Info("worker started", zap.Int("maxInFlight", w.cfg.MaxInFlight), zap.String("executor", w.backend.Identity()))
 	w.running.Store(true)
 	w.cfg.Metrics.setReady(true)
@@ -424,6 +432,7 @@ func (w *Worker) Run(ctx context.Context) error {
 			select {
 			case <-t.C:
 				w.refreshAckWait(workCtx)
+				w.sampleServerClock(workCtx)
 			case <-workCtx.Done():
 				return
 			}

@@ -76,7 +76,7 @@ type Delivery struct {
 	// Publish publishes the decision's result and returns its PubAck.
 	Publish func(ctx context.Context, d Decision) (Ack, error)
 	// First, when set, publishes the decision before it is recorded,
-	// when the request is young enough (Config.FirstAge) that any result
+	// when the request is young enough (Config.Young) that any result
 	// stored for it before is inside the stream's duplicate window; the
 	// stored result is then recorded with its published mark in one
 	// write. The handler of a finished build delivers so: its result
@@ -214,6 +214,12 @@ func (l *Ledger) Deliver(ctx context.Context, le *Entry, d Decision, how Deliver
 		switch right, err := l.publishRight(ctx, le, how.Now); right {
 		case publishDone:
 			release()
+			if le.E.Result != nil {
+				// Published as the entry says now: the decision read
+				// before may since have given way to the result stored
+				// first (adopt).
+				d = withCleanup(DecisionOf(le.E), d)
+			}
 			d.PublishedBefore = true
 			return Delivered{Decision: d, Status: WasPublished}, nil
 		case publishLater:
@@ -221,7 +227,7 @@ func (l *Ledger) Deliver(ctx context.Context, le *Entry, d Decision, how Deliver
 			return Delivered{Decision: d, Status: Later}, err
 		}
 	}
-	if le != nil && l.cfg.Results != nil && l.cfg.FirstAge > 0 && !l.young(le) && !d.RecordedNow {
+	if le != nil && l.cfg.Results != nil && l.cfg.Young != nil && !l.young(le) && !d.RecordedNow {
 		// Old enough that a result published first for it may have left
 		// the duplicate window: look for one before publishing another.
 		found, err := l.cfg.Results.Find(ctx, le.E.Tenant, le.E.Name, le.E.RequestID, le.E.MsgTime)
@@ -279,12 +285,11 @@ func (l *Ledger) Deliver(ctx context.Context, le *Entry, d Decision, how Deliver
 }
 
 // young reports whether le's request is young enough to be published
-// first (Config.FirstAge): any result stored for it before now was
-// stored after its message, inside the stream's duplicate window, so
-// another publish is answered as its duplicate.
+// first (Config.Young): any result stored for it before now was stored
+// after its message, inside the stream's duplicate window, so another
+// publish is answered as its duplicate.
 func (l *Ledger) young(le *Entry) bool {
-	return l.cfg.Results != nil && l.cfg.FirstAge > 0 && !le.E.MsgTime.IsZero() &&
-		l.cfg.Now().Sub(le.E.MsgTime) < l.cfg.FirstAge
+	return l.cfg.Results != nil && l.cfg.Young != nil && !le.E.MsgTime.IsZero() && l.cfg.Young(le.E.MsgTime)
 }
 
 // deliverFirst publishes d before recording it, then records the stored
@@ -356,6 +361,15 @@ func (l *Ledger) recordStored(ctx context.Context, le *Entry, d Decision) error 
 	return err
 }
 
+// withCleanup is d with the cleanup of the run own ended, when d names
+// none: the run ended all the same.
+func withCleanup(d, own Decision) Decision {
+	if d.CleanupKey == "" {
+		d.CleanupKey, d.CleanupRun = own.CleanupKey, own.CleanupRun
+	}
+	return d
+}
+
 // SameResult reports whether two results tell a client the same: status,
 // reason, key, digest and origin.
 func SameResult(a, b v1.ResultData) bool {
@@ -405,8 +419,10 @@ func (l *Ledger) publishRight(ctx context.Context, le *Entry, now bool) (publish
 	switch {
 	case err != nil:
 		return publishLater, err
-	case cur == nil || cur.E.Published:
-		// Marked meanwhile; or aged out, and its result with it.
+	case cur == nil:
+		return publishDone, nil // aged out, and its result with it
+	case cur.E.Published:
+		*le = *cur // marked meanwhile
 		return publishDone, nil
 	case cur.E.Result == nil:
 		return publishLater, errors.New("request ledger: the decision read before is not there")

@@ -56,14 +56,17 @@ func (s *stream) Find(_ context.Context, _, _, id string, _ time.Time) (*v1.Resu
 	return nil, nil
 }
 
-// firstAge is the tests' Config.FirstAge: msgTime is 4 min 5 s before
+// firstAge is how young the tests' requests must be to be published
+// first, on clk as the server's clock: msgTime is 4 min 5 s before
 // newClock's time, so a request is young until the clock moves 55 s on.
 const firstAge = 5 * time.Minute
 
-// firstLedger is worker's ledger with the results stream s and firstAge.
+// firstLedger is worker's ledger with the results stream s, judging
+// requests young by clk.
 func (w *world) firstLedger(worker string, clk *clock, s *stream) *Ledger {
 	l := w.ledger(worker, clk, grace)
-	l.cfg.Results, l.cfg.FirstAge = s, firstAge
+	l.cfg.Results = s
+	l.cfg.Young = func(msgTime time.Time) bool { return clk.Now().Sub(msgTime) < firstAge }
 	return l
 }
 

@@ -94,12 +94,15 @@ type Config struct {
 	// Results reads the results stream (Deliver adopts a result stored
 	// first); nil: publishes are taken as the decision recorded.
 	Results Results
-	// FirstAge: a request younger than this may have its result
-	// published before it is recorded (Delivery.First), and a publish of
-	// an older one looks for a result stored for it first. At most half
-	// the results stream's duplicate window; 0: never published first.
-	FirstAge time.Duration
-	Log      *zap.Logger
+	// Young reports whether a request whose message the server stored
+	// at msgTime is young enough that any result stored for it is still
+	// inside the results stream's duplicate window, with room to spare:
+	// its result may be published before it is recorded
+	// (Delivery.First), and a publish of an older one looks for a result
+	// stored for it first. It must judge by the server's clock, never
+	// the worker's. Nil: never published first, and nothing looked for.
+	Young func(msgTime time.Time) bool
+	Log   *zap.Logger
 }
 
 // Ledger is a worker's handle on the bucket.

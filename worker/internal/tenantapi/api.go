@@ -61,6 +61,10 @@ type Config struct {
 	// cancel mark alone does not decide. Nil: the mark decides (the
 	// handler, told of it, publishes "canceled").
 	Publish func(ctx context.Context, d ledger.Decision) (ledger.Ack, error)
+	// Results reads the results stream: the status of an undecided
+	// request shows a result stored for it and not recorded yet (a
+	// finished build's, published first). Nil: the entry alone.
+	Results ledger.Results
 	// ReplyRefused counts a request left unanswered for its reply subject
 	// (may be nil).
 	ReplyRefused func(tenant string)
@@ -326,6 +330,19 @@ func (w *Service) status(ctx context.Context, tenant, target string) v1.StatusRe
 	case le != nil:
 		e := le.E
 		e.RequeueToken = "" // the worker's secret: it authenticates a requeue
+		if e.Result == nil && w.cfg.Results != nil {
+			// A finished build's result is published before its
+			// decision is recorded: one asked for right after it must
+			// not read as still building (the SDK's Wait asks once).
+			found, err := w.cfg.Results.Find(ctx, e.Tenant, e.Name, e.RequestID, e.MsgTime)
+			if err != nil {
+				return v1.StatusReply{Error: err.Error()}
+			}
+			if found != nil {
+				e.Result, e.Published = found, true
+				e.State, e.Origin, e.Digest, e.Reason = string(found.Status), found.Origin, found.Digest, found.Reason
+			}
+		}
 		rep.Request, rep.Key = &e, e.Key
 	case !v1.IsBuildKey(target):
 		return v1.StatusReply{Error: fmt.Sprintf("no request %s of tenant %s is known (still queued, or older than the results' max age)", target, tenant)}
@@ -424,7 +441,7 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 	for _, le := range mine {
 		ok, err := w.cfg.Ledger.MarkCanceled(ctx, le)
 		if err != nil {
-			return v1.CancelReply{Key: key, Requests: n, Canceled: n > 0, Message: err.Error()}
+			return v1.CancelReply{Key: key, Requests: n, Canceled: n > 0, Message: err.Error() + notes(finished, unconfirmed)}
 		}
 		if !ok {
 			continue
@@ -453,7 +470,7 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 	// Does anyone else still wait on the build?
 	ws, run, err := w.waiters(ctx, key)
 	if err != nil {
-		return v1.CancelReply{Key: key, Requests: n, Canceled: n > 0, Message: err.Error()}
+		return v1.CancelReply{Key: key, Requests: n, Canceled: n > 0, Message: err.Error() + notes(finished, unconfirmed)}
 	}
 	canceled := map[string]bool{}
 	for _, le := range mine {
@@ -471,7 +488,7 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 			return v1.CancelReply{Key: key, Message: fmt.Sprintf("no request of tenant %s waits on key %s", tenant, key)}
 		}
 		return v1.CancelReply{Key: key, Canceled: true, Requests: n,
-			Message: fmt.Sprintf("canceled %d request(s); the build goes on for %d other request(s)", n, others)}
+			Message: fmt.Sprintf("canceled %d request(s); the build goes on for %d other request(s)", n, others) + notes(finished, unconfirmed)}
 	}
 	stopped, msg := w.stopBuild(ctx, tenant, key, n > 0, countOf(run, mine, before, ws))
 	if n == 0 && !stopped {
@@ -524,7 +541,12 @@ func (w *Service) deliverCanceled(ctx context.Context, le *ledger.Entry) (bool, 
 	deadline := time.Now().Add(deliverBusyWait)
 	for {
 		res, err := w.cfg.Ledger.Deliver(ctx, le, d, ledger.Delivery{Publish: w.cfg.Publish, Now: true})
+		var re *ledger.RecordError
 		switch {
+		case errors.As(err, &re) && res.Status == ledger.WasPublished:
+			// Another result was stored first: known, though the entry
+			// could not be written to match (its handler writes it).
+			return res.Decision.Data.Status == v1.StatusCanceled, nil
 		case err != nil:
 			return false, err
 		case res.Status == ledger.Published || res.Status == ledger.WasPublished:
