@@ -125,7 +125,7 @@ func (r storedResults) Find(ctx context.Context, tenant, name, id string, since 
 		if n == 0 {
 			return nil, fmt.Errorf("look for the result of %s: %d stored results not delivered", id, pending)
 		}
-		pending -= uint64(min(uint64(n), pending))
+		pending -= min(uint64(n), pending)
 	}
 	return nil, nil
 }

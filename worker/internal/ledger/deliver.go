@@ -143,10 +143,9 @@ func (d Delivered) WaitMarked() {
 	}
 }
 
-// RecordError: the decision's result is stored, and recording it in the
-// entry failed. The message must not be settled: its redelivery
-// publishes again, is answered as a duplicate, and records the stored
-// result.
+// RecordError is a failed record of a decision whose result is stored.
+// The message must not be settled: its redelivery publishes again, is
+// answered as a duplicate, and records the stored result.
 type RecordError struct{ Err error }
 
 func (e *RecordError) Error() string { return "record the stored result: " + e.Err.Error() }
@@ -183,7 +182,7 @@ func (l *Ledger) Deliver(ctx context.Context, le *Entry, d Decision, how Deliver
 		release = r
 	}
 	if how.First != nil && le != nil && !d.Recorded && !d.RecordedNow && l.young(le) {
-		out, err, done := l.deliverFirst(ctx, le, d, how)
+		out, done, err := l.deliverFirst(ctx, le, d, how)
 		if done {
 			release()
 			return out, err
@@ -297,27 +296,27 @@ func (l *Ledger) young(le *Entry) bool {
 // one write. done is false when the publish failed: whether it was
 // stored is unknown, and the caller delivers d as usual (record, then
 // publish again: the stream answers a stored copy as a duplicate).
-func (l *Ledger) deliverFirst(ctx context.Context, le *Entry, d Decision, how Delivery) (_ Delivered, _ error, done bool) {
+func (l *Ledger) deliverFirst(ctx context.Context, le *Entry, d Decision, how Delivery) (_ Delivered, done bool, _ error) {
 	ack, err := how.First(ctx, d)
 	if err != nil {
 		l.cfg.Log.Debug("publishing a result ahead of its record failed; recording it first", zap.String("requestId", d.Data.RequestID), zap.Error(err))
-		return Delivered{}, nil, false
+		return Delivered{}, false, nil
 	}
 	status := Published
 	if ack.Duplicate {
 		stored, err := l.cfg.Results.Stored(ctx, ack.Seq)
 		if err != nil {
-			return Delivered{Decision: d}, &RecordError{Err: fmt.Errorf("read the stored result: %w", err)}, true
+			return Delivered{Decision: d}, true, &RecordError{Err: fmt.Errorf("read the stored result: %w", err)}
 		}
 		if !SameResult(stored, d.Data) {
 			d.Data, status = stored, WasPublished
 		}
 	}
 	if err := l.recordStored(ctx, le, d); err != nil {
-		return Delivered{Decision: d}, &RecordError{Err: err}, true
+		return Delivered{Decision: d}, true, &RecordError{Err: err}
 	}
 	d.Recorded, d.PublishedBefore = true, status == WasPublished
-	return Delivered{Decision: d, Status: status}, nil, true
+	return Delivered{Decision: d, Status: status}, true, nil
 }
 
 // adopt makes the stored result the request's decision: d's result lost
