@@ -12,6 +12,45 @@ import (
 	"github.com/buildq/buildq/internal/kaniko"
 )
 
+// resultAtRecord watches a worker's writes of request id's ledger entry:
+// at the first write of a decision it waits up to two seconds for the
+// result to be out, and sends on the channel whether it was (recorded
+// first, it cannot be: the publish waits for the record). It counts the
+// writes of a decision.
+type resultAtRecord struct {
+	seen   chan bool
+	writes atomic.Int32
+}
+
+// hook wraps w's ledger bucket; results is read when the hook runs.
+func (r *resultAtRecord) hook(w *Worker, tenant, id string, results **resultCollector) {
+	r.seen = make(chan bool, 1)
+	lk := RequestIndexKey(tenant, id)
+	w.ledger.UseBucket(&hookedKV{KeyValue: w.ledger.Bucket(), onUpdate: func(k string, value []byte) error {
+		if k != lk || !bytes.Contains(value, []byte(`"result":`)) || r.writes.Add(1) != 1 {
+			return nil
+		}
+		out := func() bool { return len((*results).pubsOf(tenant, id)) > 0 }
+		for deadline := time.Now().Add(2 * time.Second); !out() && time.Now().Before(deadline); {
+			time.Sleep(10 * time.Millisecond)
+		}
+		r.seen <- out()
+		return nil
+	}})
+}
+
+// buildOnce publishes req and plays a kubelet that pushes its image;
+// it returns the first result.
+func (e *env) buildOnce(t *testing.T, tr *testRegistry, results *resultCollector, req *v1.Request) v1.Result {
+	t.Helper()
+	if _, err := e.pub.Publish(context.Background(), req); err != nil {
+		t.Fatal(err)
+	}
+	job := e.waitJob(kaniko.JobName(v1.BuildKey(req, kanikoID)))
+	e.kubelet(job, 0, tr.push(t, destination(job)))
+	return results.waitFor(t, 1, 10*time.Second)[0]
+}
+
 // A finished build's result goes out before any write: its decision is
 // recorded after it, with its published mark, in one write (P2: the
 // result's publish is the first thing after the Job completes).
@@ -23,33 +62,11 @@ func TestAFinishedBuildsResultGoesOutBeforeItsDecisionIsRecorded(t *testing.T) {
 	req := request("publish-first")
 	req.RequestID = "publish-first"
 	lk := RequestIndexKey(req.Tenant, req.RequestID)
-	var decisionWrites atomic.Int32
-	seenAtRecord := make(chan bool, 1)
-	e.startWorkerHooked("w1", withRegistry(tr), nil, func(w *Worker) {
-		w.ledger.UseBucket(&hookedKV{KeyValue: w.ledger.Bucket(), onUpdate: func(k string, value []byte) error {
-			if k != lk || !bytes.Contains(value, []byte(`"result":`)) {
-				return nil
-			}
-			if decisionWrites.Add(1) == 1 {
-				// Recorded first, the result could not be out yet; it is
-				// given two seconds to show up.
-				deadline := time.Now().Add(2 * time.Second)
-				for len(results.pubsOf(req.Tenant, req.RequestID)) == 0 && time.Now().Before(deadline) {
-					time.Sleep(10 * time.Millisecond)
-				}
-				seenAtRecord <- len(results.pubsOf(req.Tenant, req.RequestID)) > 0
-			}
-			return nil
-		}})
-	})
+	var at resultAtRecord
+	e.startWorkerHooked("w1", withRegistry(tr), nil, func(w *Worker) { at.hook(w, req.Tenant, req.RequestID, &results) })
 	results = e.collect()
-	if _, err := e.pub.Publish(context.Background(), req); err != nil {
-		t.Fatal(err)
-	}
-	job := e.waitJob(kaniko.JobName(v1.BuildKey(req, kanikoID)))
-	e.kubelet(job, 0, tr.push(t, destination(job)))
-	got := results.waitFor(t, 1, 10*time.Second)[0]
-	if !<-seenAtRecord {
+	got := e.buildOnce(t, tr, results, req)
+	if !<-at.seen {
 		t.Fatal("the decision was recorded before the result went out")
 	}
 	if got.Data.Status != v1.StatusSucceeded {
@@ -67,7 +84,7 @@ func TestAFinishedBuildsResultGoesOutBeforeItsDecisionIsRecorded(t *testing.T) {
 		var re v1.RequestEntry
 		return json.Unmarshal(ent.Value(), &re) == nil && re.Result != nil && re.Published && re.Result.Digest == got.Data.Digest
 	})
-	if n := decisionWrites.Load(); n != 1 {
+	if n := at.writes.Load(); n != 1 {
 		t.Fatalf("%d writes of the decision, want one (the decision with its published mark)", n)
 	}
 }

@@ -1,14 +1,8 @@
 package worker
 
 import (
-	"bytes"
-	"context"
-	"sync/atomic"
 	"testing"
 	"time"
-
-	v1 "github.com/buildq/buildq/api/v1"
-	"github.com/buildq/buildq/internal/kaniko"
 )
 
 // How old a request is, is judged by the server's clock: the time stamp
@@ -56,37 +50,15 @@ func TestAWorkersOwnClockDoesNotJudgeARequestsAge(t *testing.T) {
 	tr := newTestRegistry(t)
 	req := request("clock-ahead")
 	req.RequestID = "clock-ahead"
-	lk := RequestIndexKey(req.Tenant, req.RequestID)
 	var results *resultCollector
-	var seen atomic.Int32 // results out at the decision's first write: 1 yes, 2 no
+	var at resultAtRecord
 	e.startWorkerHooked("w1", func(c *Config) {
 		withRegistry(tr)(c)
 		c.Now = func() time.Time { return time.Now().Add(10 * time.Minute) }
-	}, nil, func(w *Worker) {
-		w.ledger.UseBucket(&hookedKV{KeyValue: w.ledger.Bucket(), onUpdate: func(k string, value []byte) error {
-			if k == lk && bytes.Contains(value, []byte(`"result":`)) && seen.Load() == 0 {
-				deadline := time.Now().Add(2 * time.Second)
-				for len(results.pubsOf(req.Tenant, req.RequestID)) == 0 && time.Now().Before(deadline) {
-					time.Sleep(10 * time.Millisecond)
-				}
-				if len(results.pubsOf(req.Tenant, req.RequestID)) > 0 {
-					seen.Store(1)
-				} else {
-					seen.Store(2)
-				}
-			}
-			return nil
-		}})
-	})
+	}, nil, func(w *Worker) { at.hook(w, req.Tenant, req.RequestID, &results) })
 	results = e.collect()
-	if _, err := e.pub.Publish(context.Background(), req); err != nil {
-		t.Fatal(err)
-	}
-	job := e.waitJob(kaniko.JobName(v1.BuildKey(req, kanikoID)))
-	e.kubelet(job, 0, tr.push(t, destination(job)))
-	results.waitFor(t, 1, 10*time.Second)
-	eventually(t, 5*time.Second, "the decision recorded", func() bool { return seen.Load() != 0 })
-	if seen.Load() != 1 {
+	e.buildOnce(t, tr, results, req)
+	if !<-at.seen {
 		t.Fatal("the result went out only after its decision was recorded: the worker judged the request's age by its own clock")
 	}
 }

@@ -219,12 +219,7 @@ func (w *simWorld) judgeAnsweredBuilds(out *simOutcome) {
 	for _, s := range w.subs {
 		idOf[RequestIndexKey(s.req.Tenant, s.id)] = s.id
 	}
-	firstPub := map[string]time.Duration{}
-	for _, p := range w.published {
-		if t, ok := firstPub[p.id]; !ok || p.at < t {
-			firstPub[p.id] = p.at
-		}
-	}
+	firstPub := w.firstPublished()
 	seen := map[string]bool{}
 	for _, rv := range w.records {
 		if rv.deleted || rv.rec.Run == "" || seen[rv.rec.Run] {
@@ -294,6 +289,19 @@ func (w *simWorld) judgePublishers(out *simOutcome) {
 	}
 }
 
+// firstPublished is when each request's result first reached core
+// subscribers (request id → since the schedule began). Called with w.mu
+// held.
+func (w *simWorld) firstPublished() map[string]time.Duration {
+	first := map[string]time.Duration{}
+	for _, p := range w.published {
+		if t, ok := first[p.id]; !ok || p.at < t {
+			first[p.id] = p.at
+		}
+	}
+	return first
+}
+
 // canceling reports whether a cancel that names request id (its id, or
 // its key) was in flight at "at" (with 100 ms of slack each side).
 func (w *simWorld) canceling(id string, at time.Duration) bool {
@@ -350,12 +358,7 @@ const tenantapiNotConfirmed = "its result event says how it ended"
 // the ledger's business (build.go: answered(); judgeAnsweredBuilds).
 // Called with w.mu held.
 func (w *simWorld) judgeHandledAfterAnswer(out *simOutcome) {
-	firstPub := map[string]time.Duration{}
-	for _, p := range w.published {
-		if t, ok := firstPub[p.id]; !ok || p.at < t {
-			firstPub[p.id] = p.at
-		}
-	}
+	firstPub := w.firstPublished()
 	for id, t := range firstPub {
 		// A finished build's result is published before its decision
 		// is recorded: until it is, a redelivery (its handler cut off

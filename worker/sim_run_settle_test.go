@@ -332,12 +332,7 @@ func (w *simWorld) judge(out *simOutcome) {
 	}
 	// Results published before their decision was recorded, and
 	// publishes that lost to a different result stored first.
-	firstPub := map[string]time.Duration{}
-	for _, p := range w.published {
-		if t, ok := firstPub[p.id]; !ok || p.at < t {
-			firstPub[p.id] = p.at
-		}
-	}
+	firstPub := w.firstPublished()
 	for id, t := range firstPub {
 		if d, ok := w.decidedAt[id]; ok && d > t {
 			out.publishedFirst++
