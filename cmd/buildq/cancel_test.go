@@ -41,7 +41,7 @@ func TestCancelSaysTheResultFollows(t *testing.T) {
 	ns, nc := logsWorld(t)
 	fakeCancel(t, nc, v1.CancelReply{Key: hexKey64, Canceled: true, Requests: 1, Stopped: true, Message: "canceled 1 request(s) and stopped the build"}, false)
 	code, out, errOut := cli(t, "cancel", logsID, "--tenant", "acme", "--nats-url", ns.URL())
-	if code != 0 || strings.TrimSpace(out) != "canceled 1 request(s) and stopped the build (the canceled result follows; --wait waits for it)" {
+	if code != 0 || strings.TrimSpace(out) != "canceled 1 request(s) and stopped the build (--wait prints the request's result)" {
 		t.Fatalf("exit %d, out %q, err %q", code, out, errOut)
 	}
 }

@@ -258,9 +258,12 @@ The build itself is stopped (its Job deleted) only when no other request —
 of any tenant — still waits on it. --tenant names the tenant; a worker
 answers on buildq.api.cancel.<tenant>.
 
-The answer comes as soon as the cancel is recorded; the request's
-"canceled" result is published by the worker that holds it a moment
-later. --wait waits for that result (a request id only).`,
+The answer comes once each request's "canceled" result is stored: the
+worker that answers publishes it. A request whose build's result was
+stored before it keeps that result, and the answer says the request had
+finished. If a "canceled" could not be confirmed stored, the answer says
+so, and the request's result event says how it ended. --wait waits for
+the result and prints it (a request id only).`,
 		Args: exactArgs(1, "KEY|REQUEST_ID"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := bindEnv(cmd, natsEnv); err != nil {
@@ -314,7 +317,7 @@ later. --wait waits for that result (a request id only).`,
 				case result != nil:
 					msg += fmt.Sprintf("; request %s's result: %s", args[0], result.Data.Status)
 				case rep.Canceled && !wait:
-					msg += " (the canceled result follows; --wait waits for it)"
+					msg += " (--wait prints the request's result)"
 				}
 				fmt.Fprintln(cmd.OutOrStdout(), msg)
 			}
