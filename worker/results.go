@@ -50,30 +50,50 @@ const findBatch = 256
 // Otherwise the stream's headers on the subject are read from since on
 // (an ephemeral consumer, headers only), and the result whose message id
 // is the request's is read in full. Publishes of requests older than
-// the worker's FirstAge look, and the status service for an undecided
-// entry (its result may be out before it is recorded).
+// the worker's FirstAge look.
 func (r storedResults) Find(ctx context.Context, tenant, name, id string, since time.Time) (*v1.ResultData, error) {
+	d, _, err := r.find(ctx, tenant, name, id, since, 0)
+	return d, err
+}
+
+// recentMsgs is how many of the stream's messages, back from the
+// subject's last result, Recent reads at most.
+const recentMsgs = 1024
+
+// Recent is Find bounded for the status service: it reads the subject's
+// results among the stream's last recentMsgs messages up to the
+// subject's last. A result published first is recorded a moment later,
+// so the one status must not miss is among the newest; a tenant polling
+// the status of a request under a busy name costs a bounded read.
+func (r storedResults) Recent(ctx context.Context, tenant, name, id string, since time.Time) (*v1.ResultData, error) {
+	d, _, err := r.find(ctx, tenant, name, id, since, recentMsgs)
+	return d, err
+}
+
+// find is Find, reading no further back than recent messages before the
+// subject's last (0: no bound); scanned is how many headers it read.
+func (r storedResults) find(ctx context.Context, tenant, name, id string, since time.Time, recent uint64) (_ *v1.ResultData, scanned int, _ error) {
 	// The subject's last result first: most often it is the request's own
 	// (just published), or older than the request (nothing to find).
 	st, err := r.js.Stream(ctx, v1.ResultsStream)
 	if err != nil {
-		return nil, fmt.Errorf("stream %s: %w", v1.ResultsStream, err)
+		return nil, 0, fmt.Errorf("stream %s: %w", v1.ResultsStream, err)
 	}
 	want := v1.MsgID(tenant, id)
 	last, err := st.GetLastMsgForSubject(ctx, v1.ResultSubject(tenant, name))
 	switch {
 	case errors.Is(err, jetstream.ErrMsgNotFound):
-		return nil, nil
+		return nil, 0, nil
 	case err != nil:
-		return nil, fmt.Errorf("look for the result of %s: %w", id, err)
+		return nil, 0, fmt.Errorf("look for the result of %s: %w", id, err)
 	case last.Header.Get(v1.MsgIDHeader) == want:
 		var res v1.Result
 		if err := json.Unmarshal(last.Data, &res); err != nil {
-			return nil, fmt.Errorf("result %d of %s: %w", last.Sequence, v1.ResultsStream, err)
+			return nil, 0, fmt.Errorf("result %d of %s: %w", last.Sequence, v1.ResultsStream, err)
 		}
-		return &res.Data, nil
+		return &res.Data, 0, nil
 	case !since.IsZero() && last.Time.Before(since.Add(-time.Second)):
-		return nil, nil
+		return nil, 0, nil
 	}
 	cfg := jetstream.ConsumerConfig{
 		FilterSubject:     v1.ResultSubject(tenant, name),
@@ -83,14 +103,17 @@ func (r storedResults) Find(ctx context.Context, tenant, name, id string, since 
 		MemoryStorage:     true,
 		InactiveThreshold: time.Minute,
 	}
-	if !since.IsZero() {
+	switch {
+	case recent > 0 && last.Sequence > recent:
+		cfg.DeliverPolicy, cfg.OptStartSeq = jetstream.DeliverByStartSequencePolicy, last.Sequence-recent+1
+	case !since.IsZero():
 		// A second's slack for the clocks of a cluster's servers.
 		from := since.Add(-time.Second)
 		cfg.DeliverPolicy, cfg.OptStartTime = jetstream.DeliverByStartTimePolicy, &from
 	}
 	c, err := r.js.CreateConsumer(ctx, v1.ResultsStream, cfg)
 	if err != nil {
-		return nil, fmt.Errorf("look for the result of %s: %w", id, err)
+		return nil, 0, fmt.Errorf("look for the result of %s: %w", id, err)
 	}
 	defer func() {
 		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
@@ -99,35 +122,43 @@ func (r storedResults) Find(ctx context.Context, tenant, name, id string, since 
 	}()
 	pending := c.CachedInfo().NumPending
 	for pending > 0 {
-		batch, err := c.Fetch(int(min(pending, findBatch)), jetstream.FetchMaxWait(2*time.Second))
+		wait := 2 * time.Second
+		if dl, ok := ctx.Deadline(); ok {
+			wait = min(wait, time.Until(dl))
+		}
+		if wait <= 0 {
+			return nil, scanned, fmt.Errorf("look for the result of %s: %w", id, context.DeadlineExceeded)
+		}
+		batch, err := c.Fetch(int(min(pending, findBatch)), jetstream.FetchMaxWait(wait))
 		if err != nil {
-			return nil, fmt.Errorf("look for the result of %s: %w", id, err)
+			return nil, scanned, fmt.Errorf("look for the result of %s: %w", id, err)
 		}
 		n := 0
 		for m := range batch.Messages() {
 			n++
+			scanned++
 			if m.Headers().Get(v1.MsgIDHeader) != want {
 				continue
 			}
 			meta, err := m.Metadata()
 			if err != nil {
-				return nil, fmt.Errorf("look for the result of %s: %w", id, err)
+				return nil, scanned, fmt.Errorf("look for the result of %s: %w", id, err)
 			}
 			d, err := r.Stored(ctx, meta.Sequence.Stream)
 			if err != nil {
-				return nil, err
+				return nil, scanned, err
 			}
-			return &d, nil
+			return &d, scanned, nil
 		}
 		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) {
-			return nil, fmt.Errorf("look for the result of %s: %w", id, err)
+			return nil, scanned, fmt.Errorf("look for the result of %s: %w", id, err)
 		}
 		if n == 0 {
-			return nil, fmt.Errorf("look for the result of %s: %d stored results not delivered", id, pending)
+			return nil, scanned, fmt.Errorf("look for the result of %s: %d stored results not delivered", id, pending)
 		}
 		pending -= min(uint64(n), pending)
 	}
-	return nil, nil
+	return nil, scanned, nil
 }
 
 // serverClock bounds the NATS server's clock from above, so that how old a

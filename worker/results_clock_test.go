@@ -1,8 +1,13 @@
 package worker
 
 import (
+	"fmt"
 	"testing"
 	"time"
+
+	"github.com/nats-io/nats.go"
+
+	v1 "github.com/buildq/buildq/api/v1"
 )
 
 // How old a request is, is judged by the server's clock: the time stamp
@@ -60,5 +65,39 @@ func TestAWorkersOwnClockDoesNotJudgeARequestsAge(t *testing.T) {
 	e.buildOnce(t, tr, results, req)
 	if !<-at.seen {
 		t.Fatal("the result went out only after its decision was recorded: the worker judged the request's age by its own clock")
+	}
+}
+
+// The status service's look for a stored result reads a bounded number of
+// the stream's newest messages, whatever the tenant stored under the name
+// before; the worker's own look (Find) reads them all.
+func TestRecentReadsABoundedNumberOfStoredResults(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.startWorker("w1", nil)
+	const k = 3 * recentMsgs
+	for i := range k {
+		m := nats.NewMsg(v1.ResultsIngestPrefix + ".acme.web")
+		m.Header.Set(v1.MsgIDHeader, v1.MsgID("acme", fmt.Sprintf("other-%d", i)))
+		m.Data = []byte(`{}`)
+		if _, err := e.js.PublishMsgAsync(m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	select {
+	case <-e.js.PublishAsyncComplete():
+	case <-time.After(60 * time.Second):
+		t.Fatal("storing the results timed out")
+	}
+	r := storedResults{e.js}
+	since := time.Now().Add(-time.Hour)
+	if d, scanned, err := r.find(t.Context(), "acme", "web", "absent", since, recentMsgs); err != nil || d != nil || scanned > recentMsgs {
+		t.Fatalf("Recent read %d results (found %v, %v), want at most %d", scanned, d, err, recentMsgs)
+	}
+	if d, scanned, err := r.find(t.Context(), "acme", "web", "absent", since, 0); err != nil || d != nil || scanned != k {
+		t.Fatalf("Find read %d results (found %v, %v), want all %d", scanned, d, err, k)
+	}
+	if d, _, err := r.find(t.Context(), "acme", "web", "other-10", since, 0); err != nil || d == nil {
+		t.Fatalf("Find of an old result: %v, %v", d, err)
 	}
 }

@@ -61,10 +61,12 @@ type Config struct {
 	// cancel mark alone does not decide. Nil: the mark decides (the
 	// handler, told of it, publishes "canceled").
 	Publish func(ctx context.Context, d ledger.Decision) (ledger.Ack, error)
-	// Results reads the results stream: the status of an undecided
-	// request shows a result stored for it and not recorded yet (a
-	// finished build's, published first). Nil: the entry alone.
-	Results ledger.Results
+	// Results reads the results stream: the status of a request whose
+	// entry holds no result marked stored shows the one the stream
+	// stored, if any (a finished build's result is published before it
+	// is recorded, and a decision recorded first may give way to it).
+	// Nil: the entry alone.
+	Results StoredResults
 	// ReplyRefused counts a request left unanswered for its reply subject
 	// (may be nil).
 	ReplyRefused func(tenant string)
@@ -76,6 +78,20 @@ type Config struct {
 	Logs    *buildlog.Reader
 	Archive buildlog.Archive
 }
+
+// StoredResults finds a request's stored result among its subject's most
+// recent ones (the worker's results stream reader).
+type StoredResults interface {
+	Recent(ctx context.Context, tenant, name, id string, since time.Time) (*v1.ResultData, error)
+}
+
+// scansPerTenant bounds each tenant's status requests reading the results
+// stream at once, and scans all tenants'; past either, a status waits its
+// turn (scanWait).
+const (
+	scansPerTenant = 2
+	scans          = 8
+)
 
 // Service is a worker's tenant API.
 type Service struct {
@@ -89,8 +105,10 @@ type Service struct {
 	// polls: each tenant's logs requests waiting for lines; archives:
 	// the last log archive read.
 	polls pollCounts
-	// reading: each tenant's stored-results requests in progress.
+	// reading: each tenant's stored-results requests in progress;
+	// scanning: its status requests reading the results stream.
 	reading  pollCounts
+	scanning pollCounts
 	archives archiveCache
 }
 
@@ -103,8 +121,9 @@ func New(cfg Config) *Service {
 		cfg.ReplyRefused = func(string) {}
 	}
 	return &Service{cfg: cfg, held: heldRequests{m: map[string]*heldRequest{}}, sem: make(chan struct{}, apiConcurrency),
-		reading: pollCounts{perTenant: resultsPerTenant, max: apiConcurrency / 2},
-		logsSem: make(chan struct{}, logsConcurrency)}
+		reading:  pollCounts{perTenant: resultsPerTenant, max: apiConcurrency / 2},
+		scanning: pollCounts{perTenant: scansPerTenant, max: scans},
+		logsSem:  make(chan struct{}, logsConcurrency)}
 }
 
 // Hold registers the handling of the request with ledger key lk, so a
@@ -330,13 +349,17 @@ func (w *Service) status(ctx context.Context, tenant, target string) v1.StatusRe
 	case le != nil:
 		e := le.E
 		e.RequeueToken = "" // the worker's secret: it authenticates a requeue
-		if e.Result == nil && w.cfg.Results != nil {
-			// A finished build's result is published before its
-			// decision is recorded: one asked for right after it must
-			// not read as still building (the SDK's Wait asks once).
-			found, err := w.cfg.Results.Find(ctx, e.Tenant, e.Name, e.RequestID, e.MsgTime)
+		if !e.Published {
+			// A result not marked stored is not the request's yet: a
+			// finished build's result is published before it is
+			// recorded, and one recorded first may give way to it. The
+			// stored one, if any, is shown (the SDK's Wait asks once,
+			// and takes only a result marked published).
+			found, err := w.storedResult(ctx, &e)
 			if err != nil {
-				return v1.StatusReply{Error: err.Error()}
+				// The entry, and why it may not be the last word: the
+				// SDK's Wait asks again.
+				return v1.StatusReply{Key: e.Key, Request: &e, Error: "reading the stored results: " + err.Error()}
 			}
 			if found != nil {
 				e.Result, e.Published = found, true
@@ -364,6 +387,31 @@ func (w *Service) status(ctx context.Context, tenant, target string) v1.StatusRe
 	}
 	return rep
 }
+
+// storedResult is the result the stream stored for e's request, if any
+// was found; nil without a results reader. Past the tenant's share of
+// reads at once (scansPerTenant) it waits for one, up to scanWait.
+func (w *Service) storedResult(ctx context.Context, e *v1.RequestEntry) (*v1.ResultData, error) {
+	if w.cfg.Results == nil {
+		return nil, nil
+	}
+	for deadline := time.Now().Add(scanWait); !w.scanning.take(e.Tenant); {
+		if time.Now().After(deadline) {
+			return nil, errors.New("too many status requests of this tenant read the results at once; try again")
+		}
+		select {
+		case <-time.After(20 * time.Millisecond):
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+	defer w.scanning.give(e.Tenant)
+	return w.cfg.Results.Recent(ctx, e.Tenant, e.Name, e.RequestID, e.MsgTime)
+}
+
+// scanWait bounds how long a status request waits for its tenant's turn
+// to read the results stream.
+const scanWait = 5 * time.Second
 
 // cancel cancels tenant's requests: the one named, or all of the tenant's
 // requests waiting on a build key. Each gets the result "canceled". The
@@ -410,7 +458,7 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 		case le == nil:
 			return v1.CancelReply{Message: fmt.Sprintf("no request %q of tenant %s is known", target, tenant)}
 		case le.E.Result != nil:
-			return v1.CancelReply{Key: le.E.Key, Message: "the request already has its result: " + le.E.State}
+			return v1.CancelReply{Key: le.E.Key, Message: "the request already has its result: " + w.finalState(ctx, le)}
 		}
 		if le.E.Key == "" {
 			// Not keyed yet (its git source is being packed): no build to
@@ -425,7 +473,7 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 				return v1.CancelReply{Message: fmt.Sprint("the request changed while it was canceled; try again: ", err)}
 			}
 			if le.E.Result != nil {
-				return v1.CancelReply{Key: le.E.Key, Message: "the request already has its result: " + le.E.State}
+				return v1.CancelReply{Key: le.E.Key, Message: "the request already has its result: " + w.finalState(ctx, le)}
 			}
 		}
 		key, mine = le.E.Key, []*ledger.Entry{le}
@@ -446,12 +494,12 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 		if !ok {
 			continue
 		}
-		switch canceled, err := w.deliverCanceled(ctx, le); {
+		switch stored, err := w.deliverCanceled(ctx, le); {
 		case err != nil:
-			unconfirmed = append(unconfirmed, le.E.RequestID+": "+err.Error())
-		case !canceled:
+			unconfirmed = append(unconfirmed, fmt.Sprintf("%s (%v)", le.E.RequestID, err))
+		case stored != v1.StatusCanceled:
 			// Its build's result was stored before the cancel's.
-			finished, finishedAs = finished+1, le.E.State
+			finished, finishedAs = finished+1, string(stored)
 			continue
 		}
 		n++
@@ -502,6 +550,18 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 	return v1.CancelReply{Key: key, Canceled: true, Requests: n, Stopped: stopped, Message: msg + notes(finished, unconfirmed)}
 }
 
+// finalState is the state of le's result: the one the stream stored when
+// the entry's is not marked stored and another was found, else the
+// entry's own.
+func (w *Service) finalState(ctx context.Context, le *ledger.Entry) string {
+	if !le.E.Published {
+		if found, err := w.storedResult(ctx, &le.E); err == nil && found != nil {
+			return string(found.Status)
+		}
+	}
+	return le.E.State
+}
+
 // notes tells what a cancel's reply leaves out: requests whose build's
 // result was stored before the cancel's, and canceled requests whose
 // "canceled" could not be confirmed stored.
@@ -524,13 +584,13 @@ const notConfirmed = "its result event says how it ended"
 const deliverBusyWait = 2 * time.Second
 
 // deliverCanceled delivers the "canceled" of le's request, whose cancel
-// mark was just written, and reports whether the stream stored it (or
-// a copy of it): otherwise another result — a finished build's,
-// published before its record — was stored first, and is the request's.
-// The entry then holds that result.
-func (w *Service) deliverCanceled(ctx context.Context, le *ledger.Entry) (bool, error) {
+// mark was just written, and returns the status of the result the stream
+// stored: "canceled" (this one, or a copy of it), or another result's — a
+// finished build's, published before its record — which is the
+// request's. The entry then holds that result.
+func (w *Service) deliverCanceled(ctx context.Context, le *ledger.Entry) (v1.Status, error) {
 	if w.cfg.Publish == nil || mutant.On("cancel-trusts-its-mark") {
-		return true, nil
+		return v1.StatusCanceled, nil
 	}
 	e := le.E
 	d := ledger.Decision{Tenant: e.Tenant, Name: e.Name, Data: v1.ResultData{RequestID: e.RequestID, Tenant: e.Tenant, Name: e.Name,
@@ -546,18 +606,18 @@ func (w *Service) deliverCanceled(ctx context.Context, le *ledger.Entry) (bool, 
 		case errors.As(err, &re) && res.Status == ledger.WasPublished:
 			// Another result was stored first: known, though the entry
 			// could not be written to match (its handler writes it).
-			return res.Decision.Data.Status == v1.StatusCanceled, nil
+			return res.Decision.Data.Status, nil
 		case err != nil:
-			return false, err
+			return "", err
 		case res.Status == ledger.Published || res.Status == ledger.WasPublished:
-			return res.Decision.Data.Status == v1.StatusCanceled, nil
+			return res.Decision.Data.Status, nil
 		case time.Now().After(deadline):
-			return false, errors.New("another handler of this worker is publishing its result")
+			return "", errors.New("another handler of this worker is publishing its result")
 		}
 		select {
 		case <-time.After(20 * time.Millisecond):
 		case <-ctx.Done():
-			return false, ctx.Err()
+			return "", ctx.Err()
 		}
 	}
 }
