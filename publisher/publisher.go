@@ -379,11 +379,11 @@ func (c *Client) decided(ctx context.Context, tenant, requestID string) (*v1.Res
 	if rep.Request != nil && rep.Error != "" {
 		return nil, false // the service failed to read it: ask again
 	}
-	// Only a result marked published is the request's: a decision
-	// recorded and not yet stored may give way to one stored before it
-	// (a finished build's result is published before it is recorded).
+	// The status service shows a result only once it is the request's
+	// (a decision recorded and not yet stored may give way to one stored
+	// before it).
 	e := rep.Request
-	if e == nil || e.Result == nil || !e.Published || e.RequestID != requestID || e.Result.RequestID != requestID {
+	if e == nil || e.Result == nil || e.RequestID != requestID || e.Result.RequestID != requestID {
 		return nil, true
 	}
 	at := e.Result.Timings.FinishedAt

@@ -168,3 +168,37 @@ func TestStatusNeverShowsACancelsRecordBeforeItsPublish(t *testing.T) {
 			got.Data.Status, stored.Data.Status)
 	}
 }
+
+// A cache hit's entry is created with its decision and never marked
+// published (its mark is written only when its ack fails): the decision
+// is final as written (Final), and status shows it without reading the
+// results stream.
+func TestStatusShowsACacheHitsUnmarkedResult(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	e.startWorker("w1", withRegistry(tr))
+	results := e.collect()
+	built := e.buildThrough(t, tr, results, request("status-hit"), 1)
+	hit := request("status-hit")
+	hit.RequestID = "status-hit-again"
+	if _, err := e.pub.Publish(context.Background(), hit); err != nil {
+		t.Fatal(err)
+	}
+	got := byID(results.waitFor(t, 2, 10*time.Second))[hit.RequestID]
+	if len(got) != 1 || got[0].Data.Origin != v1.OriginCache || got[0].Data.Digest != built.Data.Digest {
+		t.Fatalf("the hit: %s", mustJSON(t, got))
+	}
+	ent := e.ledgerEntry(hit.Tenant, hit.RequestID)
+	if ent.Published || !ent.Final {
+		t.Fatalf("the hit's entry: published %v, final %v; want unmarked and final", ent.Published, ent.Final)
+	}
+	m, err := tenantAPIRequest(e.nc, "acme", v1.APIStatusSubject("acme"), hit.RequestID, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rep v1.StatusReply
+	if err := json.Unmarshal(m.Data, &rep); err != nil || rep.Request == nil || rep.Request.Result == nil || rep.Request.Result.Digest != built.Data.Digest {
+		t.Fatalf("status of the hit: %s (%v)", m.Data, err)
+	}
+}

@@ -64,6 +64,11 @@ type RequestEntry struct {
 	Term   bool        `json:"term,omitempty"`
 	// Published is set once the result's PubAck came back.
 	Published bool `json:"published,omitempty"`
+	// Final: the decision was recorded as the entry was created (a cache
+	// hit): no other result can have been stored for the request, marked
+	// published or not. Any other decision not marked published may give
+	// way to a result stored before it.
+	Final bool `json:"final,omitempty"`
 	// TransientFailures counts the request's retries for transient
 	// trouble (bounded by --max-deliver).
 	TransientFailures int `json:"transientFailures,omitempty"`

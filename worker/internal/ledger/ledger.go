@@ -227,7 +227,7 @@ func (l *Ledger) CreateDecided(ctx context.Context, key string, seq uint64, at t
 	}
 	e := v1.RequestEntry{RequestID: r.RequestID, Tenant: d.Tenant, Name: d.Name, Key: key, State: string(r.Status),
 		Seq: seq, MsgTime: at.UTC(), Worker: l.cfg.Worker, UpdatedAt: now,
-		Origin: r.Origin, Digest: r.Digest, Reason: r.Reason, Result: &r, Term: d.Term}
+		Origin: r.Origin, Digest: r.Digest, Reason: r.Reason, Result: &r, Term: d.Term, Final: true}
 	b, _ := json.Marshal(e)
 	rev, err := l.Bucket().Create(ctx, Key(d.Tenant, r.RequestID), b)
 	switch {

@@ -79,10 +79,12 @@ type Config struct {
 	Archive buildlog.Archive
 }
 
-// StoredResults finds a request's stored result among its subject's most
-// recent ones (the worker's results stream reader).
+// StoredResults finds a request's stored result: among its subject's
+// most recent ones, or all since the request (the worker's results
+// stream reader).
 type StoredResults interface {
 	Recent(ctx context.Context, tenant, name, id string, since time.Time) (*v1.ResultData, error)
+	Find(ctx context.Context, tenant, name, id string, since time.Time) (*v1.ResultData, error)
 }
 
 // scansPerTenant bounds each tenant's status requests reading the results
@@ -349,21 +351,26 @@ func (w *Service) status(ctx context.Context, tenant, target string) v1.StatusRe
 	case le != nil:
 		e := le.E
 		e.RequeueToken = "" // the worker's secret: it authenticates a requeue
-		if !e.Published {
-			// A result not marked stored is not the request's yet: a
+		if !e.Published && !e.Final {
+			// A result not marked stored may not be the request's: a
 			// finished build's result is published before it is
-			// recorded, and one recorded first may give way to it. The
-			// stored one, if any, is shown (the SDK's Wait asks once,
-			// and takes only a result marked published).
+			// recorded, and a decision recorded first may give way to
+			// one stored before it. The stored one is shown; a decision
+			// recorded and not stored yet is not (the SDK's Wait asks
+			// once, and takes a result shown as the request's).
 			found, err := w.storedResult(ctx, &e)
 			if err != nil {
 				// The entry, and why it may not be the last word: the
 				// SDK's Wait asks again.
+				e.Result = nil
 				return v1.StatusReply{Key: e.Key, Request: &e, Error: "reading the stored results: " + err.Error()}
 			}
-			if found != nil {
+			switch {
+			case found != nil:
 				e.Result, e.Published = found, true
 				e.State, e.Origin, e.Digest, e.Reason = string(found.Status), found.Origin, found.Digest, found.Reason
+			case e.Result != nil:
+				e.Result = nil // recorded, its publish on its way
 			}
 		}
 		rep.Request, rep.Key = &e, e.Key
@@ -389,8 +396,12 @@ func (w *Service) status(ctx context.Context, tenant, target string) v1.StatusRe
 }
 
 // storedResult is the result the stream stored for e's request, if any
-// was found; nil without a results reader. Past the tenant's share of
-// reads at once (scansPerTenant) it waits for one, up to scanWait.
+// was found; nil without a results reader. An undecided entry's result,
+// if stored, is among the newest (published first, recorded a moment
+// later): Recent reads a bounded tail. A decision recorded and not marked
+// is looked for from the request's time (Find): it may be an old one
+// whose mark was lost. Past the tenant's share of reads at once
+// (scansPerTenant) it waits for one, up to scanWait.
 func (w *Service) storedResult(ctx context.Context, e *v1.RequestEntry) (*v1.ResultData, error) {
 	if w.cfg.Results == nil {
 		return nil, nil
@@ -406,6 +417,9 @@ func (w *Service) storedResult(ctx context.Context, e *v1.RequestEntry) (*v1.Res
 		}
 	}
 	defer w.scanning.give(e.Tenant)
+	if e.Result != nil {
+		return w.cfg.Results.Find(ctx, e.Tenant, e.Name, e.RequestID, e.MsgTime)
+	}
 	return w.cfg.Results.Recent(ctx, e.Tenant, e.Name, e.RequestID, e.MsgTime)
 }
 
@@ -554,7 +568,7 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 // the entry's is not marked stored and another was found, else the
 // entry's own.
 func (w *Service) finalState(ctx context.Context, le *ledger.Entry) string {
-	if !le.E.Published {
+	if !le.E.Published && !le.E.Final {
 		if found, err := w.storedResult(ctx, &le.E); err == nil && found != nil {
 			return string(found.Status)
 		}
