@@ -3,7 +3,9 @@ package worker
 // The ledger entry opened beside intake's read (intakeopen.go).
 
 import (
+	"bytes"
 	"context"
+	"errors"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -88,7 +90,10 @@ func TestAHitOnAnEntryOpenedAheadIsAnsweredOnce(t *testing.T) {
 
 // A cancel that marks the entry intake created ahead, before the handler
 // took that create, reaches the handler: the request is answered canceled
-// at once and no Job is created for it.
+// at once and no Job is created for it. Here the cancel's record of its
+// "canceled" is lost, so its mark and its notice to the handler are all
+// that stop the build (a recorded decision would stop it anyway: the
+// handler looks for one before claiming).
 func TestACancelBetweenTheCreateAheadAndItsHandlerStopsTheRequest(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
@@ -99,7 +104,15 @@ func TestACancelBetweenTheCreateAheadAndItsHandlerStopsTheRequest(t *testing.T) 
 	var once sync.Once
 	var created atomic.Bool
 	untilCreated := readHeldUntil(key, func() bool { return e.ledgerEntry("acme", id) != nil }, &created)
+	lk := RequestIndexKey("acme", id)
+	var lost atomic.Bool
 	w1 := e.startWorkerHooked("w1", nil, nil, func(w *Worker) {
+		w.ledger.UseBucket(&hookedKV{KeyValue: w.ledger.Bucket(), onUpdate: func(k string, value []byte) error {
+			if k == lk && bytes.Contains(value, []byte(`"result":`)) && lost.CompareAndSwap(false, true) {
+				return errors.New("the cancel's record is lost")
+			}
+			return nil
+		}})
 		w.faults = &faultHooks{beforeRecordRead: func(k string) {
 			if k != key {
 				return
