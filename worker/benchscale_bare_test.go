@@ -93,7 +93,7 @@ func TestBenchScaleBare(t *testing.T) {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer stop()
 	stopProfile := startProfile(spec.Profile)
-	nc, err := nats.Connect(spec.NATS, nats.Name(spec.Name), nats.MaxReconnects(-1))
+	nc, err := nats.Connect(spec.NATS, nats.Name(spec.Name), nats.MaxReconnects(-1), nats.ReconnectBufSize(-1))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -367,7 +367,7 @@ func runScaleBare(t *testing.T, s scaleSettings, topo scaleTopology) scaleOutcom
 	}
 	parentCPU0 := cpuSeconds()
 	nodes, natsURL := startScaleNodes(t, s, topo, dir)
-	nc, err := nats.Connect(natsURL, nats.MaxReconnects(-1))
+	nc, err := nats.Connect(natsURL, nats.MaxReconnects(-1), nats.ReconnectBufSize(-1))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -43,7 +43,7 @@ func runScale(t *testing.T, s scaleSettings, topo scaleTopology) scaleOutcome {
 
 	// NATS.
 	nodes, natsURL := startScaleNodes(t, s, topo, dir)
-	nc, err := nats.Connect(natsURL, nats.MaxReconnects(-1))
+	nc, err := nats.Connect(natsURL, nats.MaxReconnects(-1), nats.ReconnectBufSize(-1))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -325,7 +325,7 @@ func TestBenchScaleWorker(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	nc, err := nats.Connect(spec.NATS, nats.Name(spec.Name), nats.MaxReconnects(-1), nats.ReconnectWait(250*time.Millisecond))
+	nc, err := nats.Connect(spec.NATS, nats.Name(spec.Name), nats.MaxReconnects(-1), nats.ReconnectWait(250*time.Millisecond), nats.ReconnectBufSize(-1))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -43,8 +43,16 @@ type Config struct {
 	// decision is recorded when its request is younger than this, and a
 	// publish of an older request's result first looks for one stored
 	// for it (docs/design.md §4). Default half the duplicate window, at
-	// most that; negative: never published first (tests).
+	// most that; negative: never published first (tests). Publishing first
+	// needs a connection that keeps no reconnect buffer
+	// (nats.ReconnectBufSize(-1)): New refuses one that does.
 	FirstAge time.Duration
+	// RecordFirst: every handler records its decision before publishing
+	// it, as versions before publish-first did, while cancels and the
+	// status service still go by what the stream stored. For upgrading a
+	// fleet from such a version (docs/design.md §2 step 6): roll it out
+	// with this set, then again without.
+	RecordFirst bool
 	// Storage of streams and the KV bucket (default file).
 	Storage jetstream.StorageType
 	// Replicas of streams and the KV bucket (default 1).

@@ -113,7 +113,7 @@ func (s *benchStack) waitQueued(b *testing.B, n uint64) {
 
 func newBenchStack(b *testing.B, inFlight int, d func(string) time.Duration) (*benchStack, context.CancelFunc) {
 	srv := testnats.Start(b, testnats.Config{})
-	nc := srv.Connect(b)
+	nc := srv.Connect(b, nats.ReconnectBufSize(-1))
 	ctx, cancel := context.WithCancel(context.Background())
 	w, err := New(nc, sleepBackend{d: d}, Config{ID: "bench", MaxInFlight: inFlight, Naming: naming.Policy{Registry: "registry.test"}})
 	if err != nil {

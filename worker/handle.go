@@ -184,7 +184,7 @@ func (w *Worker) decide(ctx context.Context, in fairq.Incoming) fairq.Action {
 	publish := w.publish
 	var first func(context.Context, ledger.Decision) (ledger.Ack, error)
 	if v.end.started() {
-		if v.Data.Status != v1.StatusCanceled && w.nc.IsConnected() && !mutant.On("never-publish-first") {
+		if !w.cfg.RecordFirst && v.Data.Status != v1.StatusCanceled && w.nc.IsConnected() && !mutant.On("never-publish-first") {
 			// The handler of a finished build: a young request's result
 			// goes out first, and its decision and the run's end are
 			// stored after it, beside each other (ledger.Delivery.First).

@@ -43,7 +43,7 @@ type env struct {
 func setup(t *testing.T) *env {
 	t.Helper()
 	w := newWorld(t, worldConfig{})
-	nc, err := nats.Connect(w.nats.URL())
+	nc, err := nats.Connect(w.nats.URL(), nats.ReconnectBufSize(-1))
 	if err != nil {
 		t.Fatal(err)
 	}

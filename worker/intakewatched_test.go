@@ -167,7 +167,7 @@ func TestWatchedRecordsAreBounded(t *testing.T) {
 // the records kept before are not served after it.
 func TestWatchedRecordsAreForgottenWhenTheConnectionBreaks(t *testing.T) {
 	srv := testnats.Start(t, testnats.Config{NoJetStream: true})
-	nc := srv.Connect(t, nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
+	nc := srv.Connect(t, nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond), nats.ReconnectBufSize(-1))
 	r := newIntakeRoom(&Worker{nc: nc})
 	r.mu.Lock()
 	r.watchStarted()

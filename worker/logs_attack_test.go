@@ -81,7 +81,7 @@ func (e *env) startLogWorker(id string, backend Backend, archive LogArchive, mut
 	if mutate != nil {
 		mutate(&cfg)
 	}
-	nc, err := nats.Connect(e.world.nats.URL())
+	nc, err := nats.Connect(e.world.nats.URL(), nats.ReconnectBufSize(-1))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -96,7 +96,7 @@ func (w *simWorld) start(s *simSlot) {
 	client.onFault = func(verb, name string, err error) {
 		w.trace.add("api   %s: %s job %s failed: %v", id, verb, name, err)
 	}
-	nc, err := w.connectTo(s.proxy.url(), id)
+	nc, err := w.connectTo(s.proxy.url(), id, nats.ReconnectBufSize(-1)) // as `buildq worker` connects
 	if err != nil {
 		w.t.Errorf("harness: connect %s: %v", id, err)
 		return

@@ -559,8 +559,8 @@ func (w *simWorld) connect(name string) (*nats.Conn, error) {
 	return w.connectTo(w.world.nats.URL(), name)
 }
 
-func (w *simWorld) connectTo(url, name string) (*nats.Conn, error) {
-	return nats.Connect(url, nats.Name(name), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond),
+func (w *simWorld) connectTo(url, name string, opts ...nats.Option) (*nats.Conn, error) {
+	return nats.Connect(url, append([]nats.Option{nats.Name(name), nats.MaxReconnects(-1), nats.ReconnectWait(50 * time.Millisecond),
 		nats.ReconnectJitter(10*time.Millisecond, 10*time.Millisecond), nats.RetryOnFailedConnect(true),
-		nats.Timeout(2*time.Second))
+		nats.Timeout(2 * time.Second)}, opts...)...)
 }

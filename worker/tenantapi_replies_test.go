@@ -117,7 +117,7 @@ func TestServiceReplyPrefixCannotBeForged(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer func() { _ = spy.Unsubscribe() }()
-	nc, err := nats.Connect(e.world.nats.URL())
+	nc, err := nats.Connect(e.world.nats.URL(), nats.ReconnectBufSize(-1))
 	if err != nil {
 		t.Fatal(err)
 	}

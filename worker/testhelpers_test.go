@@ -70,7 +70,7 @@ func (e *env) startWorkerFull(id string, kc kaniko.Config, mutate func(*Config),
 	if err != nil {
 		t.Fatal(err)
 	}
-	nc, err := nats.Connect(e.world.nats.URL())
+	nc, err := nats.Connect(e.world.nats.URL(), nats.ReconnectBufSize(-1))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -118,7 +118,7 @@ func (e *env) startLocalWorker(id string, backend Backend, mutate func(*Config))
 	if mutate != nil {
 		mutate(&cfg)
 	}
-	nc, err := nats.Connect(e.world.nats.URL())
+	nc, err := nats.Connect(e.world.nats.URL(), nats.ReconnectBufSize(-1))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -92,11 +92,22 @@ type Worker struct {
 }
 
 // New validates cfg and returns a worker that uses nc and runs builds on
-// backend. It does not touch the server until Run (or Setup).
+// backend. It does not touch the server until Run (or Setup). Unless
+// cfg.FirstAge is negative, nc must keep no reconnect buffer
+// (nats.ReconnectBufSize(-1)).
 func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("worker config: %w", err)
+	}
+	if cfg.FirstAge > 0 && nc != nil && nc.Opts.ReconnectBufSize >= 0 {
+		// A publish written while the connection is down waits in that
+		// buffer and goes out when it is back, however long that takes:
+		// a result published first could then land after the duplicate
+		// window, beside another decision (docs/design.md §2 step 6).
+		return nil, fmt.Errorf("worker: the NATS connection keeps a reconnect buffer of %d bytes; "+
+			"a worker that publishes results first needs one that keeps none (nats.ReconnectBufSize(-1)), "+
+			"or a negative FirstAge to record every decision first", nc.Opts.ReconnectBufSize)
 	}
 	js, err := jetstream.New(nc)
 	if err != nil {

@@ -159,7 +159,7 @@ func TestSetupAttemptOutlivesAnUnansweredRequest(t *testing.T) {
 	if err := relay.Flush(); err != nil {
 		t.Fatal(err)
 	}
-	w, err := New(front.Connect(t), nil, testConfig("setup-relay"))
+	w, err := New(front.Connect(t, nats.ReconnectBufSize(-1)), nil, testConfig("setup-relay"))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -228,3 +228,28 @@ func TestREADMEConfigFileExampleLoads(t *testing.T) {
 		t.Errorf("README's example not applied: registry %q weights %v metrics %q", c.naming.Registry, c.worker.Fair.Weights, c.metricsAddr)
 	}
 }
+
+// --record-first (the first rollout of an upgrade from workers that
+// record every decision first) reaches the worker's configuration, from
+// the command line and from the file's NATS section; it is off by default.
+func TestRecordFirstReachesTheWorker(t *testing.T) {
+	c, err := workerFlags(t)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.worker.RecordFirst {
+		t.Error("RecordFirst set without --record-first; want publish-first by default")
+	}
+	if c, err = workerFlags(t, "--record-first"); err != nil {
+		t.Fatal(err)
+	}
+	if !c.worker.RecordFirst {
+		t.Error("--record-first did not set RecordFirst")
+	}
+	if c, err = workerFlags(t, "--config", writeConfig(t, "nats:\n  record-first: true\n")); err != nil {
+		t.Fatal(err)
+	}
+	if !c.worker.RecordFirst {
+		t.Error("record-first: true in the file's nats section did not set RecordFirst")
+	}
+}

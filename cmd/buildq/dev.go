@@ -250,7 +250,7 @@ func runDev(ctx context.Context, stderr io.Writer, c *serveConfig, gw *devGatewa
 	cfg.Logs.Archive = store
 	cfg.GitSources = c.git.packer(store, true, "")
 	cfg.Logger = log.Named("worker")
-	nc, err := nats.Connect(stack.NATSURL, nats.Name("buildq-dev-worker"), nats.MaxReconnects(-1))
+	nc, err := nats.Connect(stack.NATSURL, nats.Name("buildq-dev-worker"), nats.MaxReconnects(-1), nats.ReconnectBufSize(-1))
 	if err != nil {
 		return failed(err)
 	}

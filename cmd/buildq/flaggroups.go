@@ -27,7 +27,7 @@ var flagGroups = []flagGroup{
 	}},
 	{"nats", "NATS and JetStream", []string{
 		"nats-url", "nats-creds", "nats-nkey", "nats-tls-ca", "nats-tls-cert", "nats-tls-key", "inbox-prefix",
-		"storage", "replicas", "ack-wait", "lease", "max-deliver", "results-max-age", "index-ttl",
+		"storage", "replicas", "ack-wait", "lease", "max-deliver", "results-max-age", "index-ttl", "record-first",
 	}},
 	{"kubernetes", "Kubernetes", []string{
 		"kubeconfig", "kube-api-qps", "kube-api-burst", "namespace", "executor-image", "fetch-image",

@@ -41,6 +41,7 @@ func (c *serveConfig) registerWorker(fs *pflag.FlagSet) {
 	registerSingleTenant(fs, &c.singleTenant)
 	fs.StringVar(&w.ContextBucket, "context-bucket", "", "the only S3 bucket a request's context may be in (empty: any the worker's keys reach)")
 	fs.DurationVar(&w.IndexTTL, "index-ttl", 30*24*time.Hour, "how long a build record stays in buildq-builds after its last write; an expired key is built again when asked for (at least 1h and 3 × --lease: a running build's record must not age out)")
+	fs.BoolVar(&w.RecordFirst, "record-first", false, "record each decision before publishing its result, as workers before publish-first did (results a little later); set it on every worker while upgrading a fleet from such a version, then roll out again without it")
 	fs.DurationVar(&w.Lease, "lease", 30*time.Second, "build claim lease; a dead worker's builds are taken over after it")
 	fs.StringVar(&c.storage, "storage", "file", "JetStream storage of streams and the KV buckets: file or memory")
 	fs.IntVar(&w.Replicas, "replicas", 1, "JetStream replicas of streams and the KV buckets")

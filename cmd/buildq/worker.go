@@ -183,7 +183,9 @@ func runWorker(ctx context.Context, c *serveConfig) error {
 	setWaiting("not taking requests: connecting to NATS")
 
 	c.nats.name = "buildq-worker " + cfg.ID
-	nc, err := c.nats.connect(nats.MaxReconnects(-1))
+	// No reconnect buffer: a publish made while the connection is down
+	// fails at once rather than going out whenever it is back (worker.New).
+	nc, err := c.nats.connect(nats.MaxReconnects(-1), nats.ReconnectBufSize(-1))
 	if err != nil {
 		return err
 	}

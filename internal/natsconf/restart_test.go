@@ -114,10 +114,10 @@ func (r *restartableServer) restart() {
 }
 
 // reconnecting connects as a user and keeps reconnecting across restarts.
-func reconnecting(t *testing.T, url, name string, auth nats.Option) *nats.Conn {
+func reconnecting(t *testing.T, url, name string, auth nats.Option, opts ...nats.Option) *nats.Conn {
 	t.Helper()
-	nc, err := nats.Connect(url, auth, nats.Name(name), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond),
-		nats.ReconnectJitter(0, 0))
+	nc, err := nats.Connect(url, append([]nats.Option{auth, nats.Name(name), nats.MaxReconnects(-1), nats.ReconnectWait(50 * time.Millisecond),
+		nats.ReconnectJitter(0, 0)}, opts...)...)
 	if err != nil {
 		t.Fatalf("connect as %s: %v", name, err)
 	}
@@ -369,7 +369,7 @@ func runRestart(t *testing.T, m restartMode) {
 	backend := newGateBackend()
 	store := &memContexts{m: map[string][]byte{}}
 
-	wnc := reconnecting(t, url, "buildq-worker", m.auth(WorkerKey))
+	wnc := reconnecting(t, url, "buildq-worker", m.auth(WorkerKey), nats.ReconnectBufSize(-1))
 	w, err := worker.New(wnc, backend, worker.Config{
 		ID: "w1", MaxInFlight: 8, AckWait: 2 * time.Second, Lease: 2 * time.Second, ShutdownTimeout: 5 * time.Second,
 		Naming: naming.Policy{Registry: "registry.test:5000"}, ContextPrefix: "contexts/{tenant}/", Contexts: store,
