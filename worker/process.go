@@ -256,22 +256,37 @@ func (w *Worker) decode(msg jetstream.Msg) (*v1.Request, error) {
 // validated, with the ledger entry of its id when it has a usable one.
 func (w *Worker) invalidEntry(ctx context.Context, msg jetstream.Msg, req *v1.Request, err error, timings v1.Timings, meta *jetstream.MsgMetadata) (verdict, *ledger.Entry, error) {
 	v := w.invalid(msg, req, err, timings, meta)
-	if w.ledger.Ready() && msg.Headers().Get(v1.MsgIDHeader) == "" && !strings.HasPrefix(v.Tenant, "_") &&
-		!strings.HasPrefix(v.Data.RequestID, "invalid-") {
-		// No header: the id is the body's. An id the ledger already
-		// holds belongs to another message; this one gets no result
-		// (a second, different one would follow the first).
-		if le, err := w.ledger.Get(ctx, v.Tenant, v.Data.RequestID); err != nil {
-			return v, nil, Transient(err)
-		} else if le != nil {
-			v.duplicate = true
-			return v, nil, nil
-		}
+	if !w.ledger.Ready() || strings.HasPrefix(v.Tenant, "_") || strings.HasPrefix(v.Data.RequestID, "invalid-") {
+		return v, nil, nil
 	}
-	if !w.ledger.Ready() || strings.HasPrefix(v.Tenant, "_") || strings.HasPrefix(v.Data.RequestID, "invalid-") ||
-		msg.Headers().Get(v1.MsgIDHeader) == "" {
-		// No ledger entry for an id the message does not hold by its
-		// header: it must not block a real request of that id.
+	if msg.Headers().Get(v1.MsgIDHeader) == "" {
+		// No header: the refusal goes out under the body's id, so the
+		// producer waiting on it gets it. That id gets an entry with the
+		// refusal in it, written before the publish, as every result
+		// of an id has one: a later message of the id is its duplicate
+		// (one result per id, also past the duplicate window), the status
+		// service answers with the refusal, and an entry created decided
+		// elsewhere (a cache hit's) can trust that nothing was stored
+		// before it. An id the ledger already holds belongs to another
+		// message, which gets the id's one result; this one gets none.
+		le, d, ok, err := w.ledger.CreateDecided(ctx, "", meta.Sequence.Stream, meta.Timestamp, v.Decision)
+		if err != nil {
+			return v, nil, Transient(err)
+		}
+		if ok {
+			v.Decision = d
+			return v, le, nil
+		}
+		switch le, err := w.ledger.Get(ctx, v.Tenant, v.Data.RequestID); {
+		case err != nil:
+			return v, nil, Transient(err)
+		case le == nil:
+			return v, nil, Transient(fmt.Errorf("request ledger: the entry of %s went as it was read", v.Data.RequestID))
+		case le.E.Seq == meta.Sequence.Stream && le.E.Result != nil:
+			// This message's own, from a create whose reply was lost.
+			return verdictOf(le.E), le, nil
+		}
+		v.duplicate = true
 		return v, nil, nil
 	}
 	le, _, lerr := w.ledger.Open(ctx, v.Tenant, v.Name, v.Data.RequestID, "", meta.Sequence.Stream, meta.Timestamp)

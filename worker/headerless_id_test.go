@@ -1,0 +1,170 @@
+package worker
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	v1 "github.com/buildq/buildq/api/v1"
+)
+
+// A request published without its Nats-Msg-Id header is refused under its
+// body's request id, and that refusal is the id's one result: its entry
+// is written with it. These tests came from an attack on the `final`
+// mark and the status service's reads of the stored results.
+
+// publishHeaderless publishes req as a producer that forgot the header.
+func (e *env) publishHeaderless(t *testing.T, req *v1.Request) {
+	t.Helper()
+	req.APIVersion, req.SubmittedAt = v1.APIVersion, time.Now().UTC()
+	b, err := json.Marshal(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := nats.NewMsg(v1.RequestSubject(req.Tenant))
+	m.Data = b
+	if err := e.nc.PublishMsg(m); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// The same id sent again properly, after the results stream's duplicate
+// window (narrowed to a second here), is the refusal's duplicate: nothing
+// is built and no second result is stored under the id. Before the
+// refusal had an entry, the new message opened one, was built, and its
+// result was stored beside the refusal.
+func TestAHeaderlessRequestsRefusalIsItsIDsOneResultPastTheWindow(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	e.startWorker("w1", withRegistry(tr))
+	results := e.collect()
+	ctx := context.Background()
+	st, err := e.js.Stream(ctx, v1.ResultsStream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := st.CachedInfo().Config
+	cfg.Duplicates = time.Second
+	if _, err := e.js.UpdateStream(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+	const id = "headerless-window"
+	bad := request(id)
+	bad.RequestID = id
+	e.publishHeaderless(t, bad)
+	if r := results.waitFor(t, 1, 10*time.Second)[0]; r.Data.Status != v1.StatusFailed || r.Data.Reason != v1.ReasonInvalidRequest {
+		t.Fatalf("the header-less request: %s", mustJSON(t, r))
+	}
+	time.Sleep(1500 * time.Millisecond) // past the window
+
+	good := request(id)
+	good.RequestID = id
+	if _, err := e.pub.Publish(ctx, good); err != nil {
+		t.Fatal(err)
+	}
+	e.atkSettled(t, 10*time.Second)
+	if n := len(e.jobs()); n != 0 {
+		t.Fatalf("%d Jobs for a request id whose one result is the refusal", n)
+	}
+	var stored []string
+	for _, r := range e.resultsStoredFor(id) {
+		stored = append(stored, string(r.Data.Status))
+	}
+	if len(stored) != 1 {
+		t.Fatalf("%d results stored under request %s's Nats-Msg-Id: %v, want the refusal alone", len(stored), id, stored)
+	}
+	wctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	got, err := e.pub.Wait(wctx, "acme", "web", id, time.Time{})
+	if err != nil || got.Data.Status != v1.StatusFailed {
+		t.Fatalf("publisher.Wait = %+v, %v; want the stored refusal", got, err)
+	}
+}
+
+// A producer that waits on the id after its refusal was stored gets it:
+// the status service answers from the refusal's entry. Before, it
+// answered "no request is known", Wait took that as undecided, and
+// waited for a result stored before it subscribed.
+func TestWaitGetsAHeaderlessRequestsStoredRefusal(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	e.startWorker("w1", withRegistry(tr))
+	results := e.collect()
+	const id = "headerless-wait"
+	bad := request(id)
+	bad.RequestID = id
+	e.publishHeaderless(t, bad)
+	stored := results.waitFor(t, 1, 10*time.Second)[0]
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	got, err := e.pub.Wait(ctx, "acme", "web", id, time.Time{})
+	if err != nil {
+		t.Fatalf("publisher.Wait: %v; the request's stored result is %s (%s)", err, stored.Data.Status, stored.Data.Reason)
+	}
+	if got.Data.Status != stored.Data.Status || got.Data.Reason != stored.Data.Reason {
+		t.Fatalf("Wait returned %s/%s, stored %s/%s", got.Data.Status, got.Data.Reason, stored.Data.Status, stored.Data.Reason)
+	}
+}
+
+// The same id sent properly after its refusal, for content already
+// built, is a cache hit at intake — and the id's duplicate: no entry is
+// created decided (and marked final) over the stored refusal. Before, the
+// hit's entry said "succeeded", final, while the stream held "failed";
+// with the hit's adopting write lost, status, the cancel's reply and
+// publisher.Wait all said "succeeded".
+func TestAHitOfAnIDRefusedWithoutItsHeaderIsItsDuplicate(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	const id = "headerless-hit"
+	lk := RequestIndexKey("acme", id)
+	var lost atomic.Int32
+	e.startWorkerHooked("w1", withRegistry(tr), nil, func(w *Worker) {
+		w.ledger.UseBucket(&hookedKV{KeyValue: w.ledger.Bucket(), onUpdate: func(k string, value []byte) error {
+			if k == lk && bytes.Contains(value, []byte(`"published":true`)) {
+				lost.Add(1)
+				return errors.New("write lost")
+			}
+			return nil
+		}})
+	})
+	results := e.collect()
+	e.buildThrough(t, tr, results, request(id), 1)
+	bad := request(id)
+	bad.RequestID = id
+	e.publishHeaderless(t, bad)
+	refusal := byID(results.waitFor(t, 2, 10*time.Second))[id]
+	if len(refusal) != 1 || refusal[0].Data.Status != v1.StatusFailed {
+		t.Fatalf("the header-less request's result: %s", mustJSON(t, refusal))
+	}
+
+	good := request(id)
+	good.RequestID = id
+	if _, err := e.pub.Publish(context.Background(), good); err != nil {
+		t.Fatal(err)
+	}
+	e.atkSettled(t, 10*time.Second)
+	if ent := e.ledgerEntry("acme", id); ent == nil || ent.Result == nil || ent.Result.Status != v1.StatusFailed {
+		t.Fatalf("the id's entry: %s, want the refusal", mustJSON(t, ent))
+	}
+	if rep := cancelRequest(t, e.nc, v1.CancelSubject("acme", "web"), id); rep.Canceled || rep.Message != "the request already has its result: failed" {
+		t.Fatalf("cancel reply %+v, want the refusal named", rep)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	got, err := e.pub.Wait(ctx, "acme", "web", id, time.Time{})
+	if err != nil || got.Data.Status != v1.StatusFailed {
+		t.Fatalf("publisher.Wait = %+v, %v; want the stored refusal", got, err)
+	}
+	if stored := e.resultsStoredFor(id); len(stored) != 1 {
+		t.Fatalf("%d results stored for %s, want one", len(stored), id)
+	}
+}
