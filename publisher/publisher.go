@@ -282,8 +282,12 @@ var ErrStop = errors.New("stop watching")
 // it subscribes (core NATS) to the request's result subject,
 // buildq.results.<tenant>.<name>, and keeps the result whose id is
 // requestID; a result published before that subscription existed is
-// found by asking the status service (buildq.api.status.<tenant>) once,
-// which answers with the request's decided result. So a tenant's NATS user
+// found by asking the status service (buildq.api.status.<tenant>), which
+// answers with the request's decided result. While it shows none, Wait
+// asks again now and then (after 5 s, doubling up to a minute): a result
+// can reach the ledger after its publish (published first, recorded
+// later), and a core subscription misses what is published while its
+// connection reconnects. So a tenant's NATS user
 // needs only to subscribe to its results and its inbox, and to publish on
 // its status subject (see deploy/nats/).
 //
@@ -330,29 +334,36 @@ func (c *Client) Wait(ctx context.Context, tenant, name, requestID string, since
 
 	// A result decided before the subscription: ask the status service.
 	// The asking stops when Wait returns, however it returns: an answer
-	// it no longer needs is not waited for, and nothing is asked again.
+	// it no longer needs is not waited for.
 	pctx, stop := context.WithCancel(ctx)
 	defer stop()
 	go func() {
-		backoff := time.Second
+		unanswered, undecided := time.Second, waitPollFirst
 		for pctx.Err() == nil {
 			r, answered := c.decided(pctx, tenant, requestID)
 			if r != nil {
 				offer(r)
+				return
 			}
-			if answered || c.permissionError("Publish to", v1.APIStatusSubject(tenant)) != nil {
-				return // asked once; the subscription does the rest
+			if c.permissionError("Publish to", v1.APIStatusSubject(tenant)) != nil {
+				return // the subscription alone
 			}
-			// No worker answered (none running yet, or all busy): the
-			// result cannot have been decided unseen by the ledger, but
-			// it may have been published before the subscription. Ask
-			// again later.
+			// No worker answered (none running yet, or all busy): ask
+			// again soon. Answered, undecided: the subscription is the
+			// way the result comes, and asking again now and then finds
+			// one it missed (published during a reconnect) or one the
+			// status service could not show yet (stored first, recorded
+			// later).
+			wait, limit := &unanswered, 30*time.Second
+			if answered {
+				wait, limit = &undecided, waitPollMax
+			}
 			select {
 			case <-pctx.Done():
 				return
-			case <-time.After(backoff):
+			case <-time.After(*wait):
 			}
-			backoff = min(2*backoff, 30*time.Second)
+			*wait = min(2*(*wait), limit)
 		}
 	}()
 	select {
@@ -362,6 +373,10 @@ func (c *Client) Wait(ctx context.Context, tenant, name, requestID string, since
 		return nil, ctx.Err()
 	}
 }
+
+// How often Wait asks the status service again while it shows the
+// request undecided: after waitPollFirst, doubling up to waitPollMax.
+var waitPollFirst, waitPollMax = 5 * time.Second, time.Minute
 
 // decided asks tenant's status service for requestID. answered is false
 // when no worker answered; the result is nil while undecided (or unknown).

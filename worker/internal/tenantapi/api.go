@@ -88,8 +88,8 @@ type StoredResults interface {
 }
 
 // scansPerTenant bounds each tenant's status requests reading the results
-// stream at once, and scans all tenants'; past either, a status waits its
-// turn (scanWait).
+// stream at once, and scans all tenants'; past either, a status that
+// needs such a read answers that it could not (errTooManyScans).
 const (
 	scansPerTenant = 2
 	scans          = 8
@@ -401,20 +401,16 @@ func (w *Service) status(ctx context.Context, tenant, target string) v1.StatusRe
 // later): Recent reads a bounded tail. A decision recorded and not marked
 // is looked for from the request's time (Find): it may be an old one
 // whose mark was lost. Past the tenant's share of reads at once
-// (scansPerTenant) it waits for one, up to scanWait.
+// (scansPerTenant, or the worker's) it fails at once: waiting for a turn
+// would hold one of the worker's request slots (apiConcurrency), and a
+// tenant's flood of such requests would then hold them all, ahead of
+// every other tenant's. The SDK's Wait asks again later.
 func (w *Service) storedResult(ctx context.Context, e *v1.RequestEntry) (*v1.ResultData, error) {
 	if w.cfg.Results == nil {
 		return nil, nil
 	}
-	for deadline := time.Now().Add(scanWait); !w.scanning.take(e.Tenant); {
-		if time.Now().After(deadline) {
-			return nil, errors.New("too many status requests of this tenant read the results at once; try again")
-		}
-		select {
-		case <-time.After(20 * time.Millisecond):
-		case <-ctx.Done():
-			return nil, ctx.Err()
-		}
+	if !w.scanning.take(e.Tenant) {
+		return nil, errTooManyScans
 	}
 	defer w.scanning.give(e.Tenant)
 	if e.Result != nil {
@@ -423,6 +419,6 @@ func (w *Service) storedResult(ctx context.Context, e *v1.RequestEntry) (*v1.Res
 	return w.cfg.Results.Recent(ctx, e.Tenant, e.Name, e.RequestID, e.MsgTime)
 }
 
-// scanWait bounds how long a status request waits for its tenant's turn
-// to read the results stream.
-const scanWait = 5 * time.Second
+// errTooManyScans answers a status request past its tenant's share of
+// reads of the results stream.
+var errTooManyScans = errors.New("too many status requests of this tenant read the results at once; try again")

@@ -149,16 +149,23 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 	return v1.CancelReply{Key: key, Canceled: true, Requests: n, Stopped: stopped, Message: msg + notes(finished, unconfirmed)}
 }
 
-// finalState is the state of le's result: the one the stream stored when
-// the entry's is not marked stored and another was found, else the
-// entry's own.
+// finalState names le's result for a cancel's reply: the entry's own when
+// it is marked stored (published or final), else the one the stream
+// stored for the request. One the stream has not stored (yet), or could
+// not be read, is not named as the request's: a result published first
+// may be stored ahead of the entry's.
 func (w *Service) finalState(ctx context.Context, le *ledger.Entry) string {
-	if !le.E.Published && !le.E.Final {
-		if found, err := w.storedResult(ctx, &le.E); err == nil && found != nil {
-			return string(found.Status)
-		}
+	if le.E.Published || le.E.Final {
+		return le.E.State
 	}
-	return le.E.State
+	found, err := w.storedResult(ctx, &le.E)
+	switch {
+	case err != nil:
+		return le.E.State + " as recorded; the stored result could not be read (" + err.Error() + "): " + notConfirmed
+	case found == nil:
+		return le.E.State + " as recorded, not yet confirmed stored: " + notConfirmed
+	}
+	return string(found.Status)
 }
 
 // notes tells what a cancel's reply leaves out: requests whose build's

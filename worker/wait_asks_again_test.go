@@ -1,0 +1,141 @@
+package worker
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/kaniko"
+)
+
+// A finished build's result is published first and stored; its record is
+// lost (the worker killed right after the PubAck, or the KV write failed:
+// the entry stays undecided until a redelivery records it). Meanwhile
+// the deployment stores more than recentMsgs (1,024) other results, and
+// the same tenant's next result under the same name. The status service
+// reads an undecided entry's stored result with Recent: the subject's
+// last result (another request's), then the subject's results among the
+// 1,024 stream messages before it — the request's is older, so status
+// answers "no result". publisher.Wait, which subscribed after the result
+// went out, asks the status service once, takes "no result" for an
+// answer, and waits on its subscription for a result that was stored
+// before it and will never be published again (a redelivery's publish is
+// a duplicate, which the stream does not republish): it never returns.
+//
+// Wait now asks again now and then while status shows no result, so it
+// returns the stored result once the redelivery has recorded it. (From
+// an attack on the status service's bounded read.)
+func TestWaitAsksAgainAndGetsAResultStatusCouldNotShowAtFirst(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	req := request("wait-asks-again")
+	req.RequestID = "wait-asks-again"
+	lk := RequestIndexKey(req.Tenant, req.RequestID)
+	var lose atomic.Bool
+	lose.Store(true)
+	e.startWorkerHooked("w1", withRegistry(tr), nil, func(w *Worker) {
+		w.ledger.UseBucket(&hookedKV{KeyValue: w.ledger.Bucket(), onUpdate: func(k string, value []byte) error {
+			if k == lk && bytes.Contains(value, []byte(`"published":true`)) && lose.Load() {
+				return errors.New("write lost")
+			}
+			return nil
+		}})
+	})
+	results := e.collect()
+	if _, err := e.pub.Publish(context.Background(), req); err != nil {
+		t.Fatal(err)
+	}
+	job := e.waitJob(kaniko.JobName(v1.BuildKey(req, kanikoID)))
+	e.kubelet(job, 0, tr.push(t, destination(job)))
+	stored := results.waitFor(t, 1, 10*time.Second)[0]
+	if stored.Data.RequestID != req.RequestID {
+		t.Fatalf("stored %s", mustJSON(t, stored))
+	}
+
+	// Other tenants' results (a busy deployment), then the tenant's next
+	// result under the same name.
+	for i := range recentMsgs + 100 {
+		m := nats.NewMsg(v1.ResultsIngestPrefix + ".zeta.api")
+		m.Header.Set(v1.MsgIDHeader, v1.MsgID("zeta", fmt.Sprintf("busy-%d", i)))
+		m.Data = resultBody(t, "zeta", "api", fmt.Sprintf("busy-%d", i))
+		if _, err := e.js.PublishMsgAsync(m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	m := nats.NewMsg(v1.ResultsIngestPrefix + ".acme.web")
+	m.Header.Set(v1.MsgIDHeader, v1.MsgID("acme", "wait-asks-again-next"))
+	m.Data = resultBody(t, "acme", "web", "wait-asks-again-next")
+	if _, err := e.js.PublishMsgAsync(m); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-e.js.PublishAsyncComplete():
+	case <-time.After(60 * time.Second):
+		t.Fatal("storing the results timed out")
+	}
+	ent := e.ledgerEntry(req.Tenant, req.RequestID)
+	t.Logf("entry: state %s, result %v, published %v", ent.State, ent.Result != nil, ent.Published)
+
+	sm, err := tenantAPIRequest(e.nc, "acme", v1.APIStatusSubject("acme"), req.RequestID, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rep v1.StatusReply
+	_ = json.Unmarshal(sm.Data, &rep)
+	t.Logf("status: %s", sm.Data)
+
+	// Wait asks while the entry is undecided; then the record lands (the
+	// redelivery's), and Wait's next question finds it.
+	ctx, cancel := context.WithTimeout(context.Background(), 40*time.Second)
+	defer cancel()
+	type waited struct {
+		r   *v1.Result
+		err error
+	}
+	done := make(chan waited, 1)
+	go func() {
+		r, err := e.pub.Wait(ctx, req.Tenant, req.Name, req.RequestID, time.Time{})
+		done <- waited{r, err}
+	}()
+	time.Sleep(time.Second)
+	lose.Store(false)
+	eventually(t, 20*time.Second, "the entry recorded by a redelivery", func() bool {
+		ent := e.ledgerEntry(req.Tenant, req.RequestID)
+		return ent != nil && ent.Published && ent.Result != nil
+	})
+	t.Log("the entry is recorded and marked published now")
+	var wr waited
+	select {
+	case wr = <-done:
+	case <-time.After(25 * time.Second): // Wait asks after 5 s, then 10 s more
+		cancel()
+		wr = <-done
+	}
+	got, err := wr.r, wr.err
+	if err != nil {
+		t.Fatalf("publisher.Wait: %v; the request's stored result is %s (status showed result %v)", err, stored.Data.Status,
+			rep.Request != nil && rep.Request.Result != nil)
+	}
+	if got.Data.Status != stored.Data.Status {
+		t.Fatalf("Wait returned %s, stored %s", got.Data.Status, stored.Data.Status)
+	}
+}
+
+// resultBody is a stored result of tenant's request id under name.
+func resultBody(t *testing.T, tenant, name, id string) []byte {
+	b, err := json.Marshal(v1.NewResult("/test", v1.ResultData{RequestID: id, Tenant: tenant, Name: name,
+		Status: v1.StatusSucceeded, Origin: v1.OriginCache}, time.Now()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
