@@ -188,6 +188,12 @@ func (c *serverClock) sample(ts, sent time.Time, window time.Duration) {
 	c.mu.Unlock()
 }
 
+// sampleMaxAge is how long a sample is trusted: three of the worker's
+// samples (ackWaitRefresh). Past it (the info requests failing, the
+// worker paused) the clock is unknown: a window narrowed meanwhile, a
+// server restarted on another clock, are seen within it or not trusted.
+const sampleMaxAge = 3 * ackWaitRefresh
+
 // young reports whether a request whose message the server stored at
 // msgTime is younger than firstAge and than half the results stream's
 // duplicate window, on the server's clock. Unknown is not young.
@@ -197,7 +203,11 @@ func (c *serverClock) young(msgTime time.Time, firstAge time.Duration) bool {
 	if c.ts.IsZero() || firstAge <= 0 {
 		return false
 	}
-	now := c.ts.Add(time.Since(c.sent))
+	since := time.Since(c.sent)
+	if since > sampleMaxAge {
+		return false
+	}
+	now := c.ts.Add(since)
 	return now.Sub(msgTime) < min(firstAge, c.window/2)
 }
 

@@ -20,14 +20,14 @@ func TestTheServerClockJudgesARequestsAge(t *testing.T) {
 	if c.young(server, 5*time.Minute) {
 		t.Fatal("young with no sample: an unknown clock must not be trusted")
 	}
-	c.sample(server, time.Now().Add(-time.Minute), 10*time.Minute) // sent a minute ago
+	c.sample(server, time.Now().Add(-sampleMaxAge/2), 10*time.Minute) // sent a moment ago
 	for _, tc := range []struct {
 		age  time.Duration // before the sample's stamp
 		want bool
 	}{
 		{0, true},
-		{3*time.Minute + 50*time.Second, true},
-		{4*time.Minute + 10*time.Second, false}, // with the minute since the send: 5 min 10 s
+		{5*time.Minute - sampleMaxAge/2 - time.Second, true},
+		{5*time.Minute - sampleMaxAge/2 + time.Second, false}, // with the time since the send: 5 min 1 s
 		{time.Hour, false},
 	} {
 		if got := c.young(server.Add(-tc.age), 5*time.Minute); got != tc.want {
@@ -39,6 +39,14 @@ func TestTheServerClockJudgesARequestsAge(t *testing.T) {
 	if c.young(server.Add(-90*time.Second), 5*time.Minute) {
 		t.Error("a request 90 s old is young under a duplicate window of 2 min")
 	}
+	// A sample past its age (the info requests failing since, the worker
+	// paused) is no longer trusted: a window narrowed, or a server
+	// restarted on another clock, since then would go unseen.
+	c.sample(server, time.Now().Add(-sampleMaxAge-time.Second), 10*time.Minute)
+	if c.young(server, 5*time.Minute) {
+		t.Error("young by a sample older than sampleMaxAge")
+	}
+	c.sample(server, time.Now(), 2*time.Minute)
 	// A response without a stamp (an older server) changes nothing.
 	c.sample(time.Time{}, time.Now(), 10*time.Minute)
 	if c.young(server.Add(-90*time.Second), 5*time.Minute) {
