@@ -5,6 +5,8 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -166,5 +168,64 @@ func TestAHitOfAnIDRefusedWithoutItsHeaderIsItsDuplicate(t *testing.T) {
 	}
 	if stored := e.resultsStoredFor(id); len(stored) != 1 {
 		t.Fatalf("%d results stored for %s, want one", len(stored), id)
+	}
+}
+
+// A message whose header names no usable id is refused under a generated
+// id, invalid-<its stream sequence>, which keeps no ledger entry. No
+// request may take that id: the SDK refuses it before sending, and a
+// message that names it anyway is refused under a generated id of its
+// own — so the first message's refusal is never another request's
+// answer, and the id never gets a second result. (Before, a request of
+// that id was built, and its result, a duplicate of the refusal, was
+// dropped for it.)
+func TestNoRequestTakesAnIDGivenToAnUnreadableMessage(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	e.startWorker("w1", withRegistry(tr))
+	results := e.collect()
+	ctx := context.Background()
+	publishNamed := func(req *v1.Request, header string) uint64 {
+		t.Helper()
+		req.APIVersion, req.SubmittedAt = v1.APIVersion, time.Now().UTC()
+		b, err := json.Marshal(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m := nats.NewMsg(v1.RequestSubject("acme"))
+		m.Header.Set(v1.MsgIDHeader, header)
+		m.Data = b
+		ack, err := e.js.PublishMsg(ctx, m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ack.Sequence
+	}
+	broken := request("unreadable")
+	broken.RequestID = "unreadable"
+	id := fmt.Sprintf("%s%d", v1.GeneratedIDPrefix, publishNamed(broken, "acme/"))
+	if r := results.waitFor(t, 1, 10*time.Second)[0]; r.Data.RequestID != id || r.Data.Reason != v1.ReasonInvalidRequest {
+		t.Fatalf("the unreadable message's refusal: %s, want it under %s", mustJSON(t, r), id)
+	}
+
+	good := request("unreadable")
+	good.RequestID = id
+	if _, err := e.pub.Publish(ctx, good); err == nil || !strings.Contains(err.Error(), v1.GeneratedIDPrefix) {
+		t.Fatalf("the SDK publishing a request of the generated id %s: %v; want it refused before sending", id, err)
+	}
+	// Sent anyway, by hand, with a header naming the id.
+	seq := publishNamed(good, "acme/"+id)
+	own := fmt.Sprintf("%s%d", v1.GeneratedIDPrefix, seq)
+	r := byID(results.waitFor(t, 2, 10*time.Second))[own]
+	if len(r) != 1 || r[0].Data.Reason != v1.ReasonInvalidRequest || !strings.Contains(r[0].Data.Message, v1.GeneratedIDPrefix) {
+		t.Fatalf("the request naming %s: results under %s %s, want its refusal, naming the reserved prefix", id, own, mustJSON(t, r))
+	}
+	e.atkSettled(t, 10*time.Second)
+	if n := len(e.jobs()); n != 0 {
+		t.Fatalf("%d Jobs built", n)
+	}
+	if stored := e.resultsStoredFor(id); len(stored) != 1 || stored[0].Data.Message != results.snapshot()[0].Data.Message {
+		t.Fatalf("results stored under %s: %s, want the unreadable message's refusal alone", id, mustJSON(t, stored))
 	}
 }

@@ -256,7 +256,8 @@ func (w *Worker) decode(msg jetstream.Msg) (*v1.Request, error) {
 // validated, with the ledger entry of its id when it has a usable one.
 func (w *Worker) invalidEntry(ctx context.Context, msg jetstream.Msg, req *v1.Request, err error, timings v1.Timings, meta *jetstream.MsgMetadata) (verdict, *ledger.Entry, error) {
 	v := w.invalid(msg, req, err, timings, meta)
-	if !w.ledger.Ready() || strings.HasPrefix(v.Tenant, "_") || strings.HasPrefix(v.Data.RequestID, "invalid-") {
+	if !w.ledger.Ready() || strings.HasPrefix(v.Tenant, "_") || strings.HasPrefix(v.Data.RequestID, v1.GeneratedIDPrefix) {
+		// No entry for an id no request can take (usableID).
 		return v, nil, nil
 	}
 	if msg.Headers().Get(v1.MsgIDHeader) == "" {
@@ -378,7 +379,7 @@ func (w *Worker) invalid(msg jetstream.Msg, req *v1.Request, err error, timings 
 		id = v1.RequestIDOfMsgID(h, tenant)
 	case h == "" && usableID(id):
 	default:
-		id = fmt.Sprintf("invalid-%d", meta.Sequence.Stream)
+		id = fmt.Sprintf("%s%d", v1.GeneratedIDPrefix, meta.Sequence.Stream)
 	}
 	w.log.Info("invalid request", zap.String("requestId", id), zap.Error(err))
 	return verdict{Decision: ledger.Decision{Tenant: tenant, Name: name, Term: true, Data: v1.ResultData{
@@ -388,9 +389,12 @@ func (w *Worker) invalid(msg jetstream.Msg, req *v1.Request, err error, timings 
 }
 
 // usableID reports whether an id from bad input can still serve as the
-// result's message id and CloudEvents id.
+// result's message id and CloudEvents id. A generated id's form is not:
+// a message that names one gets an id of its own, so no message takes
+// (and blocks, or answers) the id another unreadable message was given.
 func usableID(id string) bool {
-	return id != "" && len(id) <= v1.MaxRequestIDLen && !strings.ContainsAny(id, " \t\r\n\x00")
+	return id != "" && len(id) <= v1.MaxRequestIDLen && !strings.ContainsAny(id, " \t\r\n\x00") &&
+		!strings.HasPrefix(id, v1.GeneratedIDPrefix)
 }
 
 // tenantRegistry is the registry client for a tenant's own repositories:

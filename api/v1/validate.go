@@ -115,6 +115,12 @@ func DecodeRequest(data []byte) (*Request, error) {
 	return &r, nil
 }
 
+// GeneratedIDPrefix begins the id a worker gives a request it cannot read
+// and whose message names no usable id (invalid-<stream sequence>): no
+// request may take such an id, so no refusal of another message is ever
+// a request's answer.
+const GeneratedIDPrefix = "invalid-"
+
 // Validate checks every field and returns a *ValidationError listing all
 // problems, or nil.
 func (r *Request) Validate() error {
@@ -132,6 +138,8 @@ func (r *Request) Validate() error {
 		add("requestId", "is %d characters, more than %d", len(r.RequestID), MaxRequestIDLen)
 	case !requestIDRe.MatchString(r.RequestID):
 		add("requestId", "may hold only letters, digits, '_', '.', ':' and '-'")
+	case strings.HasPrefix(r.RequestID, GeneratedIDPrefix):
+		add("requestId", "may not begin with %q: workers give such ids to requests they cannot read", GeneratedIDPrefix)
 	}
 	checkLabel := func(field, v string) {
 		if msg := DNSLabelProblem(v); msg != "" {
