@@ -161,6 +161,33 @@ func (w *Worker) decide(ctx context.Context, in fairq.Incoming) fairq.Action {
 			w.deadLetter(actx, v.Tenant, msg, err)
 		}
 		v.Term = true
+		if le == nil && !v.duplicate && ownsEntry(v) {
+			// Given up before the request had its entry (the ledger
+			// failing on every try): its result goes into a new entry
+			// first, as every result of a tenant's id does, or the
+			// request is tried again later — published without one, a
+			// later message of the id would be built and answered again.
+			nle, d, ok, cerr := w.ledger.CreateDecided(actx, v.Data.Key, meta.Sequence.Stream, meta.Timestamp, v.Decision)
+			if ok {
+				le, v.Decision = nle, d
+			} else if cerr == nil {
+				// An entry of the id exists: this message's own, from a
+				// write whose reply was lost, or another message's.
+				switch got, gerr := w.ledger.Get(actx, v.Tenant, v.Data.RequestID); {
+				case gerr != nil || got == nil:
+					cerr = fmt.Errorf("read the entry of %s: %w", v.Data.RequestID, gerr)
+				case got.E.Seq == meta.Sequence.Stream:
+					le = got
+				default:
+					v.duplicate = true
+				}
+			}
+			if cerr != nil {
+				log.Warn("the request's result cannot be written into the ledger; trying it again later", zap.Error(cerr))
+				w.cfg.Metrics.retried()
+				return retryIn()
+			}
+		}
 	}
 	if v.duplicate {
 		log.Warn("request id already held by another message; terminating this one without a result",
@@ -514,6 +541,12 @@ func (w *Worker) event(tenant, name string, e v1.Event) {
 }
 
 // verdictOf is the recorded decision of an entry.
+// ownsEntry reports whether v's request id is one a ledger entry is kept
+// for: a tenant's own id, not one generated for unreadable input.
+func ownsEntry(v verdict) bool {
+	return v.Data.RequestID != "" && !strings.HasPrefix(v.Tenant, "_") && !strings.HasPrefix(v.Data.RequestID, v1.GeneratedIDPrefix)
+}
+
 func verdictOf(e v1.RequestEntry) verdict { return verdict{Decision: ledger.DecisionOf(e)} }
 
 // canceled is v as the "canceled" result of a request its tenant

@@ -229,3 +229,67 @@ func TestNoRequestTakesAnIDGivenToAnUnreadableMessage(t *testing.T) {
 		t.Fatalf("results stored under %s: %s, want the unreadable message's refusal alone", id, mustJSON(t, stored))
 	}
 }
+
+// A request given up on before it had its entry (the ledger failing on
+// every delivery) gets its result only once that result is in a new
+// entry of its id; until the entry can be written it is tried again. So
+// the same id sent again past the duplicate window is the entry's
+// duplicate: not built, no second result. (Before, the give-up result
+// was published with no entry, and the id was built again.)
+func TestAResultGivenUpOnIsWrittenIntoItsIDsEntryFirst(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	const id = "given-up"
+	lk := RequestIndexKey("acme", id)
+	var creates atomic.Int32
+	e.startWorkerHooked("w1", func(c *Config) { withRegistry(tr)(c); c.MaxDeliver = 2 }, nil, func(w *Worker) {
+		w.ledger.UseBucket(&hookedKV{KeyValue: w.ledger.Bucket(), onCreate: func(k string, _ []byte) error {
+			// Every create of the id fails through both deliveries and
+			// the give-up's first try at its entry.
+			if k == lk && creates.Add(1) <= 3 {
+				return errors.New("ledger unavailable (fault injection)")
+			}
+			return nil
+		}})
+	})
+	results := e.collect()
+	ctx := context.Background()
+	st, err := e.js.Stream(ctx, v1.ResultsStream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := st.CachedInfo().Config
+	cfg.Duplicates = time.Second
+	if _, err := e.js.UpdateStream(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+	req := request(id)
+	req.RequestID = id
+	if _, err := e.pub.Publish(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	first := results.waitFor(t, 1, 30*time.Second)[0]
+	if first.Data.Status != v1.StatusFailed || first.Data.Reason != v1.ReasonInfrastructureError {
+		t.Fatalf("the request given up on: %s", mustJSON(t, first))
+	}
+	if n := creates.Load(); n <= 3 {
+		t.Fatalf("the result went out after %d creates of its entry, all failed: published with no entry", n)
+	}
+	if ent := e.ledgerEntry("acme", id); ent == nil || ent.Result == nil || ent.Result.Reason != v1.ReasonInfrastructureError {
+		t.Fatalf("the id's entry: %s, want the give-up result", mustJSON(t, ent))
+	}
+	time.Sleep(1500 * time.Millisecond) // past the window
+	again := request(id)
+	again.RequestID = id
+	if _, err := e.pub.Publish(ctx, again); err != nil {
+		t.Fatal(err)
+	}
+	e.atkSettled(t, 15*time.Second)
+	if n := len(e.jobs()); n != 0 {
+		t.Fatalf("%d Jobs for an id whose one result is the give-up", n)
+	}
+	if stored := e.resultsStoredFor(id); len(stored) != 1 {
+		t.Fatalf("%d results stored under %s, want the give-up alone", len(stored), id)
+	}
+}

@@ -42,9 +42,11 @@ func TestTheLedgerEntryIsOpenedBesideIntakesRecordRead(t *testing.T) {
 	if r := results.waitFor(t, 1, 10*time.Second)[0]; r.Data.Status != v1.StatusSucceeded || r.Data.Origin != v1.OriginBuild || r.Data.Attempts != 1 {
 		t.Fatalf("result %s", mustJSON(t, r))
 	}
-	if le := e.ledgerEntry("acme", id); le == nil || le.Result == nil || le.Result.Status != v1.StatusSucceeded {
-		t.Fatalf("ledger entry %s, want the request's decision", mustJSON(t, le))
-	}
+	// Published first: the decision is recorded a moment after the result.
+	eventually(t, 10*time.Second, "the request's decision in its ledger entry", func() bool {
+		le := e.ledgerEntry("acme", id)
+		return le != nil && le.Result != nil && le.Result.Status == v1.StatusSucceeded
+	})
 }
 
 // A hit of a key the worker had not seen has its entry opened ahead like a

@@ -256,7 +256,7 @@ func (w *Worker) decode(msg jetstream.Msg) (*v1.Request, error) {
 // validated, with the ledger entry of its id when it has a usable one.
 func (w *Worker) invalidEntry(ctx context.Context, msg jetstream.Msg, req *v1.Request, err error, timings v1.Timings, meta *jetstream.MsgMetadata) (verdict, *ledger.Entry, error) {
 	v := w.invalid(msg, req, err, timings, meta)
-	if !w.ledger.Ready() || strings.HasPrefix(v.Tenant, "_") || strings.HasPrefix(v.Data.RequestID, v1.GeneratedIDPrefix) {
+	if !w.ledger.Ready() || !ownsEntry(v) {
 		// No entry for an id no request can take (usableID).
 		return v, nil, nil
 	}

@@ -139,3 +139,71 @@ func resultBody(t *testing.T, tenant, name, id string) []byte {
 	}
 	return b
 }
+
+// A result published first whose record failed on the request's last
+// try (its entry stays undecided until it ages out) is the request's
+// stored result. More than recentMsgs results of other tenants and one
+// more of the request's own subject are stored after it, out of the
+// status service's bounded read (Recent). Once the key's run has ended
+// a while ago, status looks for the undecided entry's result in full,
+// and publisher.Wait, asking again, returns it. (From an attack on the
+// bounded read; before, Wait never returned.)
+func TestAStoredResultWhoseRecordFailedForGoodIsShownOnceTheRunEndedAWhileAgo(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	const id = "record-lost-for-good"
+	lk := RequestIndexKey("acme", id)
+	e.startWorkerHooked("w1", func(c *Config) { withRegistry(tr)(c); c.MaxDeliver = 1 }, nil, func(w *Worker) {
+		w.ledger.UseBucket(&hookedKV{KeyValue: w.ledger.Bucket(), onUpdate: func(k string, value []byte) error {
+			if k == lk && bytes.Contains(value, []byte(`"published":true`)) {
+				return errors.New("write lost (fault injection)")
+			}
+			return nil
+		}})
+	})
+	results := e.collect()
+	req := request(id)
+	req.RequestID = id
+	got := e.buildOnce(t, tr, results, req)
+	if got.Data.Status != v1.StatusSucceeded {
+		t.Fatalf("result %s", mustJSON(t, got))
+	}
+	e.atkSettled(t, 15*time.Second)
+	if ent := e.ledgerEntry("acme", id); ent == nil || ent.Result != nil {
+		t.Fatalf("premise: the entry is undecided, got %s", mustJSON(t, ent))
+	}
+	// Other tenants' results, then one more of acme/web.
+	ctx := context.Background()
+	for i := range recentMsgs + 100 {
+		m := nats.NewMsg(v1.ResultsIngestPrefix + ".other.web")
+		oid := fmt.Sprintf("r-%d", i)
+		m.Header.Set(v1.MsgIDHeader, v1.MsgID("other", oid))
+		m.Data, _ = json.Marshal(v1.NewResult("/test", v1.ResultData{RequestID: oid, Tenant: "other", Name: "web", Status: v1.StatusFailed, Reason: "X"}, time.Now()))
+		if _, err := e.js.PublishMsg(ctx, m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	later := v1.NewResult("/test", v1.ResultData{RequestID: "later", Tenant: "acme", Name: "web", Status: v1.StatusFailed}, time.Now())
+	b, _ := json.Marshal(later)
+	m := nats.NewMsg(v1.ResultsIngestPrefix + ".acme.web")
+	m.Header.Set(v1.MsgIDHeader, v1.MsgID("acme", "later"))
+	m.Data = b
+	if _, err := e.js.PublishMsg(ctx, m); err != nil {
+		t.Fatal(err)
+	}
+	if stored := e.resultsStoredFor(id); len(stored) != 1 {
+		t.Fatalf("premise: %d stored results of %s", len(stored), id)
+	}
+	wctx, cancel := context.WithTimeout(ctx, 40*time.Second) // asked at 0, 5 and 15 s; the run ended 10 s before
+	defer cancel()
+	w, err := e.pub.Wait(wctx, "acme", "web", id, time.Time{})
+	if err != nil || w.Data.Status != v1.StatusSucceeded {
+		msg, _ := tenantAPIRequest(e.nc, "acme", v1.APIStatusSubject("acme"), id, 5*time.Second)
+		var status string
+		if msg != nil {
+			status = string(msg.Data)
+		}
+		t.Fatalf("publisher.Wait = %+v, %v; the stored result is succeeded. status: %s", w, err, status)
+	}
+}

@@ -416,7 +416,30 @@ func (w *Service) storedResult(ctx context.Context, e *v1.RequestEntry) (*v1.Res
 	if e.Result != nil {
 		return w.cfg.Results.Find(ctx, e.Tenant, e.Name, e.RequestID, e.MsgTime)
 	}
-	return w.cfg.Results.Recent(ctx, e.Tenant, e.Name, e.RequestID, e.MsgTime)
+	found, err := w.cfg.Results.Recent(ctx, e.Tenant, e.Name, e.RequestID, e.MsgTime)
+	if err != nil || found != nil || !w.endedAWhileAgo(ctx, e.Key) {
+		return found, err
+	}
+	// The key's run ended a while ago and the entry is still undecided: a
+	// result published first whose record failed for good (its last
+	// delivery's) may be older than Recent reaches. Rare, and bounded by
+	// the same share of reads.
+	return w.cfg.Results.Find(ctx, e.Tenant, e.Name, e.RequestID, e.MsgTime)
+}
+
+// endedLongAgo is how long after a run's end an undecided entry of its key
+// is looked for in full: its result, if published, is recorded within
+// moments of the end.
+const endedLongAgo = 10 * time.Second
+
+// endedAWhileAgo reports whether key's build record is a finished build's,
+// finished over endedLongAgo ago.
+func (w *Service) endedAWhileAgo(ctx context.Context, key string) bool {
+	if key == "" {
+		return false
+	}
+	rec, _, err := w.cfg.Runs.Get(ctx, key)
+	return err == nil && rec != nil && rec.Final() && !rec.FinishedAt.IsZero() && w.cfg.Now().Sub(rec.FinishedAt) > endedLongAgo
 }
 
 // errTooManyScans answers a status request past its tenant's share of
