@@ -36,6 +36,46 @@ func (e *env) publishHeaderless(t *testing.T, req *v1.Request) {
 	}
 }
 
+// narrowResultsWindow narrows the results stream's duplicate window to a
+// second, so a test can send an id again past it.
+func (e *env) narrowResultsWindow(t *testing.T) {
+	t.Helper()
+	ctx := context.Background()
+	st, err := e.js.Stream(ctx, v1.ResultsStream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := st.CachedInfo().Config
+	cfg.Duplicates = time.Second
+	if _, err := e.js.UpdateStream(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// resendPastTheWindow sends a request of id again, properly, past the
+// narrowed duplicate window, and checks that it is the id's duplicate:
+// nothing built, and still one result stored under the id.
+func (e *env) resendPastTheWindow(t *testing.T, id string) {
+	t.Helper()
+	time.Sleep(1500 * time.Millisecond)
+	again := request(id)
+	again.RequestID = id
+	if _, err := e.pub.Publish(context.Background(), again); err != nil {
+		t.Fatal(err)
+	}
+	e.atkSettled(t, 15*time.Second)
+	if n := len(e.jobs()); n != 0 {
+		t.Fatalf("%d Jobs for a request id that has its one result", n)
+	}
+	var stored []string
+	for _, r := range e.resultsStoredFor(id) {
+		stored = append(stored, string(r.Data.Status)+"/"+r.Data.Reason)
+	}
+	if len(stored) != 1 {
+		t.Fatalf("%d results stored under request %s's Nats-Msg-Id: %v, want the first alone", len(stored), id, stored)
+	}
+}
+
 // The same id sent again properly, after the results stream's duplicate
 // window (narrowed to a second here), is the refusal's duplicate: nothing
 // is built and no second result is stored under the id. Before the
@@ -48,15 +88,7 @@ func TestAHeaderlessRequestsRefusalIsItsIDsOneResultPastTheWindow(t *testing.T) 
 	e.startWorker("w1", withRegistry(tr))
 	results := e.collect()
 	ctx := context.Background()
-	st, err := e.js.Stream(ctx, v1.ResultsStream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg := st.CachedInfo().Config
-	cfg.Duplicates = time.Second
-	if _, err := e.js.UpdateStream(ctx, cfg); err != nil {
-		t.Fatal(err)
-	}
+	e.narrowResultsWindow(t)
 	const id = "headerless-window"
 	bad := request(id)
 	bad.RequestID = id
@@ -64,24 +96,7 @@ func TestAHeaderlessRequestsRefusalIsItsIDsOneResultPastTheWindow(t *testing.T) 
 	if r := results.waitFor(t, 1, 10*time.Second)[0]; r.Data.Status != v1.StatusFailed || r.Data.Reason != v1.ReasonInvalidRequest {
 		t.Fatalf("the header-less request: %s", mustJSON(t, r))
 	}
-	time.Sleep(1500 * time.Millisecond) // past the window
-
-	good := request(id)
-	good.RequestID = id
-	if _, err := e.pub.Publish(ctx, good); err != nil {
-		t.Fatal(err)
-	}
-	e.atkSettled(t, 10*time.Second)
-	if n := len(e.jobs()); n != 0 {
-		t.Fatalf("%d Jobs for a request id whose one result is the refusal", n)
-	}
-	var stored []string
-	for _, r := range e.resultsStoredFor(id) {
-		stored = append(stored, string(r.Data.Status))
-	}
-	if len(stored) != 1 {
-		t.Fatalf("%d results stored under request %s's Nats-Msg-Id: %v, want the refusal alone", len(stored), id, stored)
-	}
+	e.resendPastTheWindow(t, id)
 	wctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	got, err := e.pub.Wait(wctx, "acme", "web", id, time.Time{})
@@ -255,15 +270,7 @@ func TestAResultGivenUpOnIsWrittenIntoItsIDsEntryFirst(t *testing.T) {
 	})
 	results := e.collect()
 	ctx := context.Background()
-	st, err := e.js.Stream(ctx, v1.ResultsStream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg := st.CachedInfo().Config
-	cfg.Duplicates = time.Second
-	if _, err := e.js.UpdateStream(ctx, cfg); err != nil {
-		t.Fatal(err)
-	}
+	e.narrowResultsWindow(t)
 	req := request(id)
 	req.RequestID = id
 	if _, err := e.pub.Publish(ctx, req); err != nil {
@@ -279,17 +286,5 @@ func TestAResultGivenUpOnIsWrittenIntoItsIDsEntryFirst(t *testing.T) {
 	if ent := e.ledgerEntry("acme", id); ent == nil || ent.Result == nil || ent.Result.Reason != v1.ReasonInfrastructureError {
 		t.Fatalf("the id's entry: %s, want the give-up result", mustJSON(t, ent))
 	}
-	time.Sleep(1500 * time.Millisecond) // past the window
-	again := request(id)
-	again.RequestID = id
-	if _, err := e.pub.Publish(ctx, again); err != nil {
-		t.Fatal(err)
-	}
-	e.atkSettled(t, 15*time.Second)
-	if n := len(e.jobs()); n != 0 {
-		t.Fatalf("%d Jobs for an id whose one result is the give-up", n)
-	}
-	if stored := e.resultsStoredFor(id); len(stored) != 1 {
-		t.Fatalf("%d results stored under %s, want the give-up alone", len(stored), id)
-	}
+	e.resendPastTheWindow(t, id)
 }
