@@ -158,7 +158,6 @@ func (w *Worker) decide(ctx context.Context, in fairq.Incoming) fairq.Action {
 		v.CleanupKey, v.CleanupRun = "", ""
 		if IsTransient(err) {
 			v.Data.Message = fmt.Sprintf("gave up after %d transient failures: %v", w.cfg.MaxDeliver, err)
-			w.deadLetter(actx, v.Tenant, msg, err)
 		}
 		v.Term = true
 		if le == nil && !v.duplicate && ownsEntry(v) {
@@ -171,12 +170,16 @@ func (w *Worker) decide(ctx context.Context, in fairq.Incoming) fairq.Action {
 			if ok {
 				le, v.Decision = nle, d
 			} else if cerr == nil {
-				// An entry of the id exists: this message's own, from a
-				// write whose reply was lost, or another message's.
+				// An entry of the id exists: this message's own (from a
+				// write whose reply was lost, or the entry a requeued
+				// message carries the token of), or another message's.
+				tok := msg.Headers().Get(ledger.RequeueTokenHeader)
 				switch got, gerr := w.ledger.Get(actx, v.Tenant, v.Data.RequestID); {
-				case gerr != nil || got == nil:
+				case gerr != nil:
 					cerr = fmt.Errorf("read the entry of %s: %w", v.Data.RequestID, gerr)
-				case got.E.Seq == meta.Sequence.Stream:
+				case got == nil:
+					cerr = fmt.Errorf("the entry of %s went as it was read", v.Data.RequestID)
+				case got.E.Seq == meta.Sequence.Stream || (tok != "" && got.E.RequeueToken == tok):
 					le = got
 				default:
 					v.duplicate = true
@@ -187,6 +190,10 @@ func (w *Worker) decide(ctx context.Context, in fairq.Incoming) fairq.Action {
 				w.cfg.Metrics.retried()
 				return retryIn()
 			}
+		}
+		if IsTransient(err) {
+			// Once, as the result goes out (not on each try at its entry).
+			w.deadLetter(actx, v.Tenant, msg, err)
 		}
 	}
 	if v.duplicate {
