@@ -547,13 +547,13 @@ func (w *Worker) event(tenant, name string, e v1.Event) {
 	_ = w.nc.Publish(v1.EventSubject(tenant, name), b)
 }
 
-// verdictOf is the recorded decision of an entry.
 // ownsEntry reports whether v's request id is one a ledger entry is kept
 // for: a tenant's own id, not one generated for unreadable input.
 func ownsEntry(v verdict) bool {
 	return v.Data.RequestID != "" && !strings.HasPrefix(v.Tenant, "_") && !strings.HasPrefix(v.Data.RequestID, v1.GeneratedIDPrefix)
 }
 
+// verdictOf is the recorded decision of an entry.
 func verdictOf(e v1.RequestEntry) verdict { return verdict{Decision: ledger.DecisionOf(e)} }
 
 // canceled is v as the "canceled" result of a request its tenant
