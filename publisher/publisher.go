@@ -376,7 +376,7 @@ func (c *Client) Wait(ctx context.Context, tenant, name, requestID string, since
 
 // How often Wait asks the status service again while it shows the
 // request undecided: after waitPollFirst, doubling up to waitPollMax.
-var waitPollFirst, waitPollMax = 5 * time.Second, time.Minute
+const waitPollFirst, waitPollMax = 5 * time.Second, time.Minute
 
 // decided asks tenant's status service for requestID. answered is false
 // when no worker answered; the result is nil while undecided (or unknown).
