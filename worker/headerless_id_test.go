@@ -1,7 +1,6 @@
 package worker
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -142,17 +141,7 @@ func TestAHitOfAnIDRefusedWithoutItsHeaderIsItsDuplicate(t *testing.T) {
 	e := setup(t)
 	tr := newTestRegistry(t)
 	const id = "headerless-hit"
-	lk := RequestIndexKey("acme", id)
-	var lost atomic.Int32
-	e.startWorkerHooked("w1", withRegistry(tr), nil, func(w *Worker) {
-		w.ledger.UseBucket(&hookedKV{KeyValue: w.ledger.Bucket(), onUpdate: func(k string, value []byte) error {
-			if k == lk && bytes.Contains(value, []byte(`"published":true`)) {
-				lost.Add(1)
-				return errors.New("write lost")
-			}
-			return nil
-		}})
-	})
+	e.startWorkerHooked("w1", withRegistry(tr), nil, func(w *Worker) { losePublishedMarks(w, "acme", id, always) })
 	results := e.collect()
 	e.buildThrough(t, tr, results, request(id), 1)
 	bad := request(id)

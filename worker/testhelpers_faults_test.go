@@ -8,6 +8,7 @@ package worker
 import (
 	"bytes"
 	"context"
+	"errors"
 	"runtime"
 	"strings"
 	"sync"
@@ -107,6 +108,23 @@ func (s *slowMark) Update(ctx context.Context, key string, value []byte, rev uin
 	}
 	return s.KeyValue.Update(ctx, key, value, rev)
 }
+
+// losePublishedMarks makes w's writes of the ledger entry of tenant's
+// request id that mark it published fail while lose reports true: the
+// record of a stored result lost, as by a KV fault or a worker killed
+// right after its PubAck.
+func losePublishedMarks(w *Worker, tenant, id string, lose func() bool) {
+	lk := RequestIndexKey(tenant, id)
+	w.ledger.UseBucket(&hookedKV{KeyValue: w.ledger.Bucket(), onUpdate: func(k string, value []byte) error {
+		if k == lk && bytes.Contains(value, []byte(`"published":true`)) && lose() {
+			return errors.New("write lost (fault injection)")
+		}
+		return nil
+	}})
+}
+
+// always is a fault that never heals.
+func always() bool { return true }
 
 // slowCreates is an API client whose Job creates can be held: the request
 // reached the API server, whose answer comes late. (A reactor cannot

@@ -1,10 +1,8 @@
 package worker
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"sync/atomic"
 	"testing"
@@ -13,7 +11,6 @@ import (
 	"github.com/nats-io/nats.go"
 
 	v1 "github.com/buildq/buildq/api/v1"
-	"github.com/buildq/buildq/internal/kaniko"
 )
 
 // A finished build's result is published first and stored; its record is
@@ -24,39 +21,23 @@ import (
 // reads an undecided entry's stored result with Recent: the subject's
 // last result (another request's), then the subject's results among the
 // 1,024 stream messages before it — the request's is older, so status
-// answers "no result". publisher.Wait, which subscribed after the result
-// went out, asks the status service once, takes "no result" for an
-// answer, and waits on its subscription for a result that was stored
-// before it and will never be published again (a redelivery's publish is
-// a duplicate, which the stream does not republish): it never returns.
-//
-// Wait now asks again now and then while status shows no result, so it
-// returns the stored result once the redelivery has recorded it. (From
-// an attack on the status service's bounded read.)
+// answers "no result". publisher.Wait subscribed after the result went
+// out, and a redelivery's publish is a duplicate, which the stream does
+// not republish: the subscription never sees it. Wait asks again now and
+// then while status shows no result, so it returns the stored result
+// once the redelivery has recorded it. (From an attack on the status
+// service's bounded read: Wait asked once, and never returned.)
 func TestWaitAsksAgainAndGetsAResultStatusCouldNotShowAtFirst(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
 	req := request("wait-asks-again")
 	req.RequestID = "wait-asks-again"
-	lk := RequestIndexKey(req.Tenant, req.RequestID)
 	var lose atomic.Bool
 	lose.Store(true)
-	e.startWorkerHooked("w1", withRegistry(tr), nil, func(w *Worker) {
-		w.ledger.UseBucket(&hookedKV{KeyValue: w.ledger.Bucket(), onUpdate: func(k string, value []byte) error {
-			if k == lk && bytes.Contains(value, []byte(`"published":true`)) && lose.Load() {
-				return errors.New("write lost")
-			}
-			return nil
-		}})
-	})
+	e.startWorkerHooked("w1", withRegistry(tr), nil, func(w *Worker) { losePublishedMarks(w, req.Tenant, req.RequestID, lose.Load) })
 	results := e.collect()
-	if _, err := e.pub.Publish(context.Background(), req); err != nil {
-		t.Fatal(err)
-	}
-	job := e.waitJob(kaniko.JobName(v1.BuildKey(req, kanikoID)))
-	e.kubelet(job, 0, tr.push(t, destination(job)))
-	stored := results.waitFor(t, 1, 10*time.Second)[0]
+	stored := e.buildOnce(t, tr, results, req)
 	if stored.Data.RequestID != req.RequestID {
 		t.Fatalf("stored %s", mustJSON(t, stored))
 	}
@@ -153,15 +134,8 @@ func TestAStoredResultWhoseRecordFailedForGoodIsShownOnceTheRunEndedAWhileAgo(t 
 	e := setup(t)
 	tr := newTestRegistry(t)
 	const id = "record-lost-for-good"
-	lk := RequestIndexKey("acme", id)
-	e.startWorkerHooked("w1", func(c *Config) { withRegistry(tr)(c); c.MaxDeliver = 1 }, nil, func(w *Worker) {
-		w.ledger.UseBucket(&hookedKV{KeyValue: w.ledger.Bucket(), onUpdate: func(k string, value []byte) error {
-			if k == lk && bytes.Contains(value, []byte(`"published":true`)) {
-				return errors.New("write lost (fault injection)")
-			}
-			return nil
-		}})
-	})
+	e.startWorkerHooked("w1", func(c *Config) { withRegistry(tr)(c); c.MaxDeliver = 1 }, nil,
+		func(w *Worker) { losePublishedMarks(w, "acme", id, always) })
 	results := e.collect()
 	req := request(id)
 	req.RequestID = id
