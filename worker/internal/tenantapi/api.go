@@ -343,6 +343,7 @@ func (w *Service) status(ctx context.Context, tenant, target string) v1.StatusRe
 		return v1.StatusReply{Error: "send a build key (64 hex digits) or a request id"}
 	}
 	rep := v1.StatusReply{Key: target}
+	var rec keyRecord // the key's build record, read once
 	// A request id first: an id may look like a build key.
 	le, err := w.cfg.Ledger.Get(ctx, tenant, target)
 	switch {
@@ -358,7 +359,7 @@ func (w *Service) status(ctx context.Context, tenant, target string) v1.StatusRe
 			// one stored before it. The stored one is shown; a decision
 			// recorded and not stored yet is not (the SDK's Wait asks
 			// once, and takes a result shown as the request's).
-			found, err := w.storedResult(ctx, &e)
+			found, err := w.storedResult(ctx, &e, &rec)
 			if err != nil {
 				// The entry, and why it may not be the last word: the
 				// SDK's Wait asks again.
@@ -380,14 +381,14 @@ func (w *Service) status(ctx context.Context, tenant, target string) v1.StatusRe
 	if rep.Key == "" {
 		return rep
 	}
-	rec, _, err := w.cfg.Runs.Get(ctx, rep.Key)
+	build, err := rec.get(ctx, w.cfg.Runs, rep.Key)
 	if err != nil {
 		return v1.StatusReply{Error: err.Error()}
 	}
 	// A build is shown to the tenant whose request claimed it; another
 	// tenant that joined sees its own request's state only.
-	if rec != nil && rec.Tenant == tenant {
-		rep.Build = rec
+	if build != nil && build.Tenant == tenant {
+		rep.Build = build
 	}
 	if rep.Request == nil && rep.Build == nil {
 		return v1.StatusReply{Key: rep.Key, Error: fmt.Sprintf("no build of tenant %s is known for key %s", tenant, rep.Key)}
@@ -405,7 +406,7 @@ func (w *Service) status(ctx context.Context, tenant, target string) v1.StatusRe
 // would hold one of the worker's request slots (apiConcurrency), and a
 // tenant's flood of such requests would then hold them all, ahead of
 // every other tenant's. The SDK's Wait asks again later.
-func (w *Service) storedResult(ctx context.Context, e *v1.RequestEntry) (*v1.ResultData, error) {
+func (w *Service) storedResult(ctx context.Context, e *v1.RequestEntry, rec *keyRecord) (*v1.ResultData, error) {
 	if w.cfg.Results == nil {
 		return nil, nil
 	}
@@ -417,7 +418,7 @@ func (w *Service) storedResult(ctx context.Context, e *v1.RequestEntry) (*v1.Res
 		return w.cfg.Results.Find(ctx, e.Tenant, e.Name, e.RequestID, e.MsgTime)
 	}
 	found, err := w.cfg.Results.Recent(ctx, e.Tenant, e.Name, e.RequestID, e.MsgTime)
-	if err != nil || found != nil || !w.endedAWhileAgo(ctx, e.Key) {
+	if err != nil || found != nil || !w.endedAWhileAgo(ctx, rec, e.Key) {
 		return found, err
 	}
 	// The key's run ended a while ago and the entry is still undecided: a
@@ -434,12 +435,29 @@ const endedLongAgo = 10 * time.Second
 
 // endedAWhileAgo reports whether key's build record is a finished build's,
 // finished over endedLongAgo ago.
-func (w *Service) endedAWhileAgo(ctx context.Context, key string) bool {
+func (w *Service) endedAWhileAgo(ctx context.Context, kr *keyRecord, key string) bool {
 	if key == "" {
 		return false
 	}
-	rec, _, err := w.cfg.Runs.Get(ctx, key)
+	rec, err := kr.get(ctx, w.cfg.Runs, key)
 	return err == nil && rec != nil && rec.Final() && !rec.FinishedAt.IsZero() && w.cfg.Now().Sub(rec.FinishedAt) > endedLongAgo
+}
+
+// keyRecord is a key's build record, read at most once for one answer:
+// status reads it to look further for a stored result and to show it.
+type keyRecord struct {
+	key  string
+	read bool
+	rec  *v1.BuildRecord
+	err  error
+}
+
+func (k *keyRecord) get(ctx context.Context, runs *runs.Store, key string) (*v1.BuildRecord, error) {
+	if !k.read || k.key != key {
+		k.rec, _, k.err = runs.Get(ctx, key)
+		k.key, k.read = key, true
+	}
+	return k.rec, k.err
 }
 
 // errTooManyScans answers a status request past its tenant's share of

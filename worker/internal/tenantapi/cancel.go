@@ -158,7 +158,7 @@ func (w *Service) finalState(ctx context.Context, le *ledger.Entry) string {
 	if le.E.Published || le.E.Final {
 		return le.E.State
 	}
-	found, err := w.storedResult(ctx, &le.E)
+	found, err := w.storedResult(ctx, &le.E, &keyRecord{})
 	switch {
 	case err != nil:
 		return le.E.State + " as recorded; the stored result could not be read (" + err.Error() + "): " + notConfirmed
