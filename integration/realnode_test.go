@@ -223,6 +223,8 @@ COPY hello.txt /srv/hello.txt
 		}
 	})
 
+	t.Run("a tag pushed before the build Pod starts is never pushed over", func(t *testing.T) { testTagTakenOnRealNode(t, node) })
+
 	t.Run("fetch-context refuses replaced bytes", func(t *testing.T) {
 		s := newSuite(t, options{node: node})
 		pods := s.podsCreated()

@@ -34,6 +34,13 @@ type Build struct {
 	// Job that runs its Pod again) and why, for the request's progress
 	// events and the run's log.
 	Progress func(msg string)
+	// KeepFirstTag: the build must not push over its first destination
+	// if that holds an image when the build starts. A backend that can
+	// check it there (the kube backend's fetch-context init container)
+	// does, and ends such a build with Outcome.Reason
+	// v1.ReasonTagTaken, having built nothing. Set for every build but a
+	// platform's of an image index, whose tag is buildq's own.
+	KeepFirstTag bool
 }
 
 // errNotCurrent: the run ended while its build was being started.

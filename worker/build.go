@@ -73,6 +73,10 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 		if !mine(r) {
 			return false, nil
 		}
+		if r.State == v1.StateFailed && r.Reason == v1.ReasonTagTaken && !mutant.On("tag-taken-answers") {
+			// Nothing was built: the claimer looks again too.
+			return false, nil
+		}
 		if r.State != v1.StateFailed || r.Reason != v1.ReasonCanceled || mutant.On("claimer-takes-others-cancel") {
 			return true, nil
 		}
@@ -448,6 +452,10 @@ func sharedFailure(final *v1.BuildRecord, req *v1.Request, repo string) bool {
 		// A cancel answers the requests canceled (their own ledger
 		// entries say so), never one that joined meanwhile.
 		return false
+	case v1.ReasonTagTaken:
+		// Nothing was built: each request looks again with its own
+		// tag.
+		return mutant.On("tag-taken-answers")
 	}
 	return true
 }

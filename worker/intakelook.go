@@ -3,6 +3,7 @@ package worker
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -190,6 +191,20 @@ func (w *builder) sendPreflight(ctx context.Context, req *v1.Request, key, repo 
 		found, err := w.preflight(ctx, req, key, repo, dests)
 		p.read = preflightRead{found: found, err: err}
 	}()
+}
+
+// forgetPreflight drops the HEADs sent ahead for tag, whoever sent them:
+// an image was found there since (a build Pod refused to build over it,
+// v1.ReasonTagTaken), so an earlier HEAD's "absent" no longer stands,
+// however recent.
+func (l *intakeLooks) forgetPreflight(tag string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for k := range l.pre {
+		if _, t, _ := strings.Cut(k, " "); t == tag {
+			delete(l.pre, k)
+		}
+	}
 }
 
 // preflightSent is the preflight HEAD intake sent for req's first tag, if

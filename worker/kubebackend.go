@@ -123,6 +123,9 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 			return Outcome{}, err
 		}
 		spec.ContextURL = u
+		if b.KeepFirstTag && len(b.Destinations) > 0 && !mutant.On("pod-skips-tag-check") {
+			spec.Absent = b.Destinations[0]
+		}
 	}
 	job, err := kaniko.Job(spec, k.cfg)
 	if err != nil {

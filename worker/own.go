@@ -84,7 +84,8 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 		}
 		w.event(req.Tenant, req.Name, v1.Event{RequestID: req.RequestID, Platform: platformOf(req), Key: claim.Key, Phase: v1.PhaseRunning, Message: msg})
 	}
-	b := Build{Request: rreq, Key: claim.Key, Run: claim.Run, Repository: claim.Repository, Destinations: claim.Destinations, Current: hold.Current, Log: live, Progress: progress}
+	b := Build{Request: rreq, Key: claim.Key, Run: claim.Run, Repository: claim.Repository, Destinations: claim.Destinations, Current: hold.Current, Log: live, Progress: progress,
+		KeepFirstTag: !isPlatformPart(ctx)}
 	run := w.backend.Run
 	if multiPlatform(rreq) {
 		// An image index: each platform is a build of its own
@@ -203,7 +204,8 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 	if w.faults != nil && w.faults.beforeFinalize != nil {
 		w.faults.beforeFinalize(held.Key)
 	}
-	if ea := endAheadOf(ctx); ea != nil && ea.req == req && !multiPlatform(rreq) &&
+	tagTaken := final.State == v1.StateFailed && final.Reason == v1.ReasonTagTaken
+	if ea := endAheadOf(ctx); ea != nil && ea.req == req && !multiPlatform(rreq) && !tagTaken &&
 		hold.SinceWrite() < w.cfg.Lease/2 && context.Cause(runCtx) == nil {
 		// A run this handler claimed (not taken over: endAheadOf is nil
 		// there), for its own request, whose claim was written recently
@@ -229,7 +231,28 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 	if err != nil {
 		return nil, "", false, Transient(err)
 	}
+	if tagTaken && !mutant.On("tag-taken-answers") {
+		// The build Pod found the run's first tag taken and built
+		// nothing: the run answers nobody. Its Job goes, and this
+		// request looks again — its own check then finds the image
+		// there (the claimer's tag) or builds with its own inputs.
+		w.log.Info("the build's first tag held an image when its Pod started; nothing was built, looking again",
+			zap.String("key", held.Key), zap.String("run", held.Run), zap.String("tag", firstOf(held.Destinations)))
+		if !mutant.On("tag-taken-keeps-preflight") {
+			w.looks.forgetPreflight(firstOf(held.Destinations))
+		}
+		w.jobGone(fctx, held.Key, held.Run)
+		return w.build(ctx, req, held.Key, repo, dests, seq, nil)
+	}
 	return stored, origin, true, nil
+}
+
+// firstOf is the first of refs, or "".
+func firstOf(refs []string) string {
+	if len(refs) == 0 {
+		return ""
+	}
+	return refs[0]
 }
 
 // endAhead stores the end of a run whose request's decision goes out

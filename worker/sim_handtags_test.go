@@ -59,7 +59,44 @@ func (w *simWorld) pushHandTags() {
 func (w *simWorld) answeredByHand(s *simSub, d simDecision) bool {
 	tag := w.firstTag(s)
 	digest, ok := w.handTags[tag]
+	if late, pushed := w.lateHand[tag]; pushed && !ok {
+		digest, ok = late.digest, true
+	}
 	return ok && d.digest == digest && d.origin == v1.OriginCache && d.image == tag
+}
+
+// pushLateHandTag pushes an image of its own to s's first tag now, while
+// the schedule runs ("late-hand-tags"), unless the tag had one pushed by
+// hand already or s asks for an image index.
+func (w *simWorld) pushLateHandTag(s *simSub) {
+	if s == nil || multiPlatform(s.req) {
+		return
+	}
+	tag := w.firstTag(s)
+	w.mu.Lock()
+	_, early := w.handTags[tag]
+	_, late := w.lateHand[tag]
+	w.mu.Unlock()
+	if tag == "" || early || late {
+		return
+	}
+	d := w.world.reg.push(w.t, tag)
+	at := w.now()
+	w.mu.Lock()
+	if w.lateHand == nil {
+		w.lateHand = map[string]simHandPush{}
+	}
+	w.lateHand[tag] = simHandPush{digest: d, at: at}
+	w.mu.Unlock()
+	w.trace.add("fault %s pushed by hand: %s", tag, d)
+}
+
+// lateHandTag reports whether ref is a tag pushed by hand while the
+// schedule ran. For the judges: read once the schedule's pushes are done,
+// with or without w.mu held.
+func (w *simWorld) lateHandTag(ref string) bool {
+	_, ok := w.lateHand[ref]
+	return ok
 }
 
 // judgeHandTags: no Job pushes to a tag pushed by hand before any request,
@@ -86,6 +123,13 @@ func (w *simWorld) judgeHandTags(out *simOutcome) {
 			if _, ok := w.handTags[d]; ok {
 				w.violate(out, "tag-overwritten", "job %s of %s for request %s, created by %s at %.3fs, pushes to %s, which held an image pushed by hand before any request: its preflight must have found it",
 					j.uid, w.keyName(j.key), j.request, j.creator, j.created.Seconds(), d)
+			}
+			// A tag pushed by hand while the schedule ran: no build may
+			// begin pushing to it after that push was done — its Pod's
+			// check (played just before the push) must have found it.
+			if late, ok := w.lateHand[d]; ok && j.pushed != 0 && j.pushed > late.at {
+				w.violate(out, "tag-overwritten", "job %s of %s for request %s, created by %s at %.3fs, began pushing to %s at %.3fs, after an image was pushed there by hand at %.3fs: its Pod's check must have found it",
+					j.uid, w.keyName(j.key), j.request, j.creator, j.created.Seconds(), d, j.pushed.Seconds(), late.at.Seconds())
 			}
 		}
 	}

@@ -164,7 +164,7 @@ func runSim(t *testing.T, sc *simSchedule) simOutcome {
 	w.identity = simExecutorIdentity(t)
 	w.node = &simNode{w: w, jobs: map[string]*simJob{}}
 	node := simNodeOptions(newSimPlanner(seed, func(string) float64 { return sc.failProb }), !sc.has("no-ttl"))
-	node.observe, node.ended = w.node.observe, w.node.ended
+	node.observe, node.ended, node.pushing = w.node.observe, w.node.ended, w.node.pushing
 	node.logf = w.trace.add
 	w.world = newWorld(t, worldConfig{nats: natsConfig{Name: "buildq-sim"}, registry: true, node: node})
 	defer w.world.nats.Stop() // now, not with the test: a scenario may run several times
@@ -359,6 +359,9 @@ func (w *simWorld) drive() {
 					w.restartNATS(f.dur)
 				}()
 			}
+		case "late-hand-tag":
+			w.ops.Add(1)
+			go func() { defer w.ops.Done(); w.pushLateHandTag(w.sub(sc.reqs[f.req].id)) }()
 		case "lost-ack":
 			w.lostAcks.Add(1)
 			w.trace.add("fault the next ack will be lost")

@@ -189,6 +189,7 @@ func newSimSchedule(seed int64) *simSchedule {
 	s.addBurst()
 	s.addStalls()
 	s.addPlatforms()
+	s.addLateHandTags()
 	// Tags pushed by hand before any request (simWorld.pushHandTags),
 	// in two seeds of five: drawn from the seed's hash, not from r, so
 	// the rest of every seed's schedule stays what it was.
@@ -196,6 +197,34 @@ func newSimSchedule(seed int64) *simSchedule {
 		s.kinds = append(s.kinds, "hand-tags")
 	}
 	return s
+}
+
+// addLateHandTags gives a quarter of the schedules tags pushed by hand
+// while the requests run ("late-hand-tags"): each a "late-hand-tag" fault
+// that pushes an image of its own to one request's first tag a moment
+// after that request is published — most often after its preflight found
+// the tag free and before its build ends. Those schedules run the
+// workers in the production shape (contexts through fetch-context, whose
+// --absent check the node plays), so the build Pod is what finds the
+// tag taken. Drawn from a generator of its own: the rest of a seed's
+// schedule stays what it was.
+func (s *simSchedule) addLateHandTags() {
+	r := rand.New(rand.NewPCG(uint64(s.seed), 0x1a7e7a9))
+	if r.IntN(4) != 0 || len(s.reqs) == 0 {
+		return
+	}
+	s.kinds = append(s.kinds, "late-hand-tags")
+	for range 2 + r.IntN(3) {
+		i := r.IntN(len(s.reqs))
+		if len(s.reqs[i].platforms) > 1 {
+			continue // an image index's tags are its platforms' own
+		}
+		// Within 600 ms of the publish: around the preflight, or while
+		// the build runs (simBuildFloor at the least).
+		s.faults = append(s.faults, simFault{kind: "late-hand-tag", req: i,
+			at: s.reqs[i].at + time.Duration(r.Int64N(int64(600*time.Millisecond)))})
+	}
+	sort.SliceStable(s.faults, func(i, j int) bool { return s.faults[i].at < s.faults[j].at })
 }
 
 // simPlatformSets are the platforms a "platforms" schedule's requests ask

@@ -84,6 +84,29 @@ var simKaniko = func() kaniko.Config {
 	return kc
 }()
 
+// simFetchKaniko is simKaniko in the production shape, for the schedules
+// with tags pushed by hand while they run ("late-hand-tags"): contexts
+// through fetch-context, whose --absent the node checks.
+var simFetchKaniko = func() kaniko.Config {
+	kc := simKaniko
+	kc.FetchImage = "ghcr.io/buildq/buildq@sha256:" + hex64("sim-fetch")
+	return kc
+}()
+
+// simPresign is the simulation's presigner: the object's own s3://
+// address, which the node reads as the context (simContentOf).
+func simPresign(_ context.Context, bucket, key string, _ time.Duration) (string, error) {
+	return "s3://" + bucket + "/" + key, nil
+}
+
+// kaniko is the Job configuration of w's workers.
+func (w *simWorld) kaniko() kaniko.Config {
+	if w.sc.has("late-hand-tags") {
+		return simFetchKaniko
+	}
+	return simKaniko
+}
+
 // start starts the slot's next worker.
 func (w *simWorld) start(s *simSlot) {
 	s.mu.Lock()
@@ -119,13 +142,14 @@ func (w *simWorld) start(s *simSlot) {
 		close(p.done)
 		return
 	}
-	backend, err := NewKubeBackend(client, watcher, simKaniko)
+	backend, err := NewKubeBackend(client, watcher, w.kaniko())
 	if err != nil {
 		w.t.Errorf("harness: backend: %v", err)
 		cancel()
 		close(p.done)
 		return
 	}
+	backend.WithPresigner(simPresign)
 	backend.WithDigestResolver(func(ctx context.Context, ref string) (string, error) { return w.world.reg.client.Head(ctx, ref) })
 	w.mu.Lock()
 	if w.identity == "" {

@@ -13,6 +13,7 @@ import (
 	"context"
 	"encoding/binary"
 	"fmt"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -114,6 +115,7 @@ type simJob struct {
 	created                 time.Duration
 	finished                time.Duration // 0: not finished
 	succeeded               bool
+	pushed                  time.Duration // when its build began pushing, after its Pod's checks (0: never)
 	deleted                 time.Duration // 0: not deleted
 	deleteCause             string
 }
@@ -189,15 +191,33 @@ func (n *simNode) ended(job *batchv1.Job, ok bool) {
 	w := n.w
 	n.mu.Lock()
 	j := n.jobs[string(job.UID)]
+	// A Pod whose fetch-context found its tag taken built nothing: not a
+	// failure of the key's build.
+	refused := !ok && slices.ContainsFunc(job.Status.Conditions, func(c batchv1.JobCondition) bool {
+		return strings.Contains(c.Message, "Container "+kaniko.FetchContainerName+" ")
+	})
 	if j != nil {
 		j.finished, j.succeeded = w.trace.rel(), ok
-		if !ok {
+		if !ok && !refused {
 			n.failures = append(n.failures, simFailure{key: j.key, at: j.finished})
 		}
 	}
 	n.mu.Unlock()
 	if j != nil {
-		w.trace.add("job   %s %s %s %s", w.keyName(j.key), j.name[:14], j.uid, map[bool]string{true: "succeeded", false: "FAILED"}[ok])
+		how := map[bool]string{true: "succeeded", false: "FAILED"}[ok]
+		if refused {
+			how = "REFUSED by its Pod: its first tag holds an image"
+		}
+		w.trace.add("job   %s %s %s %s", w.keyName(j.key), j.name[:14], j.uid, how)
+	}
+}
+
+// pushing records when a build began pushing (the node's pushing hook).
+func (n *simNode) pushing(job *batchv1.Job) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if j := n.jobs[string(job.UID)]; j != nil {
+		j.pushed = n.w.trace.rel()
 	}
 }
 
@@ -207,7 +227,19 @@ func simContentOf(job *batchv1.Job) string {
 	if len(job.Spec.Template.Spec.Containers) == 0 {
 		return ""
 	}
-	return simContentArgs(job.Spec.Template.Spec.Containers[0].Args)
+	args := slices.Clone(job.Spec.Template.Spec.Containers[0].Args)
+	// Through fetch-context the context is the object its --url names
+	// (simPresign: the object's s3:// address itself).
+	for _, c := range job.Spec.Template.Spec.InitContainers {
+		if i := slices.Index(c.Args, "--url"); c.Name == kaniko.FetchContainerName && i >= 0 && i+1 < len(c.Args) {
+			for k, a := range args {
+				if strings.HasPrefix(a, "--context=dir://") {
+					args[k] = "--context=" + c.Args[i+1]
+				}
+			}
+		}
+	}
+	return simContentArgs(args)
 }
 
 func simContentArgs(args []string) string {
@@ -452,6 +484,15 @@ type simWorld struct {
 	// handTags: the tags pushed by hand before the schedule ran
 	// ("hand-tags"), each to the digest pushed there.
 	handTags map[string]string
+	// lateHand: the tags pushed by hand while it ran ("late-hand-tags"),
+	// each to the digest pushed there and when the push was done.
+	lateHand map[string]simHandPush
+}
+
+// simHandPush is an image pushed by hand to a tag while the schedule ran.
+type simHandPush struct {
+	digest string
+	at     time.Duration
 }
 
 // simSub is one submission: a request id and what the producer saw.

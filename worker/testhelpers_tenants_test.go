@@ -308,9 +308,11 @@ func (e *env) fetchFails(job *batchv1.Job, code int32, message string) {
 	j := job.DeepCopy()
 	j.Status.StartTime = &now
 	j.Status.Failed = 1
+	// The Job controller's words when a FailJob rule matched.
+	m := fmt.Sprintf("Container %s for pod %s/%s failed with exit code %d matching FailJob rule at index 0", kaniko.FetchContainerName, pod.Namespace, pod.Name, code)
 	j.Status.Conditions = []batchv1.JobCondition{
-		{Type: batchv1.JobFailureTarget, Status: corev1.ConditionTrue, Reason: batchv1.JobReasonPodFailurePolicy, Message: "Container fetch-context for pod exited with code", LastTransitionTime: now},
-		{Type: batchv1.JobFailed, Status: corev1.ConditionTrue, Reason: batchv1.JobReasonPodFailurePolicy, Message: "Container fetch-context for pod exited with code", LastTransitionTime: now},
+		{Type: batchv1.JobFailureTarget, Status: corev1.ConditionTrue, Reason: batchv1.JobReasonPodFailurePolicy, Message: m, LastTransitionTime: now},
+		{Type: batchv1.JobFailed, Status: corev1.ConditionTrue, Reason: batchv1.JobReasonPodFailurePolicy, Message: m, LastTransitionTime: now},
 	}
 	if _, err := e.kube.BatchV1().Jobs(job.Namespace).UpdateStatus(ctx, j, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)

@@ -61,6 +61,9 @@ type nodeOptions struct {
 	// ended sees every build the node ended, under the API mutex, as its
 	// status is written.
 	ended func(job *batchv1.Job, succeeded bool)
+	// pushing sees every build that is about to push, after its Pod's
+	// checks (not under the API mutex).
+	pushing func(job *batchv1.Job)
 	// logf traces what goes wrong (a failed push); nil: nothing.
 	logf func(format string, args ...any)
 }
@@ -210,10 +213,31 @@ func (n *fakeNode) runOut(ns, name string, uid types.UID, ok bool) {
 
 // build ends job's build now: on success the image is pushed to every
 // destination first (a failed push fails the build, as kaniko's does).
+// First, as the Pod's fetch-context init container does, the tag its
+// --absent names is asked for: an image there ends the build with that
+// container's exit FetchExitTagTaken, and kaniko never runs (the node
+// asks when the build ends rather than when it starts: stricter, since a
+// push must then follow the check at once).
 func (n *fakeNode) build(job *batchv1.Job, ok bool) error {
+	if ref := jobAbsent(job); ref != "" && n.opts.registry != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		d, err := n.opts.registry.Head(ctx, ref)
+		cancel()
+		switch {
+		case err == nil:
+			return n.endContainer(job, kaniko.FetchContainerName, kaniko.FetchExitTagTaken, "tag taken: "+ref+" holds "+d+" already; the build would push over it")
+		case !registry.IsNotFound(err):
+			// A Pod would be retried; the world's registry does not
+			// fail, so this is the harness's own trouble.
+			return fmt.Errorf("checking that %s holds no image yet: %w", ref, err)
+		}
+	}
 	msg := "error building image: error building stage: RUN make: exit status 2"
 	exit := int32(1)
 	if ok {
+		if n.opts.pushing != nil {
+			n.opts.pushing(job)
+		}
 		digest, err := n.push(job)
 		if err != nil {
 			n.fail("push of %s (%s) failed: %v", job.Name, job.UID, err)
@@ -247,6 +271,22 @@ func (n *fakeNode) push(job *batchv1.Job) (string, error) {
 	return n.opts.registry.Push(ctx, img, jobDestinations(job))
 }
 
+// jobAbsent is the tag a Job's fetch-context init container checks is
+// free (its --absent), or "".
+func jobAbsent(job *batchv1.Job) string {
+	for _, c := range job.Spec.Template.Spec.InitContainers {
+		if c.Name != kaniko.FetchContainerName {
+			continue
+		}
+		for i, a := range c.Args {
+			if a == "--absent" && i+1 < len(c.Args) {
+				return c.Args[i+1]
+			}
+		}
+	}
+	return ""
+}
+
 // jobDestinations are a Job's --destination arguments.
 func jobDestinations(job *batchv1.Job) []string {
 	var out []string
@@ -267,6 +307,13 @@ func jobDestinations(job *batchv1.Job) []string {
 // live one's); the status is written on the live object. It fails when
 // the Job is gone or terminating.
 func (n *fakeNode) end(job *batchv1.Job, exit int32, message string) error {
+	return n.endContainer(job, kaniko.ContainerName, exit, message)
+}
+
+// endContainer is end with the Pod's container that terminated named:
+// kaniko's, or the fetch-context init container's (which fails the Pod
+// before kaniko runs).
+func (n *fakeNode) endContainer(job *batchv1.Job, container string, exit int32, message string) error {
 	ns, name, uid := job.Namespace, job.Name, job.UID
 	if ns == "" {
 		ns = testNamespace
@@ -301,13 +348,18 @@ func (n *fakeNode) end(job *batchv1.Job, exit int32, message string) error {
 			Spec: cur.Spec.Template.Spec,
 			Status: corev1.PodStatus{
 				Phase: map[bool]corev1.PodPhase{true: corev1.PodSucceeded, false: corev1.PodFailed}[exit == 0],
-				ContainerStatuses: []corev1.ContainerStatus{{
-					Name: kaniko.ContainerName,
-					State: corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{
-						ExitCode: exit, Message: message, FinishedAt: now,
-					}},
-				}},
 			},
+		}
+		terminated := []corev1.ContainerStatus{{
+			Name: container,
+			State: corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{
+				ExitCode: exit, Message: message, FinishedAt: now,
+			}},
+		}}
+		if container == kaniko.ContainerName {
+			pod.Status.ContainerStatuses = terminated
+		} else {
+			pod.Status.InitContainerStatuses = terminated
 		}
 		if _, err := n.api.createLocked(podsGVR, pod, ns, "node"); err != nil {
 			return err
@@ -324,7 +376,8 @@ func (n *fakeNode) end(job *batchv1.Job, exit int32, message string) error {
 			}
 		} else {
 			j.Status.Failed = 1
-			m := "Container kaniko for pod exited with code 1"
+			// The Job controller's words when a FailJob rule matched.
+			m := fmt.Sprintf("Container %s for pod %s/%s failed with exit code %d matching FailJob rule at index 0", container, ns, podName, exit)
 			j.Status.Conditions = []batchv1.JobCondition{
 				{Type: batchv1.JobFailureTarget, Status: corev1.ConditionTrue, Reason: batchv1.JobReasonPodFailurePolicy, Message: m, LastTransitionTime: now},
 				{Type: batchv1.JobFailed, Status: corev1.ConditionTrue, Reason: batchv1.JobReasonPodFailurePolicy, Message: m, LastTransitionTime: now},

@@ -325,6 +325,12 @@ const (
 	ReasonGitTimeout = "GitTimeout"
 	// ReasonGitSubPath: the subPath is not a directory of the commit.
 	ReasonGitSubPath = "GitSubPathNotFound"
+	// ReasonTagTaken: a build record's reason, never a result's. The
+	// run's first tag held an image when its build Pod started, so the
+	// Pod refused to build over it. Nothing was built; every request of
+	// the run looks again, and the requests of that tag are answered
+	// with the image found there, as when their own check finds it first.
+	ReasonTagTaken = "TagTaken"
 )
 
 // Priorities of a request (Request.Priority), highest first.

@@ -5,19 +5,23 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"os"
+	"path/filepath"
 	"time"
 
 	"github.com/spf13/cobra"
 
 	"github.com/buildq/buildq/internal/contexttar"
 	"github.com/buildq/buildq/internal/kaniko"
+	"github.com/buildq/buildq/internal/registry"
 )
 
 func newFetchContextCmd() *cobra.Command {
 	var (
-		rawURL, digest, dest string
-		maxBytes             int64
-		timeout              time.Duration
+		rawURL, digest, dest, absent string
+		insecure                     []string
+		maxBytes                     int64
+		timeout                      time.Duration
 	)
 	cmd := &cobra.Command{
 		Use:   "fetch-context --url URL --digest sha256:HEX --dest DIR",
@@ -29,10 +33,16 @@ context, so the kaniko container gets the context as a directory and holds
 no S3 key; the digest check means a context object replaced after the
 request was made is never built.
 
+With --absent REF it then asks the registry for REF (with the credentials
+of $DOCKER_CONFIG/config.json, the build Pod's own) and refuses to let the
+build start if REF holds an image already: the build never pushes over a
+tag that was there before it began.
+
 Exit codes: 0 unpacked; ` + fmt.Sprint(kaniko.FetchExitMismatch) + ` the bytes do not match --digest; ` + fmt.Sprint(kaniko.FetchExitRefused) + ` the URL was refused
 (no such object, or the URL expired); ` + fmt.Sprint(kaniko.FetchExitBadContext) + ` the context --digest names is itself
-unusable (an unsafe, unsupported or malformed entry, too large); 1 anything
-else (a download that keeps failing: the Job retries).
+unusable (an unsafe, unsupported or malformed entry, too large); ` + fmt.Sprint(kaniko.FetchExitTagTaken) + ` --absent
+holds an image; 1 anything else (a download or a registry check that keeps
+failing: the Job retries).
 On failure --dest is left empty.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -45,12 +55,31 @@ On failure --dest is left empty.`,
 				ctx, cancel = context.WithTimeout(ctx, timeout)
 				defer cancel()
 			}
+			var reg *registry.Client
+			if absent != "" {
+				var err error
+				if reg, err = absentChecker(insecure); err != nil {
+					return usageErr("%v", err)
+				}
+				if _, err := reg.ParseReference(absent); err != nil {
+					return usageErr("--absent: %v", err)
+				}
+			}
 			client := &http.Client{Transport: http.DefaultTransport}
 			err := contexttar.Fetch(ctx, client, rawURL, digest, dest, maxBytes)
+			if err == nil && reg != nil {
+				// After the download, as close to the build as it gets.
+				if err = checkAbsent(ctx, reg, absent); err != nil {
+					err = errors.Join(err, contexttar.ClearDir(dest))
+				}
+			}
+			var taken *tagTakenError
 			switch {
 			case err == nil:
 				fmt.Fprintf(cmd.ErrOrStderr(), "context %s unpacked into %s\n", digest, dest)
 				return nil
+			case errors.As(err, &taken):
+				return &exitError{code: kaniko.FetchExitTagTaken, err: err}
 			case errors.Is(err, contexttar.ErrDigestMismatch):
 				return &exitError{code: kaniko.FetchExitMismatch, err: fmt.Errorf("context mismatch: %w", err)}
 			case errors.Is(err, contexttar.ErrFetchRefused):
@@ -70,5 +99,40 @@ On failure --dest is left empty.`,
 	fs.StringVar(&dest, "dest", "", "directory to unpack into (emptied on failure)")
 	fs.Int64Var(&maxBytes, "max-bytes", contexttar.DefaultMaxBytes, "largest unpacked context accepted")
 	fs.DurationVar(&timeout, "timeout", 30*time.Minute, "give up after this long")
+	fs.StringVar(&absent, "absent", "", "an image reference (repo:tag) that must hold no image yet; the build does not start if it does")
+	fs.StringSliceVar(&insecure, "insecure-registry", nil, "registry host[:port] reached over plain HTTP for --absent (repeatable)")
 	return cmd
+}
+
+// tagTakenError: the tag --absent names holds an image.
+type tagTakenError struct{ ref, digest string }
+
+func (e *tagTakenError) Error() string {
+	return fmt.Sprintf("tag taken: %s holds %s already; the build would push over it", e.ref, e.digest)
+}
+
+// absentChecker is the registry client of --absent: the build Pod's own
+// docker config, when it has one.
+func absentChecker(insecure []string) (*registry.Client, error) {
+	opts := registry.Options{Insecure: insecure}
+	if dir := os.Getenv("DOCKER_CONFIG"); dir != "" {
+		if _, err := os.Stat(filepath.Join(dir, "config.json")); err == nil {
+			opts.DockerConfig = filepath.Join(dir, "config.json")
+		}
+	}
+	return registry.New(opts)
+}
+
+// checkAbsent returns a *tagTakenError if ref holds an image, nil if the
+// registry has none, and any other error as it is (retried by the Job).
+func checkAbsent(ctx context.Context, reg *registry.Client, ref string) error {
+	d, err := reg.Head(ctx, ref)
+	switch {
+	case err == nil:
+		return &tagTakenError{ref: ref, digest: d}
+	case registry.IsNotFound(err):
+		return nil
+	default:
+		return fmt.Errorf("checking that %s holds no image yet: %w", ref, err)
+	}
 }

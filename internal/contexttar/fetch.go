@@ -106,6 +106,9 @@ func fetchOnce(ctx context.Context, client *http.Client, rawURL, shown, digest, 
 	return nil
 }
 
+// ClearDir removes dir's contents, not dir (an emptyDir mount point).
+func ClearDir(dir string) error { return clearDir(dir) }
+
 // clearDir removes dir's contents, not dir (an emptyDir mount point).
 func clearDir(dir string) error {
 	entries, err := os.ReadDir(dir)

@@ -63,13 +63,15 @@ const (
 
 // Exit codes of `buildq fetch-context` that fail the Job at once (the pod
 // failure policy): the context's bytes do not match its digest, the
-// object is gone (or its URL expired), or the context the digest names is
-// itself unusable (contexttar.ErrBadContext). Any other failure is
-// retried.
+// object is gone (or its URL expired), the context the digest names is
+// itself unusable (contexttar.ErrBadContext), or the tag the build must
+// not overwrite holds an image already (Spec.Absent). Any other failure
+// is retried.
 const (
 	FetchExitMismatch   = 3
 	FetchExitRefused    = 4
 	FetchExitBadContext = 5
+	FetchExitTagTaken   = 6
 )
 
 // ManagedBySelector selects every object buildq manages.
@@ -223,6 +225,13 @@ type Spec struct {
 	// ContextURL is the presigned GET URL of the S3 context, for the
 	// fetch-context init container (Config.FetchImage).
 	ContextURL string
+	// Absent, when set, is a reference (repo:tag) that must hold no
+	// image when the build starts: the fetch-context init container asks
+	// the registry for it after unpacking the context, with the build
+	// Pod's own registry credentials, and exits FetchExitTagTaken if it
+	// is there, before kaniko runs (no tag overwritten). Only with
+	// fetch-context (an S3 context and Config.FetchImage).
+	Absent string
 }
 
 // JobName is the deterministic Job name for a build key: every worker that
@@ -307,21 +316,33 @@ func Job(spec Spec, cfg Config) (*batchv1.Job, error) {
 	}
 	env = append(env, corev1.EnvVar{Name: "DOCKER_CONFIG", Value: DockerConfigDir})
 
+	if spec.Absent != "" && !fetch {
+		return nil, errors.New("kaniko job: checking that a tag is absent needs the fetch-context init container (--fetch-image and an S3 context)")
+	}
+	registrySecret := cfg.RegistrySecretFor(r.Tenant)
 	var volumes []corev1.Volume
 	var mounts []corev1.VolumeMount
 	var initContainers []corev1.Container
 	if fetch {
+		fetchMounts := []corev1.VolumeMount{{Name: "context", MountPath: ContextDir}}
+		var fetchEnv []corev1.EnvVar
+		if spec.Absent != "" && registrySecret != "" {
+			// The tag is asked for with the build's own push
+			// credentials: the same Secret, read-only, nothing more.
+			fetchMounts = append(fetchMounts, corev1.VolumeMount{Name: "docker-config", MountPath: DockerConfigDir, ReadOnly: true})
+			fetchEnv = []corev1.EnvVar{{Name: "DOCKER_CONFIG", Value: DockerConfigDir}}
+		}
 		// The context arrives as a directory: the build container gets
 		// neither S3 keys nor a URL, and sees only bytes whose digest
 		// fetch-context checked against the request.
 		volumes = append(volumes, corev1.Volume{Name: "context", VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{}}})
 		mounts = append(mounts, corev1.VolumeMount{Name: "context", MountPath: ContextDir})
 		initContainers = append(initContainers, corev1.Container{
-			Name:  FetchContainerName,
-			Image: cfg.FetchImage,
-			Args: []string{"fetch-context", "--url", spec.ContextURL, "--digest", r.ContextDigest, "--dest", ContextDir,
-				"--timeout", Timeout(r, cfg).String()},
-			VolumeMounts: []corev1.VolumeMount{{Name: "context", MountPath: ContextDir}},
+			Name:         FetchContainerName,
+			Image:        cfg.FetchImage,
+			Args:         fetchArgs(spec, cfg),
+			Env:          fetchEnv,
+			VolumeMounts: fetchMounts,
 			Resources: corev1.ResourceRequirements{
 				Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("50m"), corev1.ResourceMemory: resource.MustParse("64Mi")},
 				Limits:   corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("256Mi")},
@@ -341,7 +362,7 @@ func Job(spec Spec, cfg Config) (*batchv1.Job, error) {
 			},
 		})
 	}
-	if secret := cfg.RegistrySecretFor(r.Tenant); secret != "" {
+	if secret := registrySecret; secret != "" {
 		volumes = append(volumes, corev1.Volume{
 			Name: "docker-config",
 			VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{
@@ -373,7 +394,7 @@ func Job(spec Spec, cfg Config) (*batchv1.Job, error) {
 			OnExitCodes: &batchv1.PodFailurePolicyOnExitCodesRequirement{
 				ContainerName: ptr(FetchContainerName),
 				Operator:      batchv1.PodFailurePolicyOnExitCodesOpIn,
-				Values:        []int32{FetchExitMismatch, FetchExitRefused, FetchExitBadContext},
+				Values:        []int32{FetchExitMismatch, FetchExitRefused, FetchExitBadContext, FetchExitTagTaken},
 			},
 		})
 	}
@@ -533,6 +554,20 @@ func Args(spec Spec, cfg Config) ([]string, error) {
 	}
 	args = append(args, fmt.Sprintf("--push-retry=%d", cfg.PushRetry), "--reproducible")
 	return args, nil
+}
+
+// fetchArgs are the fetch-context init container's arguments for spec.
+func fetchArgs(spec Spec, cfg Config) []string {
+	r := spec.Request
+	args := []string{"fetch-context", "--url", spec.ContextURL, "--digest", r.ContextDigest, "--dest", ContextDir,
+		"--timeout", Timeout(r, cfg).String()}
+	if spec.Absent != "" {
+		args = append(args, "--absent", spec.Absent)
+		for _, reg := range cfg.InsecureRegistries {
+			args = append(args, "--insecure-registry", reg)
+		}
+	}
+	return args
 }
 
 func secretEnv(name, secret, key string) corev1.EnvVar {

@@ -40,11 +40,12 @@ func TestJobGolden(t *testing.T) {
 	t.Parallel()
 	key := strings.Repeat("0123456789abcdef", 4)
 	cases := []struct {
-		name string
-		req  func() *v1.Request
-		cfg  func(c Config) Config
-		dest []string
-		url  string
+		name   string
+		req    func() *v1.Request
+		cfg    func(c Config) Config
+		dest   []string
+		url    string
+		absent string
 	}{
 		{
 			name: "s3-minimal",
@@ -91,6 +92,20 @@ func TestJobGolden(t *testing.T) {
 			url:  "http://minio.minio:9000/buildq/contexts/acme/sha256/abc.tar.gz?X-Amz-Signature=sig",
 			dest: []string{"registry.example.com/acme/web:0123456789ab"},
 		},
+		{
+			// fetch-context also checks that the first tag holds no
+			// image yet, with the Pod's own registry credentials.
+			name: "s3-fetch-context-absent",
+			req:  s3Request,
+			cfg: func(c Config) Config {
+				c.FetchImage = "ghcr.io/buildq/buildq@sha256:" + strings.Repeat("f", 64)
+				c.InsecureRegistries = []string{"registry.dev:5000"}
+				return c
+			},
+			url:    "http://minio.minio:9000/buildq/contexts/acme/sha256/abc.tar.gz?X-Amz-Signature=sig",
+			dest:   []string{"registry.dev:5000/acme/web:0123456789ab", "registry.dev:5000/acme/web:v1"},
+			absent: "registry.dev:5000/acme/web:0123456789ab",
+		},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -99,7 +114,7 @@ func TestJobGolden(t *testing.T) {
 			if c.cfg != nil {
 				cfg = c.cfg(cfg)
 			}
-			job, err := Job(Spec{Request: c.req(), Key: key, Destinations: c.dest, ContextURL: c.url}, cfg.Defaults())
+			job, err := Job(Spec{Request: c.req(), Key: key, Destinations: c.dest, ContextURL: c.url, Absent: c.absent}, cfg.Defaults())
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -255,6 +270,29 @@ func TestFetchContextKeepsKeysOutOfThePod(t *testing.T) {
 	if sc == nil || sc.Capabilities == nil || len(sc.Capabilities.Add) > 0 || len(sc.Capabilities.Drop) != 1 || sc.Capabilities.Drop[0] != "ALL" ||
 		sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation || sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem {
 		t.Errorf("fetch-context security context %+v: want every capability dropped, no escalation, a read-only root", sc)
+	}
+}
+
+// The tag check lives in fetch-context: a Job that would have to check a
+// tag without it is refused, never made without the check.
+func TestAbsentTagNeedsFetchContext(t *testing.T) {
+	t.Parallel()
+	spec := Spec{Request: s3Request(), Key: strings.Repeat("k", 64), Destinations: []string{"r.example/acme/web:1"}, Absent: "r.example/acme/web:1"}
+	if _, err := Job(spec, baseConfig.Defaults()); err == nil || !strings.Contains(err.Error(), "fetch-context") {
+		t.Fatalf("Job with Absent and no fetch image: %v", err)
+	}
+	cfg := baseConfig
+	cfg.FetchImage = "ghcr.io/buildq/buildq@sha256:" + strings.Repeat("f", 64)
+	cfg.RegistrySecret = ""
+	spec.ContextURL = "https://s3.example/b/k?X-Amz-Signature=s"
+	job, err := Job(spec, cfg.Defaults())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Anonymous pushes: the check is anonymous too, with nothing mounted.
+	init := job.Spec.Template.Spec.InitContainers[0]
+	if len(init.VolumeMounts) != 1 || len(init.Env) != 0 || !slices.Contains(init.Args, "--absent") {
+		t.Fatalf("anonymous fetch-context: mounts %+v env %+v args %q", init.VolumeMounts, init.Env, init.Args)
 	}
 }
 

@@ -100,19 +100,7 @@ func JobOutcome(job *batchv1.Job, pods []*corev1.Pod) Outcome {
 		if t := fetchTerminated(p); t != nil && t.ExitCode != 0 {
 			out.LogPod = p.Name
 			out.LogTail = Tail(t.Message, MaxLogTail)
-			switch t.ExitCode {
-			case kaniko.FetchExitMismatch:
-				out.Reason = v1.ReasonContextMismatch
-			case kaniko.FetchExitBadContext:
-				// The named context's own fault: every request for it
-				// shares it.
-			default:
-				// Missing, or not fetched at all: this request's source,
-				// not the content (a joiner with another source retries).
-				if out.Reason != v1.ReasonDeadlineExceeded {
-					out.Reason = v1.ReasonContextMissing
-				}
-			}
+			classifyFetchFailure(&out, t.ExitCode)
 			return out
 		}
 		t := kanikoTerminated(p)
@@ -125,6 +113,13 @@ func JobOutcome(job *batchv1.Job, pods []*corev1.Pod) Outcome {
 			out.Message = "the build ran out of memory (OOMKilled); raise the executor's memory limit"
 		}
 		break
+	}
+	if code, ok := fetchFailedJob(cond); ok && out.LogTail == "" {
+		// The Pods are gone (deleted, or never seen), but the Job says
+		// its pod failure policy failed it on fetch-context's exit
+		// code: the same reason as that Pod's status would give.
+		classifyFetchFailure(&out, code)
+		return out
 	}
 	if out.LogTail == "" {
 		// No termination message, or one that held only kaniko's usage
@@ -142,6 +137,48 @@ func JobOutcome(job *batchv1.Job, pods []*corev1.Pod) Outcome {
 		}
 	}
 	return out
+}
+
+// classifyFetchFailure sets out's reason for fetch-context's exit code.
+func classifyFetchFailure(out *Outcome, code int32) {
+	switch code {
+	case kaniko.FetchExitMismatch:
+		out.Reason = v1.ReasonContextMismatch
+	case kaniko.FetchExitTagTaken:
+		// Refused before the build began: nothing was pushed.
+		out.Reason = v1.ReasonTagTaken
+		out.Message = "the build's first tag held an image when its Pod started; nothing was built"
+	case kaniko.FetchExitBadContext:
+		// The named context's own fault: every request for it shares it.
+	default:
+		// Missing, or not fetched at all: this request's source, not the
+		// content (a joiner with another source retries).
+		if out.Reason != v1.ReasonDeadlineExceeded {
+			out.Reason = v1.ReasonContextMissing
+		}
+	}
+}
+
+// failJobRe is the Job controller's message when a pod failure policy's
+// FailJob rule matched a container's exit code (pkg/controller/job,
+// pod_failure_policy.go).
+var failJobRe = regexp.MustCompile(`^Container (\S+) for pod \S+ failed with exit code (\d+) matching FailJob rule`)
+
+// fetchFailedJob is the fetch-context exit code a Job's failure condition
+// names, if its pod failure policy failed it on one.
+func fetchFailedJob(cond *batchv1.JobCondition) (int32, bool) {
+	if cond == nil || cond.Reason != batchv1.JobReasonPodFailurePolicy {
+		return 0, false
+	}
+	m := failJobRe.FindStringSubmatch(cond.Message)
+	if len(m) != 3 || m[1] != kaniko.FetchContainerName {
+		return 0, false
+	}
+	var code int32
+	if _, err := fmt.Sscan(m[2], &code); err != nil || code == 0 {
+		return 0, false
+	}
+	return code, true
 }
 
 // StripUsage cuts the flag reference kaniko prints after an error in its

@@ -24,6 +24,14 @@ func cond(t batchv1.JobConditionType, reason string) batchv1.JobCondition {
 	return batchv1.JobCondition{Type: t, Status: corev1.ConditionTrue, Reason: reason, LastTransitionTime: metav1.Now()}
 }
 
+// failJob is the Job controller's condition when its pod failure
+// policy's FailJob rule matched container's exit code.
+func failJob(container string, exit int32) batchv1.JobCondition {
+	c := cond(batchv1.JobFailed, batchv1.JobReasonPodFailurePolicy)
+	c.Message = fmt.Sprintf("Container %s for pod b/buildq-x-abcde failed with exit code %d matching FailJob rule at index 0", container, exit)
+	return c
+}
+
 func pod(exit int32, reason, msg string, age time.Duration) *corev1.Pod {
 	p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "p" + reason, CreationTimestamp: metav1.NewTime(time.Now().Add(-age))}}
 	p.Status.ContainerStatuses = []corev1.ContainerStatus{{Name: kaniko.ContainerName,
@@ -84,6 +92,15 @@ func TestJobOutcome(t *testing.T) {
 		{name: "the named context is itself unusable", job: job(cond(batchv1.JobFailed, batchv1.JobReasonPodFailurePolicy)),
 			pods: []*corev1.Pod{fetchFailed(kaniko.FetchExitBadContext, "context refused: contexttar: unsafe path")},
 			done: true, reason: v1.ReasonBuildFailed, tail: "unsafe path"},
+		{name: "fetch-context found the first tag taken: nothing built", job: job(cond(batchv1.JobFailed, batchv1.JobReasonPodFailurePolicy)),
+			pods: []*corev1.Pod{fetchFailed(kaniko.FetchExitTagTaken, "tag taken: r/acme/web:0123 holds sha256:aa already; the build would push over it")},
+			done: true, reason: v1.ReasonTagTaken, tail: "tag taken"},
+		{name: "fetch-context's failure named by the Job alone (its Pod gone): the tag taken", job: job(failJob(kaniko.FetchContainerName, kaniko.FetchExitTagTaken)),
+			done: true, reason: v1.ReasonTagTaken},
+		{name: "fetch-context's failure named by the Job alone (its Pod gone): other bytes", job: job(failJob(kaniko.FetchContainerName, kaniko.FetchExitMismatch)),
+			done: true, reason: v1.ReasonContextMismatch},
+		{name: "kaniko's failure named by the Job alone is no fetch-context failure", job: job(failJob(kaniko.ContainerName, kaniko.FetchExitTagTaken)),
+			done: true, reason: v1.ReasonBuildFailed},
 		{name: "the newest pod decides", job: job(cond(batchv1.JobFailed, batchv1.JobReasonBackoffLimitExceeded)),
 			pods: []*corev1.Pod{pod(1, "Old", "error pushing image: old attempt", time.Hour), pod(1, "New", "error building image: new attempt", 0)},
 			done: true, reason: v1.ReasonBuildFailed, tail: "new attempt"},
