@@ -148,7 +148,7 @@ func (k *kubelet) run(ctx context.Context, pod *corev1.Pod) {
 	if len(pod.Spec.InitContainers) > 0 && code == 0 && !f.deletePod {
 		var icode int32
 		var imsg string
-		fetched, icode, imsg = k.fetchContext(ctx, pod.Spec.InitContainers[0])
+		fetched, icode, imsg = k.fetchContext(ctx, pod, pod.Spec.InitContainers[0])
 		if fetched != "" {
 			defer os.RemoveAll(fetched)
 		}
@@ -216,13 +216,21 @@ func (k *kubelet) setStatus(ctx context.Context, name string, mutate func(*corev
 }
 
 // fetchContext runs the fetch-context init container's contract (buildq
-// fetch-context, with its exit codes) into a new directory.
-func (k *kubelet) fetchContext(ctx context.Context, c corev1.Container) (string, int32, string) {
-	if len(c.Args) == 0 || c.Args[0] != "fetch-context" || len(c.Env) > 0 {
+// fetch-context, with its exit codes) into a new directory: the context,
+// then the check that --absent holds no image, with the docker config the
+// container mounts (and nothing else in its environment).
+func (k *kubelet) fetchContext(ctx context.Context, pod *corev1.Pod, c corev1.Container) (string, int32, string) {
+	onlyDockerConfig := len(c.Env) == 0 || (len(c.Env) == 1 && c.Env[0].Name == "DOCKER_CONFIG" && c.Env[0].Value == kaniko.DockerConfigDir && c.Env[0].ValueFrom == nil)
+	if len(c.Args) == 0 || c.Args[0] != "fetch-context" || !onlyDockerConfig {
 		return "", 1, fmt.Sprintf("error: init container %s: not the fetch-context contract: %v", c.Name, c.Args)
 	}
 	args := map[string]string{}
+	var insecure []string
 	for i := 1; i+1 < len(c.Args); i += 2 {
+		if c.Args[i] == "--insecure-registry" {
+			insecure = append(insecure, c.Args[i+1])
+			continue
+		}
 		args[strings.TrimPrefix(c.Args[i], "--")] = c.Args[i+1]
 	}
 	dir, err := os.MkdirTemp("", "kubelet-context-")
@@ -230,6 +238,12 @@ func (k *kubelet) fetchContext(ctx context.Context, c corev1.Container) (string,
 		return "", 1, err.Error()
 	}
 	err = contexttar.Fetch(ctx, nil, args["url"], args["digest"], dir, 0)
+	if err == nil && args["absent"] != "" {
+		if code, msg := k.checkAbsent(ctx, pod, c, args["absent"], insecure); code != 0 {
+			_ = contexttar.ClearDir(dir)
+			return dir, code, msg
+		}
+	}
 	switch {
 	case err == nil:
 		return dir, 0, ""
@@ -242,6 +256,64 @@ func (k *kubelet) fetchContext(ctx context.Context, c corev1.Container) (string,
 	default:
 		return dir, 1, err.Error()
 	}
+}
+
+// checkAbsent is fetch-context's --absent check, with the registry
+// credentials container c mounts: FetchExitTagTaken when ref holds an
+// image, 0 when the registry has none.
+func (k *kubelet) checkAbsent(ctx context.Context, pod *corev1.Pod, c corev1.Container, ref string, insecure []string) (int32, string) {
+	work, err := os.MkdirTemp("", "kubelet-check-")
+	if err != nil {
+		return 1, err.Error()
+	}
+	defer os.RemoveAll(work)
+	dockerConfig, err := k.mountedDockerConfig(ctx, pod, c, work)
+	if err != nil {
+		return 1, err.Error()
+	}
+	reg, err := registry.New(registry.Options{DockerConfig: dockerConfig, Insecure: insecure})
+	if err != nil {
+		return 1, err.Error()
+	}
+	d, err := reg.Head(ctx, ref)
+	switch {
+	case err == nil:
+		return kaniko.FetchExitTagTaken, "tag taken: " + ref + " holds " + d + " already; the build would push over it"
+	case registry.IsNotFound(err):
+		return 0, ""
+	default:
+		return kaniko.FetchExitRegistryDown, "checking that " + ref + " holds no image yet: " + err.Error()
+	}
+}
+
+// mountedDockerConfig writes the docker config container c of pod mounts
+// at /kaniko/.docker into dir and returns its path ("" when it mounts
+// none).
+func (k *kubelet) mountedDockerConfig(ctx context.Context, pod *corev1.Pod, c corev1.Container, dir string) (string, error) {
+	dockerConfig := ""
+	for _, m := range c.VolumeMounts {
+		if m.MountPath != kaniko.DockerConfigDir {
+			continue
+		}
+		for _, v := range pod.Spec.Volumes {
+			if v.Name != m.Name || v.Secret == nil {
+				continue
+			}
+			sec, err := k.client.CoreV1().Secrets(k.ns).Get(ctx, v.Secret.SecretName, metav1.GetOptions{})
+			if err != nil {
+				return "", fmt.Errorf("MountVolume.SetUp failed: secret %q: %w", v.Secret.SecretName, err)
+			}
+			for _, it := range v.Secret.Items {
+				if it.Path == "config.json" {
+					dockerConfig = filepath.Join(dir, "config.json")
+					if err := os.WriteFile(dockerConfig, sec.Data[it.Key], 0o600); err != nil {
+						return "", err
+					}
+				}
+			}
+		}
+	}
+	return dockerConfig, nil
 }
 
 // execute runs the kaniko contract and returns the exit code and the
@@ -284,28 +356,9 @@ func (k *kubelet) execute(ctx context.Context, pod *corev1.Pod, fetched string) 
 	defer os.RemoveAll(work)
 
 	// The docker config the pod mounts at /kaniko/.docker.
-	dockerConfig := ""
-	for _, m := range c.VolumeMounts {
-		if m.MountPath != kaniko.DockerConfigDir {
-			continue
-		}
-		for _, v := range pod.Spec.Volumes {
-			if v.Name != m.Name || v.Secret == nil {
-				continue
-			}
-			sec, err := k.client.CoreV1().Secrets(k.ns).Get(ctx, v.Secret.SecretName, metav1.GetOptions{})
-			if err != nil {
-				return 1, fmt.Sprintf("MountVolume.SetUp failed: secret %q: %v", v.Secret.SecretName, err)
-			}
-			for _, it := range v.Secret.Items {
-				if it.Path == "config.json" {
-					dockerConfig = filepath.Join(work, "config.json")
-					if err := os.WriteFile(dockerConfig, sec.Data[it.Key], 0o600); err != nil {
-						return 1, err.Error()
-					}
-				}
-			}
-		}
+	dockerConfig, err := k.mountedDockerConfig(ctx, pod, c, work)
+	if err != nil {
+		return 1, err.Error()
 	}
 
 	if one("context") == "dir://"+kaniko.ContextDir {

@@ -4,11 +4,7 @@ package integration
 
 import (
 	"context"
-	"fmt"
-	"os"
-	"path/filepath"
 	"slices"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -25,22 +21,23 @@ import (
 
 // testTagTakenOnRealNode: an image pushed to a build's first tag after the
 // worker's own check and before its Pod starts is never pushed over. The
-// Job's Pod waits, unschedulable, on a node label the test sets only once
-// the image is there; the Pod's fetch-context finds the tag taken (exit
-// 6) and kaniko never runs, and the request is answered with the image
-// found there, origin cache.
+// Pod waits for its tenant's registry Secret, which the test takes away
+// before the request and gives back only once the image is there (the
+// worker checks with its own credentials file, not the Secret); the
+// Pod's fetch-context then finds the tag taken (exit 6), kaniko never
+// runs, and the request is answered with the image found there, origin
+// cache.
 func testTagTakenOnRealNode(t *testing.T, node *realNode) {
-	gate := fmt.Sprintf("buildq.dev/gate-%d", time.Now().UnixNano()%1e9)
-	tmpl := filepath.Join(t.TempDir(), "gated-job-template.yaml")
-	body := strings.Replace(nodeJobTemplate, `nodeSelector: {"buildq.dev/real-node": "true"}`,
-		`nodeSelector: {"buildq.dev/real-node": "true", "`+gate+`": "open"}`, 1)
-	if body == nodeJobTemplate {
-		t.Fatal("the node Job template has no nodeSelector to add the gate to")
+	s := newSuite(t, options{node: node})
+	ctx := context.Background()
+	const secretName = "buildq-registry-acme"
+	secret, err := shared.kube.CoreV1().Secrets(s.ns).Get(ctx, secretName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatalf("the tenant's registry Secret: %v", err)
 	}
-	if err := os.WriteFile(tmpl, []byte(body), 0o600); err != nil {
+	if err := shared.kube.CoreV1().Secrets(s.ns).Delete(ctx, secretName, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	s := newSuite(t, options{node: node, workerArgs: []string{"--job-template", tmpl}})
 	fetchExits := s.fetchExits()
 	s.startWorker("w1")
 	res := s.collect()
@@ -48,8 +45,8 @@ func testTagTakenOnRealNode(t *testing.T, node *realNode) {
 	req := s.submitWith(dir, "taken", 1, func(r *v1.Request) { r.BuildArgs = map[string]string{"BASE": node.images.base} })[0]
 
 	var absent string
-	eventually(t, time.Minute, "the build's Job, its Pod held back by the gate", func() bool {
-		jobs, err := shared.kube.BatchV1().Jobs(s.ns).List(context.Background(), metav1.ListOptions{LabelSelector: kaniko.ManagedBySelector})
+	eventually(t, time.Minute, "the build's Job, its Pod waiting for its Secret", func() bool {
+		jobs, err := shared.kube.BatchV1().Jobs(s.ns).List(ctx, metav1.ListOptions{LabelSelector: kaniko.ManagedBySelector})
 		if err != nil || len(jobs.Items) != 1 {
 			return false
 		}
@@ -67,24 +64,20 @@ func testTagTakenOnRealNode(t *testing.T, node *realNode) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	hand, err := s.regClient.Push(context.Background(), img, []string{absent})
+	hand, err := s.regClient.Push(ctx, img, []string{absent})
 	if err != nil {
 		t.Fatal(err)
 	}
-	patch := []byte(`{"metadata":{"labels":{"` + gate + `":"open"}}}`)
-	if _, err := shared.kube.CoreV1().Nodes().Patch(context.Background(), nodeName, types.StrategicMergePatchType, patch, metav1.PatchOptions{}); err != nil {
+	secret.ResourceVersion, secret.UID = "", ""
+	if _, err := shared.kube.CoreV1().Secrets(s.ns).Create(ctx, secret, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() {
-		unpatch := []byte(`{"metadata":{"labels":{"` + gate + `":null}}}`)
-		_, _ = shared.kube.CoreV1().Nodes().Patch(context.Background(), nodeName, types.StrategicMergePatchType, unpatch, metav1.PatchOptions{})
-	})
 
 	r := res.wait(t, 1, 5*time.Minute)[0]
 	if r.ID != req.RequestID || r.Data.Status != v1.StatusSucceeded || r.Data.Origin != v1.OriginCache || r.Data.Digest != hand {
 		t.Fatalf("result %s, want the image found at %s (%s), origin cache", mustJSON(r), absent, hand)
 	}
-	if d, err := s.regClient.Head(context.Background(), absent); err != nil || d != hand {
+	if d, err := s.regClient.Head(ctx, absent); err != nil || d != hand {
 		t.Errorf("%s holds %s (%v), want the image pushed there first (%s)", absent, d, err, hand)
 	}
 	if got := fetchExits(); !slices.Contains(got, kaniko.FetchExitTagTaken) {

@@ -132,6 +132,11 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 			// record then says what happened.
 			cur, _, gerr := w.runs.Get(ctx, held.Key)
 			if gerr == nil && cur != nil && cur.Run == held.Run && cur.Final() {
+				if refusedRun(cur) {
+					// Ended from outside (the reconciler, a take-over)
+					// as refused by its Pod: nothing was built.
+					return w.lookAgainAfterRefusal(ctx, req, cur, repo, dests, seq)
+				}
 				// The run this request held was ended from outside (a
 				// cancel, the reconciler): that end is its answer — never
 				// a retry that would undo a cancel. Its log ends here.
@@ -204,8 +209,7 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 	if w.faults != nil && w.faults.beforeFinalize != nil {
 		w.faults.beforeFinalize(held.Key)
 	}
-	tagTaken := final.State == v1.StateFailed && final.Reason == v1.ReasonTagTaken
-	if ea := endAheadOf(ctx); ea != nil && ea.req == req && !multiPlatform(rreq) && !tagTaken &&
+	if ea := endAheadOf(ctx); ea != nil && ea.req == req && !multiPlatform(rreq) && !refusedRun(final) &&
 		hold.SinceWrite() < w.cfg.Lease/2 && context.Cause(runCtx) == nil {
 		// A run this handler claimed (not taken over: endAheadOf is nil
 		// there), for its own request, whose claim was written recently
@@ -231,20 +235,37 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 	if err != nil {
 		return nil, "", false, Transient(err)
 	}
-	if tagTaken && !mutant.On("tag-taken-answers") {
-		// The build Pod found the run's first tag taken and built
-		// nothing: the run answers nobody. Its Job goes, and this
-		// request looks again — its own check then finds the image
-		// there (the claimer's tag) or builds with its own inputs.
-		w.log.Info("the build's first tag held an image when its Pod started; nothing was built, looking again",
-			zap.String("key", held.Key), zap.String("run", held.Run), zap.String("tag", firstOf(held.Destinations)))
-		if !mutant.On("tag-taken-keeps-preflight") {
-			w.looks.forgetPreflight(firstOf(held.Destinations))
-		}
-		w.jobGone(fctx, held.Key, held.Run)
-		return w.build(ctx, req, held.Key, repo, dests, seq, nil)
+	if refusedRun(stored) {
+		// This outcome's end, or the same run's end stored from outside
+		// first (a take-over that adopted the Job, the reconciler).
+		return w.lookAgainAfterRefusal(ctx, req, stored, repo, dests, seq)
 	}
 	return stored, origin, true, nil
+}
+
+// refusedRun reports whether rec is the end of a run whose build Pod found
+// its first tag taken and built nothing (v1.ReasonTagTaken): an end that
+// answers nobody.
+func refusedRun(rec *v1.BuildRecord) bool {
+	return rec != nil && rec.State == v1.StateFailed && rec.Reason == v1.ReasonTagTaken && !mutant.On("tag-taken-answers")
+}
+
+// lookAgainAfterRefusal follows the end of a run its build Pod refused
+// (refusedRun): the run answers nobody. Its Job goes, the HEADs sent
+// ahead for its tag are forgotten, and req looks again — its own check
+// then finds the image there (the claimer's tag) or it builds with its
+// own inputs.
+func (w *builder) lookAgainAfterRefusal(ctx context.Context, req *v1.Request, ended *v1.BuildRecord, repo string, dests []string, seq uint64) (*v1.BuildRecord, v1.Origin, bool, error) {
+	tag := firstOf(ended.Destinations)
+	w.log.Info("the build's first tag held an image when its Pod started; nothing was built, looking again",
+		zap.String("key", ended.Key), zap.String("run", ended.Run), zap.String("tag", tag))
+	if !mutant.On("tag-taken-keeps-preflight") {
+		w.looks.forgetPreflight(tag)
+	}
+	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
+	w.jobGone(fctx, ended.Key, ended.Run)
+	cancel()
+	return w.build(ctx, req, ended.Key, repo, dests, seq, nil)
 }
 
 // firstOf is the first of refs, or "".

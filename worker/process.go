@@ -172,6 +172,12 @@ func (w *Worker) processRequest(ctx context.Context, h *handling) (verdict, *led
 
 // resultVerdict completes v with the final record rec that answers req.
 func (w *Worker) resultVerdict(ctx context.Context, v verdict, req *v1.Request, rec *v1.BuildRecord, origin v1.Origin, owned bool, repo string, dests []string) (verdict, error) {
+	if refusedRun(rec) {
+		// A run its build Pod refused answers nobody (the walk looks
+		// again past it): reaching here is a path that did not, and the
+		// request is tried again rather than answered with that end.
+		return v, Transient(fmt.Errorf("the run %s of %s was refused by its build Pod (%s): nothing was built; looking again", rec.Run, rec.Key, v1.ReasonTagTaken))
+	}
 	v.Data.Origin = origin
 	v.Data.Job = rec.Job
 	if owned {

@@ -124,12 +124,17 @@ func (w *simWorld) judgeHandTags(out *simOutcome) {
 				w.violate(out, "tag-overwritten", "job %s of %s for request %s, created by %s at %.3fs, pushes to %s, which held an image pushed by hand before any request: its preflight must have found it",
 					j.uid, w.keyName(j.key), j.request, j.creator, j.created.Seconds(), d)
 			}
-			// A tag pushed by hand while the schedule ran: no build may
-			// begin pushing to it after that push was done — its Pod's
-			// check (played just before the push) must have found it.
-			if late, ok := w.lateHand[d]; ok && j.pushed != 0 && j.pushed > late.at {
-				w.violate(out, "tag-overwritten", "job %s of %s for request %s, created by %s at %.3fs, began pushing to %s at %.3fs, after an image was pushed there by hand at %.3fs: its Pod's check must have found it",
-					j.uid, w.keyName(j.key), j.request, j.creator, j.created.Seconds(), d, j.pushed.Seconds(), late.at.Seconds())
+			// A tag pushed by hand while the schedule ran: a build may
+			// push over it only if its Pod checked the tag before that
+			// push was done (a build already under way, as kaniko's
+			// would be); a Pod that checked after it must have found it.
+			if late, ok := w.lateHand[d]; ok && j.pushed != 0 && j.pushed > late.at && (j.checked == 0 || j.checked > late.at) {
+				check := "none"
+				if j.checked != 0 {
+					check = simSeconds(j.checked)
+				}
+				w.violate(out, "tag-overwritten", "job %s of %s for request %s, created by %s at %.3fs, its Pod's tag check at %s, began pushing to %s at %.3fs, after an image was pushed there by hand at %.3fs: its Pod's check must have found it",
+					j.uid, w.keyName(j.key), j.request, j.creator, j.created.Seconds(), check, d, j.pushed.Seconds(), late.at.Seconds())
 			}
 		}
 	}

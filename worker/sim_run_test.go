@@ -164,7 +164,7 @@ func runSim(t *testing.T, sc *simSchedule) simOutcome {
 	w.identity = simExecutorIdentity(t)
 	w.node = &simNode{w: w, jobs: map[string]*simJob{}}
 	node := simNodeOptions(newSimPlanner(seed, func(string) float64 { return sc.failProb }), !sc.has("no-ttl"))
-	node.observe, node.ended, node.pushing = w.node.observe, w.node.ended, w.node.pushing
+	node.observe, node.ended, node.pushing, node.checking = w.node.observe, w.node.ended, w.node.pushing, w.node.checking
 	node.logf = w.trace.add
 	w.world = newWorld(t, worldConfig{nats: natsConfig{Name: "buildq-sim"}, registry: true, node: node})
 	defer w.world.nats.Stop() // now, not with the test: a scenario may run several times

@@ -219,10 +219,12 @@ func (s *simSchedule) addLateHandTags() {
 		if len(s.reqs[i].platforms) > 1 {
 			continue // an image index's tags are its platforms' own
 		}
-		// Within 600 ms of the publish: around the preflight, or while
-		// the build runs (simBuildFloor at the least).
+		// Within 150 ms of the publish (around the preflight, or
+		// before the Pod's check: podStart), or of 600 ms (while the
+		// build runs, simBuildFloor at the least).
+		within := []time.Duration{150 * time.Millisecond, 600 * time.Millisecond}[r.IntN(2)]
 		s.faults = append(s.faults, simFault{kind: "late-hand-tag", req: i,
-			at: s.reqs[i].at + time.Duration(r.Int64N(int64(600*time.Millisecond)))})
+			at: s.reqs[i].at + time.Duration(r.Int64N(int64(within)))})
 	}
 	sort.SliceStable(s.faults, func(i, j int) bool { return s.faults[i].at < s.faults[j].at })
 }

@@ -115,7 +115,8 @@ type simJob struct {
 	created                 time.Duration
 	finished                time.Duration // 0: not finished
 	succeeded               bool
-	pushed                  time.Duration // when its build began pushing, after its Pod's checks (0: never)
+	pushed                  time.Duration // when its build began pushing (0: never)
+	checked                 time.Duration // when its Pod's tag check began (0: never)
 	deleted                 time.Duration // 0: not deleted
 	deleteCause             string
 }
@@ -209,6 +210,16 @@ func (n *simNode) ended(job *batchv1.Job, ok bool) {
 			how = "REFUSED by its Pod: its first tag holds an image"
 		}
 		w.trace.add("job   %s %s %s %s", w.keyName(j.key), j.name[:14], j.uid, how)
+	}
+}
+
+// checking records when a build's Pod began its tag check (the node's
+// checking hook).
+func (n *simNode) checking(job *batchv1.Job) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if j := n.jobs[string(job.UID)]; j != nil {
+		j.checked = n.w.trace.rel()
 	}
 }
 

@@ -149,3 +149,16 @@ func TestATagTakenWhosePodIsGoneIsStillNoBuildFailure(t *testing.T) {
 		t.Fatalf("result %s, want the image found at its tag (%s), origin cache", mustJSON(t, r.Data), hand)
 	}
 }
+
+// Whatever path hands a refused run's end to a request as its answer (a
+// take-over, the reconciler, a stalled owner), it is never published:
+// the request is tried again, and its next walk looks past the run.
+func TestARefusedRunIsNeverAResult(t *testing.T) {
+	t.Parallel()
+	req := request("refused-never-a-result")
+	rec := &v1.BuildRecord{Key: v1.BuildKey(req, kanikoID), State: v1.StateFailed, Reason: v1.ReasonTagTaken, Run: "r1", Job: "buildq-x"}
+	v, err := (&Worker{}).resultVerdict(context.Background(), verdict{}, req, rec, v1.OriginBuild, true, "registry.test/acme/web", []string{"registry.test/acme/web:x"})
+	if err == nil || !IsTransient(err) || v.Data.Status != "" {
+		t.Fatalf("a refused run's end as a result: %+v, %v; want no result and a transient error (tried again)", v.Data, err)
+	}
+}

@@ -61,9 +61,11 @@ type nodeOptions struct {
 	// ended sees every build the node ended, under the API mutex, as its
 	// status is written.
 	ended func(job *batchv1.Job, succeeded bool)
-	// pushing sees every build that is about to push, after its Pod's
-	// checks (not under the API mutex).
-	pushing func(job *batchv1.Job)
+	// pushing sees every build that is about to push (not under the API
+	// mutex); checking sees each Pod's tag check (fetch-context's
+	// --absent) as it begins.
+	pushing  func(job *batchv1.Job)
+	checking func(job *batchv1.Job)
 	// logf traces what goes wrong (a failed push); nil: nothing.
 	logf func(format string, args ...any)
 }
@@ -79,13 +81,16 @@ type fakeNode struct {
 	mu     sync.Mutex
 	closed bool
 	timers map[*time.Timer]struct{}
+	// checked: what each Job's Pod found at its tag check, by UID
+	// ("" free, else the reason it refused).
+	checked map[types.UID]string
 	// errs: what went wrong (failed pushes and writes), the first 20.
 	errs    []string
 	running sync.WaitGroup
 }
 
 func newFakeNode(api *apiServer, opts nodeOptions) *fakeNode {
-	n := &fakeNode{api: api, opts: opts, creates: &counter{n: map[string]int{}}, timers: map[*time.Timer]struct{}{}}
+	n := &fakeNode{api: api, opts: opts, creates: &counter{n: map[string]int{}}, timers: map[*time.Timer]struct{}{}, checked: map[types.UID]string{}}
 	api.onChange = n.onChange
 	return n
 }
@@ -130,8 +135,63 @@ func (n *fakeNode) onChange(ev apiEvent, cause string) {
 	}
 	if plan.auto {
 		ns, name, uid, ok := job.Namespace, job.Name, job.UID, plan.succeed
+		if jobAbsent(job) != "" {
+			// The Pod starts: fetch-context checks the tag before kaniko
+			// builds (as a real Pod, once, at its start).
+			n.later(min(podStart, plan.after/2), func() { n.checkAtStart(ns, name, uid) })
+		}
 		n.later(plan.after, func() { n.runOut(ns, name, uid, ok) })
 	}
+}
+
+// podStart is how long after its Job's creation a planned build's Pod
+// starts (and checks its tag).
+const podStart = 100 * time.Millisecond
+
+// checkAtStart is a planned build's Pod's tag check at its start.
+func (n *fakeNode) checkAtStart(ns, name string, uid types.UID) {
+	var job *batchv1.Job
+	if n.api.do(func() error {
+		var err error
+		job, err = n.liveLocked(ns, name, uid)
+		return err
+	}) != nil {
+		return
+	}
+	if err := n.checkTag(job); err != nil {
+		n.fail("tag check of %s: %v", name, err)
+	}
+}
+
+// checkTag is fetch-context's --absent check of job's Pod, done once: it
+// records what the Pod found.
+func (n *fakeNode) checkTag(job *batchv1.Job) error {
+	n.mu.Lock()
+	_, done := n.checked[job.UID]
+	n.mu.Unlock()
+	ref := jobAbsent(job)
+	if done || ref == "" || n.opts.registry == nil {
+		return nil
+	}
+	if n.opts.checking != nil {
+		n.opts.checking(job)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	d, err := n.opts.registry.Head(ctx, ref)
+	cancel()
+	found := ""
+	switch {
+	case err == nil:
+		found = "tag taken: " + ref + " holds " + d + " already; the build would push over it"
+	case !registry.IsNotFound(err):
+		// A Pod would be retried; the world's registry does not fail,
+		// so this is the harness's own trouble.
+		return fmt.Errorf("checking that %s holds no image yet: %w", ref, err)
+	}
+	n.mu.Lock()
+	n.checked[job.UID] = found
+	n.mu.Unlock()
+	return nil
 }
 
 // later runs f after d unless the node closes first.
@@ -214,23 +274,20 @@ func (n *fakeNode) runOut(ns, name string, uid types.UID, ok bool) {
 // build ends job's build now: on success the image is pushed to every
 // destination first (a failed push fails the build, as kaniko's does).
 // First, as the Pod's fetch-context init container does, the tag its
-// --absent names is asked for: an image there ends the build with that
-// container's exit FetchExitTagTaken, and kaniko never runs (the node
-// asks when the build ends rather than when it starts: stricter, since a
-// push must then follow the check at once).
+// --absent names is asked for — once, when the Pod starts (checkTag; now,
+// for a build that ends before its Pod's check ran): an image there ends
+// the build with that container's exit FetchExitTagTaken, and kaniko
+// never runs. A tag pushed after the check is pushed over, as a real
+// build's would be.
 func (n *fakeNode) build(job *batchv1.Job, ok bool) error {
-	if ref := jobAbsent(job); ref != "" && n.opts.registry != nil {
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-		d, err := n.opts.registry.Head(ctx, ref)
-		cancel()
-		switch {
-		case err == nil:
-			return n.endContainer(job, kaniko.FetchContainerName, kaniko.FetchExitTagTaken, "tag taken: "+ref+" holds "+d+" already; the build would push over it")
-		case !registry.IsNotFound(err):
-			// A Pod would be retried; the world's registry does not
-			// fail, so this is the harness's own trouble.
-			return fmt.Errorf("checking that %s holds no image yet: %w", ref, err)
-		}
+	if err := n.checkTag(job); err != nil {
+		return err
+	}
+	n.mu.Lock()
+	refused := n.checked[job.UID]
+	n.mu.Unlock()
+	if refused != "" {
+		return n.endContainer(job, kaniko.FetchContainerName, kaniko.FetchExitTagTaken, refused)
 	}
 	msg := "error building image: error building stage: RUN make: exit status 2"
 	exit := int32(1)

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/google/go-containerregistry/pkg/v1/remote/transport"
 	"github.com/spf13/cobra"
 
 	"github.com/buildq/buildq/internal/contexttar"
@@ -41,7 +42,9 @@ tag that was there before it began.
 Exit codes: 0 unpacked; ` + fmt.Sprint(kaniko.FetchExitMismatch) + ` the bytes do not match --digest; ` + fmt.Sprint(kaniko.FetchExitRefused) + ` the URL was refused
 (no such object, or the URL expired); ` + fmt.Sprint(kaniko.FetchExitBadContext) + ` the context --digest names is itself
 unusable (an unsafe, unsupported or malformed entry, too large); ` + fmt.Sprint(kaniko.FetchExitTagTaken) + ` --absent
-holds an image; 1 anything else (a download or a registry check that keeps
+holds an image; ` + fmt.Sprint(kaniko.FetchExitRegistry) + ` the registry refused the check (credentials refused:
+401, 403, another 4xx); ` + fmt.Sprint(kaniko.FetchExitRegistryDown) + ` the registry could not answer it now (5xx,
+unreachable: the Job retries); 1 anything else (a download that keeps
 failing: the Job retries).
 On failure --dest is left empty.`,
 		Args: cobra.NoArgs,
@@ -73,13 +76,20 @@ On failure --dest is left empty.`,
 					err = errors.Join(err, contexttar.ClearDir(dest))
 				}
 			}
-			var taken *tagTakenError
+			var (
+				taken   *tagTakenError
+				checkFx *tagCheckError
+			)
 			switch {
 			case err == nil:
 				fmt.Fprintf(cmd.ErrOrStderr(), "context %s unpacked into %s\n", digest, dest)
 				return nil
 			case errors.As(err, &taken):
 				return &exitError{code: kaniko.FetchExitTagTaken, err: err}
+			case errors.As(err, &checkFx) && checkFx.refused():
+				return &exitError{code: kaniko.FetchExitRegistry, err: err}
+			case errors.As(err, &checkFx):
+				return &exitError{code: kaniko.FetchExitRegistryDown, err: err}
 			case errors.Is(err, contexttar.ErrDigestMismatch):
 				return &exitError{code: kaniko.FetchExitMismatch, err: fmt.Errorf("context mismatch: %w", err)}
 			case errors.Is(err, contexttar.ErrFetchRefused):
@@ -111,6 +121,26 @@ func (e *tagTakenError) Error() string {
 	return fmt.Sprintf("tag taken: %s holds %s already; the build would push over it", e.ref, e.digest)
 }
 
+// tagCheckError: the registry could not answer whether --absent holds
+// an image (unreachable, 5xx, credentials refused).
+type tagCheckError struct {
+	ref string
+	err error
+}
+
+func (e *tagCheckError) Error() string {
+	return fmt.Sprintf("checking that %s holds no image yet: %v", e.ref, e.err)
+}
+
+func (e *tagCheckError) Unwrap() error { return e.err }
+
+// refused reports whether the registry answered the check with a 4xx:
+// asking again with the same credentials gets the same answer.
+func (e *tagCheckError) refused() bool {
+	var terr *transport.Error
+	return errors.As(e.err, &terr) && terr.StatusCode >= 400 && terr.StatusCode < 500
+}
+
 // absentChecker is the registry client of --absent: the build Pod's own
 // docker config, when it has one.
 func absentChecker(insecure []string) (*registry.Client, error) {
@@ -133,6 +163,6 @@ func checkAbsent(ctx context.Context, reg *registry.Client, ref string) error {
 	case registry.IsNotFound(err):
 		return nil
 	default:
-		return fmt.Errorf("checking that %s holds no image yet: %w", ref, err)
+		return &tagCheckError{ref: ref, err: err}
 	}
 }

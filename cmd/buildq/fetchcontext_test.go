@@ -94,8 +94,17 @@ func TestFetchContextChecksTheTagIsFree(t *testing.T) {
 	}
 
 	t.Setenv("DOCKER_CONFIG", t.TempDir()) // no credentials: the registry refuses
-	if code, files, stderr := fetch(host + "/acme/web:taken"); code != exitFailed || files != "" {
-		t.Errorf("a registry that refuses the check: exit %d (want %d, retried), context %q, stderr %s", code, exitFailed, files, stderr)
+	if code, files, stderr := fetch(host + "/acme/web:taken"); code != kaniko.FetchExitRegistry || files != "" {
+		t.Errorf("a registry that refuses the check: exit %d (want %d, the Job failed at once), context %q, stderr %s", code, kaniko.FetchExitRegistry, files, stderr)
+	}
+	down := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusServiceUnavailable) }))
+	t.Cleanup(down.Close)
+	downHost := strings.TrimPrefix(down.URL, "http://")
+	dest := t.TempDir()
+	code, _, stderr = cli(t, "fetch-context", "--url", s3.URL+"/ctx.tar.gz", "--digest", res.Digest, "--dest", dest,
+		"--absent", downHost+"/acme/web:x", "--insecure-registry", downHost)
+	if code != kaniko.FetchExitRegistryDown {
+		t.Errorf("a registry that cannot answer: exit %d (want %d, retried by the Job), stderr %s", code, kaniko.FetchExitRegistryDown, stderr)
 	}
 	if code, _, stderr := fetch("not a reference"); code != exitInvalid || !strings.Contains(stderr, "--absent") {
 		t.Errorf("a malformed --absent: exit %d (want %d), stderr %s", code, exitInvalid, stderr)

@@ -66,12 +66,18 @@ const (
 // object is gone (or its URL expired), the context the digest names is
 // itself unusable (contexttar.ErrBadContext), or the tag the build must
 // not overwrite holds an image already (Spec.Absent). Any other failure
-// is retried.
+// is retried. The registry refusing that check outright (its
+// credentials refused: 401, 403, another 4xx) is FetchExitRegistry and
+// fails the Job at once too; a registry that cannot answer now (5xx,
+// unreachable) is FetchExitRegistryDown, retried (1 is anything else,
+// most often the download).
 const (
-	FetchExitMismatch   = 3
-	FetchExitRefused    = 4
-	FetchExitBadContext = 5
-	FetchExitTagTaken   = 6
+	FetchExitMismatch     = 3
+	FetchExitRefused      = 4
+	FetchExitBadContext   = 5
+	FetchExitTagTaken     = 6
+	FetchExitRegistry     = 7
+	FetchExitRegistryDown = 8
 )
 
 // ManagedBySelector selects every object buildq manages.
@@ -394,7 +400,7 @@ func Job(spec Spec, cfg Config) (*batchv1.Job, error) {
 			OnExitCodes: &batchv1.PodFailurePolicyOnExitCodesRequirement{
 				ContainerName: ptr(FetchContainerName),
 				Operator:      batchv1.PodFailurePolicyOnExitCodesOpIn,
-				Values:        []int32{FetchExitMismatch, FetchExitRefused, FetchExitBadContext, FetchExitTagTaken},
+				Values:        []int32{FetchExitMismatch, FetchExitRefused, FetchExitBadContext, FetchExitTagTaken, FetchExitRegistry},
 			},
 		})
 	}

@@ -95,6 +95,21 @@ func JobOutcome(job *batchv1.Job, pods []*corev1.Pod) Outcome {
 			out.Reason = v1.ReasonDeadlineExceeded
 		}
 	}
+	if code, ok := fetchFailedJob(cond); ok {
+		// The Job controller failed the Job on fetch-context's exit code
+		// (its pod failure policy): that decides, whatever an earlier
+		// attempt's Pod says, and also when the failing Pod is gone
+		// (deleted, or not in the cache yet). Its message is the log
+		// tail when that Pod is at hand.
+		for _, p := range sorted {
+			if t := fetchTerminated(p); t != nil && t.ExitCode == code {
+				out.LogPod, out.LogTail = p.Name, Tail(t.Message, MaxLogTail)
+				break
+			}
+		}
+		classifyFetchFailure(&out, code)
+		return out
+	}
 	for _, p := range sorted {
 		// The context never reached kaniko: fetch-context says why.
 		if t := fetchTerminated(p); t != nil && t.ExitCode != 0 {
@@ -113,13 +128,6 @@ func JobOutcome(job *batchv1.Job, pods []*corev1.Pod) Outcome {
 			out.Message = "the build ran out of memory (OOMKilled); raise the executor's memory limit"
 		}
 		break
-	}
-	if code, ok := fetchFailedJob(cond); ok && out.LogTail == "" {
-		// The Pods are gone (deleted, or never seen), but the Job says
-		// its pod failure policy failed it on fetch-context's exit
-		// code: the same reason as that Pod's status would give.
-		classifyFetchFailure(&out, code)
-		return out
 	}
 	if out.LogTail == "" {
 		// No termination message, or one that held only kaniko's usage
@@ -148,6 +156,12 @@ func classifyFetchFailure(out *Outcome, code int32) {
 		// Refused before the build began: nothing was pushed.
 		out.Reason = v1.ReasonTagTaken
 		out.Message = "the build's first tag held an image when its Pod started; nothing was built"
+	case kaniko.FetchExitRegistry, kaniko.FetchExitRegistryDown:
+		// The registry refused the Pod's check of its tag, or could not
+		// answer it attempt after attempt: the destination's registry,
+		// as for a push.
+		out.Reason = v1.ReasonPushFailed
+		out.Message = "the build Pod could not check its first tag in the registry before building (the log tail says why)"
 	case kaniko.FetchExitBadContext:
 		// The named context's own fault: every request for it shares it.
 	default:
