@@ -456,9 +456,10 @@ func TestRenderRunsTheWorkersChecks(t *testing.T) {
 	accepted := map[string]struct {
 		args   []string
 		secret string
+		checks bool // the Pod checks its first tag (fetch-context --absent)
 	}{
-		"per-tenant secrets": {[]string{"--fetch-image", fetch, "--tenant-registry-secret", "buildq-registry-{tenant}"}, "buildq-registry-acme"},
-		"single tenant":      {[]string{"--single-tenant", "--s3-credentials-secret", "buildq-s3", "--registry-secret", "buildq-registry"}, "buildq-registry"},
+		"per-tenant secrets": {[]string{"--fetch-image", fetch, "--tenant-registry-secret", "buildq-registry-{tenant}"}, "buildq-registry-acme", true},
+		"single tenant":      {[]string{"--single-tenant", "--s3-credentials-secret", "buildq-s3", "--registry-secret", "buildq-registry"}, "buildq-registry", false},
 	}
 	for name, c := range accepted {
 		t.Run(name, func(t *testing.T) {
@@ -491,6 +492,9 @@ func TestRenderRunsTheWorkersChecks(t *testing.T) {
 			}
 			if !slices.Equal(secrets, []string{c.secret}) {
 				t.Errorf("Secrets mounted: %v, want [%s]", secrets, c.secret)
+			}
+			if checks := strings.Contains(stdout, `"--absent"`); checks != c.checks {
+				t.Errorf("the rendered Pod checks its first tag: %v, want %v (as the worker makes it)", checks, c.checks)
 			}
 		})
 	}

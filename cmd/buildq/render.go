@@ -77,6 +77,11 @@ refuse, render refuses too (exit 2), with the same message.`,
 			if kc.FetchImage != "" && req.Source.S3 != nil {
 				// The worker signs a fresh URL when it creates the Job.
 				spec.ContextURL = "<presigned GET URL of s3://" + req.Source.S3.Bucket + "/" + req.Source.S3.Key + ", made by the worker>"
+				if len(req.PlatformsOrDefault()) <= 1 {
+					// Its Pod checks that the first tag holds no image
+					// yet (an index's platforms' tags are buildq's own).
+					spec.Absent = spec.Destinations[0]
+				}
 			}
 			job, err := kaniko.Job(spec, kc)
 			if err != nil {
