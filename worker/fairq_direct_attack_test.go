@@ -41,6 +41,11 @@ func TestAttack_ATenantsIntakeHeadersActOnNothing(t *testing.T) {
 			m.Header["Buildq-Intake-Seq"] = []string{"1"}
 			m.Header["Buildq-Intake-Subject"] = []string{"buildq.requests.globex"}
 			m.Data = b
+			if tc.direct == 1 {
+				// Taken straight from intake only by a dispatcher that
+				// already waits idle.
+				waitIdle(t, w1)
+			}
 			if _, err := e.js.PublishMsg(context.Background(), m); err != nil {
 				t.Fatal(err)
 			}
