@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-containerregistry/pkg/v1/remote/transport"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -276,11 +277,16 @@ func (k *kubelet) checkAbsent(ctx context.Context, pod *corev1.Pod, c corev1.Con
 		return 1, err.Error()
 	}
 	d, err := reg.Head(ctx, ref)
+	var terr *transport.Error
 	switch {
 	case err == nil:
 		return kaniko.FetchExitTagTaken, "tag taken: " + ref + " holds " + d + " already; the build would push over it"
 	case registry.IsNotFound(err):
 		return 0, ""
+	case errors.As(err, &terr) && terr.StatusCode >= 400 && terr.StatusCode < 500:
+		// As fetch-context: a 4xx (credentials refused) fails the Job
+		// at once; anything else is tried again.
+		return kaniko.FetchExitRegistry, "checking that " + ref + " holds no image yet: the registry refused the check: " + err.Error()
 	default:
 		return kaniko.FetchExitRegistryDown, "checking that " + ref + " holds no image yet: " + err.Error()
 	}

@@ -142,6 +142,12 @@ func (w *Worker) cacheVerdict(ctx context.Context, msg jetstream.Msg, meta *jets
 	if !ok {
 		return verdict{}, nil, false
 	}
+	if !sendAhead && w.builds.openSent(req.Tenant, req.RequestID, meta.Sequence.Stream) && w.builds.checksTagBeside(ctx, req, repo) {
+		// Intake left this request to its handler's claim, unread
+		// (below): reading the record here would put back the read
+		// intake left out.
+		return verdict{}, nil, false
+	}
 	// A hit is quick or not a hit for intake: a slow registry or store
 	// must not hold intake's slots (every tenant's way in) for one
 	// tenant's hits; past intakeLookupTimeout the queue takes it.
@@ -155,6 +161,13 @@ func (w *Worker) cacheVerdict(ctx context.Context, msg jetstream.Msg, meta *jets
 		// (intakelook.go, intakeopen.go).
 		w.builds.sendPreflight(ctx, req, key, repo, dests)
 		w.builds.sendOpen(ctx, req, key, meta.Sequence.Stream, meta.Timestamp)
+		if w.builds.checksTagBeside(ctx, req, repo) {
+			// Most likely a new build whose Pod checks its tag: its
+			// handler claims before it reads (build.go, claimFirst), so
+			// intake's read would only stand in the way. A hit among
+			// these is answered by the handler's walk.
+			return verdict{}, nil, false
+		}
 	}
 	lctx, cancel := context.WithTimeout(ctx, wait)
 	rec := w.builds.cached(lctx, req, key, dests)

@@ -43,6 +43,16 @@ type Build struct {
 	KeepFirstTag bool
 }
 
+// TagChecker is a backend whose build checks its first tag itself
+// before building (Build.KeepFirstTag), for req: the kube backend with
+// fetch-context, for a context in the object store. The worker may then
+// start such a build beside its own preflight HEAD of the tag instead of
+// after it (build.go, checksTagBeside): whatever the HEAD finds, the
+// build's own check finds too, and the run answers nobody.
+type TagChecker interface {
+	ChecksFirstTag(req *v1.Request) bool
+}
+
 // errNotCurrent: the run ended while its build was being started.
 var errNotCurrent = errors.New("the build run is no longer the key's current run")
 

@@ -89,6 +89,13 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 	// A request that is not answered from the index waits on a build:
 	// index it, so a cancel of the key finds it.
 	waits := func() { wr.add(ctx, w.ledger, key, req.Tenant, req.RequestID) }
+	// waitsBeside indexes the request beside the run it just claimed
+	// (its Job's create goes on meanwhile), and returns the wait for it.
+	// Only once the claim is made: a claim that fails leaves no entry
+	// (TestAttack_AFailedClaimLeavesNoWaiterEntry).
+	waitsBeside := func() func() struct{} {
+		return sendAhead(func() struct{} { waits(); return struct{}{} })
+	}
 	// Before claiming, taking over or joining — work that outlives a
 	// handler — make sure the request is still unanswered: a handler that
 	// stalled (a NATS outage, a pause) while its redelivered copy was
@@ -111,7 +118,13 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 	// check: they are sent at once, and each is waited for only where the
 	// walk needs it. What they find is told to nobody before possession
 	// is shown. The preflight HEAD is sent only when the walk needs it.
-	ahead := w.lookAhead(ctx, req, key, repo, dests, answered)
+	var created time.Time
+	if wr != nil {
+		created = wr.created
+	}
+	// claimFirst: the request's first look is its claim (below).
+	claimFirst := !created.IsZero() && time.Since(created) < lookAheadFresh && w.checksTagBeside(ctx, req, repo)
+	ahead := w.lookAhead(ctx, req, key, repo, dests, answered, created, claimFirst)
 	defer ahead.stop()
 	if req.Source.S3 != nil && w.cfg.Contexts != nil {
 		// Before anything else, whoever built the key or is building it:
@@ -122,7 +135,27 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 			return nil, "", false, err
 		}
 	}
-	for first := true; ; first = false {
+	if claimFirst {
+		// A fresh key's build whose Pod checks its tag, for a request
+		// whose entry was just created undecided: nothing of the first
+		// look needs waiting for. The claim is a create, which fails
+		// if the key has any record — then the walk reads it — so it
+		// goes first, its waiter entry and the tag's HEAD beside it.
+		claim := w.newClaim(req, key, repo, dests, seq)
+		tagCheck := ahead.preflightBeside(true)
+		rev, ok, err := w.runs.Claim(ctx, claim)
+		if err != nil {
+			return nil, "", false, Transient(err)
+		}
+		if ok {
+			w.looks.forget(key)
+			indexed := waitsBeside()
+			rec, origin, owned, err := w.own(ctx, req, claim, rev, repo, dests, seq, "", tagCheck)
+			indexed()
+			return rec, origin, owned, err
+		}
+	}
+	for first := !claimFirst; ; first = false {
 		if err := ctx.Err(); err != nil {
 			return nil, "", false, err
 		}
@@ -159,7 +192,14 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 			}
 		}
 		fresh := cur == nil || (cur.State == v1.StateFailed && !ended)
-		if fresh {
+		// tagCheck: the preflight sent beside the claim and the build's
+		// start, for a build whose Pod checks the tag itself
+		// (checksTagBeside); own waits for it.
+		var tagCheck func() preflightRead
+		switch {
+		case fresh && first && cur == nil && w.checksTagBeside(ctx, req, repo):
+			tagCheck = ahead.preflightBeside(first)
+		case fresh:
 			// Before claiming: the requester's own first tag may already
 			// hold an image (an index lost, a tag pushed by hand). It
 			// answers this request only — it is not buildq's verified
@@ -185,8 +225,10 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 				continue // another worker claimed it first: look again
 			}
 			w.looks.forget(key)
-			waits()
-			return w.own(ctx, req, claim, rev, repo, dests, seq, "")
+			indexed := waitsBeside()
+			rec, origin, owned, err := w.own(ctx, req, claim, rev, repo, dests, seq, "", tagCheck)
+			indexed()
+			return rec, origin, owned, err
 
 		case cur.State == v1.StateSucceeded:
 			if mine(cur) {
@@ -213,7 +255,7 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 					}
 					waits()
 					return w.own(ctx, req, claim, rev, repo, dests, seq,
-						fmt.Sprintf("building again: the image built before (%s@%s) is gone from the registry", cur.Repository, cur.Digest))
+						fmt.Sprintf("building again: the image built before (%s@%s) is gone from the registry", cur.Repository, cur.Digest), nil)
 				case err != nil:
 					return nil, "", false, Transient(fmt.Errorf("check %s in the registry: %w", cur.Repository, err))
 				}
@@ -235,7 +277,7 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 				continue
 			}
 			waits()
-			return w.own(ctx, req, claim, rev, repo, dests, seq, "a new run: the last run of this build failed ("+failedWhy(cur)+")")
+			return w.own(ctx, req, claim, rev, repo, dests, seq, "a new run: the last run of this build failed ("+failedWhy(cur)+")", nil)
 
 		case cur.Owner == "":
 			// Released by an owner that stopped: take the run over now.
@@ -293,6 +335,27 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 	}
 }
 
+// checksTagBeside reports whether req's build may be claimed and started
+// beside its preflight HEAD rather than after it (P1 in
+// docs/benchmarks.md: the HEAD leaves the path from the publish to the
+// Job). Only where the build's Pod checks the tag itself before it builds
+// (TagChecker): a worker killed before the HEAD's answer leaves a Job
+// that refuses to push over an image found there, and its run answers
+// nobody (v1.ReasonTagTaken), as one whose tag was taken after the HEAD.
+// Not for an image index or its platforms (their Pods check no tag), nor
+// where the preflight must create a Harbor project before the build can
+// push.
+func (w *builder) checksTagBeside(ctx context.Context, req *v1.Request, repo string) bool {
+	if isPlatformPart(ctx) || multiPlatform(req) {
+		return false
+	}
+	if _, harbor := w.cfg.Naming.HarborProject(req.Tenant, repo); harbor && w.registry != nil {
+		return false
+	}
+	tc, ok := w.backend.(TagChecker)
+	return (ok && tc.ChecksFirstTag(req)) || mutant.On("tag-check-beside-any-backend")
+}
+
 // takeOver claims the run of cur (at revision rev) for this worker and
 // runs it on; ok is false when the record changed first, or when the run
 // — built from its claimer's inputs — failed for a reason of those inputs
@@ -321,7 +384,7 @@ func (w *builder) takeOver(ctx context.Context, req *v1.Request, cur *v1.BuildRe
 	// A run taken over may be ended by its former holder, come back with
 	// the same Job's outcome, while this handler runs it: its end is
 	// stored before its decision (own.go, endAhead).
-	out, origin, owned, err := w.own(withEndAhead(ctx, nil), req, &claim, nrev, repo, dests, seq, note)
+	out, origin, owned, err := w.own(withEndAhead(ctx, nil), req, &claim, nrev, repo, dests, seq, note, nil)
 	if err == nil && origin != v1.OriginBuild && out != nil && !sharedFailure(out, req, repo) {
 		w.log.Info("the run taken over failed for its claimer's own inputs; building with this request's",
 			zap.String("key", claim.Key), zap.String("reason", out.Reason))

@@ -127,6 +127,16 @@ func (w *builder) sendOpen(ctx context.Context, req *v1.Request, key string, seq
 	}()
 }
 
+// openSent reports whether intake sent the create of the message of
+// tenant's request id at seq within lookAheadFresh, and it is not taken
+// yet.
+func (w *builder) openSent(tenant, id string, seq uint64) bool {
+	w.opens.mu.Lock()
+	defer w.opens.mu.Unlock()
+	o, ok := w.opens.m[ledger.Key(tenant, id)]
+	return ok && o.seq == seq && time.Since(o.sent) < lookAheadFresh
+}
+
 // takeOpen removes and returns the create intake sent for the message of
 // tenant's request id at seq; nil when there is none, or when fresh asks
 // for one sent within lookAheadFresh and it is older.
@@ -164,19 +174,20 @@ func (o *openAhead) wait(ctx context.Context) (le *ledger.Entry, fresh, ok bool)
 // cancel of the request from now until the handler registers it itself
 // comes to it through intake's placeholder. done releases that
 // placeholder (the caller runs it once registered, or as it returns).
-func (w *Worker) openEntry(ctx context.Context, req *v1.Request, key string, seq uint64, at time.Time, handler context.CancelCauseFunc) (le *ledger.Entry, fresh bool, done func(), err error) {
+func (w *Worker) openEntry(ctx context.Context, req *v1.Request, key string, seq uint64, at time.Time, handler context.CancelCauseFunc) (le *ledger.Entry, fresh bool, sent time.Time, done func(), err error) {
 	done = func() {}
 	if o := w.builds.takeOpen(req.Tenant, req.RequestID, seq, true); o != nil {
 		done = o.release
 		canceled := o.attach(handler)
 		if le, fresh, ok := o.wait(ctx); ok && !canceled {
-			return le, fresh, done, nil
+			return le, fresh, o.sent, done, nil
 		}
 		// Canceled since the create (or it failed): the entry as it is
 		// now, with the cancel's mark.
 	}
+	sent = time.Now()
 	le, fresh, err = w.ledger.Open(ctx, req.Tenant, req.Name, req.RequestID, key, seq, at)
-	return le, fresh, done, err
+	return le, fresh, sent, done, err
 }
 
 // openedHit is the entry intake opened for a hit's message, when it opened

@@ -102,6 +102,13 @@ func (k *KubeBackend) Identity() string { return k.identity }
 // (KeyIdentity).
 func (k *KubeBackend) PerTenantCache() bool { return strings.Contains(k.cfg.CacheRepo, "{tenant}") }
 
+// ChecksFirstTag implements TagChecker: a build of a context in the
+// object store, fetched by fetch-context, whose Pod asks the registry for
+// its first tag before kaniko runs (kaniko.Spec.Absent).
+func (k *KubeBackend) ChecksFirstTag(req *v1.Request) bool {
+	return req.Source.S3 != nil && k.cfg.FetchImage != "" && k.presign != nil
+}
+
 // Run implements Backend.
 func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcome, error) {
 	if err := k.placeable(ctx, b); err != nil {

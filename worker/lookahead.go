@@ -52,17 +52,39 @@ func (f *firstLook) record() (*v1.BuildRecord, uint64, error) {
 // lookAhead sends the first look's reads. Its preflight and answered wait
 // for the read sent ahead on the walk's first pass and read again on a
 // later one; stop cancels what nobody waited for.
-func (w *builder) lookAhead(ctx context.Context, req *v1.Request, key, repo string, dests []string, answered func() error) *firstLook {
+//
+// created, when not zero, is when the request's ledger entry was created
+// for this very message (intake's create, or the handler's own): the
+// entry as created — undecided — stands for the first pass's answered
+// check for lookAheadFresh from the create's sending, as any read of the
+// first look does. Past that (a stall, a pause: monotonic time counts
+// it), the check reads the entry.
+//
+// claimFirst: the walk claims before it looks (build.go), and reads the
+// record only if the claim finds one: no read is sent ahead.
+func (w *builder) lookAhead(ctx context.Context, req *v1.Request, key, repo string, dests []string, answered func() error, created time.Time, claimFirst bool) *firstLook {
 	lctx, stop := context.WithCancel(ctx)
 	f := &firstLook{stop: stop, sent: time.Now()}
-	if at, ok := w.looks.absentSince(key); ok {
+	if claimFirst {
+		var (
+			once sync.Once
+			r    recordRead
+		)
+		f.rec = func() recordRead {
+			once.Do(func() {
+				rec, rev, err := w.runs.Get(lctx, key)
+				r = recordRead{rec, rev, err}
+			})
+			return r
+		}
+	} else if at, ok := w.looks.absentSince(key); ok {
 		// Intake found no record a moment ago: that read is the first
 		// look's, and stands for as long as one sent now would, counted
 		// from its own start (intakelook.go).
 		f.sent = at
 		f.rec = func() recordRead { return recordRead{} }
 	} else {
-		f.rec = ahead(func() recordRead {
+		f.rec = sendAhead(func() recordRead {
 			rec, rev, err := w.runs.Get(lctx, key)
 			return recordRead{rec, rev, err}
 		})
@@ -98,7 +120,16 @@ func (w *builder) lookAhead(ctx context.Context, req *v1.Request, key, repo stri
 		})
 		return pre
 	}
-	f.ans = ahead(answered)
+	if !created.IsZero() && !mutant.On("answered-stands-any-age") {
+		f.ans = func() error {
+			if time.Since(created) < lookAheadFresh {
+				return nil
+			}
+			return answered()
+		}
+	} else {
+		f.ans = sendAhead(answered)
+	}
 	f.preflight = func(first bool) (*v1.BuildRecord, error) {
 		var r preflightRead
 		if first && f.fresh() {
@@ -117,9 +148,19 @@ func (w *builder) lookAhead(ctx context.Context, req *v1.Request, key, repo stri
 	return f
 }
 
-// ahead runs f in its own goroutine now and returns the wait for its
+// preflightBeside sends the preflight now (or takes intake's, as
+// preflight does) and returns the wait for its read, for a build started
+// beside it (build.go, checksTagBeside).
+func (f *firstLook) preflightBeside(first bool) func() preflightRead {
+	return sendAhead(func() preflightRead {
+		found, err := f.preflight(first)
+		return preflightRead{found, err}
+	})
+}
+
+// sendAhead runs f in its own goroutine now and returns the wait for its
 // value; a panic in f is raised again in the goroutine that waits.
-func ahead[T any](f func() T) func() T {
+func sendAhead[T any](f func() T) func() T {
 	type out struct {
 		v T
 		p any

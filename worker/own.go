@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/worker/internal/buildlog"
 	"github.com/buildq/buildq/worker/internal/mutant"
 	"github.com/buildq/buildq/worker/internal/runs"
 	"github.com/buildq/buildq/worker/internal/tenantapi"
@@ -22,7 +24,15 @@ import (
 // note, when not empty, says why the build runs again (a new run after a
 // failed one, a run taken over or retried); the "claimed" progress event
 // carries it.
-func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecord, rev uint64, repo string, dests []string, seq uint64, note string) (*v1.BuildRecord, v1.Origin, bool, error) {
+//
+// tagCheck, when not nil, is the request's preflight HEAD of its first
+// tag, sent beside the claim (build.go, checksTagBeside): the build starts
+// without waiting for it. If it finds an image there before the build has
+// ended, the build is stopped, the run ends refused (v1.ReasonTagTaken,
+// as its Pod's own check would have ended it), its Job goes, and the
+// image found answers the request. An error is not waited out: the Pod's
+// check guards the tag.
+func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecord, rev uint64, repo string, dests []string, seq uint64, note string, tagCheck func() preflightRead) (*v1.BuildRecord, v1.Origin, bool, error) {
 	claimed := "claimed build by " + w.cfg.ID
 	if note != "" {
 		claimed += ": " + note
@@ -86,6 +96,21 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 	}
 	b := Build{Request: rreq, Key: claim.Key, Run: claim.Run, Repository: claim.Repository, Destinations: claim.Destinations, Current: hold.Current, Log: live, Progress: progress,
 		KeepFirstTag: !isPlatformPart(ctx)}
+	// buildCtx is the build's: stopped as well when the tag check finds
+	// an image at the tag (foundAhead).
+	buildCtx := runCtx
+	var foundAhead atomic.Pointer[v1.BuildRecord]
+	if tagCheck != nil {
+		var stopBuild context.CancelCauseFunc
+		buildCtx, stopBuild = context.WithCancelCause(runCtx)
+		defer stopBuild(nil)
+		go func() {
+			if r := tagCheck(); r.err == nil && r.found != nil {
+				foundAhead.Store(r.found)
+				stopBuild(errTagFoundBeside)
+			}
+		}()
+	}
 	run := w.backend.Run
 	if multiPlatform(rreq) {
 		// An image index: each platform is a build of its own
@@ -94,7 +119,7 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 			return w.buildIndex(ctx, req, repo, seq, b)
 		}
 	}
-	out, err := run(runCtx, b, func(job string, created bool, _ string) {
+	out, err := run(buildCtx, b, func(job string, created bool, _ string) {
 		msg := "created job " + job
 		phase := v1.PhaseJobCreated
 		if !created {
@@ -126,6 +151,9 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 	}
 	held, heldRev := hold.Stop()
 
+	if found := foundAhead.Load(); err != nil && found != nil && errors.Is(context.Cause(buildCtx), errTagFoundBeside) && ctx.Err() == nil && runCtx.Err() == nil {
+		return w.endFoundBeside(ctx, req, &held, heldRev, found, lw, origin, repo, dests, seq)
+	}
 	if err != nil {
 		if ctx.Err() == nil {
 			// A cancel or a take-over ends a build from outside: the
@@ -241,6 +269,48 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 		return w.lookAgainAfterRefusal(ctx, req, stored, repo, dests, seq)
 	}
 	return stored, origin, true, nil
+}
+
+// errTagFoundBeside stops a build whose first tag the preflight sent
+// beside its start found holding an image (own's tagCheck).
+var errTagFoundBeside = errors.New("the build's first tag holds an image already")
+
+// endFoundBeside ends held's run, whose build was stopped because the
+// preflight sent beside its start found an image at its first tag: the
+// run ends refused (v1.ReasonTagTaken, as the build Pod's own check ends
+// it), so it answers nobody and every request waiting on it looks again;
+// its Job goes; and the image found answers req, origin cache, exactly as
+// a preflight made before the claim would have. A run ended from outside
+// first (a cancel) is followed as own follows it.
+func (w *builder) endFoundBeside(ctx context.Context, req *v1.Request, held *v1.BuildRecord, rev uint64, found *v1.BuildRecord, lw *buildlog.Writer, origin v1.Origin, repo string, dests []string, seq uint64) (*v1.BuildRecord, v1.Origin, bool, error) {
+	tag := firstOf(held.Destinations)
+	w.log.Info("the build's first tag held an image when the worker checked it beside the build's start; stopped the build, nothing is built",
+		zap.String("key", held.Key), zap.String("run", held.Run), zap.String("tag", tag), zap.String("digest", found.Digest))
+	final := finalRecord(held, Outcome{Job: held.Job, JobUID: held.JobUID, Reason: v1.ReasonTagTaken,
+		Message: fmt.Sprintf("tag taken: %s holds %s already; the build would push over it", tag, found.Digest)}, w.cfg.Now())
+	if lw != nil && !lw.Ended() {
+		_ = lw.Own(ctx, "the first tag "+tag+" holds an image already ("+found.Digest+"): nothing is built, and the requests of this build look again")
+	}
+	final.Logs = w.logs.finish(ctx, lw, final)
+	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
+	defer cancel()
+	stored, err := w.runs.End(fctx, final, rev)
+	switch {
+	case errors.Is(err, runs.ErrSuperseded):
+		if !w.cfg.KeepJobs {
+			_ = w.backend.Cleanup(fctx, held.Key, held.Run)
+		}
+		return w.build(ctx, req, held.Key, repo, dests, seq, nil)
+	case err != nil:
+		w.releaseClaim(ctx, held, rev, v1.ReasonInfrastructureError+": storing the end of a run whose tag was found taken failed: "+err.Error())
+		return nil, "", false, Transient(err)
+	case !refusedRun(stored):
+		// Ended from outside first (a cancel, the reconciler with the
+		// Job's outcome): that end stands, and answers as own's would.
+		return stored, origin, true, nil
+	}
+	w.jobGone(fctx, held.Key, held.Run)
+	return found, v1.OriginCache, false, nil
 }
 
 // refusedRun reports whether rec is the end of a run whose build Pod found
@@ -436,7 +506,7 @@ func endAheadOf(ctx context.Context) *endAhead {
 	return ea
 }
 
-func (e *endAhead) start(end func() endResult) { e.wait = ahead(end) }
+func (e *endAhead) start(end func() endResult) { e.wait = sendAhead(end) }
 
 // started reports whether the end is being stored ahead.
 func (e *endAhead) started() bool { return e != nil && e.wait != nil }

@@ -3,6 +3,7 @@ package worker
 import (
 	"context"
 	"testing"
+	"time"
 
 	"github.com/buildq/buildq/internal/naming"
 )
@@ -43,14 +44,14 @@ func TestAPlatformTakesNoPreflightSentAheadForAOnePlatformRequest(t *testing.T) 
 	answered := func() error { return nil }
 
 	// The one-platform request's own walk takes it: the path is live.
-	own := b.lookAhead(ctx, one, key, repo, dests, answered)
+	own := b.lookAhead(ctx, one, key, repo, dests, answered, time.Time{}, false)
 	defer own.stop()
 	if found, err := own.preflight(true); err != nil || found == nil || found.Digest != planted {
 		t.Fatalf("premise: the request's own walk took %+v (%v), want the planted image", found, err)
 	}
 
 	// The index's platform, at the same tag, does not.
-	part := b.lookAhead(asPlatformPart(ctx), one, key, repo, dests, answered)
+	part := b.lookAhead(asPlatformPart(ctx), one, key, repo, dests, answered, time.Time{}, false)
 	defer part.stop()
 	if found, err := part.preflight(true); err != nil || found != nil {
 		t.Fatalf("an index's platform took the image a HEAD sent ahead found at its tag: %+v (%v); want none", found, err)

@@ -47,7 +47,7 @@ func (w *Worker) processRequest(ctx context.Context, h *handling) (verdict, *led
 	}
 	v.Data.Key = key
 	h.known = v
-	le, fresh, openDone, err := w.openEntry(ctx, req, key, seq, at, h.cancel)
+	le, fresh, openSent, openDone, err := w.openEntry(ctx, req, key, seq, at, h.cancel)
 	defer openDone()
 	if errors.Is(err, ledger.ErrDuplicateID) {
 		// A parked request published again carries the token its
@@ -140,7 +140,11 @@ func (w *Worker) processRequest(ctx context.Context, h *handling) (verdict, *led
 	}
 	dests := naming.Destinations(repo, key, req.Tags)
 
-	wr := &waiterReg{le: le, park: &ledger.Waiter{Tenant: req.Tenant, RequestID: req.RequestID, Subject: msg.Subject(),
+	var created time.Time
+	if fresh {
+		created = openSent
+	}
+	wr := &waiterReg{le: le, created: created, park: &ledger.Waiter{Tenant: req.Tenant, RequestID: req.RequestID, Subject: msg.Subject(),
 		MsgID: msg.Headers().Get(v1.MsgIDHeader), Seq: seq, MsgTime: at.UTC(), Body: msg.Data()}}
 	ea := &endAhead{req: req}
 	rec, origin, owned, err := w.builds.build(withEndAhead(ctx, ea), req, key, repo, dests, seq, wr)

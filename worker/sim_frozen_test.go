@@ -56,6 +56,7 @@ func TestFrozenScenarios(t *testing.T) {
 			for range repeat {
 				sched := newSimSchedule(sc.seed)
 				sched.noHolds = true
+				sched.legacyContexts = true
 				// Found before tags pushed by hand were modeled: the
 				// paths they found run without them.
 				sched.kinds = slices.DeleteFunc(sched.kinds, func(k string) bool { return k == "hand-tags" })

@@ -10,6 +10,12 @@ package worker
 // never looked, would push over it: the oracle names that
 // tag-overwritten.
 //
+// In the production shape (simSchedule.fetchContext) the build Pod checks
+// the tag too, and a fresh key's build is started beside the preflight,
+// not after it: a Job may then name such a tag for a moment, and the
+// rule is that none pushes to it — the preflight's answer stops the
+// build, or the Pod's check refuses it.
+//
 // A platform's build of an image index is the exception both ways: its
 // tag (the request's repository's tag of the platform's key, the same as
 // a one-platform request's of that platform) is buildq's own, and the
@@ -100,7 +106,8 @@ func (w *simWorld) lateHandTag(ref string) bool {
 }
 
 // judgeHandTags: no Job pushes to a tag pushed by hand before any request,
-// but an image index's platform's. A platform's run taken over by another
+// but an image index's platform's; where the Pods check no tag, none names
+// it either. A platform's run taken over by another
 // request's handler (a one-platform request of the same content, which
 // joined it) is still that platform's: its Job names the taker, its
 // record the claimer.
@@ -115,24 +122,29 @@ func (w *simWorld) judgeHandTags(out *simOutcome) {
 		s := w.subByID[id]
 		return s != nil && multiPlatform(s.req)
 	}
+	fetch := w.sc.fetchContext()
 	for _, j := range w.node.order {
 		if platformRun(j.request) || platformRun(claimer[j.run]) {
 			continue
 		}
+		check := "none"
+		if j.checked != 0 {
+			check = simSeconds(j.checked)
+		}
 		for _, d := range j.dests {
-			if _, ok := w.handTags[d]; ok {
+			if _, ok := w.handTags[d]; ok && !fetch {
 				w.violate(out, "tag-overwritten", "job %s of %s for request %s, created by %s at %.3fs, pushes to %s, which held an image pushed by hand before any request: its preflight must have found it",
 					j.uid, w.keyName(j.key), j.request, j.creator, j.created.Seconds(), d)
+			}
+			if _, ok := w.handTags[d]; ok && fetch && j.pushed != 0 {
+				w.violate(out, "tag-overwritten", "job %s of %s for request %s, created by %s at %.3fs, its Pod's tag check at %s, began pushing to %s at %.3fs, which held an image pushed by hand before any request: its preflight or its Pod's check must have found it",
+					j.uid, w.keyName(j.key), j.request, j.creator, j.created.Seconds(), check, d, j.pushed.Seconds())
 			}
 			// A tag pushed by hand while the schedule ran: a build may
 			// push over it only if its Pod checked the tag before that
 			// push was done (a build already under way, as kaniko's
 			// would be); a Pod that checked after it must have found it.
 			if late, ok := w.lateHand[d]; ok && j.pushed != 0 && j.pushed > late.at && (j.checked == 0 || j.checked > late.at) {
-				check := "none"
-				if j.checked != 0 {
-					check = simSeconds(j.checked)
-				}
 				w.violate(out, "tag-overwritten", "job %s of %s for request %s, created by %s at %.3fs, its Pod's tag check at %s, began pushing to %s at %.3fs, after an image was pushed there by hand at %.3fs: its Pod's check must have found it",
 					j.uid, w.keyName(j.key), j.request, j.creator, j.created.Seconds(), check, d, j.pushed.Seconds(), late.at.Seconds())
 			}

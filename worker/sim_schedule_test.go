@@ -49,6 +49,9 @@ type simSchedule struct {
 	// found before holds existed, run the paths they found); otherwise
 	// holds vary by seed and worker (simWorld.holdAtIntake).
 	noHolds bool
+	// legacyContexts: the workers read contexts as before fetch-context
+	// (fetchContext), unless tags are pushed by hand while they run.
+	legacyContexts bool
 }
 
 type simReqPlan struct {
@@ -197,6 +200,17 @@ func newSimSchedule(seed int64) *simSchedule {
 		s.kinds = append(s.kinds, "hand-tags")
 	}
 	return s
+}
+
+// fetchContext reports whether the schedule's workers run in the
+// production shape (simFetchKaniko): with tags pushed by hand while the
+// requests run, and in half of the other schedules (drawn from the seed's
+// hash), so that builds claimed and started beside their tag's HEAD and
+// builds started after it both meet every fault, tags taken among them.
+// Not the frozen scenarios' (legacyContexts): the paths they found run
+// as they did.
+func (s *simSchedule) fetchContext() bool {
+	return s.has("late-hand-tags") || (!s.legacyContexts && simHash(s.seed, "fetch-context", 0)%2 == 0)
 }
 
 // addLateHandTags gives a quarter of the schedules tags pushed by hand

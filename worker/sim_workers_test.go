@@ -85,8 +85,11 @@ var simKaniko = func() kaniko.Config {
 }()
 
 // simFetchKaniko is simKaniko in the production shape, for the schedules
-// with tags pushed by hand while they run ("late-hand-tags"): contexts
-// through fetch-context, whose --absent the node checks.
+// with tags pushed by hand while they run ("late-hand-tags") and half of
+// those with tags pushed by hand before (simSchedule.fetchContext):
+// contexts through fetch-context, whose --absent the node checks. Their
+// workers start a fresh key's build beside its tag's HEAD
+// (checksTagBeside); the others' after it.
 var simFetchKaniko = func() kaniko.Config {
 	kc := simKaniko
 	kc.FetchImage = "ghcr.io/buildq/buildq@sha256:" + hex64("sim-fetch")
@@ -101,7 +104,7 @@ func simPresign(_ context.Context, bucket, key string, _ time.Duration) (string,
 
 // kaniko is the Job configuration of w's workers.
 func (w *simWorld) kaniko() kaniko.Config {
-	if w.sc.has("late-hand-tags") {
+	if w.sc.fetchContext() {
 		return simFetchKaniko
 	}
 	return simKaniko

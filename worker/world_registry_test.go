@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 
@@ -30,6 +31,26 @@ type testRegistry struct {
 	client *registry.Client
 	fail   atomic.Bool
 	srv    *httptest.Server // closed with the test, or sooner
+	// heads, when set, holds every manifest HEAD (a tag's check) until
+	// it is closed; held counts the HEADs that waited on it.
+	// A push by the test itself (push) is never held.
+	heads   atomic.Pointer[chan struct{}]
+	held    atomic.Int32
+	pushing atomic.Int32
+}
+
+// holdHeads makes manifest HEADs wait until the returned release is
+// called.
+func (tr *testRegistry) holdHeads() (release func()) {
+	ch := make(chan struct{})
+	tr.heads.Store(&ch)
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			tr.heads.Store(nil)
+			close(ch)
+		})
+	}
 }
 
 func (tr *testRegistry) handler() http.Handler {
@@ -38,6 +59,14 @@ func (tr *testRegistry) handler() http.Handler {
 		if tr.fail.Load() && strings.Contains(r.URL.Path, "/manifests/") {
 			http.Error(w, "registry down", http.StatusInternalServerError)
 			return
+		}
+		if ch := tr.heads.Load(); ch != nil && tr.pushing.Load() == 0 && r.Method == http.MethodHead && strings.Contains(r.URL.Path, "/manifests/") {
+			tr.held.Add(1)
+			select {
+			case <-*ch:
+			case <-r.Context().Done():
+				return
+			}
 		}
 		inner.ServeHTTP(w, r)
 	})
@@ -68,6 +97,8 @@ func (tr *testRegistry) push(t *testing.T, ref string) string {
 	if err != nil {
 		t.Fatal(err)
 	}
+	tr.pushing.Add(1)
+	defer tr.pushing.Add(-1)
 	d, err := tr.client.Push(context.Background(), img, []string{ref})
 	if err != nil {
 		t.Fatal(err)

@@ -120,8 +120,10 @@ and, when the log ended, followed by {"done": true, "state": ...,
 "reason": ...}.
 
 Exit codes:
-  0    with -f: the build succeeded; without -f: the log was printed,
-       whatever the build's outcome
+  0    with -f: the build succeeded, or built nothing because its
+       first tag already held an image (its requests look again: stderr
+       says so); without -f: the log was printed, whatever the build's
+       outcome
   1    with -f: the build failed or was canceled; or the log
        could not be read (unknown request or build, no worker
        answering, NATS out of reach, a log no longer kept): stderr
@@ -259,6 +261,12 @@ func (l *logsRun) run(ctx context.Context, req v1.LogsRequest) error {
 				}
 			}
 			if !l.follow || rep.State == string(v1.StatusSucceeded) {
+				return nil
+			}
+			if rep.Reason == v1.ReasonTagTaken {
+				// The run built nothing and answers nobody: its requests
+				// go on (docs/design.md, "The dedupe index").
+				fmt.Fprintf(l.stderr, "buildq logs: nothing was built: the build's first tag already held an image when it started; its requests look again (most are answered with that image) — see buildq status\n")
 				return nil
 			}
 			if err := l.out.Flush(); err != nil {

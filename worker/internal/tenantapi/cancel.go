@@ -91,6 +91,12 @@ func (w *Service) cancel(ctx context.Context, tenant, target string) v1.CancelRe
 			return v1.CancelReply{Key: key, Requests: n, Canceled: n > 0, Message: err.Error() + notes(finished, unconfirmed)}
 		}
 		if !ok {
+			if le.E.Result != nil && !le.E.Canceled {
+				// Decided between the cancel's read and its mark (the
+				// mark's compare-and-swap read it again): its result
+				// stands, and this cancel canceled nothing of it.
+				finished, finishedAs = finished+1, w.finalState(ctx, le)
+			}
 			continue
 		}
 		switch stored, err := w.deliverCanceled(ctx, le); {

@@ -237,3 +237,77 @@ func TestAStopSparesABuildARequestBeganWaitingOnAfterTheCount(t *testing.T) {
 		})
 	}
 }
+
+// onUpdateKV is a ledger bucket that runs before, once, ahead of its
+// first compare-and-swap.
+type onUpdateKV struct {
+	jetstream.KeyValue
+	once   atomic.Bool
+	before func()
+}
+
+func (k *onUpdateKV) Update(ctx context.Context, key string, value []byte, rev uint64) (uint64, error) {
+	if k.once.CompareAndSwap(false, true) {
+		k.before()
+	}
+	return k.KeyValue.Update(ctx, key, value, rev)
+}
+
+// Found by the fault simulation (seed 15, one run in several): a request
+// is decided between a cancel's read of its entry and the cancel's mark.
+// The mark finds the decision and writes nothing; the cancel then counted
+// no request and went on to stop the key's build — another request's —
+// and answered "canceled". It must answer with the request's result,
+// canceled nothing, and leave the build alone.
+func TestACancelOfARequestDecidedBeforeItsMarkCancelsNothing(t *testing.T) {
+	t.Parallel()
+	_, nc, js := testnats.JetStream(t)
+	ctx := t.Context()
+	builds, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: v1.BuildsBucket, History: 1, Storage: jetstream.MemoryStorage})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lkv, err := ledger.EnsureBucket(ctx, js, ledger.BucketConfig{Storage: jetstream.MemoryStorage, Replicas: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := ledger.New(ledger.Config{Worker: "w1", Now: time.Now, Log: zap.NewNop()})
+	key := strings.Repeat("c", 64)
+	l.UseBucket(lkv)
+	le, _, err := l.Open(ctx, "acme", "web", "r1", key, 1, time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The hook is on from here: the request's handler records its
+	// decision just before the cancel's mark is written.
+	decided := &ledger.Entry{E: le.E, Rev: le.Rev}
+	l.UseBucket(&onUpdateKV{KeyValue: lkv, before: func() {
+		d := ledger.Decision{Tenant: "acme", Name: "web", Data: v1.ResultData{RequestID: "r1", Key: key, Status: v1.StatusFailed, Reason: v1.ReasonBuildFailed}}
+		if _, err := l.Record(ctx, decided, d); err != nil {
+			t.Error(err)
+		}
+	}})
+	rs := runs.New()
+	rs.UseBucket(builds)
+	// Another request of the tenant holds the key's build.
+	run := &v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "run-2", Owner: "w2", Tenant: "acme", Name: "web", RequestID: "r2", Holder: ledger.Key("acme", "r2"), LeaseMs: 60000, LeaseUntil: time.Now().Add(time.Minute)}
+	b, _ := json.Marshal(run)
+	if _, err := builds.Put(ctx, key, b); err != nil {
+		t.Fatal(err)
+	}
+	var stops atomic.Int32
+	svc := New(Config{Ledger: l, Runs: rs, NC: nc, Now: time.Now, Log: zap.NewNop(),
+		StopBuild:    func(context.Context, string, string) error { stops.Add(1); return nil },
+		AnswerParked: func(context.Context, string) {}})
+	rep := svc.cancel(ctx, "acme", "r1")
+	if rep.Canceled || rep.Stopped || rep.Requests != 0 || !strings.Contains(rep.Message, "already has its result") {
+		t.Errorf("reply %+v, want nothing canceled and the request's result named", rep)
+	}
+	cur, _, err := rs.Get(ctx, key)
+	if err != nil || cur == nil || cur.State != v1.StateBuilding || cur.Run != "run-2" {
+		t.Errorf("the other request's build %+v (%v), want it still building", cur, err)
+	}
+	if n := stops.Load(); n != 0 {
+		t.Errorf("%d Job stops, want none", n)
+	}
+}

@@ -1,0 +1,189 @@
+package worker
+
+// A build whose Pod checks its first tag itself (fetch-context --absent)
+// is claimed and started beside the worker's own preflight HEAD of that
+// tag, not after it (build.go, checksTagBeside): P1 in docs/benchmarks.md.
+// What the HEAD finds still answers the request, and nothing is pushed
+// over it; a build whose Pod checks nothing waits for the HEAD as before.
+
+import (
+	"context"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/kaniko"
+)
+
+// The Job of a fresh key's build exists while its tag's HEAD is still
+// unanswered; the HEAD then finds the tag free and the build answers.
+func TestAFreshBuildStartsBesideItsTagCheck(t *testing.T) {
+	t.Parallel()
+	e, tr, results := fetchWorld(t)
+	release := tr.holdHeads()
+	defer release()
+	req := request("beside-free")
+	if _, err := e.pub.Publish(context.Background(), req); err != nil {
+		t.Fatal(err)
+	}
+	job := e.waitJob(jobOf(req))
+	if tr.held.Load() == 0 {
+		t.Fatal("the Job exists but no HEAD of its tag was sent")
+	}
+	if got, want := absentArg(job), destination(job); got != want {
+		t.Fatalf("a Job started beside its tag check must check the tag in its Pod: --absent %q, want %q", got, want)
+	}
+	release()
+	e.kubelet(job, 0, digestOf("beside-free"))
+	if r := oneResult(t, results, req.RequestID); r.Data.Status != v1.StatusSucceeded || r.Data.Origin != v1.OriginBuild || r.Data.Digest != digestOf("beside-free") {
+		t.Fatalf("result %s, want the build's image", mustJSON(t, r.Data))
+	}
+}
+
+// The HEAD sent beside the build's start finds an image at the tag: the
+// build is stopped before it could push, its Job deleted, its run ended
+// refused (TagTaken, answering nobody), and the request — and one of the
+// same tenant that joined the run meanwhile — is answered once with the
+// image found, origin cache. The tag keeps it.
+func TestATagFoundBesideTheBuildsStartAnswersWithTheImageFound(t *testing.T) {
+	t.Parallel()
+	e, tr, results := fetchWorld(t)
+	release := tr.holdHeads()
+	defer release()
+	req := request("beside-found")
+	if _, err := e.pub.Publish(context.Background(), req); err != nil {
+		t.Fatal(err)
+	}
+	job := e.waitJob(jobOf(req))
+	tag := absentArg(job)
+	joiner := request("beside-found")
+	joiner.RequestID = "beside-found-joiner"
+	if _, err := e.pub.Publish(context.Background(), joiner); err != nil {
+		t.Fatal(err)
+	}
+	key := v1.BuildKey(req, kanikoID)
+	eventually(t, 10*time.Second, "the second request parked on the run", func() bool { return e.isParked(key, joiner.RequestID) })
+	// Pushed by hand while the HEAD is on its way: the registry answers
+	// it after the push.
+	hand := tr.push(t, tag)
+	release()
+	for _, id := range []string{req.RequestID, joiner.RequestID} {
+		r := oneResult(t, results, id)
+		if r.Data.Status != v1.StatusSucceeded || r.Data.Origin != v1.OriginCache || r.Data.Digest != hand {
+			t.Errorf("%s: %s, want the image found at its tag (%s), origin cache", id, mustJSON(t, r.Data), hand)
+		}
+	}
+	eventually(t, 10*time.Second, "the stopped build's Job deleted", e.jobGone(job.Name))
+	if rec := e.claim(key); rec == nil || rec.State != v1.StateFailed || rec.Reason != v1.ReasonTagTaken || rec.Job != job.Name {
+		t.Errorf("the key's record %+v, want the stopped run's end (TagTaken, its Job %s), never a build of the image found", rec, job.Name)
+	}
+	time.Sleep(300 * time.Millisecond)
+	for _, id := range []string{req.RequestID, joiner.RequestID} {
+		if n := len(byID(results.snapshot())[id]); n != 1 {
+			t.Errorf("%s answered %d times", id, n)
+		}
+	}
+	if d, err := tr.client.Head(context.Background(), tag); err != nil || d != hand {
+		t.Errorf("the tag holds %s (%v), want the image pushed there by hand (%s)", d, err, hand)
+	}
+}
+
+// A build whose Pod checks no tag (kaniko reads its context itself) is
+// started only once its tag's HEAD has answered: a Job of a worker killed
+// before the answer would push over whatever the HEAD was to find.
+func TestABuildWhosePodChecksNoTagWaitsForItsHEAD(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	e.startWorkerFull("w1", testKaniko, withRegistry(tr), nil, nil)
+	results := e.collect()
+	release := tr.holdHeads()
+	defer release()
+	req := request("in-sequence")
+	if _, err := e.pub.Publish(context.Background(), req); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the tag's HEAD sent", func() bool { return tr.held.Load() > 0 })
+	time.Sleep(500 * time.Millisecond)
+	if j, err := e.kube.BatchV1().Jobs(testNamespace).Get(context.Background(), jobOf(req), metav1.GetOptions{}); err == nil {
+		t.Fatalf("job %s created before its tag's HEAD answered (its Pod checks no tag: --absent %q)", j.Name, absentArg(j))
+	}
+	release()
+	job := e.waitJob(jobOf(req))
+	e.kubelet(job, 0, digestOf("in-sequence"))
+	if r := oneResult(t, results, req.RequestID); r.Data.Status != v1.StatusSucceeded || r.Data.Origin != v1.OriginBuild {
+		t.Fatalf("result %s", mustJSON(t, r.Data))
+	}
+}
+
+// A fresh key's request taken straight from intake by a worker whose
+// build Pods check their tag is claimed before anything reads the key's
+// record (build.go, claimFirst): the claim is a create, which fails if
+// there is a record. A worker whose Pods check nothing reads first, at
+// intake, as ever.
+func TestAFreshKeyIsClaimedBeforeItsRecordIsRead(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		name      string
+		kc        kaniko.Config
+		wantFirst string
+	}{
+		{"pods check their tag", fetchKaniko(), "claim"},
+		{"pods check nothing", testKaniko, "read"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			e := setup(t)
+			tr := newTestRegistry(t)
+			req := request("claimed-first")
+			key := v1.BuildKey(req, kanikoID)
+			var (
+				mu  sync.Mutex
+				ops []string
+			)
+			note := func(op string) {
+				mu.Lock()
+				ops = append(ops, op)
+				mu.Unlock()
+			}
+			w, _ := e.startWorkerFull("w1", c.kc, withRegistry(tr), nil, func(w *Worker) {
+				if c.kc.FetchImage != "" {
+					withPresigner(w)
+				}
+				w.runs.UseBucket(&hookedKV{KeyValue: w.runs.Bucket(),
+					onGet: func(_ context.Context, k string) error {
+						if k == key {
+							note("read")
+						}
+						return nil
+					},
+					onCreate: func(k string, _ []byte) error {
+						if k == key {
+							note("claim")
+						}
+						return nil
+					}})
+			})
+			results := e.collect()
+			waitIdle(t, w)
+			if _, err := e.pub.Publish(context.Background(), req); err != nil {
+				t.Fatal(err)
+			}
+			job := e.waitJob(jobOf(req))
+			mu.Lock()
+			got := slices.Clone(ops)
+			mu.Unlock()
+			if len(got) == 0 || got[0] != c.wantFirst {
+				t.Errorf("the key's record was touched %v before its Job, want %q first", got, c.wantFirst)
+			}
+			e.kubelet(job, 0, digestOf("claimed-first"))
+			if r := oneResult(t, results, req.RequestID); r.Data.Status != v1.StatusSucceeded || r.Data.Origin != v1.OriginBuild {
+				t.Fatalf("result %s", mustJSON(t, r.Data))
+			}
+		})
+	}
+}
