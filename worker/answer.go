@@ -159,9 +159,12 @@ func (w *Worker) cacheVerdict(ctx context.Context, msg jetstream.Msg, meta *jets
 		// The HEAD and the entry's create do not depend on the record:
 		// sent now, they run beside the read instead of after it
 		// (intakelook.go, intakeopen.go).
-		w.builds.sendPreflight(ctx, req, key, repo, dests)
+		claimFirst := w.builds.checksTagBeside(ctx, req, repo)
+		if !claimFirst {
+			w.builds.sendPreflight(ctx, req, key, repo, dests)
+		}
 		w.builds.sendOpen(ctx, req, key, meta.Sequence.Stream, meta.Timestamp)
-		if w.builds.checksTagBeside(ctx, req, repo) {
+		if claimFirst {
 			// Most likely a new build whose Pod checks its tag: its
 			// handler claims before it reads (build.go, claimFirst), so
 			// intake's read would only stand in the way. A hit among

@@ -124,6 +124,9 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 	}
 	// claimFirst: the request's first look is its claim (below).
 	claimFirst := !created.IsZero() && time.Since(created) < lookAheadFresh && w.checksTagBeside(ctx, req, repo)
+	// first: the walk's first pass, which takes the reads sent ahead; a
+	// claim made first leaves none, and its walk reads afresh.
+	first := !claimFirst
 	ahead := w.lookAhead(ctx, req, key, repo, dests, answered, created, claimFirst)
 	defer ahead.stop()
 	if req.Source.S3 != nil && w.cfg.Contexts != nil {
@@ -135,6 +138,13 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 			return nil, "", false, err
 		}
 	}
+	if claimFirst && time.Since(created) >= lookAheadFresh {
+		// The possession check took long (a large context read, a
+		// pause): the entry as created no longer stands, and the walk
+		// reads everything afresh.
+		claimFirst = false
+		first = false
+	}
 	if claimFirst {
 		// A fresh key's build whose Pod checks its tag, for a request
 		// whose entry was just created undecided: nothing of the first
@@ -142,20 +152,20 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 		// if the key has any record — then the walk reads it — so it
 		// goes first, its waiter entry and the tag's HEAD beside it.
 		claim := w.newClaim(req, key, repo, dests, seq)
-		tagCheck := ahead.preflightBeside(true)
 		rev, ok, err := w.runs.Claim(ctx, claim)
 		if err != nil {
 			return nil, "", false, Transient(err)
 		}
 		if ok {
 			w.looks.forget(key)
+			tagCheck := ahead.preflightBeside(true)
 			indexed := waitsBeside()
 			rec, origin, owned, err := w.own(ctx, req, claim, rev, repo, dests, seq, "", tagCheck)
 			indexed()
 			return rec, origin, owned, err
 		}
 	}
-	for first := !claimFirst; ; first = false {
+	for ; ; first = false {
 		if err := ctx.Err(); err != nil {
 			return nil, "", false, err
 		}

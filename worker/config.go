@@ -62,6 +62,14 @@ type Config struct {
 	Lease time.Duration
 	// ShutdownTimeout bounds the hand-back of in-flight requests (default 10s).
 	ShutdownTimeout time.Duration
+	// TagCheckBeside bounds the preflight HEAD sent beside a build's start
+	// (own's tagCheck; default 1s): an image it finds stops the build only
+	// if it answered within this of its sending. It must be shorter than
+	// the least time from a Job's creation to its push (a Pod started, its
+	// context fetched and its tag checked, kaniko run): an answer later
+	// than that may be the build's own image. A HEAD slower than this is
+	// left to the Pod's own check.
+	TagCheckBeside time.Duration
 	// Naming decides the repository of requests that name none.
 	Naming naming.Policy
 	// Registry checks and tags images (nil: the index is trusted as is and
@@ -188,6 +196,9 @@ func (c Config) WithDefaults() Config {
 	}
 	if c.Lease == 0 {
 		c.Lease = 30 * time.Second
+	}
+	if c.TagCheckBeside == 0 {
+		c.TagCheckBeside = time.Second
 	}
 	if c.HoldAtIntake == 0 {
 		c.HoldAtIntake = 2 * time.Minute

@@ -174,6 +174,11 @@ func (o *openAhead) wait(ctx context.Context) (le *ledger.Entry, fresh, ok bool)
 // cancel of the request from now until the handler registers it itself
 // comes to it through intake's placeholder. done releases that
 // placeholder (the caller runs it once registered, or as it returns).
+//
+// sent is when intake sent the create that made or found the entry (zero
+// for the handler's own): intake registered the request with the cancel
+// service before that create, so from sent on a cancel reaches the
+// handler (lookAhead's created).
 func (w *Worker) openEntry(ctx context.Context, req *v1.Request, key string, seq uint64, at time.Time, handler context.CancelCauseFunc) (le *ledger.Entry, fresh bool, sent time.Time, done func(), err error) {
 	done = func() {}
 	if o := w.builds.takeOpen(req.Tenant, req.RequestID, seq, true); o != nil {
@@ -185,9 +190,11 @@ func (w *Worker) openEntry(ctx context.Context, req *v1.Request, key string, seq
 		// Canceled since the create (or it failed): the entry as it is
 		// now, with the cancel's mark.
 	}
-	sent = time.Now()
+	// The handler's own create: no sending time, since nothing stood
+	// between a cancel and the entry until the handler registered
+	// itself (its answered check reads the entry, lookAhead).
 	le, fresh, err = w.ledger.Open(ctx, req.Tenant, req.Name, req.RequestID, key, seq, at)
-	return le, fresh, sent, done, err
+	return le, fresh, time.Time{}, done, err
 }
 
 // openedHit is the entry intake opened for a hit's message, when it opened

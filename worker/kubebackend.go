@@ -530,13 +530,25 @@ func (k *KubeBackend) Cleanup(ctx context.Context, key, run string) error {
 // WaitGone waits, on the informer cache, until the Job of run of key is
 // gone — removed, not only marked for deletion: a foreground deletion
 // leaves the Job while its Pods terminate, and until then its build may
-// still run. No Job, or another run's, is gone already.
+// still run. No Job, or another run's, is gone already. A Job the cache
+// does not show is asked of the API server: one created a moment ago
+// (a build stopped as it started) may not have reached the cache yet.
 func (k *KubeBackend) WaitGone(ctx context.Context, key, run string) error {
 	name := kaniko.JobName(key)
 	signal, stop := k.watcher.Subscribe(name)
 	defer stop()
 	for {
 		job, _, ok := k.watcher.Get(k.cfg.Namespace, name)
+		if !ok && !mutant.On("wait-gone-trusts-cache") {
+			got, err := k.client.BatchV1().Jobs(k.cfg.Namespace).Get(ctx, name, metav1.GetOptions{})
+			switch {
+			case apierrors.IsNotFound(err):
+				return nil
+			case err != nil:
+				return fmt.Errorf("get job %s: %w", name, err)
+			}
+			job, ok = got, true
+		}
 		if !ok || job.Annotations[kaniko.AnnotationRun] != run || k.watcher.Deleted(k.cfg.Namespace, name, job.UID) {
 			return nil
 		}

@@ -120,7 +120,7 @@ func (w *builder) lookAhead(ctx context.Context, req *v1.Request, key, repo stri
 		})
 		return pre
 	}
-	if !created.IsZero() && !mutant.On("answered-stands-any-age") {
+	if !created.IsZero() {
 		f.ans = func() error {
 			if time.Since(created) < lookAheadFresh {
 				return nil

@@ -104,8 +104,11 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 		var stopBuild context.CancelCauseFunc
 		buildCtx, stopBuild = context.WithCancelCause(runCtx)
 		defer stopBuild(nil)
+		sent := time.Now()
 		go func() {
-			if r := tagCheck(); r.err == nil && r.found != nil {
+			// Only an answer within TagCheckBeside of the HEAD's
+			// sending: a later one may have found the build's own push.
+			if r := tagCheck(); r.err == nil && r.found != nil && (time.Since(sent) < w.cfg.TagCheckBeside || mutant.On("tag-check-beside-any-age")) {
 				foundAhead.Store(r.found)
 				stopBuild(errTagFoundBeside)
 			}
@@ -152,7 +155,7 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 	held, heldRev := hold.Stop()
 
 	if found := foundAhead.Load(); err != nil && found != nil && errors.Is(context.Cause(buildCtx), errTagFoundBeside) && ctx.Err() == nil && runCtx.Err() == nil {
-		return w.endFoundBeside(ctx, req, &held, heldRev, found, lw, origin, repo, dests, seq)
+		return w.endFoundBeside(ctx, req, &held, heldRev, found, lw, repo, dests, seq)
 	}
 	if err != nil {
 		if ctx.Err() == nil {
@@ -280,9 +283,10 @@ var errTagFoundBeside = errors.New("the build's first tag holds an image already
 // run ends refused (v1.ReasonTagTaken, as the build Pod's own check ends
 // it), so it answers nobody and every request waiting on it looks again;
 // its Job goes; and the image found answers req, origin cache, exactly as
-// a preflight made before the claim would have. A run ended from outside
-// first (a cancel) is followed as own follows it.
-func (w *builder) endFoundBeside(ctx context.Context, req *v1.Request, held *v1.BuildRecord, rev uint64, found *v1.BuildRecord, lw *buildlog.Writer, origin v1.Origin, repo string, dests []string, seq uint64) (*v1.BuildRecord, v1.Origin, bool, error) {
+// a preflight made before the claim would have. A run that changed
+// meanwhile (taken over, canceled, ended by the reconciler) is not
+// touched: the request follows its record.
+func (w *builder) endFoundBeside(ctx context.Context, req *v1.Request, held *v1.BuildRecord, rev uint64, found *v1.BuildRecord, lw *buildlog.Writer, repo string, dests []string, seq uint64) (*v1.BuildRecord, v1.Origin, bool, error) {
 	tag := firstOf(held.Destinations)
 	w.log.Info("the build's first tag held an image when the worker checked it beside the build's start; stopped the build, nothing is built",
 		zap.String("key", held.Key), zap.String("run", held.Run), zap.String("tag", tag), zap.String("digest", found.Digest))
@@ -294,20 +298,19 @@ func (w *builder) endFoundBeside(ctx context.Context, req *v1.Request, held *v1.
 	final.Logs = w.logs.finish(ctx, lw, final)
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
 	defer cancel()
-	stored, err := w.runs.End(fctx, final, rev)
+	// One compare-and-swap at the revision this handler last wrote: the
+	// refusal is this worker's verdict, not the Job's outcome, so it ends
+	// the run only as this handler held it — never a run another worker
+	// took over meanwhile (its Job is that worker's now), nor one a cancel
+	// or the reconciler ended.
+	ok, err := w.runs.EndAt(fctx, final, rev)
 	switch {
-	case errors.Is(err, runs.ErrSuperseded):
-		if !w.cfg.KeepJobs {
-			_ = w.backend.Cleanup(fctx, held.Key, held.Run)
-		}
-		return w.build(ctx, req, held.Key, repo, dests, seq, nil)
 	case err != nil:
 		w.releaseClaim(ctx, held, rev, v1.ReasonInfrastructureError+": storing the end of a run whose tag was found taken failed: "+err.Error())
 		return nil, "", false, Transient(err)
-	case !refusedRun(stored):
-		// Ended from outside first (a cancel, the reconciler with the
-		// Job's outcome): that end stands, and answers as own's would.
-		return stored, origin, true, nil
+	case !ok:
+		w.log.Info("the build run changed while its tag was found taken; following the record", zap.String("key", held.Key), zap.String("run", held.Run))
+		return w.build(ctx, req, held.Key, repo, dests, seq, nil)
 	}
 	w.jobGone(fctx, held.Key, held.Run)
 	return found, v1.OriginCache, false, nil

@@ -449,10 +449,11 @@ type waiterReg struct {
 	// came in, for the waiter entry, and its ledger entry.
 	park *ledger.Waiter
 	le   *ledger.Entry
-	// created: when the create that made le, for this very message, was
-	// sent (intake's, or the handler's own); zero when le was there
-	// before. Within lookAheadFresh of it, le as created stands for the
-	// first look's check that the request is unanswered (lookAhead).
+	// created: when intake sent the create that made le, for this very
+	// message, having registered the request with the cancel service
+	// first; zero when le was there before or the handler made it.
+	// Within lookAheadFresh of it, le as created stands for the first
+	// look's check that the request is unanswered (lookAhead).
 	created time.Time
 }
 

@@ -45,6 +45,10 @@ func (w *simWorld) workerConfig(id string, slot int, skew time.Duration) Config 
 		Fair:            w.fair(),
 		HoldAtIntake:    w.holdAtIntake(slot),
 		FirstAge:        w.firstAge(slot),
+		// Under the node's least time from a Job's creation to its push
+		// (podStart and simBuildFloor), as the default is under a real
+		// node's.
+		TagCheckBeside: podStart + simBuildFloor - 50*time.Millisecond,
 	}
 }
 

@@ -31,9 +31,8 @@ func TestAFreshBuildStartsBesideItsTagCheck(t *testing.T) {
 		t.Fatal(err)
 	}
 	job := e.waitJob(jobOf(req))
-	if tr.held.Load() == 0 {
-		t.Fatal("the Job exists but no HEAD of its tag was sent")
-	}
+	// The HEAD goes out beside the create; it is still held, unanswered.
+	eventually(t, 10*time.Second, "the tag's HEAD sent", func() bool { return tr.held.Load() > 0 })
 	if got, want := absentArg(job), destination(job); got != want {
 		t.Fatalf("a Job started beside its tag check must check the tag in its Pod: --absent %q, want %q", got, want)
 	}
@@ -185,5 +184,36 @@ func TestAFreshKeyIsClaimedBeforeItsRecordIsRead(t *testing.T) {
 				t.Fatalf("result %s", mustJSON(t, r.Data))
 			}
 		})
+	}
+}
+
+// The HEAD sent beside a build's start answers only after
+// TagCheckBeside: what it found may be the build's own push, so the
+// build goes on and answers (the Pod's own check guards the tag).
+func TestATagCheckAnsweredLateStopsNothing(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	e.startWorkerFull("w1", fetchKaniko(), func(c *Config) {
+		withRegistry(tr)(c)
+		c.TagCheckBeside = 200 * time.Millisecond
+	}, nil, withPresigner)
+	results := e.collect()
+	release := tr.holdHeads()
+	defer release()
+	req := request("beside-late")
+	if _, err := e.pub.Publish(context.Background(), req); err != nil {
+		t.Fatal(err)
+	}
+	job := e.waitJob(jobOf(req))
+	eventually(t, 10*time.Second, "the tag's HEAD sent", func() bool { return tr.held.Load() > 0 })
+	// As if the build had pushed before the HEAD was answered.
+	pushed := tr.push(t, absentArg(job))
+	time.Sleep(400 * time.Millisecond)
+	release()
+	time.Sleep(200 * time.Millisecond)
+	e.kubelet(job, 0, pushed)
+	if r := oneResult(t, results, req.RequestID); r.Data.Status != v1.StatusSucceeded || r.Data.Origin != v1.OriginBuild || r.Data.Digest != pushed {
+		t.Fatalf("result %s, want the build's own image, origin build", mustJSON(t, r.Data))
 	}
 }
