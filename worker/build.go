@@ -177,7 +177,9 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 			rev uint64
 			err error
 		)
+		readAt := time.Now()
 		if first && ahead.fresh() {
+			readAt = ahead.sent
 			cur, rev, err = ahead.record()
 		} else {
 			cur, rev, err = w.runs.Get(ctx, key)
@@ -248,7 +250,7 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 				// The index says built; only the registry knows whether
 				// the image is still there. Not found means build again;
 				// any other error means try later, never "exists".
-				err := w.checkIndexed(ctx, cur.Repository+"@"+cur.Digest)
+				seen, err := w.checkIndexedAt(ctx, cur.Repository+"@"+cur.Digest)
 				switch {
 				case errors.Is(err, registry.ErrNotFound):
 					w.log.Info("indexed image is gone from the registry; rebuilding", zap.String("key", key), zap.String("image", cur.Repository+"@"+cur.Digest))
@@ -269,6 +271,13 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 				case err != nil:
 					return nil, "", false, Transient(fmt.Errorf("check %s in the registry: %w", cur.Repository, err))
 				}
+				// A verified hit, as intake's: the key's next hits within
+				// indexCheckFresh are answered at intake (claimFirst sends
+				// a hit of a key the worker has not seen to this walk).
+				if seen.Before(readAt) {
+					readAt = seen
+				}
+				w.hits.saw(key, cur, readAt)
 			}
 			return cur, v1.OriginCache, false, nil
 

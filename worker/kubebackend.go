@@ -391,10 +391,24 @@ func (k *KubeBackend) logTail(ctx context.Context, pod string) (string, error) {
 // there: the run's own (a take-over, or this run's earlier attempt) is
 // adopted (created false); any other run's is stale — its run ended when
 // the record left it — and is deleted by UID and replaced.
+// jobCreateTimeout bounds one Job create, which a stopped build does not
+// cut off (create).
+const jobCreateTimeout = 10 * time.Second
+
 func (k *KubeBackend) create(ctx context.Context, job *batchv1.Job, b Build, signal <-chan struct{}) (bool, types.UID, error) {
 	jobs := k.client.BatchV1().Jobs(k.cfg.Namespace)
 	for attempt := 0; ; attempt++ {
-		got, err := jobs.Create(ctx, job, metav1.CreateOptions{})
+		if err := ctx.Err(); err != nil {
+			return false, "", err
+		}
+		// Not cut off in flight by the build being stopped (a cancel,
+		// the tag found taken beside it): an aborted request whose write
+		// the API server already took still creates the Job, which this
+		// run would then not know to delete. Its outcome is waited for,
+		// and the run's end deletes what it created.
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), jobCreateTimeout)
+		got, err := jobs.Create(cctx, job, metav1.CreateOptions{})
+		cancel()
 		switch {
 		case err == nil:
 			return true, got.UID, nil

@@ -155,7 +155,7 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 	held, heldRev := hold.Stop()
 
 	if found := foundAhead.Load(); err != nil && found != nil && errors.Is(context.Cause(buildCtx), errTagFoundBeside) && ctx.Err() == nil && runCtx.Err() == nil {
-		return w.endFoundBeside(ctx, req, &held, heldRev, found, lw, repo, dests, seq)
+		return w.endFoundBeside(ctx, req, &held, heldRev, found, lw, origin, repo, dests, seq)
 	}
 	if err != nil {
 		if ctx.Err() == nil {
@@ -283,10 +283,11 @@ var errTagFoundBeside = errors.New("the build's first tag holds an image already
 // run ends refused (v1.ReasonTagTaken, as the build Pod's own check ends
 // it), so it answers nobody and every request waiting on it looks again;
 // its Job goes; and the image found answers req, origin cache, exactly as
-// a preflight made before the claim would have. A run that changed
-// meanwhile (taken over, canceled, ended by the reconciler) is not
-// touched: the request follows its record.
-func (w *builder) endFoundBeside(ctx context.Context, req *v1.Request, held *v1.BuildRecord, rev uint64, found *v1.BuildRecord, lw *buildlog.Writer, repo string, dests []string, seq uint64) (*v1.BuildRecord, v1.Origin, bool, error) {
+// a preflight made before the claim would have. A run ended from outside
+// first (a cancel, the reconciler) answers as own's end would; a run
+// another worker took over, or a newer run, is not touched: the request
+// follows the record.
+func (w *builder) endFoundBeside(ctx context.Context, req *v1.Request, held *v1.BuildRecord, rev uint64, found *v1.BuildRecord, lw *buildlog.Writer, origin v1.Origin, repo string, dests []string, seq uint64) (*v1.BuildRecord, v1.Origin, bool, error) {
 	tag := firstOf(held.Destinations)
 	w.log.Info("the build's first tag held an image when the worker checked it beside the build's start; stopped the build, nothing is built",
 		zap.String("key", held.Key), zap.String("run", held.Run), zap.String("tag", tag), zap.String("digest", found.Digest))
@@ -303,12 +304,32 @@ func (w *builder) endFoundBeside(ctx context.Context, req *v1.Request, held *v1.
 	// the run only as this handler held it — never a run another worker
 	// took over meanwhile (its Job is that worker's now), nor one a cancel
 	// or the reconciler ended.
-	ok, err := w.runs.EndAt(fctx, final, rev)
-	switch {
-	case err != nil:
-		w.releaseClaim(ctx, held, rev, v1.ReasonInfrastructureError+": storing the end of a run whose tag was found taken failed: "+err.Error())
-		return nil, "", false, Transient(err)
-	case !ok:
+	for tries := 0; ; tries++ {
+		ok, err := w.runs.EndAt(fctx, final, rev)
+		if err != nil {
+			w.releaseClaim(ctx, held, rev, v1.ReasonInfrastructureError+": storing the end of a run whose tag was found taken failed: "+err.Error())
+			return nil, "", false, Transient(err)
+		}
+		if ok {
+			break
+		}
+		cur, crev, gerr := w.runs.Get(fctx, held.Key)
+		switch {
+		case gerr != nil:
+			w.releaseClaim(ctx, held, rev, v1.ReasonInfrastructureError+": reading a run whose tag was found taken failed: "+gerr.Error())
+			return nil, "", false, Transient(gerr)
+		case cur != nil && cur.Run == held.Run && cur.Final():
+			// Ended from outside first (a cancel, the reconciler): that
+			// end stands and answers, as own's would; its Job goes
+			// before the slot is given back.
+			w.jobGone(fctx, held.Key, held.Run)
+			return cur, origin, true, nil
+		case cur != nil && cur.Run == held.Run && !cur.Final() && cur.Owner == w.cfg.ID && cur.Holder == held.Holder && tries < 3:
+			// Still this worker's, at a revision it wrote without
+			// seeing the reply (a renewal's lost ack): end it there.
+			rev = crev
+			continue
+		}
 		w.log.Info("the build run changed while its tag was found taken; following the record", zap.String("key", held.Key), zap.String("run", held.Run))
 		return w.build(ctx, req, held.Key, repo, dests, seq, nil)
 	}

@@ -8,6 +8,7 @@ package worker
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"sync"
 	"testing"
@@ -50,7 +51,15 @@ func TestAFreshBuildStartsBesideItsTagCheck(t *testing.T) {
 // image found, origin cache. The tag keeps it.
 func TestATagFoundBesideTheBuildsStartAnswersWithTheImageFound(t *testing.T) {
 	t.Parallel()
-	e, tr, results := fetchWorld(t)
+	e := setup(t)
+	tr := newTestRegistry(t)
+	// The HEAD is held while a joiner parks, which may take a while on a
+	// loaded machine: its answer must still count (no build here pushes).
+	e.startWorkerFull("w1", fetchKaniko(), func(c *Config) {
+		withRegistry(tr)(c)
+		c.TagCheckBeside = time.Minute
+	}, nil, withPresigner)
+	results := e.collect()
 	release := tr.holdHeads()
 	defer release()
 	req := request("beside-found")
@@ -123,7 +132,10 @@ func TestABuildWhosePodChecksNoTagWaitsForItsHEAD(t *testing.T) {
 // build Pods check their tag is claimed before anything reads the key's
 // record (build.go, claimFirst): the claim is a create, which fails if
 // there is a record. A worker whose Pods check nothing reads first, at
-// intake, as ever.
+// intake, as ever. A claim first needs intake's entry create to be
+// younger than lookAheadFresh at the claim; on a loaded machine it may
+// not be, and the walk then reads first, as it must: up to five fresh
+// keys are tried for one claimed first.
 func TestAFreshKeyIsClaimedBeforeItsRecordIsRead(t *testing.T) {
 	t.Parallel()
 	for _, c := range []struct {
@@ -138,15 +150,16 @@ func TestAFreshKeyIsClaimedBeforeItsRecordIsRead(t *testing.T) {
 			t.Parallel()
 			e := setup(t)
 			tr := newTestRegistry(t)
-			req := request("claimed-first")
-			key := v1.BuildKey(req, kanikoID)
 			var (
 				mu  sync.Mutex
+				key string
 				ops []string
 			)
-			note := func(op string) {
+			note := func(k, op string) {
 				mu.Lock()
-				ops = append(ops, op)
+				if k == key {
+					ops = append(ops, op)
+				}
 				mu.Unlock()
 			}
 			w, _ := e.startWorkerFull("w1", c.kc, withRegistry(tr), nil, func(w *Worker) {
@@ -154,35 +167,37 @@ func TestAFreshKeyIsClaimedBeforeItsRecordIsRead(t *testing.T) {
 					withPresigner(w)
 				}
 				w.runs.UseBucket(&hookedKV{KeyValue: w.runs.Bucket(),
-					onGet: func(_ context.Context, k string) error {
-						if k == key {
-							note("read")
-						}
-						return nil
-					},
-					onCreate: func(k string, _ []byte) error {
-						if k == key {
-							note("claim")
-						}
-						return nil
-					}})
+					onGet:    func(_ context.Context, k string) error { note(k, "read"); return nil },
+					onCreate: func(k string, _ []byte) error { note(k, "claim"); return nil }})
 			})
 			results := e.collect()
-			waitIdle(t, w)
-			if _, err := e.pub.Publish(context.Background(), req); err != nil {
-				t.Fatal(err)
+			var seen [][]string
+			for i := range 5 {
+				req := request(fmt.Sprintf("claimed-first-%d", i))
+				mu.Lock()
+				key, ops = v1.BuildKey(req, kanikoID), nil
+				mu.Unlock()
+				waitIdle(t, w)
+				if _, err := e.pub.Publish(context.Background(), req); err != nil {
+					t.Fatal(err)
+				}
+				job := e.waitJob(jobOf(req))
+				mu.Lock()
+				got := slices.Clone(ops)
+				mu.Unlock()
+				e.kubelet(job, 0, digestOf(req.RequestID))
+				if r := oneResult(t, results, req.RequestID); r.Data.Status != v1.StatusSucceeded || r.Data.Origin != v1.OriginBuild {
+					t.Fatalf("result %s", mustJSON(t, r.Data))
+				}
+				seen = append(seen, got)
+				if len(got) > 0 && got[0] == c.wantFirst {
+					return
+				}
+				if c.wantFirst == "read" {
+					break
+				}
 			}
-			job := e.waitJob(jobOf(req))
-			mu.Lock()
-			got := slices.Clone(ops)
-			mu.Unlock()
-			if len(got) == 0 || got[0] != c.wantFirst {
-				t.Errorf("the key's record was touched %v before its Job, want %q first", got, c.wantFirst)
-			}
-			e.kubelet(job, 0, digestOf("claimed-first"))
-			if r := oneResult(t, results, req.RequestID); r.Data.Status != v1.StatusSucceeded || r.Data.Origin != v1.OriginBuild {
-				t.Fatalf("result %s", mustJSON(t, r.Data))
-			}
+			t.Errorf("the key's record was touched %v before each Job, want %q first", seen, c.wantFirst)
 		})
 	}
 }
