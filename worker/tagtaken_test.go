@@ -20,6 +20,7 @@ import (
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
+	"github.com/buildq/buildq/internal/naming"
 )
 
 // fetchKaniko is testKaniko in the production shape: contexts through
@@ -81,10 +82,15 @@ func TestABuildPodChecksItsFirstTagBeforeItBuilds(t *testing.T) {
 // before the build Pod starts: the Pod refuses to build over it. The
 // claimer and a request of the same tenant that joined the run are each
 // answered once with that image (origin cache), nothing is reported
-// failed, and the run's Job is deleted.
+// failed, and the run's Job is deleted. A HEAD of the tag that intake
+// sent ahead before the image was pushed (for a request of the same
+// tenant and tag) is forgotten: its "absent" answers no later look.
 func TestATagTakenBeforeTheBuildStartsIsNeverPushedOver(t *testing.T) {
 	t.Parallel()
-	e, tr, results := fetchWorld(t)
+	e := setup(t)
+	tr := newTestRegistry(t)
+	w, _ := e.startWorkerFull("w1", fetchKaniko(), withRegistry(tr), nil, withPresigner)
+	results := e.collect()
 	req := request("tag-taken-late")
 	if _, err := e.pub.Publish(context.Background(), req); err != nil {
 		t.Fatal(err)
@@ -97,6 +103,20 @@ func TestATagTakenBeforeTheBuildStartsIsNeverPushedOver(t *testing.T) {
 	}
 	key := v1.BuildKey(req, kanikoID)
 	eventually(t, 10*time.Second, "the second request parked on the run", func() bool { return e.isParked(key, joiner.RequestID) })
+	// Intake's HEAD sent ahead for the tag, answered "absent".
+	repo, err := w.w.cfg.Naming.Repository(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dests := naming.Destinations(repo, key, req.Tags)
+	w.w.builds.sendPreflight(context.Background(), req, key, repo, dests)
+	ahead, ok := w.w.builds.preflightSent(req, dests)
+	if !ok {
+		t.Fatal("no HEAD sent ahead for the tag")
+	}
+	if r, ok := ahead.wait(context.Background()); !ok || r.found != nil {
+		t.Fatalf("the HEAD sent ahead found %+v (%v), want the tag free", r.found, ok)
+	}
 	hand := tr.push(t, absentArg(job))
 	e.fetchFails(job, kaniko.FetchExitTagTaken, "tag taken: "+absentArg(job)+" holds "+hand+" already; the build would push over it")
 	for _, id := range []string{req.RequestID, joiner.RequestID} {
@@ -117,6 +137,12 @@ func TestATagTakenBeforeTheBuildStartsIsNeverPushedOver(t *testing.T) {
 	}
 	if d, err := tr.client.Head(context.Background(), absentArg(job)); err != nil || d != hand {
 		t.Errorf("the tag holds %s (%v), want the image pushed there first (%s)", d, err, hand)
+	}
+	w.w.builds.looks.mu.Lock()
+	_, kept := w.w.builds.looks.pre[preflightKey(req.Tenant, dests[0])]
+	w.w.builds.looks.mu.Unlock()
+	if kept {
+		t.Error("the HEAD sent ahead before the tag was taken is still kept: its \"absent\" would answer the next look")
 	}
 }
 

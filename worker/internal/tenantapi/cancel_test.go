@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap"
 
@@ -161,19 +162,27 @@ type stopWorld struct {
 	kv     *onGetKV
 }
 
-func newStopWorld(t *testing.T, n int32, before func(w *stopWorld)) *stopWorld {
+// serviceBuckets is an embedded NATS server's connection, its build
+// records' bucket and a ledger on its own bucket (lkv), in memory.
+func serviceBuckets(t *testing.T) (nc *nats.Conn, builds, lkv jetstream.KeyValue, l *ledger.Ledger) {
+	t.Helper()
 	_, nc, js := testnats.JetStream(t)
 	ctx := t.Context()
 	builds, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: v1.BuildsBucket, History: 1, Storage: jetstream.MemoryStorage})
 	if err != nil {
 		t.Fatal(err)
 	}
-	lkv, err := ledger.EnsureBucket(ctx, js, ledger.BucketConfig{Storage: jetstream.MemoryStorage, Replicas: 1})
+	lkv, err = ledger.EnsureBucket(ctx, js, ledger.BucketConfig{Storage: jetstream.MemoryStorage, Replicas: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
-	l := ledger.New(ledger.Config{Worker: "w1", Now: time.Now, Log: zap.NewNop()})
+	l = ledger.New(ledger.Config{Worker: "w1", Now: time.Now, Log: zap.NewNop()})
 	l.UseBucket(lkv)
+	return nc, builds, lkv, l
+}
+
+func newStopWorld(t *testing.T, n int32, before func(w *stopWorld)) *stopWorld {
+	nc, builds, _, l := serviceBuckets(t)
 	w := &stopWorld{l: l, builds: builds, jobs: &atomic.Int32{}}
 	w.kv = &onGetKV{KeyValue: builds, n: n, before: func() { before(w) }}
 	w.rs = runs.New()
@@ -261,19 +270,9 @@ func (k *onUpdateKV) Update(ctx context.Context, key string, value []byte, rev u
 // canceled nothing, and leave the build alone.
 func TestACancelOfARequestDecidedBeforeItsMarkCancelsNothing(t *testing.T) {
 	t.Parallel()
-	_, nc, js := testnats.JetStream(t)
 	ctx := t.Context()
-	builds, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: v1.BuildsBucket, History: 1, Storage: jetstream.MemoryStorage})
-	if err != nil {
-		t.Fatal(err)
-	}
-	lkv, err := ledger.EnsureBucket(ctx, js, ledger.BucketConfig{Storage: jetstream.MemoryStorage, Replicas: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	l := ledger.New(ledger.Config{Worker: "w1", Now: time.Now, Log: zap.NewNop()})
+	nc, builds, lkv, l := serviceBuckets(t)
 	key := strings.Repeat("c", 64)
-	l.UseBucket(lkv)
 	le, _, err := l.Open(ctx, "acme", "web", "r1", key, 1, time.Now())
 	if err != nil {
 		t.Fatal(err)

@@ -7,11 +7,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap"
 
 	v1 "github.com/buildq/buildq/api/v1"
-	"github.com/buildq/buildq/internal/testnats"
 	"github.com/buildq/buildq/worker/internal/ledger"
 	"github.com/buildq/buildq/worker/internal/runs"
 )
@@ -57,18 +55,8 @@ func (r *slowResults) Find(ctx context.Context, _, _, id string, _ time.Time) (*
 // reply never names a recorded result as the request's when it could not
 // read what the stream stored. (From an attack on the bounded reads.)
 func TestReadsPastATenantsShareAnswerAtOnceAndNameNothingUnconfirmed(t *testing.T) {
-	_, nc, js := testnats.JetStream(t)
 	ctx := t.Context()
-	builds, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: v1.BuildsBucket, History: 1, Storage: jetstream.MemoryStorage})
-	if err != nil {
-		t.Fatal(err)
-	}
-	lkv, err := ledger.EnsureBucket(ctx, js, ledger.BucketConfig{Storage: jetstream.MemoryStorage, Replicas: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	l := ledger.New(ledger.Config{Worker: "w1", Now: time.Now, Log: zap.NewNop()})
-	l.UseBucket(lkv)
+	nc, builds, _, l := serviceBuckets(t)
 	rs := runs.New()
 	rs.UseBucket(builds)
 	res := &slowResults{slow: map[string]bool{"slow-1": true, "slow-2": true}, started: make(chan string, 2), release: make(chan struct{})}
