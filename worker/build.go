@@ -354,27 +354,6 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 	}
 }
 
-// checksTagBeside reports whether req's build may be claimed and started
-// beside its preflight HEAD rather than after it (P1 in
-// docs/benchmarks.md: the HEAD leaves the path from the publish to the
-// Job). Only where the build's Pod checks the tag itself before it builds
-// (TagChecker): a worker killed before the HEAD's answer leaves a Job
-// that refuses to push over an image found there, and its run answers
-// nobody (v1.ReasonTagTaken), as one whose tag was taken after the HEAD.
-// Not for an image index or its platforms (their Pods check no tag), nor
-// where the preflight must create a Harbor project before the build can
-// push.
-func (w *builder) checksTagBeside(ctx context.Context, req *v1.Request, repo string) bool {
-	if isPlatformPart(ctx) || multiPlatform(req) {
-		return false
-	}
-	if _, harbor := w.cfg.Naming.HarborProject(req.Tenant, repo); harbor && w.registry != nil {
-		return false
-	}
-	tc, ok := w.backend.(TagChecker)
-	return (ok && tc.ChecksFirstTag(req)) || mutant.On("tag-check-beside-any-backend")
-}
-
 // takeOver claims the run of cur (at revision rev) for this worker and
 // runs it on; ok is false when the record changed first, or when the run
 // — built from its claimer's inputs — failed for a reason of those inputs

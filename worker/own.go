@@ -10,7 +10,6 @@ import (
 	"go.uber.org/zap"
 
 	v1 "github.com/buildq/buildq/api/v1"
-	"github.com/buildq/buildq/worker/internal/buildlog"
 	"github.com/buildq/buildq/worker/internal/mutant"
 	"github.com/buildq/buildq/worker/internal/runs"
 	"github.com/buildq/buildq/worker/internal/tenantapi"
@@ -272,69 +271,6 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 		return w.lookAgainAfterRefusal(ctx, req, stored, repo, dests, seq)
 	}
 	return stored, origin, true, nil
-}
-
-// errTagFoundBeside stops a build whose first tag the preflight sent
-// beside its start found holding an image (own's tagCheck).
-var errTagFoundBeside = errors.New("the build's first tag holds an image already")
-
-// endFoundBeside ends held's run, whose build was stopped because the
-// preflight sent beside its start found an image at its first tag: the
-// run ends refused (v1.ReasonTagTaken, as the build Pod's own check ends
-// it), so it answers nobody and every request waiting on it looks again;
-// its Job goes; and the image found answers req, origin cache, exactly as
-// a preflight made before the claim would have. A run ended from outside
-// first (a cancel, the reconciler) answers as own's end would; a run
-// another worker took over, or a newer run, is not touched: the request
-// follows the record.
-func (w *builder) endFoundBeside(ctx context.Context, req *v1.Request, held *v1.BuildRecord, rev uint64, found *v1.BuildRecord, lw *buildlog.Writer, origin v1.Origin, repo string, dests []string, seq uint64) (*v1.BuildRecord, v1.Origin, bool, error) {
-	tag := firstOf(held.Destinations)
-	w.log.Info("the build's first tag held an image when the worker checked it beside the build's start; stopped the build, nothing is built",
-		zap.String("key", held.Key), zap.String("run", held.Run), zap.String("tag", tag), zap.String("digest", found.Digest))
-	final := finalRecord(held, Outcome{Job: held.Job, JobUID: held.JobUID, Reason: v1.ReasonTagTaken,
-		Message: fmt.Sprintf("tag taken: %s holds %s already; the build would push over it", tag, found.Digest)}, w.cfg.Now())
-	if lw != nil && !lw.Ended() {
-		_ = lw.Own(ctx, "the first tag "+tag+" holds an image already ("+found.Digest+"): nothing is built, and the requests of this build look again")
-	}
-	final.Logs = w.logs.finish(ctx, lw, final)
-	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
-	defer cancel()
-	// One compare-and-swap at the revision this handler last wrote: the
-	// refusal is this worker's verdict, not the Job's outcome, so it ends
-	// the run only as this handler held it — never a run another worker
-	// took over meanwhile (its Job is that worker's now), nor one a cancel
-	// or the reconciler ended.
-	for tries := 0; ; tries++ {
-		ok, err := w.runs.EndAt(fctx, final, rev)
-		if err != nil {
-			w.releaseClaim(ctx, held, rev, v1.ReasonInfrastructureError+": storing the end of a run whose tag was found taken failed: "+err.Error())
-			return nil, "", false, Transient(err)
-		}
-		if ok {
-			break
-		}
-		cur, crev, gerr := w.runs.Get(fctx, held.Key)
-		switch {
-		case gerr != nil:
-			w.releaseClaim(ctx, held, rev, v1.ReasonInfrastructureError+": reading a run whose tag was found taken failed: "+gerr.Error())
-			return nil, "", false, Transient(gerr)
-		case cur != nil && cur.Run == held.Run && cur.Final():
-			// Ended from outside first (a cancel, the reconciler): that
-			// end stands and answers, as own's would; its Job goes
-			// before the slot is given back.
-			w.jobGone(fctx, held.Key, held.Run)
-			return cur, origin, true, nil
-		case cur != nil && cur.Run == held.Run && !cur.Final() && cur.Owner == w.cfg.ID && cur.Holder == held.Holder && tries < 3:
-			// Still this worker's, at a revision it wrote without
-			// seeing the reply (a renewal's lost ack): end it there.
-			rev = crev
-			continue
-		}
-		w.log.Info("the build run changed while its tag was found taken; following the record", zap.String("key", held.Key), zap.String("run", held.Run))
-		return w.build(ctx, req, held.Key, repo, dests, seq, nil)
-	}
-	w.jobGone(fctx, held.Key, held.Run)
-	return found, v1.OriginCache, false, nil
 }
 
 // refusedRun reports whether rec is the end of a run whose build Pod found
