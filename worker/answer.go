@@ -165,6 +165,8 @@ func (w *Worker) cacheVerdict(ctx context.Context, msg jetstream.Msg, meta *jets
 		}
 		w.builds.sendOpen(ctx, req, key, meta.Sequence.Stream, meta.Timestamp)
 		if claimFirst {
+			// And its claim, beside the create (intakeclaim.go).
+			w.builds.sendClaim(ctx, req, key, repo, dests, meta.Sequence.Stream)
 			// Most likely a new build whose Pod checks its tag: its
 			// handler claims before it reads (build.go, claimFirst), so
 			// intake's read would only stand in the way. A hit among

@@ -36,9 +36,11 @@ type builder struct {
 	present presentImages
 	hits    recentHits
 	// looks: what intake saw of records and tags (intakelook.go);
-	// opens: the ledger entries it opened ahead (intakeopen.go).
-	looks intakeLooks
-	opens intakeOpens
+	// opens: the ledger entries it opened ahead (intakeopen.go);
+	// claims: the keys it claimed ahead (intakeclaim.go).
+	looks  intakeLooks
+	opens  intakeOpens
+	claims intakeClaims
 	// orphans: the reconciler's watch of runs whose Job finished.
 	orphans orphanWatch
 	// possessed: tenants shown to hold a context (possession.go).
@@ -145,14 +147,39 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 		claimFirst = false
 		first = false
 	}
+	// The claim intake sent beside the entry's create (intakeclaim.go)
+	// is this walk's first look when it claims first; otherwise it is
+	// withdrawn before the walk reads the key, which would find it.
+	sentClaim, withdrawn := w.takeClaim(req, seq, claimFirst)
+	if withdrawn != nil {
+		select {
+		case <-withdrawn:
+		case <-ctx.Done():
+			return nil, "", false, ctx.Err()
+		}
+		// The reads sent ahead may have found that claim: the walk
+		// reads afresh.
+		first = false
+	}
 	if claimFirst {
 		// A fresh key's build whose Pod checks its tag, for a request
 		// whose entry was just created undecided: nothing of the first
 		// look needs waiting for. The claim is a create, which fails
 		// if the key has any record — then the walk reads it — so it
 		// goes first, its waiter entry and the tag's HEAD beside it.
-		claim := w.newClaim(req, key, repo, dests, seq)
-		rev, ok, err := w.runs.Claim(ctx, claim)
+		var (
+			claim        *v1.BuildRecord
+			rev          uint64
+			ok, answered bool
+			err          error
+		)
+		if sentClaim != nil {
+			claim, rev, ok, answered, err = w.claimOf(ctx, sentClaim, key, repo, dests, seq)
+		}
+		if !answered && err == nil {
+			claim = w.newClaim(req, key, repo, dests, seq)
+			rev, ok, err = w.runs.Claim(ctx, claim)
+		}
 		if err != nil {
 			return nil, "", false, Transient(err)
 		}

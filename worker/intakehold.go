@@ -2,6 +2,7 @@ package worker
 
 import (
 	"context"
+	"errors"
 	"slices"
 	"sync"
 	"time"
@@ -355,15 +356,27 @@ func (r *intakeRoom) letGo(key string, hk *heldKey, why string) {
 
 // recheck reads key's record and lets its held requests go unless it is
 // still building. No record: the pending build has not started yet, or
-// will not; the mark's check or the time limit tells.
+// will not; the mark's check or the time limit tells — unless the key
+// was seen building: then its run's record went (a claim sent ahead and
+// withdrawn, intakeclaim.go; the bucket's TTL), and they go.
 func (r *intakeRoom) recheck(key string) {
 	r.w.bg.Add(1)
 	go func() {
 		defer r.w.bg.Done()
 		ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 		defer cancel()
-		if e, err := r.w.runs.Bucket().Get(ctx, key); err == nil {
+		e, err := r.w.runs.Bucket().Get(ctx, key)
+		switch {
+		case err == nil:
 			r.updatedKey(e, false)
+		case errors.Is(err, jetstream.ErrKeyNotFound):
+			r.mu.Lock()
+			hk := r.byKey[key]
+			gone := hk != nil && hk.building
+			r.mu.Unlock()
+			if gone {
+				r.letGo(key, hk, "")
+			}
 		}
 	}()
 }

@@ -36,6 +36,10 @@ func (w *Worker) processRequest(ctx context.Context, h *handling) (verdict, *led
 	if err != nil {
 		return w.invalidEntry(ctx, msg, req, err, timings, meta)
 	}
+	// A claim intake sent for this message and the walk did not take
+	// (the request answered, canceled or refused first) is withdrawn
+	// (intakeclaim.go).
+	defer w.builds.dropClaim(req, seq)
 	v := verdict{Decision: ledger.Decision{Tenant: req.Tenant, Name: req.Name, Data: v1.ResultData{
 		RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, Attempts: int(meta.NumDelivered), Timings: timings,
 	}}}

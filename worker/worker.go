@@ -314,7 +314,15 @@ func (w *Worker) Run(ctx context.Context) error {
 	w.log.Info("stopping: handing back requests in flight")
 	cancelWork()
 	done := make(chan struct{})
-	go func() { wg.Wait(); w.bg.Wait(); close(done) }()
+	go func() {
+		wg.Wait()
+		// Claims intake sent that no handler took (intakeclaim.go).
+		wctx, cancel := context.WithTimeout(context.Background(), w.cfg.ShutdownTimeout)
+		w.builds.withdrawPending(wctx)
+		cancel()
+		w.bg.Wait()
+		close(done)
+	}()
 	select {
 	case <-done:
 	case <-time.After(w.cfg.ShutdownTimeout):

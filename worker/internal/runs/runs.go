@@ -18,6 +18,10 @@
 //	                                               anyone holding the outcome of
 //	                                               the Job of run r (EndAt)
 //	building(run r)        failed/Canceled(run r)  the cancel service (EndAt)
+//	building(run r, X)     absent                  X only, before any Job of
+//	                                               run r exists (Withdraw: a
+//	                                               claim sent ahead that its
+//	                                               request did not take)
 //	any                    absent                  the bucket's TTL
 //
 // A run is one attempt to build the key. Its id is new for every fresh
@@ -25,7 +29,7 @@
 // the Job of the record's current run is ever adopted, and only its
 // outcome can end the run.
 //
-// Every write that ends a run or lets it go (Release, End, EndAt) fires
+// Every write that ends a run or lets it go (Release, Withdraw, End, EndAt) fires
 // the store's "run ended" hook (OnEnded) once it is stored: the worker
 // answers the requests parked on the key there, so no caller has to
 // remember to.
@@ -157,6 +161,26 @@ func (s *Store) Release(ctx context.Context, r *v1.BuildRecord, rev uint64) (boo
 	_, ok, err := s.update(ctx, Released(r), rev)
 	s.fire(ctx, r.Key)
 	return ok, err
+}
+
+// Withdraw removes the claim r at rev, which no Job was ever created for
+// (a claim sent ahead of its request's handler that the handler did not
+// take: worker/intakeclaim.go). The key is absent again, so the next
+// request claims it with its own inputs rather than taking over a run of
+// a request that was answered, canceled or never handled. ok is false
+// when the record changed in between: someone else's now. It fires the
+// "run ended" hook whatever the write's outcome, as Release does: the
+// requests parked on the key look again.
+func (s *Store) Withdraw(ctx context.Context, r *v1.BuildRecord, rev uint64) (bool, error) {
+	err := s.Bucket().Delete(ctx, r.Key, jetstream.LastRevision(rev))
+	s.fire(ctx, r.Key)
+	if errors.Is(err, jetstream.ErrKeyRevisionMismatch) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("withdraw claim %s: %w", r.Key, err)
+	}
+	return true, nil
 }
 
 // EndAt ends a run with final in one compare-and-swap at rev (a cancel,

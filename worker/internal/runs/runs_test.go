@@ -75,6 +75,7 @@ func (f failingKV) Update(context.Context, string, []byte, uint64) (uint64, erro
 func (f failingKV) Create(context.Context, string, []byte, ...jetstream.KVCreateOpt) (uint64, error) {
 	return 0, f.err
 }
+func (f failingKV) Delete(context.Context, string, ...jetstream.KVDeleteOpt) error { return f.err }
 
 var t0 = time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC)
 
@@ -387,6 +388,46 @@ func TestReleaseLetsTheRunGoAndAlwaysFiresTheHook(t *testing.T) {
 	if got.Owner != "" || !got.LeaseUntil.IsZero() || got.Run != "run1" || got.State != v1.StateBuilding ||
 		!slices.Equal(got.Destinations, r.Destinations) {
 		t.Fatalf("released record = %+v, want run1 building without an owner or lease", got)
+	}
+}
+
+func TestWithdrawRemovesOnlyTheClaimItWasGivenAndAlwaysFiresTheHook(t *testing.T) {
+	s, kv, h := newStore(t)
+	ctx := t.Context()
+	r := building("k", "run1", "x")
+	rev := claim(t, s, r)
+
+	// At a stale revision: the record is someone else's now.
+	if ok, err := s.Withdraw(ctx, r, rev+1); ok || err != nil {
+		t.Fatalf("Withdraw at a stale revision = %v, %v; want false, nil", ok, err)
+	}
+	h.expect(t, "Withdraw at a stale revision", "k")
+	if got, grev := get(t, s, "k"); got.Run != "run1" || grev != rev {
+		t.Fatalf("Withdraw at a stale revision changed the record: %+v at %d", got, grev)
+	}
+
+	boom := errors.New("nats: timeout")
+	s.UseBucket(failingKV{KeyValue: kv, err: boom})
+	if ok, err := s.Withdraw(ctx, r, rev); ok || !errors.Is(err, boom) {
+		t.Fatalf("Withdraw on a failing bucket = %v, %v", ok, err)
+	}
+	h.expect(t, "Withdraw on a failing bucket", "k")
+
+	s.UseBucket(kv)
+	if ok, err := s.Withdraw(ctx, r, rev); !ok || err != nil {
+		t.Fatalf("Withdraw = %v, %v", ok, err)
+	}
+	h.expect(t, "Withdraw", "k")
+	if got, _, err := s.Get(ctx, "k"); err != nil || got != nil {
+		t.Fatalf("after Withdraw the key holds %+v (%v); want it absent", got, err)
+	}
+	// Absent again: the next request claims it with its own run.
+	next := building("k", "run2", "y")
+	if _, ok, err := s.Claim(ctx, next); !ok || err != nil {
+		t.Fatalf("Claim after Withdraw = %v, %v", ok, err)
+	}
+	if got, _ := get(t, s, "k"); got.Run != "run2" {
+		t.Fatalf("record after the new claim = %+v", got)
 	}
 }
 
