@@ -11,6 +11,7 @@ import (
 	"context"
 	"encoding/json"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -593,5 +594,42 @@ func TestAHeldRequestIsHeartbeatenAcrossAckWaits(t *testing.T) {
 	})
 	if n := e.entryWrites(t, dupe.RequestID); n != 1 {
 		t.Errorf("the held request's entry was written %d times, want once", n)
+	}
+}
+
+// A key seen building whose record is gone when the room looks again (a
+// claim sent ahead and withdrawn, intakeclaim.go, whose delete came
+// before the requests were held on it; the bucket's TTL) lets its held
+// requests go: no run is left to end and let them go. A key never seen
+// building keeps them: its build has not started yet.
+func TestHeldRequestsOfAKeyWhoseRecordWentAreLetGo(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	w := e.startWorker("w1", func(c *Config) { c.HoldAtIntake = time.Hour })
+	r := w.w.room
+	msgs := map[string]*fakeHeldMsg{"seen-building": {}, "not-started": {}}
+	var admitted sync.Map
+	hold := func(key string, building bool) {
+		now := time.Now()
+		hk := &heldKey{building: building, changed: now, lapse: time.Hour, checked: now,
+			reqs: []*heldReq{{msg: msgs[key], since: now, beat: now, admit: func(context.Context) { admitted.Store(key, true) }}}}
+		r.mu.Lock()
+		r.byKey[key] = hk
+		r.n++
+		r.mu.Unlock()
+	}
+	// Let go: answered, admitted, or handed back (a room not open yet).
+	letGo := func(key string) bool {
+		_, ok := admitted.Load(key)
+		return ok || msgs[key].naks.Load() > 0
+	}
+	hold("seen-building", true)
+	hold("not-started", false)
+	r.recheck("seen-building")
+	r.recheck("not-started")
+	eventually(t, 10*time.Second, "the request held on the key seen building let go", func() bool { return letGo("seen-building") })
+	time.Sleep(300 * time.Millisecond)
+	if letGo("not-started") {
+		t.Fatal("a request held on a key never seen building was let go when the key had no record")
 	}
 }
