@@ -125,7 +125,7 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 		created = wr.created
 	}
 	// claimFirst: the request's first look is its claim (below).
-	claimFirst := !created.IsZero() && time.Since(created) < lookAheadFresh && w.checksTagBeside(ctx, req, repo)
+	claimFirst := !created.IsZero() && (time.Since(created) < lookAheadFresh || mutant.On("claim-first-stale")) && w.checksTagBeside(ctx, req, repo)
 	// first: the walk's first pass, which takes the reads sent ahead; a
 	// claim made first leaves none, and its walk reads afresh.
 	first := !claimFirst
@@ -140,7 +140,7 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 			return nil, "", false, err
 		}
 	}
-	if claimFirst && time.Since(created) >= lookAheadFresh {
+	if claimFirst && time.Since(created) >= lookAheadFresh && !mutant.On("claim-first-stale") {
 		// The possession check took long (a large context read, a
 		// pause): the entry as created no longer stands, and the walk
 		// reads everything afresh.

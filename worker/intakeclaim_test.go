@@ -5,9 +5,13 @@ package worker
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
@@ -254,5 +258,109 @@ func TestAStoppingWorkerWithdrawsTheClaimsItSentAhead(t *testing.T) {
 	w.stop(t)
 	if rec := e.claim(key); rec != nil {
 		t.Fatalf("the key holds %+v after its worker stopped, want the claim withdrawn", rec)
+	}
+}
+
+// The entry intake created for a message stands for the check that the
+// request is unanswered for lookAheadFresh only: a handler that reaches
+// its walk later (a stall, a slow possession check) reads the entry, and
+// a request answered meanwhile — its redelivered copy, elsewhere —
+// claims nothing and builds nothing.
+func TestAStaleEntryCreateIsNoAnsweredCheck(t *testing.T) {
+	t.Parallel()
+	e, w, _ := claimWorld(t, func(string) error { return nil }, func(string) error { return nil })
+	b := w.w.builds
+	ctx := context.Background()
+	req := request("stale-entry-create")
+	req.RequestID = publisher.NewRequestID()
+	const seq = 7
+	entry := v1.RequestEntry{RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, State: string(v1.StatusSucceeded),
+		Seq: seq, UpdatedAt: time.Now().UTC(),
+		Result: &v1.ResultData{RequestID: req.RequestID, Tenant: req.Tenant, Status: v1.StatusSucceeded, Digest: digestOf("stale-entry-create")}}
+	raw, _ := json.Marshal(entry)
+	if _, err := w.w.ledger.Bucket().Put(ctx, RequestIndexKey(req.Tenant, req.RequestID), raw); err != nil {
+		t.Fatal(err)
+	}
+	key := b.keyOf(req)
+	repo, err := b.cfg.Naming.Repository(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Created for this message, undecided, a second ago: what it said
+	// then no longer stands.
+	wr := &waiterReg{created: time.Now().Add(-time.Second)}
+	bctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	_, _, _, err = b.build(bctx, req, key, repo, naming.Destinations(repo, key, req.Tags), seq, wr)
+	if !errors.Is(err, errAnswered) {
+		t.Fatalf("build of a request answered since its entry's create: %v, want errAnswered", err)
+	}
+	if rec := e.claim(key); rec != nil {
+		t.Fatalf("an answered request claimed its key: %+v", rec)
+	}
+	if jobs := e.jobs(); len(jobs) != 0 {
+		t.Fatalf("an answered request created %d Jobs", len(jobs))
+	}
+}
+
+// afterCreateKV runs after each create that was stored.
+type afterCreateKV struct {
+	jetstream.KeyValue
+	after func(key string)
+}
+
+func (k *afterCreateKV) Create(ctx context.Context, key string, value []byte, opts ...jetstream.KVCreateOpt) (uint64, error) {
+	rev, err := k.KeyValue.Create(ctx, key, value, opts...)
+	if err == nil {
+		k.after(key)
+	}
+	return rev, err
+}
+
+// A handler's own create of its entry (a request of a tenant with a
+// limit: never taken straight from intake, so intake creates nothing for
+// it) stands for nothing: a cancel can mark the entry before the handler
+// has registered with the cancel service, and nothing tells the handler.
+// Its walk reads the entry, finds the cancel's decision, and claims and
+// builds nothing.
+func TestACancelRightAfterAHandlersOwnCreateStopsItsBuild(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	req := request("cancel-after-own-create")
+	req.RequestID = publisher.NewRequestID()
+	key, lk := v1.BuildKey(req, kanikoID), RequestIndexKey("acme", req.RequestID)
+	var canceled atomic.Bool
+	e.startWorkerFull("w1", fetchKaniko(), func(c *Config) {
+		withRegistry(tr)(c)
+		c.Fair.Concurrency = map[string]int{"acme": 4}
+	}, nil, func(w *Worker) {
+		withPresigner(w)
+		w.ledger.UseBucket(&afterCreateKV{KeyValue: w.ledger.Bucket(), after: func(k string) {
+			if k != lk || canceled.Swap(true) {
+				return
+			}
+			if rep := cancelRequest(t, e.nc, v1.APICancelSubject("acme"), req.RequestID); !rep.Canceled {
+				t.Errorf("cancel reply %+v, want the request canceled", rep)
+			}
+		}})
+	})
+	results := e.collect()
+	if _, err := e.pub.Publish(context.Background(), req); err != nil {
+		t.Fatal(err)
+	}
+	r := results.waitFor(t, 1, 10*time.Second)[0]
+	if r.ID != req.RequestID || r.Data.Status != v1.StatusCanceled {
+		t.Fatalf("result %s, want the request canceled", mustJSON(t, r))
+	}
+	eventually(t, 10*time.Second, "the request's message settled", func() bool {
+		msgs, pending, _ := e.streamState()
+		return msgs == 0 && pending == 0
+	})
+	if n := e.creates.total(); n != 0 {
+		t.Fatalf("%d Jobs created for a request canceled before its handler registered", n)
+	}
+	if rec := e.claim(key); rec != nil && rec.State == v1.StateBuilding {
+		t.Fatalf("the key holds a run building for a canceled request: %+v", rec)
 	}
 }

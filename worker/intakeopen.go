@@ -193,7 +193,11 @@ func (w *Worker) openEntry(ctx context.Context, req *v1.Request, key string, seq
 	// The handler's own create: no sending time, since nothing stood
 	// between a cancel and the entry until the handler registered
 	// itself (its answered check reads the entry, lookAhead).
+	opened := time.Now()
 	le, fresh, err = w.ledger.Open(ctx, req.Tenant, req.Name, req.RequestID, key, seq, at)
+	if mutant.On("answered-stands-handler-create") {
+		return le, fresh, opened, done, err
+	}
 	return le, fresh, time.Time{}, done, err
 }
 
