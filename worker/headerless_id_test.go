@@ -39,8 +39,14 @@ func (e *env) publishHeaderless(t *testing.T, req *v1.Request) {
 // second, so a test can send an id again past it.
 func (e *env) narrowResultsWindow(t *testing.T) {
 	t.Helper()
+	e.narrowDuplicateWindow(t, v1.ResultsStream)
+}
+
+// narrowDuplicateWindow narrows stream's duplicate window to a second.
+func (e *env) narrowDuplicateWindow(t *testing.T, stream string) {
+	t.Helper()
 	ctx := context.Background()
-	st, err := e.js.Stream(ctx, v1.ResultsStream)
+	st, err := e.js.Stream(ctx, stream)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -111,15 +111,7 @@ func TestAClaimSentAheadForADuplicateIsWithdrawn(t *testing.T) {
 	// Past the requests stream's duplicate window (narrowed to a second
 	// here), the server stores a message of the same id again.
 	ctx := context.Background()
-	st, err := e.js.Stream(ctx, v1.RequestsStream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg := st.CachedInfo().Config
-	cfg.Duplicates = time.Second
-	if _, err := e.js.UpdateStream(ctx, cfg); err != nil {
-		t.Fatal(err)
-	}
+	e.narrowDuplicateWindow(t, v1.RequestsStream)
 	time.Sleep(1500 * time.Millisecond)
 	waitIdle(t, w)
 	if ack, err := e.pub.Publish(ctx, dup); err != nil || ack.Duplicate {
