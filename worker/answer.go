@@ -152,6 +152,9 @@ func (w *Worker) cacheVerdict(ctx context.Context, msg jetstream.Msg, meta *jets
 	// must not hold intake's slots (every tenant's way in) for one
 	// tenant's hits; past intakeLookupTimeout the queue takes it.
 	wait := intakeLookupTimeout
+	if w.cfg.lookupWait > 0 {
+		wait = w.cfg.lookupWait
+	}
 	if mutant.On("intake-waits-on-lookups") {
 		wait = time.Hour
 	}

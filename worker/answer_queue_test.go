@@ -121,6 +121,9 @@ func TestAQueuedHitWhoseAckIsLostIsMarkedForItsRedelivery(t *testing.T) {
 	e.startWorkerHooked("w1", func(c *Config) {
 		withRegistry(tr)(c)
 		c.MaxInFlight = 1
+		// The queued hit's lookups must not give up on a loaded machine:
+		// answered in full, it would be marked all the same.
+		c.lookupWait = time.Minute
 	}, nil, func(w *Worker) {
 		w.faults = &faultHooks{loseAck: func(id string) bool { return id == target.Load() && lost.CompareAndSwap(false, true) }}
 	})

@@ -140,6 +140,11 @@ type Config struct {
 	Logger *zap.Logger
 	// Now is the clock (default time.Now).
 	Now func() time.Time
+
+	// lookupWait, when set (tests), replaces intakeLookupTimeout: a test
+	// of what intake answers must not see the request go to the queue
+	// because a loaded machine made a lookup slow.
+	lookupWait time.Duration
 }
 
 // minIndexTTLLeases is how many leases a build record must outlive its
