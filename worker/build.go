@@ -7,7 +7,6 @@ import (
 	"math"
 	"reflect"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -150,13 +149,11 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 	// The claim intake sent beside the entry's create (intakeclaim.go)
 	// is this walk's first look when it claims first; otherwise it is
 	// withdrawn before the walk reads the key, which would find it.
-	sentClaim, withdrawn := w.takeClaim(req, seq, claimFirst)
-	if withdrawn != nil {
-		select {
-		case <-withdrawn:
-		case <-ctx.Done():
-			return nil, "", false, ctx.Err()
-		}
+	sentClaim, withdrew, err := w.settleSentClaim(ctx, req, seq, claimFirst)
+	if err != nil {
+		return nil, "", false, err
+	}
+	if withdrew {
 		// The reads sent ahead may have found that claim: the walk
 		// reads afresh.
 		first = false
@@ -167,19 +164,7 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 		// look needs waiting for. The claim is a create, which fails
 		// if the key has any record — then the walk reads it — so it
 		// goes first, its waiter entry and the tag's HEAD beside it.
-		var (
-			claim        *v1.BuildRecord
-			rev          uint64
-			ok, answered bool
-			err          error
-		)
-		if sentClaim != nil {
-			claim, rev, ok, answered, err = w.claimOf(ctx, sentClaim, key, repo, dests, seq)
-		}
-		if !answered && err == nil {
-			claim = w.newClaim(req, key, repo, dests, seq)
-			rev, ok, err = w.runs.Claim(ctx, claim)
-		}
+		claim, rev, ok, err := w.claimAtOnce(ctx, sentClaim, req, key, repo, dests, seq)
 		if err != nil {
 			return nil, "", false, Transient(err)
 		}
@@ -455,33 +440,6 @@ func failedWhy(r *v1.BuildRecord) string {
 		m = m[:200] + "…"
 	}
 	return r.Reason + ": " + m
-}
-
-// letGo remembers why this worker let go of build runs (by run id), so
-// that when it runs one again — the same request retried, or a parked one
-// requeued — its log and progress events say it retries its own run and
-// why. Bounded: it forgets everything past maxLetGo runs.
-type letGo struct {
-	mu  sync.Mutex
-	why map[string]string
-}
-
-const maxLetGo = 1024
-
-func (l *letGo) put(run, why string) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.why == nil || len(l.why) >= maxLetGo {
-		l.why = map[string]string{}
-	}
-	l.why[run] = why
-}
-
-func (l *letGo) get(run string) (string, bool) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	why, ok := l.why[run]
-	return why, ok
 }
 
 func (w *builder) newClaim(req *v1.Request, key, repo string, dests []string, seq uint64) *v1.BuildRecord {

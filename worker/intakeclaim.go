@@ -259,3 +259,37 @@ func (w *builder) claimOf(ctx context.Context, c *claimAhead, key, repo string, 
 	}
 	return cl, rev, ok, true, nil
 }
+
+// settleSentClaim settles, before a walk, the claim intake sent for req
+// (takeClaim): the claim, taken on the claim-first path; or withdrew
+// true once a claim not taken is withdrawn, when the walk must read
+// afresh (its reads sent ahead may have found it).
+func (w *builder) settleSentClaim(ctx context.Context, req *v1.Request, seq uint64, claimFirst bool) (sent *claimAhead, withdrew bool, err error) {
+	sent, gone := w.takeClaim(req, seq, claimFirst)
+	if gone == nil {
+		return sent, false, nil
+	}
+	select {
+	case <-gone:
+		return nil, true, nil
+	case <-ctx.Done():
+		return nil, false, ctx.Err()
+	}
+}
+
+// claimAtOnce claims key on the claim-first path: with the claim intake
+// sent (sent, taken), or with the handler's own create when there was
+// none or it is not the one the handler would make. ok false: the key
+// has a record, which the walk reads.
+func (w *builder) claimAtOnce(ctx context.Context, sent *claimAhead, req *v1.Request, key, repo string, dests []string, seq uint64) (claim *v1.BuildRecord, rev uint64, ok bool, err error) {
+	if sent != nil {
+		var answered bool
+		claim, rev, ok, answered, err = w.claimOf(ctx, sent, key, repo, dests, seq)
+		if answered || err != nil {
+			return claim, rev, ok, err
+		}
+	}
+	claim = w.newClaim(req, key, repo, dests, seq)
+	rev, ok, err = w.runs.Claim(ctx, claim)
+	return claim, rev, ok, err
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -480,4 +481,31 @@ func (e *endAhead) settled() (ok bool) {
 	}
 	r := e.wait()
 	return r.err == nil || errors.Is(r.err, runs.ErrSuperseded)
+}
+
+// letGo remembers why this worker let go of build runs (by run id), so
+// that when it runs one again — the same request retried, or a parked one
+// requeued — its log and progress events say it retries its own run and
+// why. Bounded: it forgets everything past maxLetGo runs.
+type letGo struct {
+	mu  sync.Mutex
+	why map[string]string
+}
+
+const maxLetGo = 1024
+
+func (l *letGo) put(run, why string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.why == nil || len(l.why) >= maxLetGo {
+		l.why = map[string]string{}
+	}
+	l.why[run] = why
+}
+
+func (l *letGo) get(run string) (string, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	why, ok := l.why[run]
+	return why, ok
 }

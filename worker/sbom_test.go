@@ -117,7 +117,13 @@ func TestAnSBOMIsMadeOncePerImageForTheRequestsThatAskForIt(t *testing.T) {
 	}
 
 	// Asked, on a cache hit: made now, signed, attached beside the
-	// provenance, which still verifies.
+	// provenance, which still verifies. The result is published before
+	// the run's end is stored: a request sent before that would join the
+	// run, not hit.
+	eventually(t, 10*time.Second, "the first run's end stored", func() bool {
+		rec := w.e.claim(d.Key)
+		return rec != nil && rec.State == v1.StateSucceeded
+	})
 	a := w.submit(t, true, 2)
 	if a.Status != v1.StatusSucceeded || a.SBOM == "" || a.Origin != v1.OriginCache {
 		t.Fatalf("result %s; want a cache hit with its SBOM", mustJSON(t, a))
