@@ -78,7 +78,25 @@ func startNATSCluster(t *testing.T, n int) *natsCluster {
 		_, err := js.AccountInfo(ctx)
 		return err == nil
 	})
+	// A quorum answers the above; a node that exited at start (a port
+	// it could not bind) would leave the cluster short without a word.
+	for _, nd := range c.nodes {
+		c.exited(nd)
+	}
 	return c
+}
+
+// exited fails the test if node nd's process has ended.
+func (c *natsCluster) exited(nd *natsNode) {
+	c.t.Helper()
+	c.mu.Lock()
+	done := nd.done
+	c.mu.Unlock()
+	select {
+	case <-done:
+		c.t.Fatalf("nats-server %s exited at start:\n%s", nd.name, tail(nd.logs.String(), 2000))
+	default:
+	}
 }
 
 // withoutRoutes drops the route connection chatter from a server log.
@@ -125,6 +143,7 @@ func (c *natsCluster) start(i int) {
 	nd.cmd, nd.done, nd.logs = cmd, done, logs
 	c.mu.Unlock()
 	eventually(c.t, 20*time.Second, "nats-server "+nd.name, func() bool {
+		c.exited(nd)
 		nc, err := nats.Connect("nats://" + nd.addr)
 		if err != nil {
 			return false

@@ -7,7 +7,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -23,6 +22,7 @@ import (
 	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 
+	"github.com/buildq/buildq/internal/loopback"
 	"github.com/buildq/buildq/internal/registry"
 )
 
@@ -273,14 +273,7 @@ auth:
 	return stop, nil
 }
 
-func freeAddr() string {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		panic(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
-}
+func freeAddr() string { return loopback.FreeAddr() }
 
 // waitHTTP polls url until it answers with status (startup only).
 func waitHTTP(url string, status int, timeout time.Duration) error {

@@ -28,6 +28,7 @@ import (
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/benchfmt"
+	"github.com/buildq/buildq/internal/loopback"
 )
 
 // The scale benchmark's processes and the figures read from them.
@@ -123,12 +124,12 @@ func cpuBetween(samples []cpuSample, from, to time.Time) float64 {
 
 func freePort(t *testing.T) int {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	_, port, _ := net.SplitHostPort(loopback.FreeAddr())
+	n, err := strconv.Atoi(port)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	return n
 }
 
 // duBytes is the disk space the files under dir use (du).

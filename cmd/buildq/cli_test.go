@@ -21,6 +21,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 
 	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/loopback"
 )
 
 // dev is an in-process `buildq dev` on free ports.
@@ -36,16 +37,9 @@ func startDev(t *testing.T, data string) *dev {
 	return startDevOn(t, data, "127.0.0.1:0", "127.0.0.1:0", "127.0.0.1:0")
 }
 
-// freeAddr returns a loopback address that was free a moment ago.
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
-}
+// freeAddr returns a loopback address that was free a moment ago and
+// was not handed out before.
+func freeAddr(*testing.T) string { return loopback.FreeAddr() }
 
 func startDevOn(t *testing.T, data, natsAddr, s3Addr, registryAddr string, extra ...string) *dev {
 	t.Helper()

@@ -6,7 +6,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -26,6 +25,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 
 	"github.com/buildq/buildq/integration/internal/realnode"
+	"github.com/buildq/buildq/internal/loopback"
 	"github.com/buildq/buildq/internal/registry"
 	"github.com/buildq/buildq/internal/s3store"
 	"github.com/buildq/buildq/publisher"
@@ -409,14 +409,7 @@ func prepareCluster(ctx context.Context, t *testing.T, client kubernetes.Interfa
 	must(t, "wait for service account "+namespace+"/default", err)
 }
 
-func freeAddr() string {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		panic(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
-}
+func freeAddr() string { return loopback.FreeAddr() }
 
 func tail(s string, n int) string {
 	if len(s) <= n {
