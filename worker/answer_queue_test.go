@@ -66,10 +66,10 @@ func TestAQueuedCacheHitIsAnsweredWithOneWrite(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
-	e.startWorker("w1", func(c *Config) {
+	e.startWorker("w1", patientLookups(func(c *Config) {
 		withRegistry(tr)(c)
 		c.MaxInFlight = 1 // the hit waits for the build's slot
-	})
+	}))
 	results := e.collect()
 	events := e.events()
 	ingested := e.ingestCounter(t)

@@ -193,7 +193,7 @@ func TestAHitThatNeedsACopyGoesThroughTheQueue(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
-	w1 := e.startWorker("w1", withRegistry(tr))
+	w1 := e.startWorker("w1", patientLookups(withRegistry(tr)))
 	results := e.collect()
 	events := e.events()
 
@@ -229,7 +229,7 @@ func TestAHitWhoseAckIsLostIsMarkedForItsRedelivery(t *testing.T) {
 	hit.RequestID = publisher.NewRequestID()
 	hitID := hit.RequestID
 	var lost atomic.Bool
-	e.startWorkerHooked("w1", withRegistry(tr), nil, func(w *Worker) {
+	e.startWorkerHooked("w1", patientLookups(withRegistry(tr)), nil, func(w *Worker) {
 		w.faults = &faultHooks{loseAck: func(id string) bool { return id == hitID && lost.CompareAndSwap(false, true) }}
 	})
 	results := e.collect()
@@ -277,11 +277,11 @@ func TestAHitInASharedRepositoryNeedsPossessionAtIntake(t *testing.T) {
 	e := setup(t)
 	tr := newTestRegistry(t)
 	store := newObjectStore()
-	w1 := e.startWorker("w1", func(c *Config) {
+	w1 := e.startWorker("w1", patientLookups(func(c *Config) {
 		withRegistry(tr)(c)
 		c.Contexts = store
 		c.Naming.Allowed = []string{"{registry}/shared/**"}
-	})
+	}))
 	results := e.collect()
 
 	digest, archive := packDir(t, map[string]string{"Dockerfile": "FROM scratch\nCOPY app /app\n", "app": "acme's"})

@@ -78,7 +78,7 @@ func TestDeletedImageIsRebuilt(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
-	e.startWorker("w1", withRegistry(tr))
+	e.startWorker("w1", patientLookups(withRegistry(tr)))
 	results := e.collect()
 
 	first := e.buildThrough(t, tr, results, request("deleted"), 1)

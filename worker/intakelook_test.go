@@ -150,7 +150,7 @@ func TestAnAbsenceSeenAtIntakeStandsForAMomentOnly(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
-	w1 := e.startWorker("w1", withRegistry(tr))
+	w1 := e.startWorker("w1", patientLookups(withRegistry(tr)))
 	results := e.collect()
 	req := request("absence")
 	key := v1.BuildKey(req, kanikoID)

@@ -160,7 +160,7 @@ func TestACancelBetweenTheCreateAheadAndItsHandlerStopsTheRequest(t *testing.T) 
 func TestAHitIsDecidedOnItsOpenedEntryOfAnyAge(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
-	w1 := e.startWorker("w1", nil)
+	w1 := e.startWorker("w1", patientLookups(nil))
 	req := request("opened-hit-age")
 	req.RequestID = publisher.NewRequestID()
 	key := v1.BuildKey(req, kanikoID)

@@ -26,10 +26,10 @@ func TestAHitOnAWatchedRecordIsAnsweredAtIntakeWithoutARead(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
-	w1 := e.startWorker("w1", func(c *Config) {
+	w1 := e.startWorker("w1", patientLookups(func(c *Config) {
 		withRegistry(tr)(c)
 		c.HoldAtIntake = 2 * time.Minute
-	})
+	}))
 	results := e.collect()
 	first := request("watched-hit")
 	e.publishOrFail(t, first)

@@ -182,6 +182,20 @@ func both(ms ...func(*Config)) func(*Config) {
 	}
 }
 
+// patientLookups lets intake's record reads and registry checks take as
+// long as they take: a test of what intake (or the queue's handler)
+// answers for a hit must not see the lookup give up on a loaded machine
+// and the request taken in full, which passes whatever the rule.
+// mutate, when set, is applied first.
+func patientLookups(mutate func(*Config)) func(*Config) {
+	return func(c *Config) {
+		if mutate != nil {
+			mutate(c)
+		}
+		c.lookupWait = time.Minute
+	}
+}
+
 func withRegistry(tr *testRegistry) func(*Config) {
 	return func(c *Config) {
 		c.Registry = tr.client
