@@ -547,12 +547,17 @@ func (k *KubeBackend) Cleanup(ctx context.Context, key, run string) error {
 // still run. No Job, or another run's, is gone already. A Job the cache
 // does not show is asked of the API server: one created a moment ago
 // (a build stopped as it started) may not have reached the cache yet.
+// Those asks back off (250 ms doubling to 4 s): a cache that stays behind
+// does not turn one waiter into a steady stream of GETs.
 func (k *KubeBackend) WaitGone(ctx context.Context, key, run string) error {
 	name := kaniko.JobName(key)
 	signal, stop := k.watcher.Subscribe(name)
 	defer stop()
+	const firstLook, lastLook = 250 * time.Millisecond, 4 * time.Second
+	look := firstLook
 	for {
 		job, _, ok := k.watcher.Get(k.cfg.Namespace, name)
+		asked := false
 		if !ok && !mutant.On("wait-gone-trusts-cache") {
 			got, err := k.client.BatchV1().Jobs(k.cfg.Namespace).Get(ctx, name, metav1.GetOptions{})
 			switch {
@@ -561,14 +566,18 @@ func (k *KubeBackend) WaitGone(ctx context.Context, key, run string) error {
 			case err != nil:
 				return fmt.Errorf("get job %s: %w", name, err)
 			}
-			job, ok = got, true
+			job, ok, asked = got, true, true
 		}
 		if !ok || job.Annotations[kaniko.AnnotationRun] != run || k.watcher.Deleted(k.cfg.Namespace, name, job.UID) {
 			return nil
 		}
+		wait := firstLook // the cache alone: an event missed, look again
+		if asked {
+			wait, look = look, min(2*look, lastLook)
+		}
 		select {
 		case <-signal:
-		case <-time.After(250 * time.Millisecond): // an event missed: look again
+		case <-time.After(wait):
 		case <-ctx.Done():
 			return ctx.Err()
 		}

@@ -48,7 +48,9 @@ var errTagFoundBeside = errors.New("the build's first tag holds an image already
 // it), so it answers nobody and every request waiting on it looks again;
 // its Job goes; and the image found answers req, origin cache, exactly as
 // a preflight made before the claim would have. A run ended from outside
-// first (a cancel, the reconciler) answers as own's end would; a run
+// first (a cancel, the reconciler) answers as own's end would, save one
+// ended as refused by its own Pod, which found the tag taken too: the
+// image found answers then as well; a run
 // another worker took over, or a newer run, is not touched: the request
 // follows the record.
 func (w *builder) endFoundBeside(ctx context.Context, req *v1.Request, held *v1.BuildRecord, rev uint64, found *v1.BuildRecord, lw *buildlog.Writer, origin v1.Origin, repo string, dests []string, seq uint64) (*v1.BuildRecord, v1.Origin, bool, error) {
@@ -82,13 +84,20 @@ func (w *builder) endFoundBeside(ctx context.Context, req *v1.Request, held *v1.
 		case gerr != nil:
 			w.releaseClaim(ctx, held, rev, v1.ReasonInfrastructureError+": reading a run whose tag was found taken failed: "+gerr.Error())
 			return nil, "", false, Transient(gerr)
-		case cur != nil && cur.Run == held.Run && cur.Final():
+		case cur != nil && cur.Run == held.Run && cur.Final() && !mutant.On("found-beside-end-overwrites"):
 			// Ended from outside first (a cancel, the reconciler): that
 			// end stands and answers, as own's would; its Job goes
 			// before the slot is given back.
 			w.jobGone(fctx, held.Key, held.Run)
+			if refusedRun(cur) {
+				// As refused by its own Pod, which found the tag taken
+				// as this check did: the image found answers now, as
+				// had this handler's end been stored first, rather than
+				// through a retry that looks again.
+				return found, v1.OriginCache, false, nil
+			}
 			return cur, origin, true, nil
-		case cur != nil && cur.Run == held.Run && !cur.Final() && cur.Owner == w.cfg.ID && cur.Holder == held.Holder && tries < 3:
+		case cur != nil && cur.Run == held.Run && (!cur.Final() && cur.Owner == w.cfg.ID && cur.Holder == held.Holder || mutant.On("found-beside-end-overwrites")) && tries < 3:
 			// Still this worker's, at a revision it wrote without
 			// seeing the reply (a renewal's lost ack): end it there.
 			rev = crev

@@ -8,9 +8,11 @@ package worker
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -76,7 +78,9 @@ func TestATagFoundBesideTheBuildsStartAnswersWithTheImageFound(t *testing.T) {
 	key := v1.BuildKey(req, kanikoID)
 	eventually(t, 10*time.Second, "the second request parked on the run", func() bool { return e.isParked(key, joiner.RequestID) })
 	// Pushed by hand while the HEAD is on its way: the registry answers
-	// it after the push.
+	// it after the push (the push's own requests are never held, so the
+	// HEAD must be held before it starts).
+	eventually(t, 10*time.Second, "the HEAD beside the build's start held", func() bool { return tr.held.Load() > 0 })
 	hand := tr.push(t, tag)
 	release()
 	for _, id := range []string{req.RequestID, joiner.RequestID} {
@@ -230,5 +234,92 @@ func TestATagCheckAnsweredLateStopsNothing(t *testing.T) {
 	e.kubelet(job, 0, pushed)
 	if r := oneResult(t, results, req.RequestID); r.Data.Status != v1.StatusSucceeded || r.Data.Origin != v1.OriginBuild || r.Data.Digest != pushed {
 		t.Fatalf("result %s, want the build's own image, origin build", mustJSON(t, r.Data))
+	}
+}
+
+// The run is ended from outside between the answer of the HEAD sent
+// beside its start, which found the tag taken, and the handler's own end
+// of it: the handler's compare-and-swap fails and the end stored first
+// stands; the handler never writes its refusal over it.
+//   - Ended as the reconciler ends a run whose Job went (JobDeleted):
+//     that end answers the request, as own's end would.
+//   - Ended as refused by its own Pod (TagTaken, the tag found taken as
+//     the HEAD found it): the image found answers at once, origin cache,
+//     in the request's first attempt, not through a retry.
+func TestARunEndedFromOutsideBeforeItsTagWasFoundTakenKeepsThatEnd(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		name   string
+		reason string
+	}{
+		{"the reconciler's end", v1.ReasonJobDeleted},
+		{"its Pod's refusal", v1.ReasonTagTaken},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			e := setup(t)
+			tr := newTestRegistry(t)
+			req := request("beside-ended-outside")
+			key := v1.BuildKey(req, kanikoID)
+			var injected atomic.Bool
+			e.startWorkerFull("w1", fetchKaniko(), func(c *Config) {
+				withRegistry(tr)(c)
+				c.TagCheckBeside = time.Minute
+			}, nil, func(w *Worker) {
+				withPresigner(w)
+				bucket := w.runs.Bucket()
+				w.runs.UseBucket(&hookedKV{KeyValue: bucket, onUpdate: func(k string, value []byte) error {
+					var rec v1.BuildRecord
+					if k != key || json.Unmarshal(value, &rec) != nil || !rec.Final() || rec.Reason != v1.ReasonTagTaken || !injected.CompareAndSwap(false, true) {
+						return nil
+					}
+					// The end from outside, stored first.
+					ent, err := bucket.Get(context.Background(), key)
+					if err != nil {
+						return err
+					}
+					var cur v1.BuildRecord
+					if err := json.Unmarshal(ent.Value(), &cur); err != nil {
+						return err
+					}
+					end := finalRecord(&cur, Outcome{Job: cur.Job, JobUID: cur.JobUID, Reason: c.reason, Message: "ended from outside"}, time.Now())
+					b, err := json.Marshal(end)
+					if err != nil {
+						return err
+					}
+					_, err = bucket.Update(context.Background(), key, b, ent.Revision())
+					return err
+				}})
+			})
+			results := e.collect()
+			release := tr.holdHeads()
+			defer release()
+			if _, err := e.pub.Publish(context.Background(), req); err != nil {
+				t.Fatal(err)
+			}
+			job := e.waitJob(jobOf(req))
+			// The push's own requests are never held: a HEAD arriving
+			// during it would find the tag free.
+			eventually(t, 10*time.Second, "the HEAD beside the build's start held", func() bool { return tr.held.Load() > 0 })
+			hand := tr.push(t, absentArg(job))
+			release()
+			r := oneResult(t, results, req.RequestID)
+			if !injected.Load() {
+				t.Fatal("the handler never ended its run refused: the tag was not found taken beside the build's start")
+			}
+			switch c.reason {
+			case v1.ReasonJobDeleted:
+				if r.Data.Status != v1.StatusFailed || r.Data.Reason != v1.ReasonJobDeleted {
+					t.Errorf("result %s, want the end stored first (failed/JobDeleted)", mustJSON(t, r.Data))
+				}
+			default:
+				if r.Data.Status != v1.StatusSucceeded || r.Data.Origin != v1.OriginCache || r.Data.Digest != hand || r.Data.Attempts != 1 {
+					t.Errorf("result %s, want the image found at its tag (%s), origin cache, in the first attempt", mustJSON(t, r.Data), hand)
+				}
+			}
+			if rec := e.claim(key); rec == nil || rec.Reason != c.reason || rec.Message != "ended from outside" {
+				t.Errorf("the key's record %+v, want the end stored from outside first (%s), not overwritten", rec, c.reason)
+			}
+		})
 	}
 }
