@@ -172,7 +172,7 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 			w.looks.forget(key)
 			tagCheck := ahead.preflightBeside(true)
 			indexed := waitsBeside()
-			rec, origin, owned, err := w.own(ctx, req, claim, rev, repo, dests, seq, "", tagCheck)
+			rec, origin, owned, err := w.own(ctx, req, claim, rev, repo, dests, seq, true, "", tagCheck)
 			indexed()
 			return rec, origin, owned, err
 		}
@@ -250,7 +250,7 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 			}
 			w.looks.forget(key)
 			indexed := waitsBeside()
-			rec, origin, owned, err := w.own(ctx, req, claim, rev, repo, dests, seq, "", tagCheck)
+			rec, origin, owned, err := w.own(ctx, req, claim, rev, repo, dests, seq, true, "", tagCheck)
 			indexed()
 			return rec, origin, owned, err
 
@@ -278,7 +278,7 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 						continue
 					}
 					waits()
-					return w.own(ctx, req, claim, rev, repo, dests, seq,
+					return w.own(ctx, req, claim, rev, repo, dests, seq, true,
 						fmt.Sprintf("building again: the image built before (%s@%s) is gone from the registry", cur.Repository, cur.Digest), nil)
 				case err != nil:
 					return nil, "", false, Transient(fmt.Errorf("check %s in the registry: %w", cur.Repository, err))
@@ -308,7 +308,7 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 				continue
 			}
 			waits()
-			return w.own(ctx, req, claim, rev, repo, dests, seq, "a new run: the last run of this build failed ("+failedWhy(cur)+")", nil)
+			return w.own(ctx, req, claim, rev, repo, dests, seq, true, "a new run: the last run of this build failed ("+failedWhy(cur)+")", nil)
 
 		case cur.Owner == "":
 			// Released by an owner that stopped: take the run over now.
@@ -394,7 +394,7 @@ func (w *builder) takeOver(ctx context.Context, req *v1.Request, cur *v1.BuildRe
 	// A run taken over may be ended by its former holder, come back with
 	// the same Job's outcome, while this handler runs it: its end is
 	// stored before its decision (own.go, endAhead).
-	out, origin, owned, err := w.own(withEndAhead(ctx, nil), req, &claim, nrev, repo, dests, seq, note, nil)
+	out, origin, owned, err := w.own(withEndAhead(ctx, nil), req, &claim, nrev, repo, dests, seq, false, note, nil)
 	if err == nil && origin != v1.OriginBuild && out != nil && !sharedFailure(out, req, repo) {
 		w.log.Info("the run taken over failed for its claimer's own inputs; building with this request's",
 			zap.String("key", claim.Key), zap.String("reason", out.Reason))

@@ -114,7 +114,7 @@ func (w *builder) finishOrphan(ctx context.Context, key string, out Outcome) tim
 	// owner again, and is left to it.
 	final := finalRecord(cur, out, now)
 	// The rest of the run's log, up to its Job's end, then its end.
-	if lw := w.logs.open(ctx, cur, runRequest(&v1.Request{Tenant: cur.Tenant, Name: cur.Name, RequestID: cur.RequestID}, cur)); lw != nil && !lw.Ended() {
+	if lw := w.logs.open(ctx, cur, runRequest(&v1.Request{Tenant: cur.Tenant, Name: cur.Name, RequestID: cur.RequestID}, cur), false); lw != nil && !lw.Ended() {
 		if c, ok := w.backend.(logCapturer); ok {
 			cctx, cancel := context.WithTimeout(ctx, orphanLogDrain)
 			c.CaptureLog(cctx, cur.Key, cur.Run, lw)

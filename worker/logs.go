@@ -77,23 +77,26 @@ type LogWriter = *buildlog.Writer
 
 // buildLogs opens and ends runs' logs.
 type buildLogs struct {
-	cfg     *Config
-	reader  *buildlog.Reader
-	log     *zap.Logger
-	openLog func(ctx context.Context, key, run string, opts buildlog.Options) (*buildlog.Writer, error)
+	cfg    *Config
+	reader *buildlog.Reader
+	log    *zap.Logger
+	// openLog opens the writer of a run's log; fresh: the run was
+	// claimed just now, nothing is stored under it (buildlog.OpenNew).
+	openLog func(ctx context.Context, key, run string, fresh bool, opts buildlog.Options) (*buildlog.Writer, error)
 }
 
 // open returns the writer of claim's run, or nil when logs are off or
 // the stream cannot be read (the build goes on without its log; a
-// warning says so).
-func (l *buildLogs) open(ctx context.Context, claim *v1.BuildRecord, req *v1.Request) *buildlog.Writer {
+// warning says so). fresh: the run was claimed just now under a new run
+// id, so its log is empty and is not read.
+func (l *buildLogs) open(ctx context.Context, claim *v1.BuildRecord, req *v1.Request, fresh bool) *buildlog.Writer {
 	if l == nil || !l.cfg.Logs.Enabled {
 		return nil
 	}
 	mask := secretValues(req, claim)
 	octx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	lw, err := l.openLog(octx, claim.Key, claim.Run, buildlog.Options{Cap: l.cfg.Logs.Cap, Mask: mask, Now: l.cfg.Now,
+	lw, err := l.openLog(octx, claim.Key, claim.Run, fresh, buildlog.Options{Cap: l.cfg.Logs.Cap, Mask: mask, Now: l.cfg.Now,
 		Object: v1.ArchiveObject(claim.Tenant, claim.Key, claim.Run), Stored: l.cfg.Metrics.logStored})
 	if err != nil {
 		l.log.Warn("the build's log is not captured: its stream cannot be read", zap.String("key", claim.Key), zap.String("run", claim.Run), zap.Error(err))
@@ -128,7 +131,7 @@ func maskSecrets(s string, secrets []string) string {
 // endRun ends and archives the log of a run ended from outside its owner
 // (a cancel): final is its final record.
 func (l *buildLogs) endRun(ctx context.Context, final *v1.BuildRecord) {
-	lw := l.open(ctx, final, &v1.Request{Tenant: final.Tenant, Name: final.Name, RequestID: final.RequestID})
+	lw := l.open(ctx, final, &v1.Request{Tenant: final.Tenant, Name: final.Name, RequestID: final.RequestID}, false)
 	l.finish(ctx, lw, final)
 }
 

@@ -9,8 +9,11 @@ import (
 	"io"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/nats-io/nats.go"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/s3store"
@@ -275,5 +278,57 @@ func TestBuildLogTwoCapturersStoreEachLineOnce(t *testing.T) {
 	want = append(want, "build succeeded")
 	if strings.Join(got, "|") != strings.Join(want, "|") {
 		t.Fatalf("stored log:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+}
+
+// A fresh build's log is opened without reading the logs stream: nothing
+// is stored under a run claimed just now, and the read (the stream's
+// info, then its last chunk) was two round trips on the way to the Job.
+// Its first line is stored all the same, beside the Job's create.
+func TestAFreshBuildsLogIsNotReadBeforeItsJob(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.startWorker("w1", withLogs(&memLogArchive{}))
+	results := e.collect()
+	var reads atomic.Int32
+	for _, subj := range []string{
+		"$JS.API.STREAM.INFO." + v1.LogsStream,
+		"$JS.API.STREAM.MSG.GET." + v1.LogsStream,
+		"$JS.API.DIRECT.GET." + v1.LogsStream,
+		"$JS.API.DIRECT.GET." + v1.LogsStream + ".>",
+	} {
+		sub, err := e.nc.Subscribe(subj, func(*nats.Msg) { reads.Add(1) })
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = sub.Unsubscribe() })
+	}
+	if err := e.nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	req := request("fresh-log")
+	if _, err := e.pub.Publish(context.Background(), req); err != nil {
+		t.Fatal(err)
+	}
+	job := e.waitJob(jobOf(req))
+	if n := reads.Load(); n != 0 {
+		t.Errorf("%d reads of %s before the Job of a fresh run: its log is empty, nothing needs reading", n, v1.LogsStream)
+	}
+	key := v1.BuildKey(req, kanikoID)
+	rec := e.claim(key)
+	if rec == nil {
+		t.Fatal("no record of the build")
+	}
+	stream, err := e.js.Stream(context.Background(), v1.LogsStream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the log's first line stored", func() bool {
+		m, err := stream.GetLastMsgForSubject(context.Background(), v1.LogsSubject(key, rec.Run))
+		return err == nil && strings.Contains(string(m.Data), "claimed by worker w1")
+	})
+	e.kubelet(job, 0, digestOf("fresh-log"))
+	if r := oneResult(t, results, req.RequestID); r.Data.Status != v1.StatusSucceeded || r.Data.Logs == nil {
+		t.Fatalf("result %s, want the build's image and its log", mustJSON(t, r.Data))
 	}
 }

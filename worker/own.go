@@ -21,6 +21,10 @@ import (
 // run's: a run taken over pushes to its claimer's repository, and when the
 // record moves on the request follows it with its own inputs.
 //
+// fresh: claim is a new run this handler has just claimed (newClaim), not
+// one taken over, so nothing is stored under its log yet and it is not
+// read before the build starts.
+//
 // note, when not empty, says why the build runs again (a new run after a
 // failed one, a run taken over or retried); the "claimed" progress event
 // carries it.
@@ -32,7 +36,7 @@ import (
 // as its Pod's own check would have ended it), its Job goes, and the
 // image found answers the request. An error is not waited out: the Pod's
 // check guards the tag.
-func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecord, rev uint64, repo string, dests []string, seq uint64, note string, tagCheck func() preflightRead) (*v1.BuildRecord, v1.Origin, bool, error) {
+func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecord, rev uint64, repo string, dests []string, seq uint64, fresh bool, note string, tagCheck func() preflightRead) (*v1.BuildRecord, v1.Origin, bool, error) {
 	claimed := "claimed build by " + w.cfg.ID
 	if note != "" {
 		claimed += ": " + note
@@ -65,7 +69,7 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 	rreq := runRequest(req, claim)
 	// The run's log: its own lines say who runs it, the backend writes
 	// the build's output (logs.go).
-	lw := w.logs.open(ctx, claim, rreq)
+	lw := w.logs.open(ctx, claim, rreq, fresh)
 	secrets := secretValues(rreq, claim)
 	// live is the log the backend writes into: none once the log has
 	// ended (a take-over of a run whose end was stored; it is archived
@@ -75,6 +79,11 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 		live = nil
 	}
 	if live != nil {
+		// The flusher first: the first line is stored beside the Job's
+		// create, not before it.
+		flushCtx, stopFlush := context.WithCancel(runCtx)
+		defer stopFlush()
+		lw.Start(flushCtx)
 		if lw.Lines() == 0 {
 			// No tenant or request id: a build's log is read by every
 			// tenant it answers, and who asked first is not theirs to know.
@@ -82,9 +91,6 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 		} else {
 			_ = lw.Own(ctx, fmt.Sprintf("worker %s runs the build from here", w.cfg.ID))
 		}
-		flushCtx, stopFlush := context.WithCancel(runCtx)
-		defer stopFlush()
-		go lw.Run(flushCtx)
 	}
 	// A new attempt inside the build (the Job runs its Pod again): the
 	// progress events and the run's log say so, and why.

@@ -135,7 +135,10 @@ func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 	w.park = &parking{cfg: &w.cfg, ledger: w.ledger, runs: w.runs, js: js, log: log, bg: &w.bg,
 		publish: w.publish, event: w.event, answer: w.resultVerdict, parked: parkWatch{seen: map[string]observed{}}}
 	w.logs = &buildLogs{cfg: &w.cfg, reader: buildlog.NewReader(js), log: log,
-		openLog: func(ctx context.Context, key, run string, opts buildlog.Options) (*buildlog.Writer, error) {
+		openLog: func(ctx context.Context, key, run string, fresh bool, opts buildlog.Options) (*buildlog.Writer, error) {
+			if fresh {
+				return buildlog.OpenNew(js, key, run, opts), nil
+			}
 			return buildlog.Open(ctx, js, key, run, opts)
 		}}
 	apiCfg := tenantapi.Config{Ledger: w.ledger, Runs: w.runs, NC: nc, Log: log, Now: cfg.Now, AnyReply: cfg.AnyReply,

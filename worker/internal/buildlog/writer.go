@@ -161,17 +161,32 @@ type Writer struct {
 	// dropped the buffer; the next Line or Attempt says so, so its
 	// caller resumes from Position instead of going on after a gap.
 	conflict bool
+	// kick, while Start's flusher runs, takes the lines to store at once
+	// (the leading edge) off their writer's hands: nil, the writer
+	// stores them itself.
+	kick chan struct{}
 }
 
 // Open returns a writer for run of key, resuming after what is stored.
 func Open(ctx context.Context, js jetstream.JetStream, key, run string, opts Options) (*Writer, error) {
-	var id [6]byte
-	_, _ = rand.Read(id[:])
-	w := &Writer{js: js, subject: v1.LogsSubject(key, run), run: run, opts: opts.withDefaults(), id: hex.EncodeToString(id[:])}
+	w := OpenNew(js, key, run, opts)
 	if err := w.resync(ctx); err != nil {
 		return nil, err
 	}
 	return w, nil
+}
+
+// OpenNew returns a writer for the log of a run nothing is stored under
+// yet — one claimed just now, under a run id never used before — without
+// reading the stream: Open's read is two round trips on the way to the
+// build's Job. Its first chunk is stored only while the subject is still
+// empty (every chunk's precondition: the subject's last sequence, here
+// none); should another writer have stored one first, that flush fails
+// as any lost race does (ErrConflict) and the writer resyncs.
+func OpenNew(js jetstream.JetStream, key, run string, opts Options) *Writer {
+	var id [6]byte
+	_, _ = rand.Read(id[:])
+	return &Writer{js: js, subject: v1.LogsSubject(key, run), run: run, opts: opts.withDefaults(), id: hex.EncodeToString(id[:])}
 }
 
 // Position is where the stored log's capture stands (buffered lines not
@@ -377,7 +392,15 @@ func (w *Writer) add(ctx context.Context, l v1.LogLine, at *Position, part int) 
 			w.next.truncated = true
 		}
 		if now.Sub(w.flushed) >= w.opts.FlushEvery {
-			if err := w.flushLocked(ctx); err != nil {
+			if w.kick != nil {
+				// Stored by the flusher, beside whatever its writer
+				// does next (own.go: the Job's create); a conflict
+				// waits for the next Line, as after a timed flush.
+				select {
+				case w.kick <- struct{}{}:
+				default:
+				}
+			} else if err := w.flushLocked(ctx); err != nil {
 				return err
 			}
 		}
@@ -409,8 +432,32 @@ func (w *Writer) Flush(ctx context.Context) error {
 
 // Run flushes buffered lines once they waited FlushEvery, until ctx ends.
 func (w *Writer) Run(ctx context.Context) {
+	w.flusher(ctx, nil)
+}
+
+// Start runs the flusher of Run in a goroutine of its own until ctx
+// ends, and from now on hands it the lines to store at once (a line after
+// a quiet FlushEvery): their writer never waits on the stream for them.
+func (w *Writer) Start(ctx context.Context) {
+	kick := make(chan struct{}, 1)
+	w.mu.Lock()
+	w.kick = kick
+	w.mu.Unlock()
+	go w.flusher(ctx, kick)
+}
+
+func (w *Writer) flusher(ctx context.Context, kick chan struct{}) {
 	t := time.NewTicker(w.opts.FlushEvery / 5)
 	defer t.Stop()
+	if kick != nil {
+		defer func() {
+			w.mu.Lock()
+			if w.kick == kick {
+				w.kick = nil
+			}
+			w.mu.Unlock()
+		}()
+	}
 	for {
 		select {
 		case <-t.C:
@@ -422,6 +469,10 @@ func (w *Writer) Run(ctx context.Context) {
 				_ = w.flushLocked(ctx)
 				w.mu.Unlock()
 			}
+		case <-kick:
+			w.mu.Lock()
+			_ = w.flushLocked(ctx)
+			w.mu.Unlock()
 		case <-ctx.Done():
 			return
 		}

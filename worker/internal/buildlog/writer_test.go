@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	v1 "github.com/buildq/buildq/api/v1"
@@ -383,5 +384,102 @@ func TestWriterPeriodicConflictReachesTheCapturer(t *testing.T) {
 	}
 	if err := b.Line(ctx, "p", "kaniko", 1, t0.Add(2*time.Second), []byte("next")); err != nil {
 		t.Fatalf("the resumed line: %v", err)
+	}
+}
+
+// blockedPublishes holds every publish until release is closed, and says
+// when one is waiting.
+type blockedPublishes struct {
+	jetstream.JetStream
+	waiting chan struct{}
+	release chan struct{}
+}
+
+func (b *blockedPublishes) PublishMsg(ctx context.Context, m *nats.Msg, opts ...jetstream.PublishOpt) (*jetstream.PubAck, error) {
+	select {
+	case b.waiting <- struct{}{}:
+	default:
+	}
+	select {
+	case <-b.release:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	return b.JetStream.PublishMsg(ctx, m, opts...)
+}
+
+// Once Start's flusher runs, a line to store at once (the first, or one
+// after a quiet FlushEvery) is stored by the flusher: its writer returns
+// while the publish still waits, and the line is stored once it goes.
+func TestAStartedWriterHandsTheLeadingEdgeToItsFlusher(t *testing.T) {
+	js, r := setup(t)
+	blocked := &blockedPublishes{JetStream: js, waiting: make(chan struct{}, 1), release: make(chan struct{})}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	w := OpenNew(blocked, testKey, "r1", Options{FlushEvery: time.Hour})
+	w.Start(ctx)
+	owned := make(chan error, 1)
+	go func() { owned <- w.Own(ctx, "claimed") }()
+	select {
+	case err := <-owned:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		close(blocked.release)
+		t.Fatal("Own waited for the stream: the leading edge was not handed to the flusher")
+	}
+	select {
+	case <-blocked.waiting:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the flusher never stored the line")
+	}
+	close(blocked.release)
+	for deadline := time.Now().Add(10 * time.Second); len(chunks(t, r, "r1")) == 0; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the line was not stored once its publish went")
+		}
+	}
+	if got := strings.Join(texts(t, chunks(t, r, "r1")[0].Data), "|"); got != "buildq claimed" {
+		t.Fatalf("log %q", got)
+	}
+}
+
+// A writer opened as new reads nothing; its first chunk is stored only
+// while the run's subject is empty. Another writer's chunk stored first
+// makes it a lost race (ErrConflict), after which it stands where the
+// stored log does, as any writer that lost one.
+func TestANewWritersFirstChunkNeedsAnEmptyLog(t *testing.T) {
+	js, r := setup(t)
+	ctx := context.Background()
+	fresh := OpenNew(js, testKey, "r2", Options{})
+	if err := fresh.Own(ctx, "first"); err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.Join(texts(t, chunks(t, r, "r2")[0].Data), "|"); got != "buildq first" {
+		t.Fatalf("log %q", got)
+	}
+
+	other, err := Open(ctx, js, testKey, "r3", Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	late := OpenNew(js, testKey, "r3", Options{})
+	_ = other.Line(ctx, "p1", "kaniko", 1, t0, []byte("stored first"))
+	if err := other.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	err = late.Line(ctx, "p1", "kaniko", 1, t0.Add(time.Second), []byte("not first"))
+	if err == nil {
+		err = late.Flush(ctx)
+	}
+	if !errors.Is(err, ErrConflict) {
+		t.Fatalf("a new writer's chunk over a stored one: %v, want ErrConflict", err)
+	}
+	if p := late.Position(); !p.Time.Equal(t0) || p.Count != 1 {
+		t.Fatalf("after the conflict the writer stands at %+v, want the stored log's position", p)
+	}
+	if n := len(chunks(t, r, "r3")); n != 1 {
+		t.Fatalf("%d chunks, want the one stored first", n)
 	}
 }
