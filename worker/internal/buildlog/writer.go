@@ -471,7 +471,11 @@ func (w *Writer) flusher(ctx context.Context, kick chan struct{}) {
 			}
 		case <-kick:
 			w.mu.Lock()
-			_ = w.flushLocked(ctx)
+			// Unless a flush came between the kick and here: the lines
+			// after it wait their FlushEvery.
+			if w.opts.Now().Sub(w.flushed) >= w.opts.FlushEvery {
+				_ = w.flushLocked(ctx)
+			}
 			w.mu.Unlock()
 		case <-ctx.Done():
 			return
@@ -482,9 +486,25 @@ func (w *Writer) flusher(ctx context.Context, kick chan struct{}) {
 // End stores the end of the log: what is buffered, then a line with the
 // run's outcome, marked as the end. The end is stored once: a writer of
 // an ended log does nothing.
+//
+// A chunk stored under it first — another capturer's, or this writer's
+// own whose publish was cut short after it was sent (a cancel) — is a
+// lost race: the writer takes the stored log's state and stores the end
+// after it, once. An end that could not be stored is taken back out of
+// the buffer, so no later flush stores its line without the end's mark,
+// and End may be called again.
 func (w *Writer) End(ctx context.Context, state, reason string) error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	err := w.end(ctx, state, reason)
+	if errors.Is(err, ErrConflict) {
+		w.conflict = false
+		err = w.end(ctx, state, reason)
+	}
+	return err
+}
+
+func (w *Writer) end(ctx context.Context, state, reason string) error {
 	if w.stored.ended {
 		return nil
 	}
@@ -499,6 +519,7 @@ func (w *Writer) End(ctx context.Context, state, reason string) error {
 			return err
 		}
 	}
+	before, prev := len(w.buf), w.next
 	w.buf = append(w.buf, line...)
 	w.next.bytes += int64(len(line))
 	w.next.lines++
@@ -512,6 +533,10 @@ func (w *Writer) End(ctx context.Context, state, reason string) error {
 			h.Set(hdrObject, w.opts.Object)
 		}
 	})
+	if err != nil && !errors.Is(err, ErrConflict) {
+		// Not stored (a conflict has already taken the stored state).
+		w.buf, w.next = w.buf[:before], prev
+	}
 	return err
 }
 

@@ -483,3 +483,93 @@ func TestANewWritersFirstChunkNeedsAnEmptyLog(t *testing.T) {
 		t.Fatalf("%d chunks, want the one stored first", n)
 	}
 }
+
+// cutShort publishes for real and then answers as if its context had
+// ended in flight (a cancel after the message was sent); failing refuses
+// every publish while set.
+type cutShort struct {
+	jetstream.JetStream
+	cancel  context.CancelFunc
+	cut     bool
+	failing bool
+}
+
+func (c *cutShort) PublishMsg(ctx context.Context, m *nats.Msg, opts ...jetstream.PublishOpt) (*jetstream.PubAck, error) {
+	if c.failing {
+		return nil, errors.New("the stream is away")
+	}
+	if c.cut {
+		c.cut = false
+		if _, err := c.JetStream.PublishMsg(context.Background(), m, opts...); err != nil {
+			return nil, err
+		}
+		c.cancel()
+		return nil, ctx.Err()
+	}
+	return c.JetStream.PublishMsg(ctx, m, opts...)
+}
+
+// A chunk whose publish was cut short by a cancel after it was sent has
+// landed; the writer does not know it. Its End (on a context of its own,
+// as a canceled run's log is ended) is still stored, after that chunk,
+// and every line once.
+func TestTheEndFollowsAChunkCutShortInFlight(t *testing.T) {
+	js, r := setup(t)
+	runCtx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	cs := &cutShort{JetStream: js, cancel: cancel}
+	w := OpenNew(cs, testKey, "r4", Options{})
+	// The first line is stored at once: that publish is cut short.
+	cs.cut = true
+	if err := w.Line(runCtx, "p1", "kaniko", 1, t0, []byte("one")); !errors.Is(err, context.Canceled) {
+		t.Fatalf("a line whose chunk was cut short: %v, want context.Canceled", err)
+	}
+	if err := w.End(context.Background(), "canceled", ""); err != nil {
+		t.Fatalf("End after a chunk cut short in flight: %v", err)
+	}
+	data, last, err := r.ReadAll(context.Background(), testKey, "r4")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.Join(texts(t, data), "|"); got != "kaniko one|buildq build canceled" {
+		t.Fatalf("log %q", got)
+	}
+	if !last.Ended || last.State != "canceled" {
+		t.Fatalf("last chunk %+v, want the end", last)
+	}
+}
+
+// An End that could not be stored leaves nothing of itself behind: a
+// later flush stores no end line without the end's mark, and End can be
+// called again.
+func TestAnEndNotStoredIsTakenBackOut(t *testing.T) {
+	js, r := setup(t)
+	ctx := context.Background()
+	cs := &cutShort{JetStream: js}
+	w := OpenNew(cs, testKey, "r5", Options{})
+	_ = w.Line(ctx, "p1", "kaniko", 1, t0, []byte("one"))
+	cs.failing = true
+	if err := w.End(ctx, "succeeded", ""); err == nil {
+		t.Fatal("End stored while every publish is refused")
+	}
+	if w.Ended() {
+		t.Fatal("the log says it ended, but its end was not stored")
+	}
+	cs.failing = false
+	if err := w.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.End(ctx, "succeeded", ""); err != nil {
+		t.Fatal(err)
+	}
+	data, last, err := r.ReadAll(ctx, testKey, "r5")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.Join(texts(t, data), "|"); got != "kaniko one|buildq build succeeded" {
+		t.Fatalf("log %q", got)
+	}
+	if !last.Ended || last.State != "succeeded" {
+		t.Fatalf("last chunk %+v, want the end", last)
+	}
+}
