@@ -270,7 +270,8 @@ func TestARunEndedFromOutsideBeforeItsTagWasFoundTakenKeepsThatEnd(t *testing.T)
 				bucket := w.runs.Bucket()
 				w.runs.UseBucket(&hookedKV{KeyValue: bucket, onUpdate: func(k string, value []byte) error {
 					var rec v1.BuildRecord
-					if k != key || json.Unmarshal(value, &rec) != nil || !rec.Final() || rec.Reason != v1.ReasonTagTaken || !injected.CompareAndSwap(false, true) {
+					refusal := k == key && json.Unmarshal(value, &rec) == nil && rec.Final() && rec.Reason == v1.ReasonTagTaken
+					if !refusal || !injected.CompareAndSwap(false, true) {
 						return nil
 					}
 					// The end from outside, stored first.

@@ -30,15 +30,7 @@ func TestWaitGoneWaitsForAJobTheCacheHasNotShown(t *testing.T) {
 	job := &batchv1.Job{ObjectMeta: metav1.ObjectMeta{Name: kaniko.JobName(key), Namespace: testNamespace,
 		Annotations: map[string]string{kaniko.AnnotationKey: key, kaniko.AnnotationRun: "run-1"}, DeletionTimestamp: &now, Finalizers: []string{"foregroundDeletion"}}}
 	client := fake.NewClientset(job)
-	// The informer never started: its cache shows nothing.
-	watcher, err := kube.NewWatcher(informers.NewSharedInformerFactory(client, 0), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	k, err := NewKubeBackend(client, watcher, testKaniko)
-	if err != nil {
-		t.Fatal(err)
-	}
+	k := uncachedBackend(t, client)
 	removed := make(chan time.Time, 1)
 	go func() {
 		time.Sleep(300 * time.Millisecond)
@@ -70,14 +62,7 @@ func TestWaitGoneBacksOffItsAsksOfTheAPIServer(t *testing.T) {
 		gets.Add(1)
 		return false, nil, nil
 	})
-	watcher, err := kube.NewWatcher(informers.NewSharedInformerFactory(client, 0), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	k, err := NewKubeBackend(client, watcher, testKaniko)
-	if err != nil {
-		t.Fatal(err)
-	}
+	k := uncachedBackend(t, client)
 	go func() {
 		time.Sleep(3 * time.Second)
 		_ = client.BatchV1().Jobs(testNamespace).Delete(context.Background(), job.Name, metav1.DeleteOptions{})
@@ -94,4 +79,19 @@ func TestWaitGoneBacksOffItsAsksOfTheAPIServer(t *testing.T) {
 	} else if n < 2 {
 		t.Fatalf("%d GETs of the Job: WaitGone did not look again while the Job stood", n)
 	}
+}
+
+// uncachedBackend is a KubeBackend on client whose informer never
+// started: its cache shows nothing.
+func uncachedBackend(t *testing.T, client *fake.Clientset) *KubeBackend {
+	t.Helper()
+	watcher, err := kube.NewWatcher(informers.NewSharedInformerFactory(client, 0), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	k, err := NewKubeBackend(client, watcher, testKaniko)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return k
 }
