@@ -163,7 +163,8 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 		// whose entry was just created undecided: nothing of the first
 		// look needs waiting for. The claim is a create, which fails
 		// if the key has any record — then the walk reads it — so it
-		// goes first, its waiter entry and the tag's HEAD beside it.
+		// goes first, its waiter entry beside it, and the tag's HEAD
+		// once the Job is created (own).
 		claim, rev, ok, err := w.claimAtOnce(ctx, sentClaim, req, key, repo, dests, seq)
 		if err != nil {
 			return nil, "", false, Transient(err)
@@ -216,9 +217,9 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 			}
 		}
 		fresh := cur == nil || (cur.State == v1.StateFailed && !ended)
-		// tagCheck: the preflight sent beside the claim and the build's
-		// start, for a build whose Pod checks the tag itself
-		// (checksTagBeside); own waits for it.
+		// tagCheck: the preflight of a build whose Pod checks the tag
+		// itself (checksTagBeside), sent by own once the build's Job is
+		// created; the build does not wait for it.
 		var tagCheck func() preflightRead
 		switch {
 		case fresh && first && cur == nil && w.checksTagBeside(ctx, req, repo):

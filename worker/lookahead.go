@@ -148,14 +148,15 @@ func (w *builder) lookAhead(ctx context.Context, req *v1.Request, key, repo stri
 	return f
 }
 
-// preflightBeside sends the preflight now (or takes intake's, as
-// preflight does) and returns the wait for its read, for a build started
-// beside it (build.go, checksTagBeside).
+// preflightBeside is the preflight of a build started beside it
+// (build.go, checksTagBeside): sent when called (or intake's taken, as
+// preflight does), and waited for. own calls it once the build's Job is
+// created.
 func (f *firstLook) preflightBeside(first bool) func() preflightRead {
-	return sendAhead(func() preflightRead {
+	return func() preflightRead {
 		found, err := f.preflight(first)
 		return preflightRead{found, err}
-	})
+	}
 }
 
 // sendAhead runs f in its own goroutine now and returns the wait for its

@@ -30,12 +30,16 @@ import (
 // carries it.
 //
 // tagCheck, when not nil, is the request's preflight HEAD of its first
-// tag, sent beside the claim (build.go, checksTagBeside): the build starts
-// without waiting for it. If it finds an image there before the build has
-// ended, the build is stopped, the run ends refused (v1.ReasonTagTaken,
-// as its Pod's own check would have ended it), its Job goes, and the
-// image found answers the request. An error is not waited out: the Pod's
-// check guards the tag.
+// tag (build.go, checksTagBeside), sent by calling it: the build starts
+// without waiting for it, and it is sent once the build's Job is created
+// (or adopted), not before — the Pod's own check guards the tag, and a
+// HEAD sent beside the create would take its share of a small machine's
+// cores (the registry's password check, the worker's TLS) from the create
+// itself, on the way to the Job every request waits for. If it finds an
+// image there before the build has ended, the build is stopped, the run
+// ends refused (v1.ReasonTagTaken, as its Pod's own check would have ended
+// it), its Job goes, and the image found answers the request. An error is
+// not waited out: the Pod's check guards the tag.
 func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecord, rev uint64, repo string, dests []string, seq uint64, fresh bool, note string, tagCheck func() preflightRead) (*v1.BuildRecord, v1.Origin, bool, error) {
 	claimed := "claimed build by " + w.cfg.ID
 	if note != "" {
@@ -106,19 +110,28 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 	// an image at the tag (foundAhead).
 	buildCtx := runCtx
 	var foundAhead atomic.Pointer[v1.BuildRecord]
+	sendTagCheck := func() {}
+	// starting is when the backend was asked to start the build: before
+	// its Job's create was sent, so before any Pod of it could push.
+	var starting time.Time
 	if tagCheck != nil {
 		var stopBuild context.CancelCauseFunc
 		buildCtx, stopBuild = context.WithCancelCause(runCtx)
 		defer stopBuild(nil)
-		sent := time.Now()
-		go func() {
-			// Only an answer within TagCheckBeside of the HEAD's
-			// sending: a later one may have found the build's own push.
-			if r := tagCheck(); r.err == nil && r.found != nil && (time.Since(sent) < w.cfg.TagCheckBeside || mutant.On("tag-check-beside-any-age")) {
-				foundAhead.Store(r.found)
-				stopBuild(errTagFoundBeside)
-			}
-		}()
+		var once sync.Once
+		sendTagCheck = func() {
+			once.Do(func() {
+				go func() {
+					// Only an answer within TagCheckBeside of the build's
+					// start, before its Job's create: a later one may
+					// have found the build's own push.
+					if r := tagCheck(); r.err == nil && r.found != nil && (time.Since(starting) < w.cfg.TagCheckBeside || mutant.On("tag-check-beside-any-age")) {
+						foundAhead.Store(r.found)
+						stopBuild(errTagFoundBeside)
+					}
+				}()
+			})
+		}
 	}
 	run := w.backend.Run
 	if multiPlatform(rreq) {
@@ -128,7 +141,12 @@ func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecor
 			return w.buildIndex(ctx, req, repo, seq, b)
 		}
 	}
+	starting = time.Now()
+	if mutant.On("tag-check-before-create") {
+		sendTagCheck()
+	}
 	out, err := run(buildCtx, b, func(job string, created bool, _ string) {
+		sendTagCheck()
 		msg := "created job " + job
 		phase := v1.PhaseJobCreated
 		if !created {
