@@ -78,7 +78,7 @@ func TestBenchE2ELatency(t *testing.T) {
 	const buildTime = 300 * time.Millisecond
 	// The production shape: contexts through fetch-context, whose Pod
 	// checks the build's first tag (so a fresh key's Job is created
-	// beside the worker's own HEAD of it), and the tenant's own registry
+	// before the worker's own HEAD of it), and the tenant's own registry
 	// account.
 	s := newSuite(t, options{tenantCreds: true, faults: func(*corev1.Pod) fault { return fault{duration: buildTime} }})
 	// Without log capture: the suite's emulated node serves no pods/log,

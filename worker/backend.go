@@ -46,9 +46,11 @@ type Build struct {
 // TagChecker is a backend whose build checks its first tag itself
 // before building (Build.KeepFirstTag), for req: the kube backend with
 // fetch-context, for a context in the object store. The worker may then
-// start such a build beside its own preflight HEAD of the tag instead of
-// after it (build.go, checksTagBeside): whatever the HEAD finds, the
-// build's own check finds too, and the run answers nobody.
+// start such a build without waiting for its own preflight HEAD of the
+// tag, which it sends once the build's Job is created (build.go,
+// checksTagBeside; own.go): whatever the HEAD finds, the build's own
+// check finds too, and the run answers nobody. Such a backend calls
+// Started once its Job exists: that sends the HEAD.
 type TagChecker interface {
 	ChecksFirstTag(req *v1.Request) bool
 }

@@ -62,9 +62,11 @@ type Config struct {
 	Lease time.Duration
 	// ShutdownTimeout bounds the hand-back of in-flight requests (default 10s).
 	ShutdownTimeout time.Duration
-	// TagCheckBeside bounds the preflight HEAD sent beside a build's start
-	// (own's tagCheck; default 1s): an image it finds stops the build only
-	// if it answered within this of its sending. It must be shorter than
+	// TagCheckBeside bounds the preflight HEAD of a build whose Pod checks
+	// its tag (own's tagCheck, sent once the build's Job is created;
+	// default 1s): an image it finds stops the build only if it answered
+	// within this of the build's start, before its Job's create, and it is
+	// not sent at all past that. It must be shorter than
 	// the least time from a Job's creation to its push (a Pod started, its
 	// context fetched and its tag checked, kaniko run): an answer later
 	// than that may be the build's own image. A HEAD slower than this is

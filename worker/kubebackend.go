@@ -401,11 +401,11 @@ func (k *KubeBackend) create(ctx context.Context, job *batchv1.Job, b Build, sig
 		if err := ctx.Err(); err != nil {
 			return false, "", err
 		}
-		// Not cut off in flight by the build being stopped (a cancel,
-		// the tag found taken beside it): an aborted request whose write
-		// the API server already took still creates the Job, which this
-		// run would then not know to delete. Its outcome is waited for,
-		// and the run's end deletes what it created.
+		// Not cut off in flight by the build being stopped (a cancel):
+		// an aborted request whose write the API server already took
+		// still creates the Job, which this run would then not know to
+		// delete. Its outcome is waited for, and the run's end deletes
+		// what it created.
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), jobCreateTimeout)
 		got, err := jobs.Create(cctx, job, metav1.CreateOptions{})
 		cancel()

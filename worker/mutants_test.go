@@ -62,6 +62,7 @@ var mutantCatalogue = []mutantCase{
 	{"pod-skips-tag-check", "a one-image build's Pod checks its first tag before it builds (fetch-context --absent)", []string{"TestABuildPodChecksItsFirstTagBeforeItBuilds"}},
 	{"tag-taken-answers", "a run whose Pod found its first tag taken built nothing and answers nobody: every request of it looks again", []string{"TestATagTakenBeforeTheBuildStartsIsNeverPushedOver"}},
 	{"tag-check-beside-any-backend", "a build is started beside its tag's preflight HEAD only where its Pod checks the tag itself; elsewhere the HEAD answers first", []string{"TestABuildWhosePodChecksNoTagWaitsForItsHEAD"}},
+	{"tag-check-past-window", "no HEAD of a build's tag goes out once its answer could no longer stop the build (past TagCheckBeside from the build's start)", []string{"TestNoTagCheckGoesOutPastItsWindow"}},
 	{"tag-check-before-create", "the HEAD of a build whose Pod checks its tag goes out once the build's Job is created, not beside the create", []string{"TestATagCheckBesideGoesOutOnceTheJobIsCreated"}},
 	{"tag-check-beside-any-age", "an image found by the HEAD sent beside a build's start stops the build only if the HEAD answered within TagCheckBeside: a later answer may be the build's own push", []string{"TestATagCheckAnsweredLateStopsNothing"}},
 	{"wait-gone-trusts-cache", "a Job being deleted is gone only once removed, even one the informer has not shown yet", []string{"TestWaitGoneWaitsForAJobTheCacheHasNotShown"}},

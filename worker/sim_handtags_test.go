@@ -11,8 +11,9 @@ package worker
 // tag-overwritten.
 //
 // In the production shape (simSchedule.fetchContext) the build Pod checks
-// the tag too, and a fresh key's build is started beside the preflight,
-// not after it: a Job may then name such a tag for a moment, and the
+// the tag too, and a fresh key's build is started before the preflight,
+// which goes once its Job is created: a Job may then name such a tag for
+// a moment, and the
 // rule is that none pushes to it — the preflight's answer stops the
 // build, or the Pod's check refuses it.
 //

@@ -205,7 +205,7 @@ func newSimSchedule(seed int64) *simSchedule {
 // fetchContext reports whether the schedule's workers run in the
 // production shape (simFetchKaniko): with tags pushed by hand while the
 // requests run, and in half of the other schedules (drawn from the seed's
-// hash), so that builds claimed and started beside their tag's HEAD and
+// hash), so that builds claimed and started before their tag's HEAD and
 // builds started after it both meet every fault, tags taken among them.
 // Not the frozen scenarios' (legacyContexts): the paths they found run
 // as they did.

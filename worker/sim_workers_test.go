@@ -92,8 +92,8 @@ var simKaniko = func() kaniko.Config {
 // with tags pushed by hand while they run ("late-hand-tags") and half of
 // those with tags pushed by hand before (simSchedule.fetchContext):
 // contexts through fetch-context, whose --absent the node checks. Their
-// workers start a fresh key's build beside its tag's HEAD
-// (checksTagBeside); the others' after it.
+// workers start a fresh key's build before its tag's HEAD, sent once the
+// Job is created (checksTagBeside); the others' after it.
 var simFetchKaniko = func() kaniko.Config {
 	kc := simKaniko
 	kc.FetchImage = "ghcr.io/buildq/buildq@sha256:" + hex64("sim-fetch")

@@ -18,9 +18,9 @@ import (
 )
 
 // checksTagBeside reports whether req's build may be claimed and started
-// beside its preflight HEAD rather than after it (P1 in
-// docs/benchmarks.md: the HEAD leaves the path from the publish to the
-// Job). Only where the build's Pod checks the tag itself before it builds
+// without waiting for its preflight HEAD, sent once the build's Job is
+// created (own.go; P1 in docs/benchmarks.md: the HEAD leaves the path
+// from the publish to the Job). Only where the build's Pod checks the tag itself before it builds
 // (TagChecker): a worker killed before the HEAD's answer leaves a Job
 // that refuses to push over an image found there, and its run answers
 // nobody (v1.ReasonTagTaken), as one whose tag was taken after the HEAD.
@@ -39,11 +39,11 @@ func (w *builder) checksTagBeside(ctx context.Context, req *v1.Request, repo str
 }
 
 // errTagFoundBeside stops a build whose first tag the preflight sent
-// beside its start found holding an image (own's tagCheck).
+// once its Job was created found holding an image (own's tagCheck).
 var errTagFoundBeside = errors.New("the build's first tag holds an image already")
 
 // endFoundBeside ends held's run, whose build was stopped because the
-// preflight sent beside its start found an image at its first tag: the
+// preflight sent once its Job was created found an image at its first tag: the
 // run ends refused (v1.ReasonTagTaken, as the build Pod's own check ends
 // it), so it answers nobody and every request waiting on it looks again;
 // its Job goes; and the image found answers req, origin cache, exactly as

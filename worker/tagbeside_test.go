@@ -73,7 +73,12 @@ func TestATagCheckBesideGoesOutOnceTheJobIsCreated(t *testing.T) {
 		}
 		return false, nil, nil
 	})
-	e.startWorkerFull("w1", fetchKaniko(), withRegistry(tr), nil, withPresigner)
+	// The create is held for a second: the HEAD's window (from the
+	// build's start) is made wide enough that it is still sent after.
+	e.startWorkerFull("w1", fetchKaniko(), func(c *Config) {
+		withRegistry(tr)(c)
+		c.TagCheckBeside = time.Minute
+	}, nil, withPresigner)
 	results := e.collect()
 	release := tr.holdHeads()
 	defer release()
@@ -104,7 +109,44 @@ func TestATagCheckBesideGoesOutOnceTheJobIsCreated(t *testing.T) {
 	}
 }
 
-// The HEAD sent beside the build's start finds an image at the tag: the
+// A Job's create that takes longer than TagCheckBeside (a slow API
+// server, a stale Job of the key waited out) leaves no time in which the
+// HEAD's answer could stop the build: it is not sent at all, and the
+// Pod's own check guards the tag.
+func TestNoTagCheckGoesOutPastItsWindow(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	tr := newTestRegistry(t)
+	req := request("head-past-window")
+	e.kube.PrependReactor("create", "jobs", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		if a.(k8stesting.CreateAction).GetObject().(*batchv1.Job).Name == jobOf(req) {
+			time.Sleep(600 * time.Millisecond) // the fake API server's lock is held: nothing else asks meanwhile
+		}
+		return false, nil, nil
+	})
+	e.startWorkerFull("w1", fetchKaniko(), func(c *Config) {
+		withRegistry(tr)(c)
+		c.TagCheckBeside = 300 * time.Millisecond
+	}, nil, withPresigner)
+	results := e.collect()
+	release := tr.holdHeads()
+	defer release()
+	if _, err := e.pub.Publish(context.Background(), req); err != nil {
+		t.Fatal(err)
+	}
+	job := e.waitJob(jobOf(req))
+	time.Sleep(500 * time.Millisecond)
+	if n := tr.held.Load(); n > 0 {
+		t.Fatalf("%d HEADs of the tag went out after the build's window for them had passed", n)
+	}
+	release()
+	e.kubelet(job, 0, digestOf("head-past-window"))
+	if r := oneResult(t, results, req.RequestID); r.Data.Status != v1.StatusSucceeded || r.Data.Origin != v1.OriginBuild || r.Data.Digest != digestOf("head-past-window") {
+		t.Fatalf("result %s, want the build's image", mustJSON(t, r.Data))
+	}
+}
+
+// The HEAD sent once the build's Job is created finds an image at the tag: the
 // build is stopped before it could push, its Job deleted, its run ended
 // refused (TagTaken, answering nobody), and the request — and one of the
 // same tenant that joined the run meanwhile — is answered once with the
@@ -264,7 +306,7 @@ func TestAFreshKeyIsClaimedBeforeItsRecordIsRead(t *testing.T) {
 	}
 }
 
-// The HEAD sent beside a build's start answers only after
+// The HEAD sent once a build's Job is created answers only after
 // TagCheckBeside: what it found may be the build's own push, so the
 // build goes on and answers (the Pod's own check guards the tag).
 func TestATagCheckAnsweredLateStopsNothing(t *testing.T) {
