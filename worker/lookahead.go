@@ -148,10 +148,10 @@ func (w *builder) lookAhead(ctx context.Context, req *v1.Request, key, repo stri
 	return f
 }
 
-// preflightBeside is the preflight of a build started beside it
-// (build.go, checksTagBeside): sent when called (or intake's taken, as
-// preflight does), and waited for. own calls it once the build's Job is
-// created.
+// preflightBeside is the preflight of a build started without waiting
+// for it (build.go, checksTagBeside): sent when called (or intake's
+// taken, as preflight does), and waited for. own calls it once the
+// build's Job is created.
 func (f *firstLook) preflightBeside(first bool) func() preflightRead {
 	return func() preflightRead {
 		found, err := f.preflight(first)

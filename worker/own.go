@@ -34,12 +34,14 @@ import (
 // without waiting for it, and it is sent once the build's Job is created
 // (or adopted), not before — the Pod's own check guards the tag, and a
 // HEAD sent beside the create would take its share of a small machine's
-// cores (the registry's password check, the worker's TLS) from the create
-// itself, on the way to the Job every request waits for. If it finds an
-// image there before the build has ended, the build is stopped, the run
-// ends refused (v1.ReasonTagTaken, as its Pod's own check would have ended
-// it), its Job goes, and the image found answers the request. An error is
-// not waited out: the Pod's check guards the tag.
+// cores (the registry's check of the tenant's credentials among it) from
+// the create itself, on the way to the Job every request waits for. It is
+// not sent at all once its answer could no longer stop the build (past
+// TagCheckBeside from the build's start, or once it has ended). If it
+// finds an image there before the build has ended, the build is stopped,
+// the run ends refused (v1.ReasonTagTaken, as its Pod's own check would
+// have ended it), its Job goes, and the image found answers the request.
+// An error is not waited out: the Pod's check guards the tag.
 func (w *builder) own(ctx context.Context, req *v1.Request, claim *v1.BuildRecord, rev uint64, repo string, dests []string, seq uint64, fresh bool, note string, tagCheck func() preflightRead) (*v1.BuildRecord, v1.Origin, bool, error) {
 	claimed := "claimed build by " + w.cfg.ID
 	if note != "" {
