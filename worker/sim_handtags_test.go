@@ -82,7 +82,16 @@ func (w *simWorld) pushLateHandTag(s *simSub) {
 	tag := w.firstTag(s)
 	w.mu.Lock()
 	_, early := w.handTags[tag]
-	_, late := w.lateHand[tag]
+	// Taken under the lock before the push: two requests of one key
+	// share the tag, and two pushes at once would leave the registry
+	// with whichever landed last, not the one recorded last (seed 149).
+	late := w.lateHandPushing[tag]
+	if tag != "" && !early && !late {
+		if w.lateHandPushing == nil {
+			w.lateHandPushing = map[string]bool{}
+		}
+		w.lateHandPushing[tag] = true
+	}
 	w.mu.Unlock()
 	if tag == "" || early || late {
 		return

@@ -123,8 +123,14 @@ func simSummary(outs []simOutcome, first, n int64, took time.Duration) string {
 	counts := map[string]int{}
 	infra, infraSeeds := 0, 0
 	var slowest simOutcome
-	var total time.Duration
+	var total, worst time.Duration
+	stalled, stalledSeeds := 0, 0
 	for _, o := range outs {
+		if o.stalled > 0 {
+			stalled += o.stalled
+			stalledSeeds++
+		}
+		worst = max(worst, o.worstSecond)
 		if len(o.violations) > 0 {
 			failed++
 		}
@@ -148,6 +154,9 @@ func simSummary(outs []simOutcome, first, n int64, took time.Duration) string {
 	fmt.Fprintf(&b, "fault simulation: %d schedules (seeds %d..%d) in %s, %d with violations", len(outs), first, first+n-1, took.Round(time.Second), failed)
 	if len(outs) > 0 {
 		fmt.Fprintf(&b, "; schedule time mean %s, max %s (seed %d)", (total / time.Duration(len(outs))).Round(100*time.Millisecond), slowest.dur.Round(100*time.Millisecond), slowest.seed)
+		// The machine's pace: seconds in which it could not keep up are
+		// not judged for order (simStalls).
+		fmt.Fprintf(&b, "; %d stalled seconds in %d seeds, the worst second %s late", stalled, stalledSeeds, worst.Round(time.Millisecond))
 	}
 	b.WriteString("\n")
 	var classes []string

@@ -26,8 +26,12 @@ const simOrderSlack = 1500 * time.Millisecond
 
 // calm reports whether nothing in the schedule could have held up the
 // dispatch between from and to: no worker killed, stopped, paused,
-// partitioned or lagging, no NATS outage, no injected API errors.
+// partitioned or lagging, no NATS outage, no injected API errors, and a
+// machine that kept up (simStalls).
 func (w *simWorld) calm(from, to time.Duration) bool {
+	if w.stalls.overlaps(from, to, 2*time.Second) {
+		return false
+	}
 	for _, f := range w.sc.faults {
 		dur := f.dur
 		switch {

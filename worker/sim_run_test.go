@@ -61,6 +61,10 @@ type simOutcome struct {
 	// once: not a violation (a worker killed between its publish and its
 	// ack publishes it again), but each copy reaches core subscribers.
 	republished int
+	// stalled: the seconds of the schedule in which the machine could
+	// not keep up (simStalls); worstSecond: the most lateness in one.
+	stalled     int
+	worstSecond time.Duration
 }
 
 var (
@@ -239,10 +243,14 @@ func runSim(t *testing.T, sc *simSchedule) simOutcome {
 		t.Fatalf("harness: %v", err)
 	}
 	w.faultsOn.Store(true)
+	w.stalls.watch(w.now)
+	defer w.stalls.end() // a harness failure's Fatal too
 	w.drive()
 	w.heal()
 	w.trace.add("----  healed: no more faults")
 	w.settle(&out)
+	w.stalls.end()
+	out.stalled, out.worstSecond = w.stalls.summary()
 	out.dur = time.Since(began)
 	if !simPoll(30*time.Second, func() bool { return w.recordsCopied(context.Background()) }) {
 		t.Errorf("harness: the copy of the build records lags")

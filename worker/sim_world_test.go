@@ -498,6 +498,11 @@ type simWorld struct {
 	// lateHand: the tags pushed by hand while it ran ("late-hand-tags"),
 	// each to the digest pushed there and when the push was done.
 	lateHand map[string]simHandPush
+	// lateHandPushing: the tags a late push by hand was started for.
+	lateHandPushing map[string]bool
+	// stalls: the seconds in which the machine could not keep up
+	// (sim_stalls_test.go): no stretch near one is calm.
+	stalls simStalls
 }
 
 // simHandPush is an image pushed by hand to a tag while the schedule ran.
