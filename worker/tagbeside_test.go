@@ -45,8 +45,35 @@ func TestAFreshBuildStartsBesideItsTagCheck(t *testing.T) {
 		t.Fatalf("a Job started beside its tag check must check the tag in its Pod: --absent %q, want %q", got, want)
 	}
 	release()
-	e.kubelet(job, 0, digestOf("beside-free"))
-	if r := oneResult(t, results, req.RequestID); r.Data.Status != v1.StatusSucceeded || r.Data.Origin != v1.OriginBuild || r.Data.Digest != digestOf("beside-free") {
+	answeredByItsBuild(t, e, results, job, req, "beside-free")
+}
+
+// slowCreateWorld is fetchWorld with the tag check's window given and
+// inCreate run inside the fake API server's create of req's Job (its lock
+// held: nothing else asks it anything meanwhile).
+func slowCreateWorld(t *testing.T, req *v1.Request, window time.Duration, inCreate func()) (*env, *testRegistry, *resultCollector) {
+	e := setup(t)
+	tr := newTestRegistry(t)
+	e.kube.PrependReactor("create", "jobs", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		if a.(k8stesting.CreateAction).GetObject().(*batchv1.Job).Name == jobOf(req) {
+			inCreate()
+		}
+		return false, nil, nil
+	})
+	e.startWorkerFull("w1", fetchKaniko(), func(c *Config) {
+		withRegistry(tr)(c)
+		c.TagCheckBeside = window
+	}, nil, withPresigner)
+	results := e.collect()
+	return e, tr, results
+}
+
+// answeredByItsBuild completes job with the image of content and checks
+// that req's one result is that build's.
+func answeredByItsBuild(t *testing.T, e *env, results *resultCollector, job *batchv1.Job, req *v1.Request, content string) {
+	t.Helper()
+	e.kubelet(job, 0, digestOf(content))
+	if r := oneResult(t, results, req.RequestID); r.Data.Status != v1.StatusSucceeded || r.Data.Origin != v1.OriginBuild || r.Data.Digest != digestOf(content) {
 		t.Fatalf("result %s, want the build's image", mustJSON(t, r.Data))
 	}
 }
@@ -59,27 +86,17 @@ func TestAFreshBuildStartsBesideItsTagCheck(t *testing.T) {
 // is; once it returns, the HEAD comes and the build answers.
 func TestATagCheckBesideGoesOutOnceTheJobIsCreated(t *testing.T) {
 	t.Parallel()
-	e := setup(t)
-	tr := newTestRegistry(t)
 	req := request("head-after-create")
 	entered, proceed := make(chan struct{}), make(chan struct{})
 	var once sync.Once
-	e.kube.PrependReactor("create", "jobs", func(a k8stesting.Action) (bool, runtime.Object, error) {
-		if a.(k8stesting.CreateAction).GetObject().(*batchv1.Job).Name == jobOf(req) {
-			once.Do(func() {
-				close(entered)
-				<-proceed
-			})
-		}
-		return false, nil, nil
-	})
 	// The create is held for a second: the HEAD's window (from the
 	// build's start) is made wide enough that it is still sent after.
-	e.startWorkerFull("w1", fetchKaniko(), func(c *Config) {
-		withRegistry(tr)(c)
-		c.TagCheckBeside = time.Minute
-	}, nil, withPresigner)
-	results := e.collect()
+	e, tr, results := slowCreateWorld(t, req, time.Minute, func() {
+		once.Do(func() {
+			close(entered)
+			<-proceed
+		})
+	})
 	release := tr.holdHeads()
 	defer release()
 	if _, err := e.pub.Publish(context.Background(), req); err != nil {
@@ -102,11 +119,7 @@ func TestATagCheckBesideGoesOutOnceTheJobIsCreated(t *testing.T) {
 	close(proceed)
 	eventually(t, 10*time.Second, "the tag's HEAD sent once the Job is created", func() bool { return tr.held.Load() > 0 })
 	release()
-	job := e.waitJob(jobOf(req))
-	e.kubelet(job, 0, digestOf("head-after-create"))
-	if r := oneResult(t, results, req.RequestID); r.Data.Status != v1.StatusSucceeded || r.Data.Origin != v1.OriginBuild || r.Data.Digest != digestOf("head-after-create") {
-		t.Fatalf("result %s, want the build's image", mustJSON(t, r.Data))
-	}
+	answeredByItsBuild(t, e, results, e.waitJob(jobOf(req)), req, "head-after-create")
 }
 
 // A Job's create that takes longer than TagCheckBeside (a slow API
@@ -115,20 +128,8 @@ func TestATagCheckBesideGoesOutOnceTheJobIsCreated(t *testing.T) {
 // Pod's own check guards the tag.
 func TestNoTagCheckGoesOutPastItsWindow(t *testing.T) {
 	t.Parallel()
-	e := setup(t)
-	tr := newTestRegistry(t)
 	req := request("head-past-window")
-	e.kube.PrependReactor("create", "jobs", func(a k8stesting.Action) (bool, runtime.Object, error) {
-		if a.(k8stesting.CreateAction).GetObject().(*batchv1.Job).Name == jobOf(req) {
-			time.Sleep(600 * time.Millisecond) // the fake API server's lock is held: nothing else asks meanwhile
-		}
-		return false, nil, nil
-	})
-	e.startWorkerFull("w1", fetchKaniko(), func(c *Config) {
-		withRegistry(tr)(c)
-		c.TagCheckBeside = 300 * time.Millisecond
-	}, nil, withPresigner)
-	results := e.collect()
+	e, tr, results := slowCreateWorld(t, req, 300*time.Millisecond, func() { time.Sleep(600 * time.Millisecond) })
 	release := tr.holdHeads()
 	defer release()
 	if _, err := e.pub.Publish(context.Background(), req); err != nil {
@@ -140,10 +141,7 @@ func TestNoTagCheckGoesOutPastItsWindow(t *testing.T) {
 		t.Fatalf("%d HEADs of the tag went out after the build's window for them had passed", n)
 	}
 	release()
-	e.kubelet(job, 0, digestOf("head-past-window"))
-	if r := oneResult(t, results, req.RequestID); r.Data.Status != v1.StatusSucceeded || r.Data.Origin != v1.OriginBuild || r.Data.Digest != digestOf("head-past-window") {
-		t.Fatalf("result %s, want the build's image", mustJSON(t, r.Data))
-	}
+	answeredByItsBuild(t, e, results, job, req, "head-past-window")
 }
 
 // The HEAD sent once the build's Job is created finds an image at the tag: the
