@@ -15,10 +15,7 @@ package worker
 // run BUILDQ_SIM_REPEAT times (default 1) to see a timing-dependent
 // violation again.
 
-import (
-	"slices"
-	"testing"
-)
+import "testing"
 
 // simScenario is one frozen schedule and what it found.
 type simScenario struct {
@@ -54,13 +51,7 @@ func TestFrozenScenarios(t *testing.T) {
 		t.Run(sc.name, func(t *testing.T) {
 			t.Parallel()
 			for range repeat {
-				sched := newSimSchedule(sc.seed)
-				sched.noHolds = true
-				sched.legacyContexts = true
-				// Found before tags pushed by hand were modeled: the
-				// paths they found run without them.
-				sched.kinds = slices.DeleteFunc(sched.kinds, func(k string) bool { return k == "hand-tags" })
-				out := runSim(t, sched)
+				out := runSim(t, newFrozenSchedule(sc.seed))
 				if len(out.violations) > 0 {
 					t.Errorf("frozen scenario %s (seed %d, which found: %s):\n%s", sc.name, sc.seed, sc.found, out.report)
 					return

@@ -24,6 +24,12 @@ import (
 // view (refreshed every 250–500 ms) and the wake-up announcements.
 const simOrderSlack = 1500 * time.Millisecond
 
+// simTakeLag is how long before its "queued" event a take may have been
+// decided: the event goes out once the handler has opened the request's
+// ledger entry, a KV round trip or more that a loaded machine stretches
+// (the slots freed meanwhile change the shares the dispatcher saw).
+const simTakeLag = time.Second
+
 // calm reports whether nothing in the schedule could have held up the
 // dispatch between from and to: no worker killed, stopped, paused,
 // partitioned or lagging, no NATS outage, no injected API errors, and a
@@ -65,7 +71,17 @@ func (w *simWorld) judgeOrder(out *simOutcome) {
 	}
 	first := map[string]take{}
 	var takes []simEvent
-	ended := map[string]time.Duration{} // the request stopped holding a slot
+	// Each time a request held a slot on a worker: from a take ("queued")
+	// to its end or park. A request may hold one more than once (parked,
+	// then requeued when the build it joined failed; handed back and
+	// taken again): every one counts in its tenant's running work, as in
+	// the dispatcher's.
+	type holding struct {
+		id, tenant, worker string
+		from, to           time.Duration // to 0: to the end
+	}
+	var holdings []holding
+	holdingNow := map[string]int{} // request id → its open holding's index
 	// Held at intake, a request waited on its key's build, not in the
 	// queue: it is judged from when it left the hold for the queue (never,
 	// when it was answered where it was held).
@@ -86,23 +102,33 @@ func (w *simWorld) judgeOrder(out *simOutcome) {
 				first[e.id] = take{e.at, e.worker}
 				takes = append(takes, e)
 			}
+			if i, ok := holdingNow[e.id]; ok {
+				holdings[i].to = e.at // taken again: its former holder let it go
+			}
+			if s := w.subByID[e.id]; s != nil {
+				holdingNow[e.id] = len(holdings)
+				holdings = append(holdings, holding{id: e.id, tenant: s.req.Tenant, worker: e.worker, from: e.at})
+			}
 		case v1.PhaseWaiting, v1.PhaseFinished:
 			// A parked request frees its slot; one that joins a build
 			// actively (a redelivery of the run's own request) keeps it.
 			parked := strings.Contains(e.msg, "answered when it ends")
-			if _, ok := ended[e.id]; !ok && (e.phase == v1.PhaseFinished || parked) {
-				ended[e.id] = e.at
+			if i, ok := holdingNow[e.id]; ok && (e.phase == v1.PhaseFinished || parked) {
+				holdings[i].to = e.at
+				delete(holdingNow, e.id)
 			}
 		}
 	}
 	rank := v1.PriorityRank
 	fair := w.fair()
-	running := func(tenant, worker string, at time.Duration) (n int) {
-		for id, t := range first {
-			if t.at >= at || (worker != "" && t.worker != worker) || w.subByID[id] == nil || w.subByID[id].req.Tenant != tenant {
+	// running counts tenant's requests holding a slot on worker between
+	// from and to: throughout (some false), or at some moment (some true).
+	running := func(tenant, worker string, from, to time.Duration, some bool) (n int) {
+		for _, h := range holdings {
+			if h.tenant != tenant || h.worker != worker {
 				continue
 			}
-			if end, ok := ended[id]; !ok || end > at {
+			if some && h.from < to && (h.to == 0 || h.to > from) || !some && h.from < from && (h.to == 0 || h.to > to) {
 				n++
 			}
 		}
@@ -143,8 +169,12 @@ func (w *simWorld) judgeOrder(out *simOutcome) {
 				// the events do not show: not judged.
 				continue
 			}
-			shareT := float64(running(t, tk.worker, tk.at)) / float64(fair.Weight(t))
-			shareU := float64(running(u, tk.worker, tk.at)) / float64(fair.Weight(u))
+			// The take was decided up to simTakeLag before its event:
+			// the waiting tenant's share is the most it had, the
+			// taker's the least, over that stretch (the take itself
+			// not counted).
+			shareT := float64(running(t, tk.worker, tk.at-simTakeLag, tk.at, true)) / float64(fair.Weight(t))
+			shareU := float64(running(u, tk.worker, tk.at-simTakeLag, tk.at, false)) / float64(fair.Weight(u))
 			if shareU >= shareT+1 {
 				w.violate(out, "share-order", "%s took %s of %s at %.3fs (%s running %.1f per weight there) while %s of %s (%.1f per weight), published at %.3fs, waited",
 					tk.worker, s.id, u, tk.at.Seconds(), u, shareU, o.id, t, shareT, o.start.Seconds())
@@ -486,5 +516,64 @@ func TestSimOracleCountsAJobForItsHolderFromTheTakeOver(t *testing.T) {
 	}
 	if v := seed263(5.267); len(v) != 1 || v[0].class != "concurrency-limit" {
 		t.Errorf("K3 created before globex took K2 over: %v; want one concurrency-limit violation", v)
+	}
+}
+
+// TestSimOracleSharesCountEveryHoldingAndTheTakesLag: the share-order
+// judgment counts a request as often as it holds a slot (parked, then
+// requeued and taken again), and judges a take on the shares of the
+// stretch in which it may have been decided (simTakeLag before its
+// event); a take made while the waiting tenant ran nothing over that
+// whole stretch is still a violation.
+func TestSimOracleSharesCountEveryHoldingAndTheTakesLag(t *testing.T) {
+	sec := func(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
+	type ev struct {
+		at    float64
+		id    string
+		phase v1.Phase
+		msg   string
+	}
+	judge := func(events []ev) []simViolation {
+		// Even seed: no concurrency limits, equal weights.
+		w := &simWorld{seed: 2, sc: &simSchedule{}, subByID: map[string]*simSub{}}
+		for _, s := range []struct {
+			id, tenant string
+			start      float64
+		}{{"a1", "acme", 0.1}, {"a2", "acme", 0.2}, {"g1", "globex", 0.1}, {"g2", "globex", 0.5}} {
+			sub := &simSub{id: s.id, req: &v1.Request{Tenant: s.tenant, RequestID: s.id, Priority: v1.PriorityNormal}, start: sec(s.start), accepted: true}
+			w.subs, w.subByID[s.id] = append(w.subs, sub), sub
+		}
+		for _, e := range events {
+			w.events = append(w.events, simEvent{at: sec(e.at), id: e.id, tenant: w.subByID[e.id].req.Tenant, phase: e.phase, worker: "w0.0", msg: e.msg})
+		}
+		var out simOutcome
+		w.judgeOrder(&out)
+		return out.violations
+	}
+	taken := func(at float64, id string) ev { return ev{at, id, v1.PhaseQueued, "taken"} }
+	parked := func(at float64, id string) ev { return ev{at, id, v1.PhaseWaiting, "joined a build: answered when it ends"} }
+	done := func(at float64, id string) ev { return ev{at, id, v1.PhaseFinished, "succeeded"} }
+
+	// a1 runs from 1 s; globex's g1 is parked at 2 s and taken again at
+	// 3 s. At 5 s acme's a2 is taken while g2 (published at 0.5 s)
+	// waits until 8 s: one request each, no violation.
+	if v := judge([]ev{taken(1, "a1"), taken(1, "g1"), parked(2, "g1"), taken(3, "g1"), taken(5, "a2"), taken(8, "g2")}); len(v) != 0 {
+		t.Errorf("a take with the tenants' shares even (g1 running again since 3 s): %v", v)
+	}
+	// g1 never taken again: acme ran one more than globex when it took
+	// a2 while g2 waited.
+	if v := judge([]ev{taken(1, "a1"), taken(1, "g1"), parked(2, "g1"), taken(5, "a2"), taken(8, "g2")}); len(v) != 1 || v[0].class != "share-order" {
+		t.Errorf("a take while the waiting tenant ran nothing: %v; want one share-order violation", v)
+	}
+	// g1 ended just before a2's take event, within simTakeLag: the take
+	// may have been decided while it still ran.
+	lagged := 5 - simTakeLag.Seconds()/2
+	if v := judge([]ev{taken(1, "a1"), taken(1, "g1"), done(lagged, "g1"), taken(5, "a2"), taken(8, "g2")}); len(v) != 0 {
+		t.Errorf("a take whose decision may have come before g1 ended at %.1fs: %v", lagged, v)
+	}
+	// g1 ended well before it: judged.
+	early := 5 - 2*simTakeLag.Seconds()
+	if v := judge([]ev{taken(1, "a1"), taken(1, "g1"), done(early, "g1"), taken(5, "a2"), taken(8, "g2")}); len(v) != 1 || v[0].class != "share-order" {
+		t.Errorf("a take %.1fs after g1 ended: %v; want one share-order violation", 5-early, v)
 	}
 }

@@ -52,6 +52,9 @@ type simSchedule struct {
 	// legacyContexts: the workers read contexts as before fetch-context
 	// (fetchContext), unless tags are pushed by hand while they run.
 	legacyContexts bool
+	// frozen: drawn for a frozen scenario (newFrozenSchedule), whose
+	// schedule stays what it was when the scenario was found.
+	frozen bool
 }
 
 type simReqPlan struct {
@@ -77,6 +80,12 @@ type simBurst struct {
 	at            time.Duration
 	tenant, other string
 	n             int
+	// extra builds of the burst's tenant after the first n, where no
+	// tenant has a concurrency limit: enough to keep every slot busy for
+	// two more rounds, so that the other tenant's request has waited past
+	// simOrderSlack while slots still free (a burst only as long as the
+	// slots it fills is worked off before the order can be judged).
+	extra int
 }
 
 type simFault struct {
@@ -98,11 +107,27 @@ func (s *simSchedule) has(kind string) bool { return slices.Contains(s.kinds, ki
 var simTenants = []string{"acme", "globex"}
 var simNames = []string{"web", "api"}
 
-func newSimSchedule(seed int64) *simSchedule {
+func newSimSchedule(seed int64) *simSchedule { return drawSimSchedule(seed, false) }
+
+// newFrozenSchedule is seed's schedule for a frozen scenario
+// (sim_frozen_test.go): drawn as it was when the scenario was found, and
+// run on the paths it found then.
+func newFrozenSchedule(seed int64) *simSchedule {
+	s := drawSimSchedule(seed, true)
+	s.noHolds = true
+	s.legacyContexts = true
+	// Found before tags pushed by hand were modeled: the paths they
+	// found run without them.
+	s.kinds = slices.DeleteFunc(s.kinds, func(k string) bool { return k == "hand-tags" })
+	return s
+}
+
+func drawSimSchedule(seed int64, frozen bool) *simSchedule {
 	r := rand.New(rand.NewPCG(uint64(seed), 0xb111d9))
 	dur := func(lo, hi time.Duration) time.Duration { return lo + time.Duration(r.Int64N(int64(hi-lo)+1)) }
 	s := &simSchedule{
 		seed:     seed,
+		frozen:   frozen,
 		window:   dur(5*time.Second, 9*time.Second),
 		workers:  2 + r.IntN(2),
 		contexts: 2 + r.IntN(5),
@@ -289,6 +314,8 @@ func (s *simSchedule) addStalls() {
 
 // addBurst gives a quarter of the schedules a burst (simBurst), drawn from
 // a generator of its own: the rest of a seed's schedule stays what it was.
+// Its extra builds are not drawn: they follow from the seed's workers and
+// fair-share settings (simWorld.fair), and a frozen scenario has none.
 func (s *simSchedule) addBurst() {
 	r := rand.New(rand.NewPCG(uint64(s.seed), 0xb0257))
 	if r.IntN(4) != 0 {
@@ -300,16 +327,19 @@ func (s *simSchedule) addBurst() {
 		tenant: simTenants[t], other: simTenants[1-t],
 		n: 12 + r.IntN(10),
 	}
+	if !s.frozen && simUnlimited(s.seed) {
+		b.extra = 2 * s.workers * simMaxInFlight
+	}
 	s.burst = b
 	s.kinds = append(s.kinds, "burst")
-	for i := range b.n {
+	for i := range b.n + b.extra {
 		s.reqs = append(s.reqs, simReqPlan{at: b.at + time.Duration(i)*time.Millisecond, id: fmt.Sprintf("s%d-b%02d", s.seed, i),
 			ctx: 100 + i, tenant: b.tenant, name: simNames[i%2], prio: v1.PriorityLow})
 	}
 	later := b.at + 300*time.Millisecond
 	s.reqs = append(s.reqs,
-		simReqPlan{at: later, id: fmt.Sprintf("s%d-bh", s.seed), ctx: 100 + b.n, tenant: b.tenant, name: "web", prio: v1.PriorityHigh},
-		simReqPlan{at: later, id: fmt.Sprintf("s%d-bo", s.seed), ctx: 101 + b.n, tenant: b.other, name: "web", prio: v1.PriorityNormal},
+		simReqPlan{at: later, id: fmt.Sprintf("s%d-bh", s.seed), ctx: 100 + b.n + b.extra, tenant: b.tenant, name: "web", prio: v1.PriorityHigh},
+		simReqPlan{at: later, id: fmt.Sprintf("s%d-bo", s.seed), ctx: 101 + b.n + b.extra, tenant: b.other, name: "web", prio: v1.PriorityNormal},
 	)
 	sort.SliceStable(s.reqs, func(i, j int) bool { return s.reqs[i].at < s.reqs[j].at })
 	// Nothing in the way while the burst is worked off.
@@ -368,7 +398,7 @@ func (s *simSchedule) describe() string {
 	fmt.Fprintf(&b, "  fault kinds: %s\n", strings.Join(s.kinds, " "))
 	if s.burst != nil {
 		fmt.Fprintf(&b, "  burst at %.3fs: %d builds of %s (low), then one of %s and a high one of %s\n",
-			s.burst.at.Seconds(), s.burst.n, s.burst.tenant, s.burst.other, s.burst.tenant)
+			s.burst.at.Seconds(), s.burst.n+s.burst.extra, s.burst.tenant, s.burst.other, s.burst.tenant)
 	}
 	if s.has("mixed") {
 		var cfg []string

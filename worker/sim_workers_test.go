@@ -32,7 +32,7 @@ func (w *simWorld) workerConfig(id string, slot int, skew time.Duration) Config 
 	logger := zap.New(core)
 	return Config{
 		ID:              id,
-		MaxInFlight:     4,
+		MaxInFlight:     simMaxInFlight,
 		AckWait:         w.sc.ackWaits[slot],
 		MaxDeliver:      simMaxDeliver,
 		Lease:           w.sc.leases[slot],
@@ -73,10 +73,17 @@ func (w *simWorld) holdAtIntake(slot int) time.Duration {
 	return []time.Duration{-1, 3 * time.Second, 0}[(int(w.seed)/2+slot)%3]
 }
 
+// simMaxInFlight is each simulated worker's build slots.
+const simMaxInFlight = 4
+
+// simUnlimited reports whether seed's workers run without fair-queueing
+// rules (even seeds; see fair).
+func simUnlimited(seed int64) bool { return seed%2 == 0 }
+
 // fair gives odd seeds fair-queueing rules: acme at most 2 requests at
 // once across all workers, globex twice acme's share.
 func (w *simWorld) fair() FairConfig {
-	if w.seed%2 == 0 {
+	if simUnlimited(w.seed) {
 		return FairConfig{}
 	}
 	return FairConfig{Concurrency: map[string]int{"acme": 2}, Weights: map[string]int{"globex": 2}}
