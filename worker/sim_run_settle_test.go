@@ -193,6 +193,31 @@ func (d simDecision) same(o simDecision) bool {
 	return d.status == o.status && d.reason == o.reason && d.key == o.key && d.digest == o.digest && d.origin == o.origin
 }
 
+// saidOf is what the workers said of request id, to chase a request left
+// without a result: its events, then their log lines that name it (the
+// first simSaidMax in all). Called with w.mu held.
+func (w *simWorld) saidOf(id string) []string {
+	var said []string
+	for _, e := range w.events {
+		if e.id == id && len(said) < simSaidMax {
+			said = append(said, fmt.Sprintf("%.3fs %s %s %q", e.at.Seconds(), e.worker, e.phase, e.msg))
+		}
+	}
+	if len(said) == 0 {
+		said = []string{"no event"}
+	}
+	w.logs.mu.Lock()
+	defer w.logs.mu.Unlock()
+	for _, l := range w.logs.lines {
+		if strings.Contains(l, `"`+id+`"`) && len(said) < simSaidMax {
+			said = append(said, "log: "+l)
+		}
+	}
+	return said
+}
+
+const simSaidMax = 40
+
 // judge checks the invariants on what the schedule left behind.
 func (w *simWorld) judge(out *simOutcome) {
 	w.mu.Lock()
@@ -222,8 +247,8 @@ func (w *simWorld) judge(out *simOutcome) {
 		}
 		st := storedBy[s.id]
 		if len(st) == 0 {
-			w.violate(out, "stuck", "request %s (%s %s, published at %.3fs) has no result %s after healing",
-				s.id, s.label, w.keyName(s.key), s.start.Seconds(), simResultsTimeout)
+			w.violate(out, "stuck", "request %s (%s %s, published at %.3fs) has no result %s after healing; its events: %s",
+				s.id, s.label, w.keyName(s.key), s.start.Seconds(), simResultsTimeout, strings.Join(w.saidOf(s.id), "; "))
 			continue
 		}
 		if len(st) > 1 {
