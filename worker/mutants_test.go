@@ -131,6 +131,7 @@ var mutantCatalogue = []mutantCase{
 	{"index-ignores-slots", "an image index runs at most as many platform builds at once as its request holds concurrency slots", []string{"TestIndexPlatformsStayWithinTheTenantsConcurrencyLimit"}},
 	{"extra-slot-free-on-live-key", "an image index's extra slot, kept, stays its request's until the request is finished, even once the request runs on a live slot again", []string{"TestAttack_KilledIndexExtraSlotIsKeptForItsRequest", "TestAttack_IndexExtraSlotIsKeptWhileItsPlatformJobRunsAfterShutdown", "TestAttack_RetriedIndexKeepsItsExtraSlotsWhileItsPlatformJobsRun"}},
 	{"index-cancel-stops-shared", "a canceled image index stops only the platform builds no other request waits on", []string{"TestCanceledIndexStopsItsUnsharedPlatformBuilds"}},
+	{"canceled-index-lets-shared-go", "a canceled image index's platform build that other requests wait on is finished by its handler on its slots, never let go with its Job running", []string{"TestCanceledIndexFinishesItsSharedPlatformBuildOnItsSlots"}},
 	{"claimer-takes-others-cancel", "a claimer answers \"canceled\" from its own run only when its own request was canceled; a run another request's cancel stopped is built again", []string{"TestClaimerNotCanceledBuildsAgainAfterAnotherRequestsCancel"}},
 }
 

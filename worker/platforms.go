@@ -183,23 +183,29 @@ func (w *builder) buildIndex(ctx context.Context, req *v1.Request, repo string, 
 	// One failing platform does not stop the others: their images go to
 	// the cache. An error (not a failed build) does: the run is retried.
 	// When the run's context ends (a cancel, a shutdown, a lost claim),
-	// a cancel first stops the platforms' builds nobody else waits on —
-	// read before the platforms' runs are let go, which requeues the
-	// requests parked on them — and then the platforms' builds end.
-	subCtx, cancelSubs := context.WithCancelCause(context.WithoutCancel(ctx))
-	defer cancelSubs(nil)
+	// a cancel first stops the platforms' builds nobody else waits on;
+	// the builds others wait on are finished here, for them, on this
+	// request's slots (the tenant's limit counts their Jobs as this
+	// request's until their runs end: let go, a build would run on with
+	// no slot of the tenant's while its waiters queue for one). After a
+	// shutdown or a lost claim every platform's run is let go, which
+	// requeues the requests parked on them.
 	keys := make([]string, len(plats))
 	for i, p := range plats {
 		keys[i] = w.keyOf(platformSub(req, b, p))
 	}
+	subs := newPlatformStops(ctx, len(plats))
+	defer subs.stop(nil)
 	done, stopped := make(chan struct{}), make(chan struct{})
 	defer close(done)
 	go func() {
 		defer close(stopped)
 		select {
 		case <-ctx.Done():
-			w.stopCanceledPlatforms(req, b, plats, keys)
-			cancelSubs(context.Cause(ctx))
+			for _, i := range w.stopCanceledPlatforms(req, b, plats, keys) {
+				subs.keep(i)
+			}
+			subs.stop(context.Cause(ctx))
 		case <-done:
 		}
 	}()
@@ -208,23 +214,25 @@ func (w *builder) buildIndex(ctx context.Context, req *v1.Request, repo string, 
 	var wg sync.WaitGroup
 	for i, p := range plats {
 		wg.Go(func() {
-			if !slots.acquire(subCtx) {
-				parts[i] = platformBuild{platform: p, key: keys[i], err: context.Cause(subCtx)}
+			pctx := subs.ctxs[i]
+			if !slots.acquire(pctx) {
+				parts[i] = platformBuild{platform: p, key: keys[i], err: context.Cause(pctx)}
 				return
 			}
 			// A platform that waited for a slot starts only while the
 			// index run is still current: a cancel ends the run, and
-			// stops its platforms, before its handler hears of it.
-			if !b.current(subCtx) {
+			// stops its platforms, before its handler hears of it. The
+			// others end when it does (by the cancel, or a lost claim).
+			if !b.current(pctx) {
 				parts[i] = platformBuild{platform: p, key: keys[i], err: errNotCurrent}
-				cancelSubs(errNotCurrent)
 				slots.done(true)
 				return
 			}
-			parts[i] = w.buildPlatform(subCtx, req, repo, seq, b, p, keys[i])
+			parts[i] = w.buildPlatform(pctx, req, repo, seq, b, p, keys[i])
 			if err := parts[i].err; err != nil {
-				// The first error ends the others: it is the run's.
-				cancelSubs(fmt.Errorf("platform %s: %w", p, err))
+				// The first error ends the others (but the builds kept
+				// for others' waiters): it is the run's.
+				subs.stop(fmt.Errorf("platform %s: %w", p, err))
 			}
 			slots.done(parts[i].err == nil)
 		})
@@ -232,11 +240,17 @@ func (w *builder) buildIndex(ctx context.Context, req *v1.Request, repo string, 
 	wg.Wait()
 	if err := ctx.Err(); err != nil {
 		// A canceled index's platforms are stopped, and their Jobs gone,
-		// before its handler settles and frees the request's slots.
+		// or finished for their waiters, before its handler settles and
+		// frees the request's slots.
 		<-stopped
 		return Outcome{}, context.Cause(ctx)
 	}
-	if err := context.Cause(subCtx); err != nil {
+	for _, pb := range parts {
+		if errors.Is(pb.err, errNotCurrent) {
+			return Outcome{}, errNotCurrent
+		}
+	}
+	if err := subs.cause(); err != nil {
 		// Not the others' context.Canceled: the error that ended them
 		// (a transient one retries the request).
 		return Outcome{}, err
@@ -269,13 +283,14 @@ func (w *builder) buildIndex(ctx context.Context, req *v1.Request, repo string, 
 // its image index, the builds of its platforms that no other request
 // waits on are stopped too (their runs end Canceled, their Jobs go), as a
 // cancel stops a one-platform build; the others go on for the requests
-// that wait on them.
-func (w *builder) stopCanceledPlatforms(req *v1.Request, b Build, plats, keys []string) {
+// that wait on them, and their indexes are returned (built on by req's
+// handler: buildIndex).
+func (w *builder) stopCanceledPlatforms(req *v1.Request, b Build, plats, keys []string) (goOn []int) {
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()
 	le, err := w.ledger.Get(ctx, req.Tenant, req.RequestID)
 	if err != nil || le == nil || !le.E.Canceled {
-		return // a shutdown, a lost claim: the platforms' runs are let go, not stopped
+		return nil // a shutdown, a lost claim: the platforms' runs are let go, not stopped
 	}
 	// The cancel ends the index run (when nobody else waits on it) a
 	// moment after it tells this handler: a run it ended is over whoever
@@ -291,7 +306,7 @@ func (w *builder) stopCanceledPlatforms(req *v1.Request, b Build, plats, keys []
 	}
 	if !ended {
 		if alone, err := w.api.Unwaited(ctx, req.Tenant, req.RequestID, b.Key); err != nil || !alone {
-			return // the index goes on for others: whoever takes it over needs them
+			return nil // the index goes on for others: whoever takes it over needs them
 		}
 	}
 	for i, key := range keys {
@@ -306,13 +321,20 @@ func (w *builder) stopCanceledPlatforms(req *v1.Request, b Build, plats, keys []
 			// worker answered it, may still be deleting its Job): the
 			// Job of a run ended Canceled goes now, before this
 			// request's slots are freed for the tenant's next build.
-			if rec, _, err := w.runs.Get(ctx, key); err == nil && rec != nil && rec.Final() && rec.Reason == v1.ReasonCanceled && !w.cfg.KeepJobs {
+			// Or others wait on it: a run this request holds is built
+			// on for them, on its slots.
+			rec, _, err := w.runs.Get(ctx, key)
+			if err == nil && rec != nil && rec.Final() && rec.Reason == v1.ReasonCanceled && !w.cfg.KeepJobs {
 				if err := w.backend.Cleanup(ctx, key, rec.Run); err != nil {
 					w.log.Warn("cancel: removing a platform's build failed", zap.String("key", key), zap.Error(err))
 				}
 			}
+			if err == nil && rec != nil && !rec.Final() && rec.Holder == RequestIndexKey(req.Tenant, req.RequestID) && !mutant.On("canceled-index-lets-shared-go") {
+				goOn = append(goOn, i)
+			}
 		}
 	}
+	return goOn
 }
 
 // buildPlatform builds platform p of index run b: from the index, by
@@ -422,4 +444,53 @@ func indexFailure(parts []platformBuild) (Outcome, bool) {
 		built = nil
 	}
 	return Outcome{Reason: first.rec.Reason, Message: msg, LogTail: first.rec.LogTail, Platforms: built}, true
+}
+
+// platformStops holds the contexts of an index run's platform builds
+// (buildIndex): stop ends them all but those kept, built on for other
+// requests' waiters once the index was canceled.
+type platformStops struct {
+	ctxs    []context.Context
+	cancels []context.CancelCauseFunc
+	mu      sync.Mutex
+	kept    []bool
+	err     error
+}
+
+func newPlatformStops(ctx context.Context, n int) *platformStops {
+	s := &platformStops{ctxs: make([]context.Context, n), cancels: make([]context.CancelCauseFunc, n), kept: make([]bool, n)}
+	for i := range n {
+		s.ctxs[i], s.cancels[i] = context.WithCancelCause(context.WithoutCancel(ctx))
+	}
+	return s
+}
+
+// keep spares platform i's build from every later stop but the last
+// (stop(nil), once the index's handler is done).
+func (s *platformStops) keep(i int) {
+	s.mu.Lock()
+	s.kept[i] = true
+	s.mu.Unlock()
+}
+
+// stop ends the platforms' builds not kept, with cause (the first cause
+// is kept: cause()); stop(nil) ends them all.
+func (s *platformStops) stop(cause error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.err == nil {
+		s.err = cause
+	}
+	for i, c := range s.cancels {
+		if cause == nil || !s.kept[i] {
+			c(cause)
+		}
+	}
+}
+
+// cause is what stopped the platforms' builds first (nil: nothing yet).
+func (s *platformStops) cause() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.err
 }

@@ -22,6 +22,7 @@ import (
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
+	"github.com/buildq/buildq/worker/internal/ledger"
 )
 
 func platformKey(r *v1.Request, p string) string { return v1.BuildKey(platformRequest(r, p), kanikoID) }
@@ -260,48 +261,59 @@ func TestConcurrentIndexesShareTheirCommonPlatform(t *testing.T) {
 	}
 }
 
+// canceledIndex is an index request of linux/amd64 and linux/arm64 with
+// both platforms' Jobs running, another request of the same content
+// waiting on linux/amd64 alone, and the index canceled (its "canceled"
+// result seen).
+type canceledIndex struct {
+	e        *env
+	w1       *runningWorker
+	tr       *testRegistry
+	results  *resultCollector
+	r, alone *v1.Request
+	amd, arm *batchv1.Job
+	amdKey   string
+}
+
+func cancelIndexWithAWaiter(t *testing.T, content string) canceledIndex {
+	t.Helper()
+	c := canceledIndex{e: setup(t), tr: newTestRegistry(t)}
+	c.w1 = c.e.startWorker("w1", withRegistry(c.tr))
+	c.results = c.e.collect()
+	ctx := context.Background()
+	c.r = multiRequest(content, "linux/amd64", "linux/arm64")
+	if _, err := c.e.pub.Publish(ctx, c.r); err != nil {
+		t.Fatal(err)
+	}
+	c.amdKey = platformKey(c.r, "linux/amd64")
+	c.amd = c.e.waitJob(kaniko.JobName(c.amdKey))
+	c.arm = c.e.waitJob(kaniko.JobName(platformKey(c.r, "linux/arm64")))
+	c.alone = multiRequest(content, "linux/amd64")
+	c.alone.RequestID = content + "-amd64-waits"
+	if _, err := c.e.pub.Publish(ctx, c.alone); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the one-platform request waits on linux/amd64", func() bool {
+		ws, err := c.w1.w.ledger.Waiters(ctx, c.amdKey)
+		return err == nil && slices.ContainsFunc(ws, func(le *ledger.Entry) bool { return le.E.RequestID == c.alone.RequestID })
+	})
+	if rep := cancelRequest(t, c.e.nc, v1.APICancelSubject("acme"), c.r.RequestID); !rep.Canceled {
+		t.Fatalf("cancel: %+v", rep)
+	}
+	if d := oneResult(t, c.results, c.r.RequestID).Data; d.Status != v1.StatusCanceled {
+		t.Fatalf("the canceled request: %+v", d)
+	}
+	return c
+}
+
 // A canceled multi-platform request stops the builds of its platforms
 // that no other request waits on; one another request waits on goes on.
 //
 // Origin: issue 29 with the cancel rules of docs/design.md §2.
 func TestCanceledIndexStopsItsUnsharedPlatformBuilds(t *testing.T) {
 	t.Parallel()
-	e := setup(t)
-	tr := newTestRegistry(t)
-	w1 := e.startWorker("w1", withRegistry(tr))
-	results := e.collect()
-	ctx := context.Background()
-
-	r := multiRequest("cancel-index", "linux/amd64", "linux/arm64")
-	if _, err := e.pub.Publish(ctx, r); err != nil {
-		t.Fatal(err)
-	}
-	amd := e.waitJob(kaniko.JobName(platformKey(r, "linux/amd64")))
-	arm := e.waitJob(kaniko.JobName(platformKey(r, "linux/arm64")))
-	// Another request waits on linux/amd64 alone.
-	alone := multiRequest("cancel-index", "linux/amd64")
-	alone.RequestID = "amd64-waits"
-	if _, err := e.pub.Publish(ctx, alone); err != nil {
-		t.Fatal(err)
-	}
-	eventually(t, 10*time.Second, "the one-platform request waits on linux/amd64", func() bool {
-		ws, err := w1.w.ledger.Waiters(ctx, platformKey(r, "linux/amd64"))
-		if err != nil {
-			return false
-		}
-		for _, le := range ws {
-			if le.E.RequestID == alone.RequestID {
-				return true
-			}
-		}
-		return false
-	})
-	if rep := cancelRequest(t, e.nc, v1.APICancelSubject("acme"), r.RequestID); !rep.Canceled {
-		t.Fatalf("cancel: %+v", rep)
-	}
-	if d := oneResult(t, results, r.RequestID).Data; d.Status != v1.StatusCanceled {
-		t.Fatalf("the canceled request: %+v", d)
-	}
+	c := cancelIndexWithAWaiter(t, "cancel-index")
+	e, tr, results, amd, arm, alone := c.e, c.tr, c.results, c.amd, c.arm, c.alone
 	eventually(t, 10*time.Second, "linux/arm64's Job deleted", func() bool {
 		_, ok := e.jobs()[arm.Name]
 		return !ok
@@ -314,6 +326,43 @@ func TestCanceledIndexStopsItsUnsharedPlatformBuilds(t *testing.T) {
 	if d := oneResult(t, results, alone.RequestID).Data; d.Status != v1.StatusSucceeded || d.Digest != digest {
 		t.Fatalf("the request waiting on linux/amd64: %+v", d)
 	}
+}
+
+// A canceled index's platform build that another request waits on is
+// finished by the index's own handler, for that request, on the index's
+// slots: its run keeps its holder (the tenant's limit counts its Job as
+// the canceled request's until the run ends), and is not let go for the
+// waiter to queue for a slot of its own while the Job runs on.
+//
+// Origin: the fault simulation, seed 173 (concurrency-limit: a canceled
+// index's shared platform run was let go with its Job running, the
+// index's slots freed, and the tenant's next request ran a third Job
+// under a limit of 2).
+func TestCanceledIndexFinishesItsSharedPlatformBuildOnItsSlots(t *testing.T) {
+	t.Parallel()
+	c := cancelIndexWithAWaiter(t, "cancel-index-shared")
+	ctx, r, w1, amdKey, amd, tr, e, results, alone := context.Background(), c.r, c.w1, c.amdKey, c.amd, c.tr, c.e, c.results, c.alone
+	// The index's handler hears of the cancel and decides, then keeps
+	// linux/amd64's run: its holder stays the canceled request.
+	holder := RequestIndexKey(r.Tenant, r.RequestID)
+	for deadline := time.Now().Add(1500 * time.Millisecond); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		cur, _, err := w1.w.runs.Get(ctx, amdKey)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if cur == nil || cur.Final() || cur.Holder != holder || cur.Owner != "w1" {
+			t.Fatalf("linux/amd64's run while its Job runs: %s; want it building, held by %s on w1", mustJSON(t, cur), holder)
+		}
+	}
+	digest := tr.push(t, destination(amd))
+	e.kubelet(amd, 0, digest)
+	if d := oneResult(t, results, alone.RequestID).Data; d.Status != v1.StatusSucceeded || d.Digest != digest {
+		t.Fatalf("the request waiting on linux/amd64: %+v", d)
+	}
+	eventually(t, 10*time.Second, "linux/amd64's Job deleted once its run ended", func() bool {
+		_, ok := e.jobs()[amd.Name]
+		return !ok
+	})
 }
 
 // buildq dev's local executor builds each platform of a Dockerfile
