@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -195,17 +196,42 @@ func (w *builder) buildIndex(ctx context.Context, req *v1.Request, repo string, 
 		keys[i] = w.keyOf(platformSub(req, b, p))
 	}
 	subs := newPlatformStops(ctx, len(plats))
-	defer subs.stop(nil)
-	done, stopped := make(chan struct{}), make(chan struct{})
+	defer subs.stopAll(context.Canceled)
+	// started: the platform's build runs in this handler (only such a
+	// build is kept for others: one still waiting for a slot of the
+	// index never starts once the index is canceled).
+	started := make([]atomic.Bool, len(plats))
+	// decided: the platforms' builds were stopped, or kept, once the
+	// index's context ended.
+	done, decided := make(chan struct{}), make(chan struct{})
 	defer close(done)
 	go func() {
-		defer close(stopped)
 		select {
 		case <-ctx.Done():
-			for _, i := range w.stopCanceledPlatforms(req, b, plats, keys) {
+		case <-done:
+			return
+		}
+		kept := false
+		for _, i := range w.stopCanceledPlatforms(req, b, plats, keys) {
+			if started[i].Load() {
 				subs.keep(i)
+				kept = true
 			}
-			subs.stop(context.Cause(ctx))
+		}
+		subs.stop(context.Cause(ctx))
+		close(decided)
+		if !kept {
+			return
+		}
+		// The worker stopping lets the kept builds' runs go too (their
+		// waiters take them over), as it lets go of any run it holds.
+		life := context.Background()
+		if l := w.life.Load(); l != nil {
+			life = *l
+		}
+		select {
+		case <-life.Done():
+			subs.stopAll(errWorkerStopping)
 		case <-done:
 		}
 	}()
@@ -228,11 +254,19 @@ func (w *builder) buildIndex(ctx context.Context, req *v1.Request, repo string, 
 				slots.done(true)
 				return
 			}
+			started[i].Store(true)
 			parts[i] = w.buildPlatform(pctx, req, repo, seq, b, p, keys[i])
 			if err := parts[i].err; err != nil {
-				// The first error ends the others (but the builds kept
-				// for others' waiters): it is the run's.
-				subs.stop(fmt.Errorf("platform %s: %w", p, err))
+				// The first error ends the others: it is the run's. Once
+				// the index's context ended, what the others do is the
+				// cancel's to decide (they may be kept for others'
+				// waiters): the error is only noted.
+				cause := fmt.Errorf("platform %s: %w", p, err)
+				if ctx.Err() == nil {
+					subs.stop(cause)
+				} else {
+					subs.note(cause)
+				}
 			}
 			slots.done(parts[i].err == nil)
 		})
@@ -242,18 +276,18 @@ func (w *builder) buildIndex(ctx context.Context, req *v1.Request, repo string, 
 		// A canceled index's platforms are stopped, and their Jobs gone,
 		// or finished for their waiters, before its handler settles and
 		// frees the request's slots.
-		<-stopped
+		<-decided
 		return Outcome{}, context.Cause(ctx)
-	}
-	for _, pb := range parts {
-		if errors.Is(pb.err, errNotCurrent) {
-			return Outcome{}, errNotCurrent
-		}
 	}
 	if err := subs.cause(); err != nil {
 		// Not the others' context.Canceled: the error that ended them
 		// (a transient one retries the request).
 		return Outcome{}, err
+	}
+	for _, pb := range parts {
+		if errors.Is(pb.err, errNotCurrent) {
+			return Outcome{}, errNotCurrent
+		}
 	}
 	if out, failed := indexFailure(parts); failed {
 		return out, nil
@@ -446,9 +480,12 @@ func indexFailure(parts []platformBuild) (Outcome, bool) {
 	return Outcome{Reason: first.rec.Reason, Message: msg, LogTail: first.rec.LogTail, Platforms: built}, true
 }
 
+// errWorkerStopping: the worker stops; the runs it holds are let go.
+var errWorkerStopping = errors.New("the worker is stopping")
+
 // platformStops holds the contexts of an index run's platform builds
 // (buildIndex): stop ends them all but those kept, built on for other
-// requests' waiters once the index was canceled.
+// requests' waiters once the index was canceled; stopAll ends them all.
 type platformStops struct {
 	ctxs    []context.Context
 	cancels []context.CancelCauseFunc
@@ -465,8 +502,7 @@ func newPlatformStops(ctx context.Context, n int) *platformStops {
 	return s
 }
 
-// keep spares platform i's build from every later stop but the last
-// (stop(nil), once the index's handler is done).
+// keep spares platform i's build from every later stop (not stopAll).
 func (s *platformStops) keep(i int) {
 	s.mu.Lock()
 	s.kept[i] = true
@@ -474,15 +510,29 @@ func (s *platformStops) keep(i int) {
 }
 
 // stop ends the platforms' builds not kept, with cause (the first cause
-// is kept: cause()); stop(nil) ends them all.
-func (s *platformStops) stop(cause error) {
+// noted is kept: cause()).
+func (s *platformStops) stop(cause error) { s.end(cause, false) }
+
+// stopAll ends every platform's build, kept or not.
+func (s *platformStops) stopAll(cause error) { s.end(cause, true) }
+
+// note keeps cause as the first, if none came before, and ends nothing.
+func (s *platformStops) note(cause error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.err == nil {
+		s.err = cause
+	}
+}
+
+func (s *platformStops) end(cause error, all bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.err == nil {
 		s.err = cause
 	}
 	for i, c := range s.cancels {
-		if cause == nil || !s.kept[i] {
+		if all || !s.kept[i] {
 			c(cause)
 		}
 	}

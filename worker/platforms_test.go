@@ -23,6 +23,7 @@ import (
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
 	"github.com/buildq/buildq/worker/internal/ledger"
+	"github.com/buildq/buildq/worker/internal/runs"
 )
 
 func platformKey(r *v1.Request, p string) string { return v1.BuildKey(platformRequest(r, p), kanikoID) }
@@ -363,6 +364,48 @@ func TestCanceledIndexFinishesItsSharedPlatformBuildOnItsSlots(t *testing.T) {
 		_, ok := e.jobs()[amd.Name]
 		return !ok
 	})
+}
+
+// A shared platform build that a canceled index keeps for its waiters is
+// let go when the worker stops, as any run it holds: its run is released
+// (no owner), and the worker is done before its shutdown timeout, with
+// nothing left in flight.
+func TestAKeptPlatformBuildIsLetGoWhenItsWorkerStops(t *testing.T) {
+	t.Parallel()
+	c := cancelIndexWithAWaiter(t, "cancel-index-stop")
+	ctx := context.Background()
+	holder := RequestIndexKey(c.r.Tenant, c.r.RequestID)
+	eventually(t, 10*time.Second, "linux/amd64's run kept by the index's handler", func() bool {
+		cur, _, err := c.w1.w.runs.Get(ctx, c.amdKey)
+		return err == nil && cur != nil && !cur.Final() && cur.Holder == holder && cur.Owner == "w1"
+	})
+	// Past the cancel's decision (stopCanceledPlatforms' wait for the
+	// index run's end is at most 2 s).
+	time.Sleep(2500 * time.Millisecond)
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		c.w1.stop(t)
+	}()
+	select {
+	case <-stopped:
+	case <-time.After(4 * time.Second): // the harness's ShutdownTimeout is 5 s
+		t.Fatal("the worker did not stop before its shutdown timeout: the kept build held its handler")
+	}
+	// Read beside the stopped worker, whose connection is closed.
+	kv, err := c.e.js.KeyValue(ctx, v1.BuildsBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	store := runs.New()
+	store.UseBucket(kv)
+	cur, _, err := store.Get(ctx, c.amdKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cur == nil || cur.Final() || cur.Owner != "" {
+		t.Fatalf("linux/amd64's run after its worker stopped: %s; want it let go (building, no owner)", mustJSON(t, cur))
+	}
 }
 
 // buildq dev's local executor builds each platform of a Dockerfile
