@@ -33,11 +33,15 @@ func TestAHitOnAWatchedRecordIsAnsweredAtIntakeWithoutARead(t *testing.T) {
 	results := e.collect()
 	first := request("watched-hit")
 	e.publishOrFail(t, first)
-	e.succeed(t, tr, e.waitJob(e.jobOf(first)))
+	job := e.waitJob(e.jobOf(first))
+	e.succeed(t, tr, job)
 	built := results.waitFor(t, 1, 10*time.Second)[0]
 	if built.Data.Status != v1.StatusSucceeded || built.Data.Digest == "" {
 		t.Fatalf("the build's result: %s", mustJSON(t, built))
 	}
+	// The build's handler is done with its record once its Job is gone
+	// (its result goes out first): only the hit's reads are counted.
+	eventually(t, 10*time.Second, "the build's Job deleted", e.jobGone(job.Name))
 	key := v1.BuildKey(first, "kaniko@"+testKaniko.ExecutorImage)
 	eventually(t, 5*time.Second, "the watch showing the succeeded record", func() bool {
 		rec, _, ok := w1.w.room.watchedRecord(key)
