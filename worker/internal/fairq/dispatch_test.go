@@ -225,3 +225,71 @@ func TestARequestStopsCountingAsRunningWhenSettledBeforeItsCleanup(t *testing.T)
 		t.Fatalf("running %v, order %v", d.running, order)
 	}
 }
+
+// An idle dispatcher's poll reads the queue's counts again. A request
+// intake hands over during that read's round trip is taken at once: it
+// does not go the queue's way because the dispatcher was looking.
+func TestAnIdleDispatcherTakesIntakesRequestWhileItsPollLooks(t *testing.T) {
+	q := &Queue{cfg: Options{Lease: 30 * time.Second}, direct: make(chan *taken)}
+	d := newDispatcher(q)
+	d.poll = 10 * time.Millisecond
+	reading, release := make(chan struct{}, 1), make(chan struct{})
+	d.read = func(ctx context.Context) (map[string]uint64, error) {
+		select {
+		case reading <- struct{}{}:
+		default:
+		}
+		select {
+		case <-release:
+		case <-ctx.Done():
+		}
+		return map[string]uint64{}, nil
+	}
+	d.viewAt = time.Now() // fresh: the first look is the poll's
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	got := make(chan []*taken, 1)
+	go func() {
+		tks, _ := d.next(ctx, 1)
+		got <- tks
+	}()
+	select {
+	case <-reading:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the idle dispatcher's poll never read the queue")
+	}
+	if !q.Idle() {
+		t.Fatal("the dispatcher stopped being idle while its poll reads the queue")
+	}
+	tk := &taken{tenant: "acme", direct: true}
+	select {
+	case q.direct <- tk:
+	case <-time.After(5 * time.Second):
+		t.Fatal("intake's request was not taken while the poll's read was in flight")
+	}
+	if tks := <-got; len(tks) != 1 || tks[0] != tk {
+		t.Fatalf("next returned %v, want intake's request", tks)
+	}
+	// The next pick waits for the look in flight rather than sending a
+	// second one beside it.
+	d.mu.Lock()
+	d.viewAt = time.Time{}
+	d.mu.Unlock()
+	go func() {
+		tks, _ := d.next(ctx, 1)
+		got <- tks
+	}()
+	select {
+	case <-reading:
+		t.Fatal("a second read of the queue went out beside the one in flight")
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(release)
+	select {
+	case <-reading: // the next idle poll's, once the first has ended
+	case <-time.After(10 * time.Second):
+		t.Fatal("the dispatcher did not go on once the look ended")
+	}
+	cancel()
+	<-got
+}
