@@ -334,12 +334,23 @@ func (c *Client) Wait(ctx context.Context, tenant, name, requestID string, since
 
 	// A result decided before the subscription: ask the status service.
 	// The asking stops when Wait returns, however it returns: an answer
-	// it no longer needs is not waited for.
+	// it no longer needs is not waited for, and Wait returns only once
+	// the asking has stopped, so nothing is sent for a Wait that
+	// returned (a caller may close the connection, or watch its status
+	// subject, right after).
 	pctx, stop := context.WithCancel(ctx)
-	defer stop()
+	polled := make(chan struct{})
+	defer func() {
+		stop()
+		<-polled
+	}()
 	go func() {
+		defer close(polled)
 		unanswered, undecided := time.Second, waitPollFirst
 		for pctx.Err() == nil {
+			if waitAsking != nil {
+				waitAsking()
+			}
 			r, answered := c.decided(pctx, tenant, requestID)
 			if r != nil {
 				offer(r)
@@ -377,6 +388,9 @@ func (c *Client) Wait(ctx context.Context, tenant, name, requestID string, since
 // How often Wait asks the status service again while it shows the
 // request undecided: after waitPollFirst, doubling up to waitPollMax.
 const waitPollFirst, waitPollMax = 5 * time.Second, time.Minute
+
+// waitAsking, set by tests only, runs before each of Wait's asks.
+var waitAsking func()
 
 // decided asks tenant's status service for requestID. answered is false
 // when no worker answered; the result is nil while undecided (or unknown).
@@ -437,6 +451,9 @@ func (c *Client) TenantRequest(ctx context.Context, tenant, subject string, payl
 	defer func() { _ = sub.Unsubscribe() }()
 	if err := sub.AutoUnsubscribe(1); err != nil {
 		return nil, fmt.Errorf("subscribe to %s: %w", inbox, err)
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err // given up already: nothing is sent
 	}
 	if err := c.nc.PublishRequest(subject, inbox, payload); err != nil {
 		return nil, fmt.Errorf("%s: %w", subject, err)

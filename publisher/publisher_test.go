@@ -421,3 +421,61 @@ func TestRequestMsgIDIsUnpredictable(t *testing.T) {
 		t.Fatalf("another client's header for the same id was predictable: %+v %v", other, err)
 	}
 }
+
+// TestWaitSendsNothingOnceItReturned: Wait's ask of the status service runs
+// beside its subscription. When the result comes on the subscription
+// first, the ask that was about to go is not sent after Wait returned (a
+// tenant API's spy, or the caller's next step, would otherwise see a
+// question nobody is waiting for).
+func TestWaitSendsNothingOnceItReturned(t *testing.T) {
+	c, js := setup(t, true)
+	nc := js.Conn()
+	status, err := nc.SubscribeSync(v1.APIStatusSubject("acme"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	asking, release := make(chan struct{}, 1), make(chan struct{})
+	defer publisher.SetWaitAsking(func() {
+		select {
+		case asking <- struct{}{}:
+		default:
+		}
+		<-release
+	})()
+	go func() {
+		// The result comes while Wait's first ask is about to go; the
+		// ask goes on only once Wait had the result a while.
+		<-asking
+		b, _ := json.Marshal(v1.NewResult("/test", v1.ResultData{RequestID: "r1", Tenant: "acme", Name: "web", Status: v1.StatusSucceeded}, time.Now()))
+		m := nats.NewMsg(v1.ResultsIngestPrefix + ".acme.web")
+		m.Header.Set(v1.MsgIDHeader, "r1")
+		m.Data = b
+		if _, err := js.PublishMsg(context.Background(), m); err != nil {
+			t.Error(err)
+		}
+		time.Sleep(200 * time.Millisecond)
+		close(release)
+	}()
+	r, err := c.Wait(context.Background(), "acme", "web", "r1", time.Time{})
+	if err != nil || r.ID != "r1" {
+		t.Fatalf("wait: %v %+v", err, r)
+	}
+	// Anything Wait sent is with the server once the flush returns, and
+	// its delivery to the spy before the flush's answer.
+	select {
+	case <-release:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the result was never published")
+	}
+	time.Sleep(100 * time.Millisecond)
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if n, _, _ := status.Pending(); n != 0 {
+		m, _ := status.NextMsg(0)
+		t.Fatalf("the status service was asked %d time(s) after Wait returned: %s", n, m.Data)
+	}
+}
