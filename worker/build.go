@@ -106,7 +106,14 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 			return nil
 		}
 		le, err := w.ledger.Get(ctx, req.Tenant, req.RequestID)
-		if err == nil && le != nil && le.E.Result != nil && le.E.Seq == seq {
+		if err != nil && !mutant.On("answered-check-fails-open") {
+			// Unread, the request may have been answered: the check
+			// fails closed, and the request is tried again. Right after
+			// a NATS outage — the stall this check is for — a read can
+			// fail where the answer was recorded long before.
+			return Transient(fmt.Errorf("reading the request's ledger entry before building: %w", err))
+		}
+		if le != nil && le.E.Result != nil && le.E.Seq == seq {
 			return errAnswered
 		}
 		return nil

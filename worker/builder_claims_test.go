@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	v1 "github.com/buildq/buildq/api/v1"
@@ -120,6 +121,52 @@ func TestAnsweredRequestStartsNoBuild(t *testing.T) {
 	select {
 	case bd := <-b.runs:
 		t.Fatalf("an answered request started a build: run %s", bd.Run)
+	default:
+	}
+}
+
+// The same check, when the ledger cannot be read (right after a NATS
+// outage, the stall the check is for): it fails closed. The request is
+// tried again later; nothing is claimed and no build starts on a guess
+// that it is unanswered.
+//
+// Origin: the fault simulation, seed 173 (job-after-quiet): a handler cut
+// off NATS while the redelivered copy of its request was answered
+// elsewhere created a Job for it once back.
+func TestAnUnreadableLedgerStartsNoBuild(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	b := countingBackend{runs: make(chan Build, 1)}
+	w := ruleWorker(t, e, b)
+	ctx := context.Background()
+
+	req := request("ledger-unreadable")
+	const seq = 7
+	entry := v1.RequestEntry{RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, State: string(v1.StatusSucceeded),
+		Seq: seq, UpdatedAt: time.Now().UTC(),
+		Result: &v1.ResultData{RequestID: req.RequestID, Tenant: req.Tenant, Status: v1.StatusSucceeded, Digest: digestOf("ledger-unreadable")}}
+	raw, _ := json.Marshal(entry)
+	if _, err := w.ledger.Bucket().Put(ctx, RequestIndexKey(req.Tenant, req.RequestID), raw); err != nil {
+		t.Fatal(err)
+	}
+	w.ledger.UseBucket(&hookedKV{KeyValue: w.ledger.Bucket(), onGet: func(context.Context, string) error { return nats.ErrTimeout }})
+	key := w.builds.keyOf(req)
+	repo, err := w.cfg.Naming.Repository(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	_, _, _, err = w.builds.build(bctx, req, key, repo, naming.Destinations(repo, key, req.Tags), seq, nil)
+	if !IsTransient(err) {
+		t.Fatalf("build with the ledger unreadable: %v, want a transient error", err)
+	}
+	if cur, _, err := w.runs.Get(ctx, key); err != nil || cur != nil {
+		t.Fatalf("a request whose ledger entry could not be read claimed its key: %+v (%v)", cur, err)
+	}
+	select {
+	case bd := <-b.runs:
+		t.Fatalf("a request whose ledger entry could not be read started a build: run %s", bd.Run)
 	default:
 	}
 }

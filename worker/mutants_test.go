@@ -47,6 +47,7 @@ type mutantCase struct {
 // rules added since.
 var mutantCatalogue = []mutantCase{
 	{"answered-check-off", "before claiming, joining or taking over, a handler checks the ledger: a request answered elsewhere starts nothing", []string{"TestAnsweredRequestStartsNoBuild"}},
+	{"answered-check-fails-open", "a ledger that cannot be read is no proof that the request is unanswered: the check fails closed", []string{"TestAnUnreadableLedgerStartsNoBuild"}},
 	{"ignore-recorded-decision", "a request whose ledger holds a decision publishes that decision again, never a new one", []string{"TestLostAckNeverGivesASecondResult"}},
 	{"publish-before-record", "a decision is recorded in the ledger before it is published", nil},
 	{"adopt-any-run", "a take-over adopts only the Job of its own run", nil},
