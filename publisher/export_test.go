@@ -7,3 +7,11 @@ func SetWaitAsking(f func()) (restore func()) {
 	waitAsking = f
 	return func() { waitAsking = old }
 }
+
+// SetTenantRequestSending makes f run right before TenantRequest
+// publishes, until the returned function restores what was there.
+func SetTenantRequestSending(f func()) (restore func()) {
+	old := tenantRequestSending
+	tenantRequestSending = f
+	return func() { tenantRequestSending = old }
+}

@@ -336,8 +336,8 @@ func (c *Client) Wait(ctx context.Context, tenant, name, requestID string, since
 	// The asking stops when Wait returns, however it returns: an answer
 	// it no longer needs is not waited for, and Wait returns only once
 	// the asking has stopped, so nothing is sent for a Wait that
-	// returned (a caller may close the connection, or watch its status
-	// subject, right after).
+	// returned (an ask handed to the connection just before may still
+	// be on its way out).
 	pctx, stop := context.WithCancel(ctx)
 	polled := make(chan struct{})
 	defer func() {
@@ -389,8 +389,9 @@ func (c *Client) Wait(ctx context.Context, tenant, name, requestID string, since
 // request undecided: after waitPollFirst, doubling up to waitPollMax.
 const waitPollFirst, waitPollMax = 5 * time.Second, time.Minute
 
-// waitAsking, set by tests only, runs before each of Wait's asks.
-var waitAsking func()
+// waitAsking, set by tests only, runs before each of Wait's asks;
+// tenantRequestSending right before TenantRequest publishes.
+var waitAsking, tenantRequestSending func()
 
 // decided asks tenant's status service for requestID. answered is false
 // when no worker answered; the result is nil while undecided (or unknown).
@@ -454,6 +455,9 @@ func (c *Client) TenantRequest(ctx context.Context, tenant, subject string, payl
 	}
 	if err := ctx.Err(); err != nil {
 		return nil, err // given up already: nothing is sent
+	}
+	if tenantRequestSending != nil {
+		tenantRequestSending()
 	}
 	if err := c.nc.PublishRequest(subject, inbox, payload); err != nil {
 		return nil, fmt.Errorf("%s: %w", subject, err)

@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"runtime"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -477,5 +478,52 @@ func TestWaitSendsNothingOnceItReturned(t *testing.T) {
 	if n, _, _ := status.Pending(); n != 0 {
 		m, _ := status.NextMsg(0)
 		t.Fatalf("the status service was asked %d time(s) after Wait returned: %s", n, m.Data)
+	}
+}
+
+// TestWaitReturnsOnlyOnceItsAskIsSent: an ask that had passed its last
+// check when the result came is sent before Wait returns, never after.
+func TestWaitReturnsOnlyOnceItsAskIsSent(t *testing.T) {
+	c, js := setup(t, true)
+	var (
+		returned, late atomic.Bool
+		once           sync.Once
+	)
+	sending, release, checked := make(chan struct{}, 1), make(chan struct{}), make(chan struct{})
+	defer publisher.SetTenantRequestSending(func() {
+		select {
+		case sending <- struct{}{}:
+		default:
+		}
+		<-release
+		once.Do(func() {
+			late.Store(returned.Load())
+			close(checked)
+		})
+	})()
+	go func() {
+		<-sending
+		b, _ := json.Marshal(v1.NewResult("/test", v1.ResultData{RequestID: "r1", Tenant: "acme", Name: "web", Status: v1.StatusSucceeded}, time.Now()))
+		m := nats.NewMsg(v1.ResultsIngestPrefix + ".acme.web")
+		m.Header.Set(v1.MsgIDHeader, "r1")
+		m.Data = b
+		if _, err := js.PublishMsg(context.Background(), m); err != nil {
+			t.Error(err)
+		}
+		time.Sleep(200 * time.Millisecond)
+		close(release)
+	}()
+	r, err := c.Wait(context.Background(), "acme", "web", "r1", time.Time{})
+	returned.Store(true)
+	if err != nil || r.ID != "r1" {
+		t.Fatalf("wait: %v %+v", err, r)
+	}
+	select {
+	case <-checked:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Wait's ask never reached its send")
+	}
+	if late.Load() {
+		t.Fatal("Wait returned while its ask was still to be sent")
 	}
 }

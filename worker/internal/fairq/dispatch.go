@@ -119,6 +119,16 @@ func (d *dispatcher) look(ctx context.Context) <-chan struct{} {
 	return d.looking
 }
 
+// lookEnded waits for the look in flight, if any, to end.
+func (d *dispatcher) lookEnded() {
+	d.mu.Lock()
+	l := d.looking
+	d.mu.Unlock()
+	if l != nil {
+		<-l
+	}
+}
+
 // lookWith makes the view from read's per-subject counts. An admission
 // announced while the read is in flight may be missing from its answer:
 // it is added to the answer, or the request would wait for the next idle
@@ -344,7 +354,10 @@ func (d *dispatcher) idle(ctx context.Context) *taken {
 	defer d.q.idle.Store(false)
 	poll := time.NewTimer(d.poll)
 	defer poll.Stop()
-	var looked <-chan struct{} // nil until the poll's look is sent
+	var (
+		looked <-chan struct{} // nil until the poll's look is sent
+		before time.Time       // the view's time when it was sent
+	)
 	for {
 		select {
 		case tk := <-d.q.direct:
@@ -352,9 +365,21 @@ func (d *dispatcher) idle(ctx context.Context) *taken {
 		case <-d.wake:
 			return nil
 		case <-poll.C:
+			d.mu.Lock()
+			before = d.viewAt
+			d.mu.Unlock()
 			looked = d.look(ctx)
 		case <-looked:
-			return nil
+			d.mu.Lock()
+			read := d.viewAt.After(before)
+			d.mu.Unlock()
+			if read {
+				return nil
+			}
+			// The read failed: the view is as it was, and the next
+			// poll reads again (a pick now would only send another).
+			looked = nil
+			poll.Reset(d.poll)
 		case <-ctx.Done():
 			return nil
 		}
@@ -527,6 +552,9 @@ func (d *dispatcher) markDry(tenant string) {
 // until ctx ends.
 func (q *Queue) dispatchLoop(ctx, workCtx context.Context, wg *sync.WaitGroup) {
 	d := newDispatcher(q)
+	// A look in flight when ctx ends is over before the loop is: nothing
+	// of the dispatcher outlives Run.
+	defer d.lookEnded()
 	sub, err := q.nc.Subscribe(wakeSubject, d.woken)
 	if err != nil {
 		q.log.Warn("subscribing to queue announcements failed; the queue is polled", zap.Error(err))

@@ -2,12 +2,14 @@ package fairq
 
 import (
 	"context"
+	"errors"
 	"slices"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
 
 	v1 "github.com/buildq/buildq/api/v1"
 )
@@ -292,4 +294,43 @@ func TestAnIdleDispatcherTakesIntakesRequestWhileItsPollLooks(t *testing.T) {
 	}
 	cancel()
 	<-got
+}
+
+// A poll whose read fails leaves the view as it was: the dispatcher stays
+// idle and reads again at the next poll, not at once (one read a poll,
+// as when reads succeed).
+func TestAFailedPollReadsAgainOnlyAtTheNextPoll(t *testing.T) {
+	q := &Queue{cfg: Options{Lease: 30 * time.Second}, direct: make(chan *taken), log: zap.NewNop()}
+	d := newDispatcher(q)
+	d.poll = 200 * time.Millisecond
+	reads := make(chan time.Time, 16)
+	d.read = func(context.Context) (map[string]uint64, error) {
+		reads <- time.Now()
+		return nil, errors.New("JetStream not available")
+	}
+	d.viewAt = time.Now()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		d.next(ctx, 1)
+	}()
+	// Three reads: from the second poll on, the view is older than a
+	// pick may use.
+	var at []time.Time
+	for len(at) < 3 {
+		select {
+		case r := <-reads:
+			at = append(at, r)
+		case <-time.After(10 * time.Second):
+			t.Fatalf("reads of the queue: %d, want 3", len(at))
+		}
+	}
+	cancel()
+	<-done
+	for i := 1; i < len(at); i++ {
+		if gap := at[i].Sub(at[i-1]); gap < d.poll*3/4 {
+			t.Fatalf("read %d came %s after the failed one before it, want about a poll (%s)", i+1, gap, d.poll)
+		}
+	}
 }
