@@ -213,13 +213,7 @@ func TestWaitLeavesNothingRunning(t *testing.T) {
 	}
 	go func() {
 		<-asked
-		b, _ := json.Marshal(v1.NewResult("/test", v1.ResultData{RequestID: "r1", Tenant: "acme", Name: "web", Status: v1.StatusSucceeded}, time.Now()))
-		m := nats.NewMsg(v1.ResultsIngestPrefix + ".acme.web")
-		m.Header.Set(v1.MsgIDHeader, "r1")
-		m.Data = b
-		if _, err := js.PublishMsg(context.Background(), m); err != nil {
-			t.Error(err)
-		}
+		publishResult(t, js, "r1")
 	}()
 	// No deadline, as a producer may call it.
 	r, err := c.Wait(context.Background(), "acme", "web", "r1", time.Time{})
@@ -450,13 +444,7 @@ func TestWaitSendsNothingOnceItReturned(t *testing.T) {
 		// The result comes while Wait's first ask is about to go; the
 		// ask goes on only once Wait had the result a while.
 		<-asking
-		b, _ := json.Marshal(v1.NewResult("/test", v1.ResultData{RequestID: "r1", Tenant: "acme", Name: "web", Status: v1.StatusSucceeded}, time.Now()))
-		m := nats.NewMsg(v1.ResultsIngestPrefix + ".acme.web")
-		m.Header.Set(v1.MsgIDHeader, "r1")
-		m.Data = b
-		if _, err := js.PublishMsg(context.Background(), m); err != nil {
-			t.Error(err)
-		}
+		publishResult(t, js, "r1")
 		time.Sleep(200 * time.Millisecond)
 		close(release)
 	}()
@@ -503,13 +491,7 @@ func TestWaitReturnsOnlyOnceItsAskIsSent(t *testing.T) {
 	})()
 	go func() {
 		<-sending
-		b, _ := json.Marshal(v1.NewResult("/test", v1.ResultData{RequestID: "r1", Tenant: "acme", Name: "web", Status: v1.StatusSucceeded}, time.Now()))
-		m := nats.NewMsg(v1.ResultsIngestPrefix + ".acme.web")
-		m.Header.Set(v1.MsgIDHeader, "r1")
-		m.Data = b
-		if _, err := js.PublishMsg(context.Background(), m); err != nil {
-			t.Error(err)
-		}
+		publishResult(t, js, "r1")
 		time.Sleep(200 * time.Millisecond)
 		close(release)
 	}()
@@ -525,5 +507,17 @@ func TestWaitReturnsOnlyOnceItsAskIsSent(t *testing.T) {
 	}
 	if late.Load() {
 		t.Fatal("Wait returned while its ask was still to be sent")
+	}
+}
+
+// publishResult stores a succeeded result of acme/web's request id as a
+// worker would (t.Error on failure: it may run in a goroutine).
+func publishResult(t *testing.T, js jetstream.JetStream, id string) {
+	b, _ := json.Marshal(v1.NewResult("/test", v1.ResultData{RequestID: id, Tenant: "acme", Name: "web", Status: v1.StatusSucceeded}, time.Now()))
+	m := nats.NewMsg(v1.ResultsIngestPrefix + ".acme.web")
+	m.Header.Set(v1.MsgIDHeader, id)
+	m.Data = b
+	if _, err := js.PublishMsg(context.Background(), m); err != nil {
+		t.Error(err)
 	}
 }

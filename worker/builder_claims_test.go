@@ -89,39 +89,8 @@ func TestConcurrentIdenticalRequestsBuildOnce(t *testing.T) {
 // Origin: issue 24, mutation testing: a unit test for the mutant answered-check-off (85ff387).
 func TestAnsweredRequestStartsNoBuild(t *testing.T) {
 	t.Parallel()
-	e := setup(t)
-	b := countingBackend{runs: make(chan Build, 1)}
-	w := ruleWorker(t, e, b)
-	ctx := context.Background()
-
-	req := request("answered-elsewhere")
-	const seq = 7
-	entry := v1.RequestEntry{RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, State: string(v1.StatusSucceeded),
-		Seq: seq, UpdatedAt: time.Now().UTC(),
-		Result: &v1.ResultData{RequestID: req.RequestID, Tenant: req.Tenant, Status: v1.StatusSucceeded, Digest: digestOf("answered-elsewhere")}}
-	raw, _ := json.Marshal(entry)
-	if _, err := w.ledger.Bucket().Put(ctx, RequestIndexKey(req.Tenant, req.RequestID), raw); err != nil {
-		t.Fatal(err)
-	}
-	key := w.builds.keyOf(req)
-	repo, err := w.cfg.Naming.Repository(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	// Bounded: a build started by mistake would wait on the backend.
-	bctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	_, _, _, err = w.builds.build(bctx, req, key, repo, naming.Destinations(repo, key, req.Tags), seq, nil)
-	if !errors.Is(err, errAnswered) {
+	if err := buildOfAnAnsweredRequest(t, "answered-elsewhere", nil); !errors.Is(err, errAnswered) {
 		t.Fatalf("build of an answered request: %v, want errAnswered", err)
-	}
-	if cur, _, err := w.runs.Get(ctx, key); err != nil || cur != nil {
-		t.Fatalf("an answered request claimed its key: %+v (%v)", cur, err)
-	}
-	select {
-	case bd := <-b.runs:
-		t.Fatalf("an answered request started a build: run %s", bd.Run)
-	default:
 	}
 }
 
@@ -135,40 +104,55 @@ func TestAnsweredRequestStartsNoBuild(t *testing.T) {
 // elsewhere created a Job for it once back.
 func TestAnUnreadableLedgerStartsNoBuild(t *testing.T) {
 	t.Parallel()
+	err := buildOfAnAnsweredRequest(t, "ledger-unreadable", func(w *Worker) {
+		w.ledger.UseBucket(&hookedKV{KeyValue: w.ledger.Bucket(), onGet: func(context.Context, string) error { return nats.ErrTimeout }})
+	})
+	if !IsTransient(err) {
+		t.Fatalf("build with the ledger unreadable: %v, want a transient error", err)
+	}
+}
+
+// buildOfAnAnsweredRequest runs the build step of a request whose ledger
+// entry holds its decision (answered by another handler of its message),
+// once prepare (nil: nothing) has had the worker, and returns the build's
+// error. It fails t if the request claimed its key or started a build.
+func buildOfAnAnsweredRequest(t *testing.T, name string, prepare func(*Worker)) error {
+	t.Helper()
 	e := setup(t)
 	b := countingBackend{runs: make(chan Build, 1)}
 	w := ruleWorker(t, e, b)
 	ctx := context.Background()
 
-	req := request("ledger-unreadable")
+	req := request(name)
 	const seq = 7
 	entry := v1.RequestEntry{RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, State: string(v1.StatusSucceeded),
 		Seq: seq, UpdatedAt: time.Now().UTC(),
-		Result: &v1.ResultData{RequestID: req.RequestID, Tenant: req.Tenant, Status: v1.StatusSucceeded, Digest: digestOf("ledger-unreadable")}}
+		Result: &v1.ResultData{RequestID: req.RequestID, Tenant: req.Tenant, Status: v1.StatusSucceeded, Digest: digestOf(name)}}
 	raw, _ := json.Marshal(entry)
 	if _, err := w.ledger.Bucket().Put(ctx, RequestIndexKey(req.Tenant, req.RequestID), raw); err != nil {
 		t.Fatal(err)
 	}
-	w.ledger.UseBucket(&hookedKV{KeyValue: w.ledger.Bucket(), onGet: func(context.Context, string) error { return nats.ErrTimeout }})
+	if prepare != nil {
+		prepare(w)
+	}
 	key := w.builds.keyOf(req)
 	repo, err := w.cfg.Naming.Repository(req)
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Bounded: a build started by mistake would wait on the backend.
 	bctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	_, _, _, err = w.builds.build(bctx, req, key, repo, naming.Destinations(repo, key, req.Tags), seq, nil)
-	if !IsTransient(err) {
-		t.Fatalf("build with the ledger unreadable: %v, want a transient error", err)
-	}
-	if cur, _, err := w.runs.Get(ctx, key); err != nil || cur != nil {
-		t.Fatalf("a request whose ledger entry could not be read claimed its key: %+v (%v)", cur, err)
+	if cur, _, gerr := w.runs.Get(ctx, key); gerr != nil || cur != nil {
+		t.Fatalf("an answered request claimed its key: %+v (%v); the build said %v", cur, gerr, err)
 	}
 	select {
 	case bd := <-b.runs:
-		t.Fatalf("a request whose ledger entry could not be read started a build: run %s", bd.Run)
+		t.Fatalf("an answered request started a build: run %s; the build said %v", bd.Run, err)
 	default:
 	}
+	return err
 }
 
 // The renewer treats any error as "try again with the revision I hold".
