@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the real components the integration suite runs from the Go module
-# proxy, into a cache outside the clone. Four modules pin them:
+# proxy, into a cache outside the clone. Five modules pin them:
 #   .        kube-apiserver, kube-controller-manager, etcd, MinIO, registry
 #   node/    kubelet and kube-scheduler (the same Kubernetes version)
 #   kaniko/  the kaniko executor (github.com/chainguard-dev/kaniko)
@@ -11,8 +11,16 @@
 # missing binaries are built: a warm cache costs nothing. Prints on stdout
 # one directory that holds (links to) all of them.
 #
-# Cold, on 2 cores: about 35 minutes. Override the cache root with
-# BUILDQ_TOOLS_CACHE.
+# One build at a time: the build holds a lock on the cache root, and a
+# second build.sh (make test's integration stage while the build that
+# beside.sh started beside the unit stages is still going) waits for it,
+# saying what it builds, then builds what is left.
+#
+# build.sh --missing prints the names of the binaries not built yet, one
+# per line, and builds nothing.
+#
+# Cold, on 2 cores and alone: about 27 minutes of compiling. Override the
+# cache root with BUILDQ_TOOLS_CACHE.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="${BUILDQ_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/buildq/tools}"
@@ -32,6 +40,26 @@ tools=(
   "cosign|cosign|github.com/sigstore/cosign/v3/cmd/cosign"
   "syft|syft|github.com/anchore/syft/cmd/syft|-X main.version=$(awk '$1 == "github.com/anchore/syft" {print $2}' "$here/syft/go.mod")"
 )
+
+if [ "${1:-}" = --missing ]; then
+  for t in "${tools[@]}"; do
+    IFS='|' read -r name mod _ <<<"$t"
+    [ -x "$root/$(modhash "$mod")/$name" ] || echo "$name"
+  done
+  exit 0
+fi
+
+mkdir -p "$root"
+exec 9>"$root/.lock"
+if ! flock -n 9; then
+  log="$root/beside.log"
+  echo "another tools build is running (make test starts one beside the unit stages; its log: $log); waiting for it" >&2
+  until flock -w 60 9; do
+    last="$(grep -E '^(building|built) ' "$log" 2>/dev/null | tail -n 1 || true)"
+    echo "still waiting for the other tools build${last:+; its last step: $last}" >&2
+  done
+fi
+
 set_hash="$(for m in . node kaniko cosign syft; do modhash "$m"; done | sha256sum | cut -c1-16)"
 out="$root/set-$set_hash"
 mkdir -p "$out"

@@ -7,19 +7,32 @@
 # what is missing, so on a ready machine it costs nothing. Without these
 # the node tests fail; they do not skip.
 set -euo pipefail
-missing=()
-command -v containerd >/dev/null 2>&1 && command -v ctr >/dev/null 2>&1 || missing+=(containerd)
-command -v runc >/dev/null 2>&1 || missing+=(runc)
-[ -x /usr/lib/cni/bridge ] && [ -x /usr/lib/cni/host-local ] || missing+=(containernetworking-plugins)
-command -v ip >/dev/null 2>&1 || missing+=(iproute2)
-dpkg -s busybox-static >/dev/null 2>&1 || missing+=(busybox-static)
-[ -x /usr/lib/git-core/git-http-backend ] || missing+=(git)
+check() {
+  missing=()
+  command -v containerd >/dev/null 2>&1 && command -v ctr >/dev/null 2>&1 || missing+=(containerd)
+  command -v runc >/dev/null 2>&1 || missing+=(runc)
+  [ -x /usr/lib/cni/bridge ] && [ -x /usr/lib/cni/host-local ] || missing+=(containernetworking-plugins)
+  command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+  dpkg -s busybox-static >/dev/null 2>&1 || missing+=(busybox-static)
+  [ -x /usr/lib/git-core/git-http-backend ] || missing+=(git)
+}
+check
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
 fi
 if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
   echo "the integration suite's real node needs these Debian packages; install them as root with apt-get install ${missing[*]}" >&2
   exit 1
+fi
+# One install at a time (make test starts one beside its unit stages, and
+# its integration stage runs this again): the second waits for the first,
+# then installs only what is still missing.
+exec 8>"${TMPDIR:-/tmp}/buildq-node-packages.lock"
+if ! flock -n 8; then
+  echo "another node-packages.sh is installing; waiting for it" >&2
+  flock 8
+  check
+  [ ${#missing[@]} -eq 0 ] && exit 0
 fi
 echo "installing ${missing[*]} with apt-get (first time only)" >&2
 export DEBIAN_FRONTEND=noninteractive
