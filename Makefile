@@ -17,12 +17,14 @@ build: ## Build the buildq binary into bin/
 syft: ## Build syft, the SBOM scanner (--sbom-scanner), at the version integration/tools/syft pins, into bin/
 	cd integration/tools/syft && CGO_ENABLED=0 $(GO) build -trimpath -ldflags "-X main.version=$$(awk '$$1 == "github.com/anchore/syft" {print $$2}' go.mod)" -o $(abspath $(BIN))/syft github.com/anchore/syft/cmd/syft
 
-# On a fresh machine the integration suite's tools build beside the unit
-# stages, at idle CPU priority, and its node packages install meanwhile
-# (integration/tools/beside.sh); the integration stage's own `tools` waits
-# for that build and finishes it. With the tools built, nothing runs beside.
+# On a fresh machine the integration stage's prerequisites (its tools, its
+# node packages, the builds it compiles itself) are made beside the unit
+# stages, the compiling at idle CPU priority, and the integration stage
+# starts once they are done (integration/tools/beside.sh). With the tools
+# built, nothing runs beside.
 test: ## Unit tests (with -race), the fault simulation (8 seeds with -race, then 200 seeds and the frozen scenarios), the mutation tests, then the integration suite
-	@bash integration/tools/beside.sh $(MAKE) --no-print-directory test-unit sim-race sim mutants test-integration
+	@bash integration/tools/beside.sh $(MAKE) --no-print-directory test-unit sim-race sim mutants
+	@$(MAKE) --no-print-directory test-integration
 
 test-unit: ## Unit tests, race detector on (the fault simulation runs in `make sim-race` and `make sim`)
 	$(GO) test -race -count=1 -timeout 10m -skip '^(TestFrozenScenarios|TestFaultSimulation)$$' $(PKGS)
