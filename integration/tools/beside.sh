@@ -48,6 +48,15 @@ if [ "${1:-}" = --work ]; then
   exit 0
 fi
 
+# make -n runs this recipe line too (it names $(MAKE)): a dry run makes
+# nothing beside. Make puts its one-letter flags, n among them, first in
+# MAKEFLAGS.
+flags="${MAKEFLAGS:-}"
+flags="${flags%% *}"
+case "$flags" in
+  -*) ;;
+  *n*) exec "$@" ;;
+esac
 missing="$(bash "$here/build.sh" --missing | tr '\n' ' ')"
 if [ -z "$missing" ]; then
   exec "$@"

@@ -12,9 +12,9 @@
 # one directory that holds (links to) all of them.
 #
 # One build at a time: the build holds a lock on the cache root, and a
-# second build.sh (make test's integration stage while the build that
-# beside.sh started beside the unit stages is still going) waits for it,
-# saying what it builds, then builds what is left.
+# second build.sh (say make bench-e2e's, while make test builds the tools
+# beside its unit stages: beside.sh) waits for it, saying what it builds,
+# then builds what is left.
 #
 # build.sh --missing prints the names of the binaries not built yet, one
 # per line, and builds nothing.
