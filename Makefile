@@ -19,12 +19,13 @@ syft: ## Build syft, the SBOM scanner (--sbom-scanner), at the version integrati
 
 # On a fresh machine the integration stage's prerequisites (its tools, its
 # node packages, the builds it compiles itself) are made beside the unit
-# stages, the compiling at idle CPU priority, and the integration stage
-# starts once they are done (integration/tools/beside.sh). With the tools
-# built, nothing runs beside.
+# tests, the compiling at idle CPU priority, and finished before the
+# simulation starts (integration/tools/beside.sh): the simulation and the
+# mutants judge timing rules, and a build beside them let two mutants
+# survive in one of two cold runs. With the tools built, nothing runs beside.
 test: ## Unit tests (with -race), the fault simulation (8 seeds with -race, then 200 seeds and the frozen scenarios), the mutation tests, then the integration suite
-	@bash integration/tools/beside.sh $(MAKE) --no-print-directory test-unit sim-race sim mutants
-	@$(MAKE) --no-print-directory test-integration
+	@bash integration/tools/beside.sh $(MAKE) --no-print-directory test-unit sim-race
+	@$(MAKE) --no-print-directory sim mutants test-integration
 
 test-unit: ## Unit tests, race detector on (the fault simulation runs in `make sim-race` and `make sim`)
 	$(GO) test -race -count=1 -timeout 10m -skip '^(TestFrozenScenarios|TestFaultSimulation)$$' $(PKGS)

@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# beside.sh COMMAND...: runs COMMAND (make test's unit stages) while the
+# beside.sh COMMAND...: runs COMMAND (make test's unit tests) while the
 # integration stage's prerequisites are made beside it, then waits for
 # them, so that on a fresh machine their compiling takes the CPU the unit
-# stages leave idle: the worker's unit tests and the mutation tests wait
-# on timers, and alone they keep about a third of two cores busy.
+# tests leave idle: the worker's unit tests wait on timers, and alone they
+# keep about a third of two cores busy for most of their 8 minutes.
+#
+# Not beside the simulation nor the mutants (make test runs them after):
+# they judge timing rules in calm stretches, and with the tools building
+# beside them two mutants the simulation alone kills (no-job-cleanup,
+# ignore-priority) survived in one of two cold runs.
 #
 # The work beside, on a machine whose integration tools are not all built:
 #   - the node's Debian packages (node-packages.sh), at normal priority:
