@@ -19,8 +19,9 @@
 #     it (TestImageBuildsAndPushesWithoutDocker), and nats-server static
 #     (the real node's images).
 # Both compile steps run at idle CPU priority (SCHED_IDLE, and nice 19):
-# they get a core only when no test wants one, so the tests, the
-# simulation's timing rules among them, run as they would alone.
+# they get a core only when no test wants one (the unit tests passed with
+# them beside in both cold runs; the simulation's timing rules did not
+# always, hence the order above).
 #
 # When COMMAND succeeds, beside.sh waits for the work beside to end (it
 # then has the machine to itself), saying what it is at every minute; a
