@@ -28,7 +28,7 @@ fi
 # its integration stage runs this again): the second waits for the first,
 # then installs only what is still missing.
 exec 8>"${TMPDIR:-/tmp}/buildq-node-packages.lock"
-if ! flock -n 8; then
+if command -v flock >/dev/null 2>&1 && ! flock -n 8; then
   echo "another node-packages.sh is installing; waiting for it" >&2
   flock 8
   check
