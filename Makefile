@@ -60,9 +60,10 @@ sim soak: ## Fault simulation of the worker: `make sim` (SEEDS=200 and the froze
 # MUTANTS=name,name.
 mutants: MUTANT_SEEDS ?= 120
 mutants: SIM_PARALLEL ?= 24
+mutants: MUTANT_PARALLEL ?= 3
 soak: MUTANT_SEEDS ?= 400
 mutants: ## Mutation tests of the worker's protocol: every mutant must be killed by the simulation or its unit tests
-	set -o pipefail; BUILDQ_MUTANT_SEEDS=$(MUTANT_SEEDS) BUILDQ_MUTANTS=$(MUTANTS) BUILDQ_SIM_PARALLEL=$(SIM_PARALLEL) \
+	set -o pipefail; BUILDQ_MUTANT_SEEDS=$(MUTANT_SEEDS) BUILDQ_MUTANTS=$(MUTANTS) BUILDQ_MUTANT_PARALLEL=$(MUTANT_PARALLEL) BUILDQ_SIM_PARALLEL=$(SIM_PARALLEL) \
 	  $(GO) test -tags mutants -count=1 -timeout 120m -run '^TestMutants$$' -v ./worker/ | grep -Ev '^=== RUN'
 
 tools: ## Build the integration suite's real components (cached outside the clone)

@@ -304,6 +304,7 @@ func TestBenchE2ELatency(t *testing.T) {
 		pubAt := map[string]time.Time{}
 		basePubAt := map[string]time.Time{}
 		floorPubAt := map[string]time.Time{}
+		w.traceExec(t, fmt.Sprintf("p1-%vrps", load), time.Duration(float64(perLoad)/load*float64(time.Second))*9/10)
 		tick := time.NewTicker(time.Duration(float64(time.Second) / load))
 		for i := range perLoad {
 			req := src.request("lat", fmt.Sprintf("%d-%d", li, i))

@@ -101,6 +101,32 @@ func (w *benchWorker) profile(t *testing.T, name string, d time.Duration) {
 	}()
 }
 
+// traceExec, when $BUILDQ_BENCH_PPROF names a directory, takes an
+// execution trace of the worker for d into <dir>/<name>.trace, in the
+// background: where a request's wall time goes between round trips
+// (goroutines runnable but not running, threads woken), which neither a
+// CPU profile nor a goroutine dump shows. Read it with go tool trace, or
+// go tool trace -pprof=sched for the scheduling delays alone.
+func (w *benchWorker) traceExec(t *testing.T, name string, d time.Duration) {
+	dir := os.Getenv("BUILDQ_BENCH_PPROF")
+	if dir == "" {
+		return
+	}
+	go func() {
+		resp, err := http.Get(fmt.Sprintf("http://%s/debug/pprof/trace?seconds=%d", w.metrics, int(d.Seconds())))
+		if err != nil {
+			t.Logf("trace %s: %v", name, err)
+			return
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		path := filepath.Join(dir, name+".trace")
+		if err := os.WriteFile(path, b, 0o644); err == nil {
+			t.Logf("execution trace of worker %s: %s", w.id, path)
+		}
+	}()
+}
+
 func (w *benchWorker) stop(t *testing.T, sig syscall.Signal) {
 	t.Helper()
 	_ = w.cmd.Process.Signal(sig)

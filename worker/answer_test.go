@@ -208,6 +208,11 @@ func TestAHitThatNeedsACopyGoesThroughTheQueue(t *testing.T) {
 	if got.Data.Origin != v1.OriginCache || got.Data.Digest != first.Data.Digest || got.Data.ImageRef != other.Image+"@"+first.Data.Digest {
 		t.Fatalf("the copy's result %s", mustJSON(t, got))
 	}
+	// The copy was made, whichever way the request went: a hit answered
+	// without it would name an image its destination does not hold.
+	if d, err := tr.client.Head(context.Background(), got.Data.ImageRef); err != nil || d != first.Data.Digest {
+		t.Errorf("the copy's destination %s holds %q (%v), want %s", got.Data.ImageRef, d, err, first.Data.Digest)
+	}
 	if n := mark.handedOn(t); n != 1 {
 		t.Errorf("intake handed %d requests on to a handler, want the copy (queued, or taken straight from intake)", n)
 	}

@@ -17,8 +17,9 @@ package worker
 // Variables: BUILDQ_MUTANTS (comma-separated names; default all),
 // BUILDQ_MUTANT_SEEDS (simulation seeds per mutant, default 120; the
 // simulation stops at the first violation, so a killed mutant costs the
-// seeds up to its first kill), BUILDQ_SIM_FIRST,
-// BUILDQ_SIM_PARALLEL.
+// seeds up to its first kill), BUILDQ_MUTANT_PARALLEL (mutants run at
+// once, default 3; one that survives beside others runs again alone),
+// BUILDQ_SIM_FIRST, BUILDQ_SIM_PARALLEL.
 
 import (
 	"bytes"
@@ -30,7 +31,9 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 )
@@ -136,6 +139,12 @@ var mutantCatalogue = []mutantCase{
 	{"claimer-takes-others-cancel", "a claimer answers \"canceled\" from its own run only when its own request was canceled; a run another request's cancel stopped is built again", []string{"TestClaimerNotCanceledBuildsAgainAfterAnotherRequestsCancel"}},
 }
 
+// mutantsKilledByTiming are the mutants only the simulation's timing
+// judgments kill (fair share, priority, a finished Job's removal): judged
+// in calm seconds only, they would survive beside other mutants, so they
+// run alone.
+var mutantsKilledByTiming = []string{"ignore-priority", "ignore-shares", "no-job-cleanup"}
+
 func TestMutants(t *testing.T) {
 	names := strings.Split(os.Getenv("BUILDQ_MUTANTS"), ",")
 	if names[0] == "" {
@@ -151,8 +160,7 @@ func TestMutants(t *testing.T) {
 	if out, err := exec.Command("go", "test", "-c", "-tags", "mutants", "-o", bin, ".").CombinedOutput(); err != nil {
 		t.Fatalf("build the mutants' test binary: %v\n%s", err, out)
 	}
-	var lines []string
-	var survived []string
+	var picked []mutantCase
 	for _, m := range mutantCatalogue {
 		if names != nil && !slices.Contains(names, m.name) {
 			continue
@@ -161,39 +169,105 @@ func TestMutants(t *testing.T) {
 			t.Errorf("mutant %s: no mutant.On(%q) switch in the worker's code", m.name, m.name)
 			continue
 		}
-		began := time.Now()
-		var out bytes.Buffer
-		run := func(pattern string) error {
-			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
-			defer cancel()
-			cmd := exec.CommandContext(ctx, bin, "-test.count=1", "-test.timeout=20m", "-test.v", "-test.run", pattern)
-			cmd.Env = append(os.Environ(), "BUILDQ_MUTANT="+m.name, "BUILDQ_SIM_SEEDS="+seeds, "BUILDQ_SIM_STOP=1", "BUILDQ_MUTANTS=")
-			cmd.Stdout, cmd.Stderr = &out, &out
-			return cmd.Run()
+		picked = append(picked, m)
+	}
+	// Several mutants at once: most of them wait on their tests' timers,
+	// and one at a time leaves most of the machine idle. Those that only
+	// the simulation's timing judgments kill run alone, after the others:
+	// the judgments leave out the seconds a loaded machine made late
+	// (sim_stalls_test.go). And a mutant that survives beside the others
+	// is run again alone before it is called survived: a rule the suite
+	// proves on a calm machine stays proven, and only one that survives
+	// alone too is reported.
+	parallel := 3
+	if v, err := strconv.Atoi(os.Getenv("BUILDQ_MUTANT_PARALLEL")); err == nil && v >= 1 {
+		parallel = v
+	}
+	lines := make([]string, len(picked))
+	killed := make([]bool, len(picked))
+	runAll := func(idx []int, n int, again bool) {
+		sem := make(chan struct{}, n)
+		var wg sync.WaitGroup
+		for _, i := range idx {
+			wg.Add(1)
+			sem <- struct{}{}
+			go func() {
+				defer wg.Done()
+				defer func() { <-sem }()
+				lines[i], killed[i] = runMutant(bin, seeds, picked[i], again)
+				if !killed[i] && !again && n > 1 {
+					t.Log(lines[i] + " (beside others: it runs again alone below)")
+					return
+				}
+				t.Log(lines[i])
+			}()
 		}
-		// The named tests first: they are quick, and a mutant they kill
-		// needs no simulation.
-		var err error
-		if len(m.tests) > 0 {
-			err = run("^(" + strings.Join(m.tests, "|") + ")$")
+		wg.Wait()
+	}
+	var together, alone []int
+	for i, m := range picked {
+		if parallel > 1 && slices.Contains(mutantsKilledByTiming, m.name) {
+			alone = append(alone, i)
+		} else {
+			together = append(together, i)
 		}
-		if err == nil {
-			err = run("^TestFaultSimulation$")
+	}
+	runAll(together, parallel, false)
+	runAll(alone, 1, false)
+	if parallel > 1 {
+		var again []int
+		for _, i := range together {
+			if !killed[i] {
+				again = append(again, i)
+			}
 		}
-		took := time.Since(began).Round(time.Second)
-		line := fmt.Sprintf("killed   %-26s %6s  by %s", m.name, took, mutantKillers(out.String()))
-		if err == nil {
+		runAll(again, 1, true)
+	}
+	var survived []string
+	for i, m := range picked {
+		if !killed[i] {
 			survived = append(survived, m.name)
-			line = fmt.Sprintf("SURVIVED %-26s %6s  %s", m.name, took, m.rule)
 		}
-		t.Log(line)
-		lines = append(lines, line)
 	}
 	t.Logf("mutants:\n%s", strings.Join(lines, "\n"))
 	if len(survived) > 0 {
 		// Named again last: a log kept only from its end still says which.
 		t.Errorf("%d mutant(s) survived: the rules they break are not proven: %s", len(survived), strings.Join(survived, ", "))
 	}
+}
+
+// runMutant runs m against its named tests and then, when they all pass,
+// the fault simulation; killed reports whether either failed. again marks
+// a second run, alone.
+func runMutant(bin, seeds string, m mutantCase, again bool) (line string, killed bool) {
+	began := time.Now()
+	var out bytes.Buffer
+	run := func(pattern string) error {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, bin, "-test.count=1", "-test.timeout=20m", "-test.v", "-test.run", pattern)
+		cmd.Env = append(os.Environ(), "BUILDQ_MUTANT="+m.name, "BUILDQ_SIM_SEEDS="+seeds, "BUILDQ_SIM_STOP=1", "BUILDQ_MUTANTS=")
+		cmd.Stdout, cmd.Stderr = &out, &out
+		return cmd.Run()
+	}
+	// The named tests first: they are quick, and a mutant they kill
+	// needs no simulation.
+	var err error
+	if len(m.tests) > 0 {
+		err = run("^(" + strings.Join(m.tests, "|") + ")$")
+	}
+	if err == nil {
+		err = run("^TestFaultSimulation$")
+	}
+	took := time.Since(began).Round(time.Second)
+	alone := ""
+	if again {
+		alone = " (alone, after surviving beside others)"
+	}
+	if err == nil {
+		return fmt.Sprintf("SURVIVED %-26s %6s  %s%s", m.name, took, m.rule, alone), false
+	}
+	return fmt.Sprintf("killed   %-26s %6s  by %s%s", m.name, took, mutantKillers(out.String()), alone), true
 }
 
 var (
