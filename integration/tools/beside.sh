@@ -17,12 +17,8 @@
 #   - then what the integration suite compiles itself, into the build
 #     cache: buildq for linux/amd64 and linux/arm64 as make image builds
 #     it (TestImageBuildsAndPushesWithoutDocker), and nats-server static
-#     (the real node's images);
-#   - beside those, one after another: the test binaries of the
-#     simulation and the mutants (without -race: on a fresh machine the
-#     simulation's compile alone took 5 minutes after the tools), the
-#     integration suite's, and the buildq and nats-server it builds.
-# Every compile runs at idle CPU priority (SCHED_IDLE, and nice 19):
+#     (the real node's images).
+# Both compile steps run at idle CPU priority (SCHED_IDLE, and nice 19):
 # they get a core only when no test wants one (the unit tests passed with
 # them beside in both cold runs; the simulation's timing rules did not
 # always, hence the order above).
@@ -45,32 +41,15 @@ if [ "${1:-}" = --work ]; then
   # The work beside itself (beside.sh starts it so, in a session of its own).
   step() { echo "$(date +%T) $*"; }
   bash "$here/node-packages.sh" || step "node-packages.sh failed; the integration stage runs it again"
-  cd "$here/../.."
-  # The later stages' own compiles, beside the tools' (a second stream
-  # fills the cores while the other links, one package at a time): the
-  # simulation's and the mutants' test binaries, without the race
-  # detector the unit tests build with, and the integration suite's, with
-  # the two programs it builds first (env_test.go).
-  (
-    for c in "go test -c -o /dev/null ./worker/" \
-             "go test -c -tags mutants -o /dev/null ./worker/" \
-             "go test -c -tags integration -o /dev/null ./integration/" \
-             "go build -o /dev/null ./cmd/buildq" \
-             "go build -o /dev/null github.com/nats-io/nats-server/v2"; do
-      step "compiling into the build cache: $c"
-      "${idle[@]}" $c || step "that compile failed; its stage compiles it again"
-    done
-  ) &
-  tests=$!
   step "building the tools"
-  "${idle[@]}" bash "$here/build.sh" >/dev/null || { step "build.sh failed; the integration stage runs it again"; wait "$tests" || true; exit 1; }
+  "${idle[@]}" bash "$here/build.sh" >/dev/null || { step "build.sh failed; the integration stage runs it again"; exit 1; }
+  cd "$here/../.."
   for arch in amd64 arm64; do
     step "compiling buildq for linux/$arch into the build cache"
     "${idle[@]}" env CGO_ENABLED=0 GOOS=linux GOARCH="$arch" go build -trimpath -o /dev/null ./cmd/buildq || step "that compile failed; the integration suite compiles it again"
   done
   step "compiling nats-server, static, into the build cache"
   "${idle[@]}" env CGO_ENABLED=0 go build -trimpath -o /dev/null github.com/nats-io/nats-server/v2 || step "that compile failed; the integration suite compiles it again"
-  wait "$tests" || true
   step "done"
   exit 0
 fi
