@@ -86,19 +86,21 @@ func (w *benchWorker) profile(t *testing.T, name string, d time.Duration) {
 			}
 		}
 	}()
-	go func() {
-		resp, err := http.Get(fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", w.metrics, int(d.Seconds())))
-		if err != nil {
-			t.Logf("profile %s: %v", name, err)
-			return
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		path := filepath.Join(dir, name+".pprof")
-		if err := os.WriteFile(path, b, 0o644); err == nil {
-			t.Logf("CPU profile of worker %s: %s", w.id, path)
-		}
-	}()
+	go w.save(t, "CPU profile", fmt.Sprintf("profile?seconds=%d", int(d.Seconds())), filepath.Join(dir, name+".pprof"))
+}
+
+// save fetches the worker's /debug/pprof/<query> into path.
+func (w *benchWorker) save(t *testing.T, what, query, path string) {
+	resp, err := http.Get(fmt.Sprintf("http://%s/debug/pprof/%s", w.metrics, query))
+	if err != nil {
+		t.Logf("%s of worker %s: %v", what, w.id, err)
+		return
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	if err := os.WriteFile(path, b, 0o644); err == nil {
+		t.Logf("%s of worker %s: %s", what, w.id, path)
+	}
 }
 
 // traceExec, when $BUILDQ_BENCH_PPROF names a directory, takes an
@@ -112,19 +114,7 @@ func (w *benchWorker) traceExec(t *testing.T, name string, d time.Duration) {
 	if dir == "" {
 		return
 	}
-	go func() {
-		resp, err := http.Get(fmt.Sprintf("http://%s/debug/pprof/trace?seconds=%d", w.metrics, int(d.Seconds())))
-		if err != nil {
-			t.Logf("trace %s: %v", name, err)
-			return
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		path := filepath.Join(dir, name+".trace")
-		if err := os.WriteFile(path, b, 0o644); err == nil {
-			t.Logf("execution trace of worker %s: %s", w.id, path)
-		}
-	}()
+	go w.save(t, "execution trace", fmt.Sprintf("trace?seconds=%d", int(d.Seconds())), filepath.Join(dir, name+".trace"))
 }
 
 func (w *benchWorker) stop(t *testing.T, sig syscall.Signal) {
