@@ -136,6 +136,12 @@ func TestEveryLocalBuildIsAttestedAndACacheHitCarriesItsAttestation(t *testing.T
 
 	// The same content again: a cache hit, answered with the build's
 	// attestation; into another repository, the attestation comes along.
+	// Once the run's end is stored: the result is published first, and a
+	// request in between joins the run (origin inflight).
+	eventually(t, 10*time.Second, "the run's end stored", func() bool {
+		rec := e.claim(d.Key)
+		return rec != nil && rec.State == v1.StateSucceeded
+	})
 	again := tenantRequestFor("acme", digest)
 	again.BuildArgs, again.SecretBuildArgs = r.BuildArgs, r.SecretBuildArgs
 	other := tenantRequestFor("acme", digest)

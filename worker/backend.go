@@ -55,6 +55,14 @@ type TagChecker interface {
 	ChecksFirstTag(req *v1.Request) bool
 }
 
+// Preparer is a backend that can do a build's start-up work — what Run
+// computes before it creates anything — ahead of the build, while its
+// claim is still in flight (intakeclaim.go, prepareClaimed). Run uses
+// what was prepared only for a build equal in everything it was made of.
+type Preparer interface {
+	Prepare(ctx context.Context, b Build)
+}
+
 // errNotCurrent: the run ended while its build was being started.
 var errNotCurrent = errors.New("the build run is no longer the key's current run")
 

@@ -132,6 +132,36 @@ func (w *builder) takeClaim(req *v1.Request, seq uint64, take bool) (c *claimAhe
 	return nil, w.withdrawClaim(c, "its request's handler reads the key afresh")
 }
 
+// prepareClaimed has the backend prepare the build of the claim intake
+// sent for req's message at seq (Preparer), while the claim and the
+// entry's create are still in flight: the handler has nothing else to do
+// then, and the claim's answer finds the Job ready to create. Nothing is
+// taken or changed: a claim that is not taken, or is lost, leaves a
+// prepared Job that Run never asks for.
+func (w *builder) prepareClaimed(ctx context.Context, req *v1.Request, seq uint64) {
+	p, ok := w.backend.(Preparer)
+	if !ok || req == nil {
+		return
+	}
+	lk := ledger.Key(req.Tenant, req.RequestID)
+	w.claims.mu.Lock()
+	c := w.claims.m[lk]
+	w.claims.mu.Unlock()
+	if c == nil || c.seq != seq || time.Since(c.sent) >= lookAheadFresh {
+		return
+	}
+	select {
+	case <-c.done:
+		if !c.ok {
+			return // lost, or failed: no build of this claim
+		}
+	default:
+	}
+	cl := c.claim
+	p.Prepare(ctx, Build{Request: runRequest(req, cl), Key: cl.Key, Run: cl.Run, Repository: cl.Repository,
+		Destinations: cl.Destinations, KeepFirstTag: true})
+}
+
 // claimFor removes and returns the claim intake sent for req's request
 // id: only the one of the message at seq unless anySeq.
 func (w *builder) claimFor(req *v1.Request, seq uint64, anySeq bool) *claimAhead {

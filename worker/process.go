@@ -51,6 +51,9 @@ func (w *Worker) processRequest(ctx context.Context, h *handling) (verdict, *led
 	}
 	v.Data.Key = key
 	h.known = v
+	// While the entry's create and the key's claim intake sent are in
+	// flight, the claim's Job is made ready (intakeclaim.go).
+	w.builds.prepareClaimed(ctx, req, seq)
 	le, fresh, openSent, openDone, err := w.openEntry(ctx, req, key, seq, at, h.cancel)
 	defer openDone()
 	if errors.Is(err, ledger.ErrDuplicateID) {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sync"
 
 	"github.com/google/go-containerregistry/pkg/name"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
@@ -17,18 +18,61 @@ import (
 // tenantRegistries gives a tenant's registry client: its own credentials
 // from dir/<tenant>/config.json for everything written into its
 // repositories, the worker's (shared) for reading the source of a copy.
+//
+// It is asked on every request's way to its build (twice: at intake and
+// by its handler), so a tenant's client is kept while its file stays the
+// same one: a stat per request, where reading and parsing the file was
+// about 0.1 ms on the path from publish to Job (P1 in docs/benchmarks.md).
+// A mounted Secret is updated by swapping the file for a new one, and a
+// file written in place changes its size or modification time: either
+// way the next request reads it again.
 func tenantRegistries(shared *registry.Client, dir string, kc kaniko.Config) func(string) (worker.Registry, error) {
+	type kept struct {
+		file os.FileInfo
+		reg  tenantRegistry
+	}
+	var (
+		mu    sync.Mutex
+		cache = map[string]kept{}
+	)
 	return func(tenant string) (worker.Registry, error) {
 		p := filepath.Join(dir, tenant, "config.json")
-		if _, err := os.Stat(p); err != nil {
+		fi, err := os.Stat(p)
+		if err != nil {
+			mu.Lock()
+			delete(cache, tenant)
+			mu.Unlock()
 			return nil, fmt.Errorf("tenant %q has no registry credentials: %s is missing (create the Secret %s in the build namespace and mount it there)", tenant, p, kc.RegistrySecretFor(tenant))
+		}
+		mu.Lock()
+		k, ok := cache[tenant]
+		mu.Unlock()
+		if ok && sameVersion(k.file, fi) {
+			return k.reg, nil
 		}
 		own, err := registry.New(registry.Options{DockerConfig: p, Insecure: kc.InsecureRegistries})
 		if err != nil {
 			return nil, fmt.Errorf("tenant %q registry credentials: %w", tenant, err)
 		}
-		return tenantRegistry{shared: shared, own: own}, nil
+		reg := tenantRegistry{shared: shared, own: own}
+		mu.Lock()
+		if len(cache) >= maxKeptTenantRegistries {
+			clear(cache)
+		}
+		cache[tenant] = kept{file: fi, reg: reg}
+		mu.Unlock()
+		return reg, nil
 	}
+}
+
+// maxKeptTenantRegistries bounds the tenants whose clients are kept.
+const maxKeptTenantRegistries = 4096
+
+// sameVersion reports whether a and b are one version of one file: the
+// same file (a Secret's update swaps it for a new one), its size and
+// modification time unchanged.
+func sameVersion(a, b os.FileInfo) bool {
+	return os.SameFile(a, b) && a.Size() == b.Size() && a.ModTime().Equal(b.ModTime())
 }
 
 // tenantRegistry is worker.Registry for one tenant's requests.
