@@ -7,7 +7,6 @@ package worker
 import (
 	"context"
 	"fmt"
-	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -20,14 +19,7 @@ import (
 )
 
 // fetchURL is the context URL job's fetch-context container is given.
-func fetchURL(job *batchv1.Job) string {
-	for _, c := range job.Spec.Template.Spec.InitContainers {
-		if i := slices.Index(c.Args, "--url"); c.Name == kaniko.FetchContainerName && i >= 0 && i+1 < len(c.Args) {
-			return c.Args[i+1]
-		}
-	}
-	return ""
-}
+func fetchURL(job *batchv1.Job) string { return fetchArg(job, "--url") }
 
 func TestAPreparedJobIsCreatedOnlyForTheBuildItWasMadeFor(t *testing.T) {
 	t.Parallel()

@@ -50,9 +50,13 @@ func fetchWorld(t *testing.T) (*env, *testRegistry, *resultCollector) {
 }
 
 // absentArg is the tag job's fetch-context checks (its --absent), or "".
-func absentArg(job *batchv1.Job) string {
+func absentArg(job *batchv1.Job) string { return fetchArg(job, "--absent") }
+
+// fetchArg is the value of flag in job's fetch-context container's
+// arguments, or "".
+func fetchArg(job *batchv1.Job, flag string) string {
 	for _, c := range job.Spec.Template.Spec.InitContainers {
-		if i := slices.Index(c.Args, "--absent"); c.Name == kaniko.FetchContainerName && i >= 0 && i+1 < len(c.Args) {
+		if i := slices.Index(c.Args, flag); c.Name == kaniko.FetchContainerName && i >= 0 && i+1 < len(c.Args) {
 			return c.Args[i+1]
 		}
 	}
