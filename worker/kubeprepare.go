@@ -104,6 +104,9 @@ func (k *KubeBackend) takePrepared(b Build) *batchv1.Job {
 	if !ok || time.Since(p.at) >= preparedFresh {
 		return nil
 	}
+	if mutant.On("prepared-job-unchecked") {
+		return p.job
+	}
 	if p.b.Key != b.Key || p.b.KeepFirstTag != b.KeepFirstTag || !slices.Equal(p.b.Destinations, b.Destinations) ||
 		!reflect.DeepEqual(p.b.Request, b.Request) {
 		return nil

@@ -63,6 +63,7 @@ var mutantCatalogue = []mutantCase{
 	{"cancel-ignores-holder", "a cancel counts the request whose handler runs the build as waiting on it, whether or not the waiter index lists it", []string{"TestAnotherTenantsCancelSparesARunItsHolderIsNotListedFor"}},
 	{"platform-takes-found-tag", "a platform's build of an image index takes no image found at its tag: the index is shared, so its images are buildq's own builds", []string{"TestAPlatformOfAnIndexTakesNoImageFoundAtItsTag"}},
 	{"platform-takes-found-tag-ahead", "a platform's build of an image index takes no image that a HEAD sent ahead for a one-platform request found at the same tag", []string{"TestAPlatformTakesNoPreflightSentAheadForAOnePlatformRequest"}},
+	{"prepared-job-unchecked", "a Job made ahead of its run is created only for a build equal in everything it was made of: request, key, destinations, tag check", []string{"TestAPreparedJobIsCreatedOnlyForTheBuildItWasMadeFor"}},
 	{"pod-skips-tag-check", "a one-image build's Pod checks its first tag before it builds (fetch-context --absent)", []string{"TestABuildPodChecksItsFirstTagBeforeItBuilds"}},
 	{"tag-taken-answers", "a run whose Pod found its first tag taken built nothing and answers nobody: every request of it looks again", []string{"TestATagTakenBeforeTheBuildStartsIsNeverPushedOver"}},
 	{"tag-check-beside-any-backend", "a build is started beside its tag's preflight HEAD only where its Pod checks the tag itself; elsewhere the HEAD answers first", []string{"TestABuildWhosePodChecksNoTagWaitsForItsHEAD"}},
