@@ -6,9 +6,10 @@ package worker
 // creates it once the claim is taken.
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
-	"reflect"
 	"slices"
 	"sync"
 	"time"
@@ -23,6 +24,8 @@ import (
 type preparedJobs struct {
 	mu sync.Mutex
 	m  map[string]preparedJob
+	// swept is when the stale ones were last dropped.
+	swept time.Time
 }
 
 // makeJob is the Job of b: its fetch-context URL presigned, its spec
@@ -48,18 +51,24 @@ func (k *KubeBackend) makeJob(ctx context.Context, b Build) (*batchv1.Job, error
 }
 
 // preparedJob is a Job made ahead of its run (Prepare), with what it was
-// made of.
+// made of: the request as its JSON at that moment (a request changed in
+// place since is another request), the key, a copy of the destinations
+// and the tag check.
 type preparedJob struct {
-	b   Build
-	job *batchv1.Job
-	at  time.Time
+	req          []byte
+	key          string
+	dests        []string
+	keepFirstTag bool
+	job          *batchv1.Job
+	at           time.Time
 }
 
 const (
 	// preparedFresh is how long a Job made ahead waits for its run: a
 	// run starts within moments of its claim or not at all.
 	preparedFresh = 10 * time.Second
-	// maxPrepared bounds the Jobs made ahead and not yet taken.
+	// maxPrepared bounds the Jobs made ahead and not yet taken; past it
+	// the oldest goes.
 	maxPrepared = 1024
 )
 
@@ -73,6 +82,10 @@ const (
 // prepared for a claim that lost, or for a run that never starts, is
 // dropped after preparedFresh.
 func (k *KubeBackend) Prepare(ctx context.Context, b Build) {
+	req, err := json.Marshal(b.Request)
+	if err != nil {
+		return
+	}
 	job, err := k.makeJob(ctx, b)
 	if err != nil {
 		return // Run makes it again, and says what failed
@@ -83,32 +96,52 @@ func (k *KubeBackend) Prepare(ctx context.Context, b Build) {
 	if k.prepared.m == nil {
 		k.prepared.m = map[string]preparedJob{}
 	}
-	for run, p := range k.prepared.m {
-		if now.Sub(p.at) >= preparedFresh {
-			delete(k.prepared.m, run)
+	k.prepared.sweep(now)
+	if len(k.prepared.m) >= maxPrepared {
+		oldest := ""
+		for run, p := range k.prepared.m {
+			if oldest == "" || p.at.Before(k.prepared.m[oldest].at) {
+				oldest = run
+			}
+		}
+		delete(k.prepared.m, oldest)
+	}
+	k.prepared.m[b.Run] = preparedJob{req: req, key: b.Key, dests: slices.Clone(b.Destinations), keepFirstTag: b.KeepFirstTag, job: job, at: now}
+}
+
+// sweep drops the Jobs made ahead that waited preparedFresh for their
+// runs (their presigned URLs among them). Called with mu held.
+func (p *preparedJobs) sweep(now time.Time) {
+	if now.Sub(p.swept) < preparedFresh/10 {
+		return
+	}
+	p.swept = now
+	for run, j := range p.m {
+		if now.Sub(j.at) >= preparedFresh {
+			delete(p.m, run)
 		}
 	}
-	if len(k.prepared.m) >= maxPrepared {
-		clear(k.prepared.m)
-	}
-	k.prepared.m[b.Run] = preparedJob{b: b, job: job, at: now}
 }
 
 // takePrepared removes and returns the Job prepared for b's run when it
 // was made of what b's would be, within preparedFresh; nil otherwise.
 func (k *KubeBackend) takePrepared(b Build) *batchv1.Job {
+	now := time.Now()
 	k.prepared.mu.Lock()
 	p, ok := k.prepared.m[b.Run]
 	delete(k.prepared.m, b.Run)
+	k.prepared.sweep(now)
 	k.prepared.mu.Unlock()
-	if !ok || time.Since(p.at) >= preparedFresh {
+	if !ok || now.Sub(p.at) >= preparedFresh {
 		return nil
 	}
 	if mutant.On("prepared-job-unchecked") {
 		return p.job
 	}
-	if p.b.Key != b.Key || p.b.KeepFirstTag != b.KeepFirstTag || !slices.Equal(p.b.Destinations, b.Destinations) ||
-		!reflect.DeepEqual(p.b.Request, b.Request) {
+	if p.key != b.Key || p.keepFirstTag != b.KeepFirstTag || !slices.Equal(p.dests, b.Destinations) {
+		return nil
+	}
+	if req, err := json.Marshal(b.Request); err != nil || !bytes.Equal(req, p.req) {
 		return nil
 	}
 	return p.job

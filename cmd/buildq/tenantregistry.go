@@ -1,11 +1,15 @@
 package main
 
 import (
+	"bytes"
 	"context"
+	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"sync"
+	"time"
 
 	"github.com/google/go-containerregistry/pkg/name"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
@@ -20,59 +24,110 @@ import (
 // repositories, the worker's (shared) for reading the source of a copy.
 //
 // It is asked on every request's way to its build (twice: at intake and
-// by its handler), so a tenant's client is kept while its file stays the
-// same one: a stat per request, where reading and parsing the file was
+// by its handler), so a tenant's client is kept while its file is known
+// unchanged: a stat per request, where reading and parsing the file was
 // about 0.1 ms on the path from publish to Job (P1 in docs/benchmarks.md).
-// A mounted Secret is updated by swapping the file for a new one, and a
-// file written in place changes its size or modification time: either
-// way the next request reads it again.
+// Known unchanged is the same file (a mounted Secret's update swaps in a
+// new one) with the same size, modification time and change time (the
+// kernel sets the change time on every write, whatever keeps the
+// modification time: cp -p, tar, rsync -t), last changed well before it
+// was looked at. A file changed within racyWindow of the look may change
+// again within one tick of a coarse clock, leaving every time as it was:
+// it is read again on each request, and its client kept only while its
+// bytes are those it was made of.
 func tenantRegistries(shared *registry.Client, dir string, kc kaniko.Config) func(string) (worker.Registry, error) {
-	type kept struct {
-		file os.FileInfo
-		reg  tenantRegistry
+	c := &tenantRegistryCache{shared: shared, dir: dir, kc: kc, now: time.Now, stat: os.Stat, read: os.ReadFile, kept: map[string]keptRegistry{}}
+	return c.registryFor
+}
+
+// tenantRegistryCache keeps the tenants' registry clients
+// (tenantRegistries).
+type tenantRegistryCache struct {
+	shared *registry.Client
+	dir    string
+	kc     kaniko.Config
+	now    func() time.Time
+	stat   func(string) (os.FileInfo, error)
+	read   func(string) ([]byte, error)
+
+	mu   sync.Mutex
+	kept map[string]keptRegistry
+}
+
+// keptRegistry is a tenant's client and the version of its file it was
+// made of.
+type keptRegistry struct {
+	file os.FileInfo
+	// settled: the file was last changed more than racyWindow before it
+	// was looked at (file), so a later change shows in its times.
+	settled bool
+	data    []byte
+	reg     tenantRegistry
+}
+
+func (c *tenantRegistryCache) forget(tenant string) {
+	c.mu.Lock()
+	delete(c.kept, tenant)
+	c.mu.Unlock()
+}
+
+func (c *tenantRegistryCache) registryFor(tenant string) (worker.Registry, error) {
+	p := filepath.Join(c.dir, tenant, "config.json")
+	at := c.now()
+	fi, err := c.stat(p)
+	if errors.Is(err, fs.ErrNotExist) {
+		c.forget(tenant)
+		return nil, fmt.Errorf("tenant %q has no registry credentials: %s is missing (create the Secret %s in the build namespace and mount it there)", tenant, p, c.kc.RegistrySecretFor(tenant))
 	}
-	var (
-		mu    sync.Mutex
-		cache = map[string]kept{}
-	)
-	return func(tenant string) (worker.Registry, error) {
-		p := filepath.Join(dir, tenant, "config.json")
-		fi, err := os.Stat(p)
+	if err != nil {
+		c.forget(tenant)
+		return nil, fmt.Errorf("tenant %q registry credentials: %w", tenant, err)
+	}
+	c.mu.Lock()
+	k, ok := c.kept[tenant]
+	c.mu.Unlock()
+	if ok && k.settled && sameVersion(k.file, fi) {
+		return k.reg, nil
+	}
+	// The stat came first: a change after it shows in the next one.
+	data, err := c.read(p)
+	if err != nil {
+		c.forget(tenant)
+		return nil, fmt.Errorf("tenant %q registry credentials: %w", tenant, err)
+	}
+	reg := k.reg
+	if !ok || !bytes.Equal(k.data, data) {
+		own, err := registry.New(registry.Options{DockerConfig: p, DockerConfigData: data, Insecure: c.kc.InsecureRegistries})
 		if err != nil {
-			mu.Lock()
-			delete(cache, tenant)
-			mu.Unlock()
-			return nil, fmt.Errorf("tenant %q has no registry credentials: %s is missing (create the Secret %s in the build namespace and mount it there)", tenant, p, kc.RegistrySecretFor(tenant))
-		}
-		mu.Lock()
-		k, ok := cache[tenant]
-		mu.Unlock()
-		if ok && sameVersion(k.file, fi) {
-			return k.reg, nil
-		}
-		own, err := registry.New(registry.Options{DockerConfig: p, Insecure: kc.InsecureRegistries})
-		if err != nil {
+			c.forget(tenant)
 			return nil, fmt.Errorf("tenant %q registry credentials: %w", tenant, err)
 		}
-		reg := tenantRegistry{shared: shared, own: own}
-		mu.Lock()
-		if len(cache) >= maxKeptTenantRegistries {
-			clear(cache)
-		}
-		cache[tenant] = kept{file: fi, reg: reg}
-		mu.Unlock()
-		return reg, nil
+		reg = tenantRegistry{shared: c.shared, own: own}
 	}
+	changed, known := changeTime(fi)
+	c.mu.Lock()
+	if len(c.kept) >= maxKeptTenantRegistries {
+		clear(c.kept)
+	}
+	c.kept[tenant] = keptRegistry{file: fi, settled: known && changed.Before(at.Add(-racyWindow)), data: data, reg: reg}
+	c.mu.Unlock()
+	return reg, nil
 }
 
 // maxKeptTenantRegistries bounds the tenants whose clients are kept.
 const maxKeptTenantRegistries = 4096
 
+// racyWindow is more than any file timestamp's granularity: a file last
+// changed longer ago than this before a look changes its times with its
+// next write.
+const racyWindow = 2 * time.Second
+
 // sameVersion reports whether a and b are one version of one file: the
-// same file (a Secret's update swaps it for a new one), its size and
-// modification time unchanged.
+// same file, its size, modification and change times unchanged.
 func sameVersion(a, b os.FileInfo) bool {
-	return os.SameFile(a, b) && a.Size() == b.Size() && a.ModTime().Equal(b.ModTime())
+	ca, oka := changeTime(a)
+	cb, okb := changeTime(b)
+	return oka && okb && ca.Equal(cb) && os.SameFile(a, b) && a.Size() == b.Size() && a.ModTime().Equal(b.ModTime())
 }
 
 // tenantRegistry is worker.Registry for one tenant's requests.

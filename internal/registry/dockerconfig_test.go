@@ -301,3 +301,18 @@ type fakeResource string
 
 func (f fakeResource) String() string      { return string(f) }
 func (f fakeResource) RegistryStr() string { return string(f) }
+
+// A config already read is parsed as given: the path only names it in
+// errors, and a file at the path (gone, or changed since) is not read.
+func TestDockerConfigDataIsParsedWithoutReadingThePath(t *testing.T) {
+	t.Parallel()
+	gone := filepath.Join(t.TempDir(), "config.json")
+	c := newClient(t, Options{DockerConfig: gone, DockerConfigData: []byte(`{"auths":{"reg.example":{"username":"bob","password":"pw"}}}`)})
+	if got := resolved(t, c, "reg.example/team/app"); got == nil || got.Username != "bob" || got.Password != "pw" {
+		t.Fatalf("got %+v, want bob's credentials from the data given", got)
+	}
+	_, err := New(Options{DockerConfig: gone, DockerConfigData: []byte(`{"auths": {`)})
+	if err == nil || !strings.Contains(err.Error(), gone) || !strings.Contains(err.Error(), "JSON") {
+		t.Fatalf("err = %v, want a JSON error naming %s", err, gone)
+	}
+}

@@ -43,6 +43,10 @@ type Options struct {
 	// credentials kaniko pushes with, i.e. the content of a
 	// kubernetes.io/dockerconfigjson Secret). Empty: anonymous.
 	DockerConfig string
+	// DockerConfigData, when set, is DockerConfig's content, already
+	// read: New parses it instead of reading the file (DockerConfig then
+	// only names it in errors).
+	DockerConfigData []byte
 	// Insecure lists registries (host[:port]) reached over plain HTTP.
 	Insecure []string
 	// Transport, when set, replaces http.DefaultTransport (tests, proxies).
@@ -119,10 +123,13 @@ func New(opts Options) (*Client, error) {
 		}
 		c.insecure[strings.ToLower(h)] = true
 	}
-	if opts.DockerConfig != "" {
-		data, err := os.ReadFile(opts.DockerConfig)
-		if err != nil {
-			return nil, fmt.Errorf("registry: read docker config: %w", err)
+	if opts.DockerConfig != "" || opts.DockerConfigData != nil {
+		data := opts.DockerConfigData
+		if data == nil {
+			var err error
+			if data, err = os.ReadFile(opts.DockerConfig); err != nil {
+				return nil, fmt.Errorf("registry: read docker config: %w", err)
+			}
 		}
 		creds, err := parseDockerConfig(data)
 		if err != nil {
