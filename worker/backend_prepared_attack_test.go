@@ -49,15 +49,15 @@ func TestAttack_APreparedJobNeverGoesToAnotherTenantsOrInputsBuild(t *testing.T)
 		k.Prepare(context.Background(), preparedBuild("cross", "run-"+name))
 		given := preparedBuild("cross", "run-"+name)
 		change(&given)
-		if k.takePrepared(given) != nil {
+		if k.prepared.take(given) != nil {
 			t.Errorf("%s differs, and the Job prepared for acme's build was taken", name)
 		}
-		if k.takePrepared(preparedBuild("cross", "run-"+name)) != nil {
+		if k.prepared.take(preparedBuild("cross", "run-"+name)) != nil {
 			t.Errorf("%s: a Job prepared once was taken after a mismatch dropped it", name)
 		}
 	}
 	k.Prepare(context.Background(), preparedBuild("cross", "run-same"))
-	if k.takePrepared(preparedBuild("cross", "run-same")) == nil {
+	if k.prepared.take(preparedBuild("cross", "run-same")) == nil {
 		t.Error("an equal build, decoded afresh, did not get the Job prepared for it")
 	}
 }
@@ -71,13 +71,13 @@ func TestAttack_APreparedJobIsNotTakenForARequestChangedInPlace(t *testing.T) {
 	b.Request.BuildArgs = map[string]string{"VERSION": "1.2.3"}
 	k.Prepare(context.Background(), b)
 	b.Request.BuildArgs["VERSION"] = "9.9.9"
-	if job := k.takePrepared(b); job != nil {
+	if job := k.prepared.take(b); job != nil {
 		t.Fatalf("the Job made with VERSION=1.2.3 was taken for a build with VERSION=9.9.9: %v", job.Spec.Template.Spec.Containers[0].Args)
 	}
 	d := preparedBuild("alias", "run-dests")
 	k.Prepare(context.Background(), d)
 	d.Destinations[0] = "registry.test:5000/acme/web:other"
-	if k.takePrepared(d) != nil {
+	if k.prepared.take(d) != nil {
 		t.Fatal("the Job made for web:one was taken for a build whose destination became web:other in place")
 	}
 }
@@ -97,7 +97,7 @@ func TestAttack_PreparedJobsAreBoundedOldestFirst(t *testing.T) {
 	if n != maxPrepared || oldest {
 		t.Fatalf("%d Jobs kept (the oldest among them: %v), want %d without the oldest", n, oldest, maxPrepared)
 	}
-	if k.takePrepared(preparedBuild("bound", "run-1")) == nil {
+	if k.prepared.take(preparedBuild("bound", "run-1")) == nil {
 		t.Fatal("the second oldest Job was dropped when the first went")
 	}
 	last := fmt.Sprintf("run-%d", maxPrepared)
@@ -106,7 +106,7 @@ func TestAttack_PreparedJobsAreBoundedOldestFirst(t *testing.T) {
 	p.at = time.Now().Add(-preparedFresh)
 	k.prepared.m[last] = p
 	k.prepared.mu.Unlock()
-	if k.takePrepared(preparedBuild("bound", last)) != nil {
+	if k.prepared.take(preparedBuild("bound", last)) != nil {
 		t.Fatal("a Job prepared preparedFresh ago was taken")
 	}
 }

@@ -120,7 +120,7 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 		// serves it.
 		return Outcome{Reason: v1.ReasonInvalidRequest, Message: err.Error()}, nil
 	}
-	job := k.takePrepared(b)
+	job := k.prepared.take(b)
 	if job == nil {
 		var err error
 		if job, err = k.makeJob(ctx, b); err != nil {

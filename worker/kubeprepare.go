@@ -90,23 +90,28 @@ func (k *KubeBackend) Prepare(ctx context.Context, b Build) {
 	if err != nil {
 		return // Run makes it again, and says what failed
 	}
+	k.prepared.put(b, req, job)
+}
+
+// put keeps job, made of b (whose request encodes as req), for b's run.
+func (p *preparedJobs) put(b Build, req []byte, job *batchv1.Job) {
 	now := time.Now()
-	k.prepared.mu.Lock()
-	defer k.prepared.mu.Unlock()
-	if k.prepared.m == nil {
-		k.prepared.m = map[string]preparedJob{}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.m == nil {
+		p.m = map[string]preparedJob{}
 	}
-	k.prepared.sweep(now)
-	if len(k.prepared.m) >= maxPrepared {
+	p.sweep(now)
+	if len(p.m) >= maxPrepared {
 		oldest := ""
-		for run, p := range k.prepared.m {
-			if oldest == "" || p.at.Before(k.prepared.m[oldest].at) {
+		for run, j := range p.m {
+			if oldest == "" || j.at.Before(p.m[oldest].at) {
 				oldest = run
 			}
 		}
-		delete(k.prepared.m, oldest)
+		delete(p.m, oldest)
 	}
-	k.prepared.m[b.Run] = preparedJob{req: req, key: b.Key, dests: slices.Clone(b.Destinations), keepFirstTag: b.KeepFirstTag, job: job, at: now}
+	p.m[b.Run] = preparedJob{req: req, key: b.Key, dests: slices.Clone(b.Destinations), keepFirstTag: b.KeepFirstTag, job: job, at: now}
 }
 
 // sweep drops the Jobs made ahead that waited preparedFresh for their
@@ -123,26 +128,26 @@ func (p *preparedJobs) sweep(now time.Time) {
 	}
 }
 
-// takePrepared removes and returns the Job prepared for b's run when it
-// was made of what b's would be, within preparedFresh; nil otherwise.
-func (k *KubeBackend) takePrepared(b Build) *batchv1.Job {
+// take removes and returns the Job prepared for b's run when it was made
+// of what b's would be, within preparedFresh; nil otherwise.
+func (p *preparedJobs) take(b Build) *batchv1.Job {
 	now := time.Now()
-	k.prepared.mu.Lock()
-	p, ok := k.prepared.m[b.Run]
-	delete(k.prepared.m, b.Run)
-	k.prepared.sweep(now)
-	k.prepared.mu.Unlock()
-	if !ok || now.Sub(p.at) >= preparedFresh {
+	p.mu.Lock()
+	j, ok := p.m[b.Run]
+	delete(p.m, b.Run)
+	p.sweep(now)
+	p.mu.Unlock()
+	if !ok || now.Sub(j.at) >= preparedFresh {
 		return nil
 	}
 	if mutant.On("prepared-job-unchecked") {
-		return p.job
+		return j.job
 	}
-	if p.key != b.Key || p.keepFirstTag != b.KeepFirstTag || !slices.Equal(p.dests, b.Destinations) {
+	if j.key != b.Key || j.keepFirstTag != b.KeepFirstTag || !slices.Equal(j.dests, b.Destinations) {
 		return nil
 	}
-	if req, err := json.Marshal(b.Request); err != nil || !bytes.Equal(req, p.req) {
+	if req, err := json.Marshal(b.Request); err != nil || !bytes.Equal(req, j.req) {
 		return nil
 	}
-	return p.job
+	return j.job
 }

@@ -54,7 +54,7 @@ func (c *serveConfig) registerWorker(fs *pflag.FlagSet) {
 	fs.Float64Var(&c.kubeQPS, "kube-api-qps", defaultKubeQPS, "sustained Kubernetes API requests per second of the worker's client (client-go's default of 5 would hold a busy worker back)")
 	fs.IntVar(&c.kubeBurst, "kube-api-burst", defaultKubeBurst, "Kubernetes API requests the worker's client may send in a burst above --kube-api-qps")
 	fs.StringVar(&c.jobTemplate, "job-template", "", jobTemplateHelp)
-	fs.StringVar(&c.tenantRegistryConfigs, "tenant-registry-configs", "", "with --tenant-registry-secret: directory holding <tenant>/config.json, each tenant's Secret mounted; the worker's checks and copies for a tenant's request use those credentials")
+	fs.StringVar(&c.tenantRegistryConfigs, "tenant-registry-configs", "", "with --tenant-registry-secret: directory holding <tenant>/config.json, each tenant's Secret mounted; the worker's checks and copies for a tenant's request use those credentials, a changed file from the next request on")
 	fs.StringVar(&c.s3AccessKey, "s3-access-key", "", "with --fetch-image: S3 access key that signs the context URLs (also AWS_ACCESS_KEY_ID); only the worker holds it")
 	fs.StringVar(&c.s3SecretKey, "s3-secret-key", "", "with --fetch-image: S3 secret key (also AWS_SECRET_ACCESS_KEY)")
 	fs.StringVar(&c.registryConfig, "registry-config", "", "docker config.json the worker checks and tags images with: the same credentials as --registry-secret (mount that Secret); empty: anonymous")
