@@ -501,7 +501,21 @@ func (w *Worker) publish(ctx context.Context, d ledger.Decision) (ledger.Ack, er
 	m.Header.Set(v1.MsgIDHeader, v1.MsgID(d.Tenant, d.Data.RequestID))
 	m.Header.Set("Content-Type", v1.CloudEventsContentType)
 	m.Data = b
-	ack, err := w.js.PublishMsg(ctx, m)
+	// A PubAck lost with a dropped connection never comes, and the wait
+	// for it is bounded: a publish whose attempt runs out fails as any
+	// failed publish does — whether it was stored is unknown — and the
+	// ledger's rules for that take over (a result published first is
+	// recorded and published again, whose copy the stream answers as a
+	// duplicate; otherwise the request is retried). Waiting out the
+	// caller's 15 s instead held the request's decision that long after
+	// a NATS restart.
+	attempt := w.publishAttempt
+	if attempt <= 0 {
+		attempt = apiAttempt
+	}
+	pctx, cancel := context.WithTimeout(ctx, attempt)
+	defer cancel()
+	ack, err := w.js.PublishMsg(pctx, m)
 	if err != nil {
 		return ledger.Ack{}, fmt.Errorf("publish result %s: %w", d.Data.RequestID, err)
 	}

@@ -19,17 +19,62 @@ import (
 // a publisher answered as a duplicate, or one whose request is old
 // enough that a result published first may have left the duplicate
 // window, reads what was stored.
-type storedResults struct{ js jetstream.JetStream }
+type storedResults struct {
+	js jetstream.JetStream
+	// attempt bounds each JetStream API request of a look (0: apiAttempt).
+	attempt time.Duration
+}
+
+// apiAttempt bounds one JetStream request on a decision's path: a look
+// for a stored result, a result's publish. A request in flight when the
+// connection to its server drops is never answered (the client does not
+// fail it; it waits out its context), so a look or a publish whose
+// context allows 15 s would hang that long after a NATS restart, and the
+// request's decision with it. Each request of a look is a read and is
+// sent again when its attempt runs out, while the look's context allows;
+// a publish that runs out fails (handle.go, publish). 5 s is the
+// jetstream package's own bound for a request without a deadline; a
+// JetStream request on a sound connection is answered in milliseconds.
+const apiAttempt = 5 * time.Second
+
+// retry runs one API request f with the attempt's bound, again while the
+// attempt ran out and ctx did not.
+func retry[T any](ctx context.Context, attempt time.Duration, f func(context.Context) (T, error)) (T, error) {
+	if attempt <= 0 {
+		attempt = apiAttempt
+	}
+	for {
+		actx, cancel := context.WithTimeout(ctx, attempt)
+		v, err := f(actx)
+		cancel()
+		if err == nil || ctx.Err() != nil || !errors.Is(err, context.DeadlineExceeded) {
+			return v, err
+		}
+	}
+}
+
+// stream is BUILDQ_RESULTS' handle.
+func (r storedResults) stream(ctx context.Context) (jetstream.Stream, error) {
+	st, err := retry(ctx, r.attempt, func(ctx context.Context) (jetstream.Stream, error) {
+		return r.js.Stream(ctx, v1.ResultsStream)
+	})
+	if err != nil {
+		return nil, fmt.Errorf("stream %s: %w", v1.ResultsStream, err)
+	}
+	return st, nil
+}
 
 var _ ledger.Results = storedResults{}
 
 // Stored is the result stored at seq.
 func (r storedResults) Stored(ctx context.Context, seq uint64) (v1.ResultData, error) {
-	st, err := r.js.Stream(ctx, v1.ResultsStream)
+	st, err := r.stream(ctx)
 	if err != nil {
-		return v1.ResultData{}, fmt.Errorf("stream %s: %w", v1.ResultsStream, err)
+		return v1.ResultData{}, err
 	}
-	m, err := st.GetMsg(ctx, seq)
+	m, err := retry(ctx, r.attempt, func(ctx context.Context) (*jetstream.RawStreamMsg, error) {
+		return st.GetMsg(ctx, seq)
+	})
 	if err != nil {
 		return v1.ResultData{}, fmt.Errorf("result %d of %s: %w", seq, v1.ResultsStream, err)
 	}
@@ -75,12 +120,14 @@ func (r storedResults) Recent(ctx context.Context, tenant, name, id string, sinc
 func (r storedResults) find(ctx context.Context, tenant, name, id string, since time.Time, recent uint64) (_ *v1.ResultData, scanned int, _ error) {
 	// The subject's last result first: most often it is the request's own
 	// (just published), or older than the request (nothing to find).
-	st, err := r.js.Stream(ctx, v1.ResultsStream)
+	st, err := r.stream(ctx)
 	if err != nil {
-		return nil, 0, fmt.Errorf("stream %s: %w", v1.ResultsStream, err)
+		return nil, 0, err
 	}
 	want := v1.MsgID(tenant, id)
-	last, err := st.GetLastMsgForSubject(ctx, v1.ResultSubject(tenant, name))
+	last, err := retry(ctx, r.attempt, func(ctx context.Context) (*jetstream.RawStreamMsg, error) {
+		return st.GetLastMsgForSubject(ctx, v1.ResultSubject(tenant, name))
+	})
 	switch {
 	case errors.Is(err, jetstream.ErrMsgNotFound):
 		return nil, 0, nil
@@ -111,14 +158,23 @@ func (r storedResults) find(ctx context.Context, tenant, name, id string, since 
 		from := since.Add(-time.Second)
 		cfg.DeliverPolicy, cfg.OptStartTime = jetstream.DeliverByStartTimePolicy, &from
 	}
-	c, err := r.js.CreateConsumer(ctx, v1.ResultsStream, cfg)
+	// A consumer created by an attempt whose answer was lost is removed
+	// by the server after its InactiveThreshold.
+	c, err := retry(ctx, r.attempt, func(ctx context.Context) (jetstream.Consumer, error) {
+		return r.js.CreateConsumer(ctx, v1.ResultsStream, cfg)
+	})
 	if err != nil {
 		return nil, 0, fmt.Errorf("look for the result of %s: %w", id, err)
 	}
+	// The consumer is deleted beside the answer, not before it: a delete
+	// lost to a dropped connection must not hold the look (the server
+	// removes the consumer after its InactiveThreshold all the same).
 	defer func() {
-		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-		defer cancel()
-		_ = r.js.DeleteConsumer(dctx, v1.ResultsStream, c.CachedInfo().Name)
+		go func(name string) {
+			dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+			defer cancel()
+			_ = r.js.DeleteConsumer(dctx, v1.ResultsStream, name)
+		}(c.CachedInfo().Name)
 	}()
 	pending := c.CachedInfo().NumPending
 	for pending > 0 {

@@ -97,7 +97,7 @@ func TestRecentReadsABoundedNumberOfStoredResults(t *testing.T) {
 	case <-time.After(60 * time.Second):
 		t.Fatal("storing the results timed out")
 	}
-	r := storedResults{e.js}
+	r := storedResults{js: e.js}
 	since := time.Now().Add(-time.Hour)
 	if d, scanned, err := r.find(t.Context(), "acme", "web", "absent", since, recentMsgs); err != nil || d != nil || scanned > recentMsgs {
 		t.Fatalf("Recent read %d results (found %v, %v), want at most %d", scanned, d, err, recentMsgs)

@@ -36,8 +36,11 @@ type Worker struct {
 	registry Registry
 	nc       *nats.Conn
 	js       jetstream.JetStream
-	backend  Backend
-	log      *zap.Logger
+	// publishAttempt bounds the wait for a result's PubAck (0:
+	// apiAttempt; tests shorten it).
+	publishAttempt time.Duration
+	backend        Backend
+	log            *zap.Logger
 	// ledger owns buildq-requests (internal/ledger).
 	ledger *ledger.Ledger
 	// serverClock bounds the NATS server's clock (results.go): whether a
@@ -124,7 +127,7 @@ func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 		log:      log,
 		source:   "/buildq/worker/" + cfg.ID,
 	}
-	lcfg := ledger.Config{Worker: cfg.ID, Now: cfg.Now, PublishGrace: publishGrace(cfg.Lease), Results: storedResults{js}, Log: log}
+	lcfg := ledger.Config{Worker: cfg.ID, Now: cfg.Now, PublishGrace: publishGrace(cfg.Lease), Results: storedResults{js: js}, Log: log}
 	if cfg.FirstAge > 0 {
 		lcfg.Young = func(msgTime time.Time) bool { return w.serverClock.young(msgTime, cfg.FirstAge) }
 	}
@@ -144,7 +147,7 @@ func New(nc *nats.Conn, backend Backend, cfg Config) (*Worker, error) {
 	apiCfg := tenantapi.Config{Ledger: w.ledger, Runs: w.runs, NC: nc, Log: log, Now: cfg.Now, AnyReply: cfg.AnyReply,
 		StopBuild: w.stopBuild, AnswerParked: w.park.answerWaiters, ReplyRefused: cfg.Metrics.replyRefused}
 	if cfg.FirstAge > 0 {
-		apiCfg.Publish, apiCfg.Results = w.publish, storedResults{js}
+		apiCfg.Publish, apiCfg.Results = w.publish, storedResults{js: js}
 	}
 	if cfg.Logs.Enabled {
 		apiCfg.Logs, apiCfg.Archive, apiCfg.EndLog = buildlog.NewReader(js), cfg.Logs.Archive, w.logs.endRun
