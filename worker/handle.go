@@ -104,7 +104,7 @@ func (w *Worker) ack(ctx context.Context, msg jetstream.Msg, act fairq.Action) e
 
 // decide handles the message up to its action: the result decided,
 // recorded and published when there is one.
-func (w *Worker) decide(ctx context.Context, in fairq.Incoming) fairq.Action {
+func (w *Worker) decide(ctx context.Context, in fairq.Incoming) (action fairq.Action) {
 	msg := in.Msg
 	meta, err := msg.Metadata()
 	if err != nil {
@@ -122,6 +122,10 @@ func (w *Worker) decide(ctx context.Context, in fairq.Incoming) fairq.Action {
 	h := &handling{in: in, meta: meta, cancel: hcancel}
 	err = w.safeProcess(hctx, h)
 	v, le := h.v, h.le
+	// The run this handler ended, if it ended one: its Job goes once the
+	// message is settled, whatever the action (endedJobGone).
+	ended := endedRun{key: v.CleanupKey, run: v.CleanupRun, end: v.end}
+	defer func() { action = w.endedJobGone(action, ended, v.Decision, log) }()
 	// Whatever comes now must not be cut short by shutdown: publishing a
 	// result and acking are quick and keep the request from being redone.
 	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
@@ -331,6 +335,49 @@ func (w *Worker) decide(ctx context.Context, in fairq.Incoming) fairq.Action {
 			if err := w.backend.Cleanup(actx, v.CleanupKey, v.CleanupRun); err != nil {
 				log.Warn("cleanup failed; ttlSecondsAfterFinished will remove the job", zap.Error(err))
 			}
+		}
+	}
+	return act
+}
+
+// endedRun is the run a handler ended (its end stored, or being stored
+// beside the decision: end), named by its key and run id.
+type endedRun struct {
+	key, run string
+	end      *endAhead
+}
+
+// endedJobGone makes the deletion of the Job of the run this handler
+// ended part of act, whatever act is. The decision the handler delivers
+// is not always its own: another message of the same request (a parked
+// request's requeued copy, a redelivery) may have been decided first, by
+// this worker or another, and that decision names no run to clean up; or
+// the delivery is retried, and the redelivery — which did not end the run
+// — has none either. The run's end is stored (its end stored ahead is
+// waited for, and a run whose end failed keeps its Job for the take-over),
+// so no one needs the Job: it goes now rather than when the janitor comes
+// back to it. An action whose decision names the same run deletes it
+// already; a message handed back at shutdown leaves it to the janitor.
+func (w *Worker) endedJobGone(act fairq.Action, ended endedRun, d ledger.Decision, log *zap.Logger) fairq.Action {
+	if ended.key == "" || w.cfg.KeepJobs || act.Kind == fairq.HandBack || mutant.On("ended-job-left-to-decision") {
+		return act
+	}
+	if act.Kind == fairq.Settle && d.CleanupKey == ended.key && d.CleanupRun == ended.run {
+		return act
+	}
+	after := act.After
+	act.After = func() {
+		if after != nil {
+			after()
+		}
+		if !ended.end.settled() {
+			return
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+		defer cancel()
+		if err := w.backend.Cleanup(ctx, ended.key, ended.run); err != nil {
+			log.Warn("deleting the Job of the run this handler ended failed; ttlSecondsAfterFinished or the janitor removes it",
+				zap.String("key", ended.key), zap.String("run", ended.run), zap.Error(err))
 		}
 	}
 	return act

@@ -1,0 +1,124 @@
+package worker
+
+// The handler that ends a run deletes the run's Job (handle.go,
+// endedJobGone), whatever becomes of its own decision.
+
+import (
+	"context"
+	"encoding/json"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+
+	v1 "github.com/buildq/buildq/api/v1"
+	"github.com/buildq/buildq/internal/kaniko"
+	"github.com/buildq/buildq/worker/internal/ledger"
+)
+
+// A handler that ended its run deletes the run's Job even when its
+// request was decided first by another message of the same request id (a
+// parked request's requeued copy, answered from the run as it ended):
+// that decision names no run to clean up. Decided by another worker and
+// not published yet, the handler leaves the publish to it and looks again
+// later; published already, the handler's message is settled with it.
+// Either way the handler deletes the Job: it is not left for the janitor
+// to come back to (nor, in the first case, for the redelivery that
+// publishes the result after the other worker's grace).
+//
+// Origin: simulation seed 142 (late-job-cleanup): a run taken over after
+// its Job had finished was ended by the taker while a requeued copy of
+// the taker's own request, parked on the run, was answered first; the Job
+// stayed until another worker's janitor deleted it 2 s later.
+func TestAHandlerWhoseDecisionLosesStillDeletesItsRunsJob(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name      string
+		published bool
+	}{{"decided elsewhere, not published yet", false}, {"decided and published elsewhere", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			e := setup(t)
+			tr := newTestRegistry(t)
+			req := request("ended-job-" + tc.name)
+			req.RequestID = "ended-job-" + map[bool]string{false: "unpublished", true: "published"}[tc.published]
+			key := v1.BuildKey(req, kanikoID)
+			var digest atomic.Value // the image the Job pushed
+			var decided atomic.Bool
+			// Another message of the request, answered from the run as it
+			// ended, decided the request first: its decision is written
+			// into the request's entry between the run's outcome and the
+			// handler's own decision (and its result stored first when it
+			// was published).
+			hook := func(w *Worker) {
+				w.faults = &faultHooks{beforeFinalize: func(string) {
+					ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+					defer cancel()
+					le, err := w.ledger.Get(ctx, req.Tenant, req.RequestID)
+					if err != nil || le == nil {
+						t.Errorf("read the request's entry: %v (%v)", le, err)
+						return
+					}
+					d := ledger.Decision{Tenant: req.Tenant, Name: req.Name, Data: v1.ResultData{RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name,
+						Key: key, Status: v1.StatusSucceeded, Origin: v1.OriginInflight, Digest: digest.Load().(string),
+						Timings: v1.Timings{FinishedAt: time.Now().UTC()}}}
+					if tc.published {
+						if _, err := w.publish(ctx, d); err != nil {
+							t.Errorf("publish the other message's result: %v", err)
+							return
+						}
+					}
+					e2 := le.E
+					r := d.Data
+					e2.Result, e2.State, e2.Origin, e2.Digest = &r, string(r.Status), r.Origin, r.Digest
+					e2.Published, e2.Worker, e2.UpdatedAt = tc.published, "w2", time.Now().UTC()
+					raw, _ := json.Marshal(e2)
+					if _, err := w.ledger.Bucket().Update(ctx, RequestIndexKey(req.Tenant, req.RequestID), raw, le.Rev); err != nil {
+						t.Errorf("write the other message's decision: %v", err)
+						return
+					}
+					decided.Store(true)
+				}}
+			}
+			core, logs := observer.New(zapcore.InfoLevel)
+			e.startWorkerHooked("w1", func(c *Config) {
+				withRegistry(tr)(c)
+				c.RecordFirst = true
+				c.Logger = zap.New(zapcore.NewTee(c.Logger.Core(), core))
+			}, nil, hook)
+			results := e.collect()
+			if _, err := e.pub.Publish(context.Background(), req); err != nil {
+				t.Fatal(err)
+			}
+			job := e.waitJob(kaniko.JobName(key))
+			digest.Store(tr.push(t, destination(job)))
+			e.kubelet(job, 0, digest.Load().(string))
+			eventually(t, 10*time.Second, "the run ended", func() bool {
+				rec := e.claim(key)
+				return rec != nil && rec.State == v1.StateSucceeded
+			})
+			if !decided.Load() {
+				t.Fatal("the other message's decision was not written")
+			}
+			eventually(t, 10*time.Second, "the run's Job deleted", e.jobGone(job.Name))
+			if n := logs.FilterMessage("janitor: deleted a Job left behind").Len(); n != 0 {
+				t.Fatal("the janitor deleted the run's Job; the handler that ended the run was to")
+			}
+			if !tc.published {
+				// The handler left the publish to w2, whose grace (two
+				// leases) has not run out: the Job went before the result.
+				if n := results.publishes(req.RequestID); n != 0 {
+					t.Fatalf("the result was published %d times before the Job went; the Job was to go first, with the handler", n)
+				}
+			}
+			// The request is answered, once, with the decision that stood.
+			got := results.waitFor(t, 1, 20*time.Second)[0]
+			if got.ID != req.RequestID || got.Data.Origin != v1.OriginInflight || got.Data.Digest != digest.Load().(string) {
+				t.Fatalf("the answer %s, want the other message's decision", mustJSON(t, got))
+			}
+		})
+	}
+}
