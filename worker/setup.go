@@ -156,11 +156,11 @@ func (w *Worker) setup(ctx context.Context, patience int) (int, error) {
 			return i, err
 		}
 	}
-	w.runs.UseBucket(builds)
+	w.runs.UseBucket(bounded(builds))
 	w.cons = cons
 	w.ackWait.Store(int64(cons.CachedInfo().Config.AckWait))
 	w.ackPendingCapped.Store(cons.CachedInfo().Config.MaxAckPending > 0)
-	w.ledger.UseBucket(ledgerKV)
+	w.ledger.UseBucket(bounded(ledgerKV))
 	w.ledger.UseStream(ledgerStream)
 	return len(steps), nil
 }
