@@ -122,10 +122,18 @@ func (w *Worker) decide(ctx context.Context, in fairq.Incoming) (action fairq.Ac
 	h := &handling{in: in, meta: meta, cancel: hcancel}
 	err = w.safeProcess(hctx, h)
 	v, le := h.v, h.le
-	// The run this handler ended, if it ended one: its Job goes once the
-	// message is settled, whatever the action (endedJobGone).
-	ended := endedRun{key: v.CleanupKey, run: v.CleanupRun, end: v.end}
-	defer func() { action = w.endedJobGone(action, ended, v.Decision, log) }()
+	// The run this handler's own walk ended, if it ended one (v.end is
+	// set by the walk; a decision read back from the ledger names the
+	// run of whoever decided it, whose end may not be stored): its Job
+	// goes once the message is settled, whatever the action
+	// (endedJobGone). cleansOwn: the action's own After deletes the
+	// Job of the run its decision names.
+	var ended endedRun
+	if v.end != nil || mutant.On("ended-job-of-any-decision") {
+		ended = endedRun{key: v.CleanupKey, run: v.CleanupRun, end: v.end}
+	}
+	cleansOwn := false
+	defer func() { action = w.endedJobGone(action, ended, cleansOwn, v.Decision, log) }()
 	// Whatever comes now must not be cut short by shutdown: publishing a
 	// result and acking are quick and keep the request from being redone.
 	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
@@ -321,6 +329,7 @@ func (w *Worker) decide(ctx context.Context, in fairq.Incoming) (action fairq.Ac
 		// marked published, not publish it a second time.
 		act.AckFailed = func() { res.Mark(actx) }
 	}
+	cleansOwn = true
 	act.After = func() {
 		defer cancel()
 		res.WaitMarked()
@@ -332,12 +341,29 @@ func (w *Worker) decide(ctx context.Context, in fairq.Incoming) (action fairq.Ac
 			return
 		}
 		if v.CleanupKey != "" && !w.cfg.KeepJobs && !mutant.On("no-job-cleanup") {
+			if v.end == nil && !w.runEnded(actx, v.CleanupKey, v.CleanupRun) {
+				// A decision read back from the ledger names the run of
+				// whoever decided it, whose end may not be stored (its
+				// decider killed while storing it ahead): that run's
+				// Job stays for the take-over.
+				return
+			}
 			if err := w.backend.Cleanup(actx, v.CleanupKey, v.CleanupRun); err != nil {
 				log.Warn("cleanup failed; ttlSecondsAfterFinished will remove the job", zap.Error(err))
 			}
 		}
 	}
 	return act
+}
+
+// runEnded reports whether run of key has ended: its record is final, or
+// holds another run, or is gone. A record that cannot be read says no.
+func (w *Worker) runEnded(ctx context.Context, key, run string) bool {
+	if mutant.On("ended-job-of-any-decision") {
+		return true
+	}
+	rec, _, err := w.runs.Get(ctx, key)
+	return err == nil && (rec == nil || rec.Run != run || rec.Final())
 }
 
 // endedRun is the run a handler ended (its end stored, or being stored
@@ -347,30 +373,44 @@ type endedRun struct {
 	end      *endAhead
 }
 
-// endedJobGone makes the deletion of the Job of the run this handler
-// ended part of act, whatever act is. The decision the handler delivers
-// is not always its own: another message of the same request (a parked
-// request's requeued copy, a redelivery) may have been decided first, by
-// this worker or another, and that decision names no run to clean up; or
-// the delivery is retried, and the redelivery — which did not end the run
-// — has none either. The run's end is stored (its end stored ahead is
-// waited for, and a run whose end failed keeps its Job for the take-over),
-// so no one needs the Job: it goes now rather than when the janitor comes
-// back to it. An action whose decision names the same run deletes it
-// already; a message handed back at shutdown leaves it to the janitor.
-func (w *Worker) endedJobGone(act fairq.Action, ended endedRun, d ledger.Decision, log *zap.Logger) fairq.Action {
+// endedJobWait bounds how long a retried or postponed handler waits for
+// its run's end, stored ahead, before it deletes the run's Job.
+const endedJobWait = time.Second
+
+// endedJobGone makes the deletion of the Job of the run this handler's
+// walk ended part of act, whatever act is. The decision the handler
+// delivers is not always its own: another message of the same request (a
+// parked request's requeued copy, a redelivery) may have been decided
+// first, by this worker or another, and that decision names no run to
+// clean up; or the delivery is retried, and the redelivery — which did
+// not end the run — has none either. The run's end is stored, so no one
+// needs the Job: it goes now rather than when the janitor comes back to
+// it. An end stored ahead is waited for when the message is settled, and
+// for endedJobWait at most otherwise (a retry or a look later must not
+// hold its slot for long: the redelivery of a run's own claimer cleans it
+// up); a run whose end failed to be stored keeps its Job for the
+// take-over. An action whose own After deletes the same run's Job is left
+// as it is (a Settle whose decision names that run; a last delivery's
+// failed publish, which has no After, is not); a message handed back at
+// shutdown leaves the Job to the janitor.
+func (w *Worker) endedJobGone(act fairq.Action, ended endedRun, cleansOwn bool, d ledger.Decision, log *zap.Logger) fairq.Action {
 	if ended.key == "" || w.cfg.KeepJobs || act.Kind == fairq.HandBack || mutant.On("ended-job-left-to-decision") {
 		return act
 	}
-	if act.Kind == fairq.Settle && d.CleanupKey == ended.key && d.CleanupRun == ended.run {
+	if cleansOwn && d.CleanupKey == ended.key && d.CleanupRun == ended.run {
 		return act
 	}
+	settle := act.Kind == fairq.Settle
 	after := act.After
 	act.After = func() {
 		if after != nil {
 			after()
 		}
-		if !ended.end.settled() {
+		stored := ended.end.settled
+		if !settle {
+			stored = func() bool { return ended.end.settledWithin(endedJobWait) }
+		}
+		if !stored() {
 			return
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)

@@ -13,6 +13,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	v1 "github.com/buildq/buildq/api/v1"
 	"github.com/buildq/buildq/internal/kaniko"
@@ -120,5 +121,92 @@ func TestAHandlerWhoseDecisionLosesStillDeletesItsRunsJob(t *testing.T) {
 				t.Fatalf("the answer %s, want the other message's decision", mustJSON(t, got))
 			}
 		})
+	}
+}
+
+// A decision read back from the ledger names the run of whoever decided
+// it, and that run's end may not be stored: its decider may have been
+// killed while it stored the end beside the decision (own.go, endAhead),
+// leaving the run building and its Job for the take-over to adopt. The
+// redelivery that finds such a decision — left to its decider to publish
+// at first, published by this worker once the grace is over — never
+// deletes that Job.
+//
+// Origin: review of 91af552 (endedJobGone took any verdict's cleanup for
+// the handler's own, and the settled path deleted a read-back decision's
+// run without looking at its record).
+func TestADecisionReadBackNeverDeletesTheJobOfARunWhoseEndIsNotStored(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	ctx := context.Background()
+	ruleWorker(t, e, countingBackend{runs: make(chan Build, 1)}) // the streams and buckets, nobody running
+	req := request("read-back-decision")
+	req.RequestID = "read-back-decision"
+	key := v1.BuildKey(req, kanikoID)
+	const run = "run-of-a-killed-decider"
+	if _, err := e.pub.Publish(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	msgs := e.streamMsgs(v1.RequestsStream)
+	if len(msgs) != 1 {
+		t.Fatalf("%d request messages, want 1", len(msgs))
+	}
+	msg := msgs[0]
+	// The decider's run: building, its lease long, its Job finished.
+	now := time.Now().UTC()
+	rec := v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: run, Owner: "w2", LeaseMs: time.Hour.Milliseconds(), LeaseUntil: now.Add(time.Hour),
+		RequestID: req.RequestID, Seq: msg.Sequence, Tenant: req.Tenant, Name: req.Name, StartedAt: now}
+	raw, _ := json.Marshal(rec)
+	builds, err := e.js.KeyValue(ctx, v1.BuildsBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := builds.Put(ctx, key, raw); err != nil {
+		t.Fatal(err)
+	}
+	job, err := kaniko.Job(kaniko.Spec{Request: req, Key: key, Run: run, Destinations: []string{"registry.test:5000/acme/web:" + key[:12]}}, testKaniko.Defaults())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.kube.BatchV1().Jobs(testNamespace).Create(ctx, job, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	// Its decision, recorded and not published: it names the run.
+	entry := v1.RequestEntry{RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, Key: key, State: string(v1.StatusSucceeded),
+		Seq: msg.Sequence, MsgTime: msg.Time.UTC(), Worker: "w2", UpdatedAt: now, CleanupKey: key, CleanupRun: run,
+		Result: &v1.ResultData{RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name, Key: key, Status: v1.StatusSucceeded,
+			Origin: v1.OriginBuild, Digest: digestOf("read-back-decision")}}
+	raw, _ = json.Marshal(entry)
+	ledgerKV, err := e.js.KeyValue(ctx, v1.RequestsBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ledgerKV.Put(ctx, RequestIndexKey(req.Tenant, req.RequestID), raw); err != nil {
+		t.Fatal(err)
+	}
+
+	core, logs := observer.New(zapcore.InfoLevel)
+	e.startWorkerHooked("w1", func(c *Config) { c.Logger = zap.New(zapcore.NewTee(c.Logger.Core(), core)) }, nil, nil)
+	results := e.collect()
+	jobStays := func(when string) {
+		t.Helper()
+		time.Sleep(500 * time.Millisecond) // the action's After runs right after its message is settled
+		if e.jobGone(job.Name)() {
+			t.Fatalf("%s: the Job of a run whose end is not stored was deleted", when)
+		}
+	}
+	eventually(t, 10*time.Second, "the decider's decision left to it", func() bool {
+		return logs.FilterMessage("the request's result was decided by another worker and is not marked published yet; looking again later").Len() > 0
+	})
+	jobStays("left to its decider")
+	// Past the grace (two leases) w1 publishes the decision itself.
+	got := results.waitFor(t, 1, 20*time.Second)[0]
+	if got.Data.Digest != entry.Result.Digest {
+		t.Fatalf("the answer %s, want the recorded decision", mustJSON(t, got))
+	}
+	eventually(t, 10*time.Second, "the request settled", func() bool { return logs.FilterMessage("request done").Len() > 0 })
+	jobStays("published by the redelivery")
+	if r := e.claim(key); r == nil || r.Run != run || r.State != v1.StateBuilding {
+		t.Fatalf("the run's record %+v, want it untouched", r)
 	}
 }

@@ -59,6 +59,7 @@ var mutantCatalogue = []mutantCase{
 	{"cancel-by-name", "a cancel deletes the Job of the run it ended, by UID, never the key's Job by name", []string{"TestCancelDeletesOnlyItsRunsJob"}},
 	{"publish-unmarked-at-once", "another worker's unmarked decision is published only after it stayed unchanged for two leases", []string{"TestAnotherWorkersUnmarkedDecisionIsNotPublishedAtOnce"}},
 	{"no-job-cleanup", "the owner deletes its run's finished Job", nil},
+	{"ended-job-of-any-decision", "a handler deletes only the Job of a run whose end is stored: the run its own walk ended, or one a decision read back from the ledger names once its record is final", []string{"TestADecisionReadBackNeverDeletesTheJobOfARunWhoseEndIsNotStored"}},
 	{"ended-job-left-to-decision", "the handler that ended a run deletes its Job whatever becomes of its message: a decision another message of the request made first names no run to clean up", []string{"TestAHandlerWhoseDecisionLosesStillDeletesItsRunsJob"}},
 	{"reconcile-any-run", "the reconciler ends a run only with that run's own Job's outcome", []string{"TestReconcilerEndsOnlyTheJobsOwnRun"}},
 	{"cancel-ignores-holder", "a cancel counts the request whose handler runs the build as waiting on it, whether or not the waiter index lists it", []string{"TestAnotherTenantsCancelSparesARunItsHolderIsNotListedFor"}},

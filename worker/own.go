@@ -479,6 +479,8 @@ func (w *builder) releaseClaim(ctx context.Context, claim *v1.BuildRecord, rev u
 type endAhead struct {
 	req  *v1.Request
 	wait func() endResult // nil until started
+	// stored closes once the end's write has returned (started only).
+	stored chan struct{}
 }
 
 type endResult struct {
@@ -499,7 +501,13 @@ func endAheadOf(ctx context.Context) *endAhead {
 	return ea
 }
 
-func (e *endAhead) start(end func() endResult) { e.wait = sendAhead(end) }
+func (e *endAhead) start(end func() endResult) {
+	e.stored = make(chan struct{})
+	e.wait = sendAhead(func() endResult {
+		defer close(e.stored)
+		return end()
+	})
+}
 
 // started reports whether the end is being stored ahead.
 func (e *endAhead) started() bool { return e != nil && e.wait != nil }
@@ -513,6 +521,22 @@ func (e *endAhead) settled() (ok bool) {
 	}
 	r := e.wait()
 	return r.err == nil || errors.Is(r.err, runs.ErrSuperseded)
+}
+
+// settledWithin is settled, waiting at most d for an end stored ahead
+// that is still being written (false if it still is).
+func (e *endAhead) settledWithin(d time.Duration) bool {
+	if e == nil || e.wait == nil {
+		return true
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-e.stored:
+		return e.settled()
+	case <-t.C:
+		return false
+	}
 }
 
 // letGo remembers why this worker let go of build runs (by run id), so
