@@ -341,11 +341,11 @@ func (w *Worker) decide(ctx context.Context, in fairq.Incoming) (action fairq.Ac
 			return
 		}
 		if v.CleanupKey != "" && !w.cfg.KeepJobs && !mutant.On("no-job-cleanup") {
-			if v.end == nil && !w.runEnded(actx, v.CleanupKey, v.CleanupRun) {
-				// A decision read back from the ledger names the run of
-				// whoever decided it, whose end may not be stored (its
-				// decider killed while storing it ahead): that run's
-				// Job stays for the take-over.
+			if own := v.CleanupKey == ended.key && v.CleanupRun == ended.run; !own && !w.runEnded(actx, v.CleanupKey, v.CleanupRun) {
+				// A decision read back from the ledger (or adopted from
+				// it) names the run of whoever decided it, whose end may
+				// not be stored (its decider killed while storing it
+				// ahead): that run's Job stays for the take-over.
 				return
 			}
 			if err := w.backend.Cleanup(actx, v.CleanupKey, v.CleanupRun); err != nil {
