@@ -65,6 +65,9 @@ func TestACancelOnAWorkerSetToRecordFirstConfirmsWhatTheStreamStored(t *testing.
 	if rep.Canceled {
 		t.Fatalf("the cancel said canceled (%+v), and the request's stored result is succeeded", rep)
 	}
+	// The collector's core subscription sees the publish a moment after
+	// the stream stored it.
+	eventually(t, 5*time.Second, "the stored result seen", func() bool { return len(results.pubsOf(req.Tenant, req.RequestID)) > 0 })
 	pubs := results.pubsOf(req.Tenant, req.RequestID)
 	if len(pubs) != 1 || pubs[0].Status != v1.StatusSucceeded {
 		t.Fatalf("results %+v, want the succeeded stored first, once", pubs)

@@ -1,0 +1,84 @@
+package worker
+
+import (
+	"context"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/buildq/buildq/worker/internal/fairq"
+	"github.com/buildq/buildq/worker/internal/ledger"
+	"github.com/buildq/buildq/worker/internal/mutant"
+)
+
+// Who deletes a run's Job (docs/design.md §2 step 6): the handler whose
+// own walk ended the run, once its end is stored, whatever becomes of
+// its message; a decision read back from the ledger only once its run's
+// record is final.
+
+// runEnded reports whether run of key has ended: its record is final, or
+// holds another run, or is gone. A record that cannot be read says no.
+func (w *Worker) runEnded(ctx context.Context, key, run string) bool {
+	if mutant.On("ended-job-of-any-decision") {
+		return true
+	}
+	rec, _, err := w.runs.Get(ctx, key)
+	return err == nil && (rec == nil || rec.Run != run || rec.Final())
+}
+
+// endedRun is the run a handler ended (its end stored, or being stored
+// beside the decision: end), named by its key and run id.
+type endedRun struct {
+	key, run string
+	end      *endAhead
+}
+
+// endedJobWait bounds how long a retried or postponed handler waits for
+// its run's end, stored ahead, before it deletes the run's Job.
+const endedJobWait = time.Second
+
+// endedJobGone makes the deletion of the Job of the run this handler's
+// walk ended part of act, whatever act is. The decision the handler
+// delivers is not always its own: another message of the same request (a
+// parked request's requeued copy, a redelivery) may have been decided
+// first, by this worker or another, and that decision names no run to
+// clean up; or the delivery is retried, and the redelivery — which did
+// not end the run — has none either. The run's end is stored, so no one
+// needs the Job: it goes now rather than when the janitor comes back to
+// it. An end stored ahead is waited for when the message is settled, and
+// for endedJobWait at most otherwise (a retry or a look later must not
+// hold its slot for long: the redelivery of a run's own claimer cleans it
+// up); a run whose end failed to be stored keeps its Job for the
+// take-over. An action whose own After deletes the same run's Job is left
+// as it is (a Settle whose decision names that run; a last delivery's
+// failed publish, which has no After, is not); a message handed back at
+// shutdown leaves the Job to the janitor.
+func (w *Worker) endedJobGone(act fairq.Action, ended endedRun, cleansOwn bool, d ledger.Decision, log *zap.Logger) fairq.Action {
+	if ended.key == "" || w.cfg.KeepJobs || act.Kind == fairq.HandBack || mutant.On("ended-job-left-to-decision") {
+		return act
+	}
+	if cleansOwn && d.CleanupKey == ended.key && d.CleanupRun == ended.run {
+		return act
+	}
+	settle := act.Kind == fairq.Settle
+	after := act.After
+	act.After = func() {
+		if after != nil {
+			after()
+		}
+		stored := ended.end.settled
+		if !settle {
+			stored = func() bool { return ended.end.settledWithin(endedJobWait) }
+		}
+		if !stored() {
+			return
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+		defer cancel()
+		if err := w.backend.Cleanup(ctx, ended.key, ended.run); err != nil {
+			log.Warn("deleting the Job of the run this handler ended failed; ttlSecondsAfterFinished or the janitor removes it",
+				zap.String("key", ended.key), zap.String("run", ended.run), zap.Error(err))
+		}
+	}
+	return act
+}
