@@ -211,7 +211,9 @@ func TestWaitLeavesNothingRunning(t *testing.T) {
 	if err := nc.Flush(); err != nil {
 		t.Fatal(err)
 	}
+	published := make(chan struct{})
 	go func() {
+		defer close(published)
 		<-asked
 		publishResult(t, js, "r1")
 	}()
@@ -220,6 +222,9 @@ func TestWaitLeavesNothingRunning(t *testing.T) {
 	if err != nil || r.ID != "r1" {
 		t.Fatalf("wait: %v %+v", err, r)
 	}
+	// Wait may see the result before its publisher has its PubAck; the
+	// connection must outlive that publish.
+	<-published
 	waiting := func() int {
 		buf := make([]byte, 1<<20)
 		return strings.Count(string(buf[:runtime.Stack(buf, true)]), "created by github.com/buildq/buildq/publisher.(*Client).Wait")
