@@ -60,6 +60,7 @@ var mutantCatalogue = []mutantCase{
 	{"publish-unmarked-at-once", "another worker's unmarked decision is published only after it stayed unchanged for two leases", []string{"TestAnotherWorkersUnmarkedDecisionIsNotPublishedAtOnce"}},
 	{"no-job-cleanup", "the owner deletes its run's finished Job", nil},
 	{"ended-job-of-any-decision", "a handler deletes only the Job of a run whose end is stored: the run its own walk ended, or one a decision read back from the ledger names once its record is final", []string{"TestADecisionReadBackNeverDeletesTheJobOfARunWhoseEndIsNotStored"}},
+	{"ended-job-without-its-end", "the Job of a run a handler ended goes only once the run's end is stored (waited for when the message is settled, for endedJobWait otherwise): until then a take-over may need it", []string{"TestTheJobOfAnEndedRunGoesOnlyOnceItsEndIsStored"}},
 	{"ended-job-left-to-decision", "the handler that ended a run deletes its Job whatever becomes of its message: a decision another message of the request made first names no run to clean up", []string{"TestAHandlerWhoseDecisionLosesStillDeletesItsRunsJob"}},
 	{"reconcile-any-run", "the reconciler ends a run only with that run's own Job's outcome", []string{"TestReconcilerEndsOnlyTheJobsOwnRun"}},
 	{"cancel-ignores-holder", "a cancel counts the request whose handler runs the build as waiting on it, whether or not the waiter index lists it", []string{"TestAnotherTenantsCancelSparesARunItsHolderIsNotListedFor"}},
