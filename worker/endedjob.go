@@ -33,8 +33,9 @@ type endedRun struct {
 	end      *endAhead
 }
 
-// endedJobWait bounds how long a retried or postponed handler waits for
-// its run's end, stored ahead, before it deletes the run's Job.
+// endedJobWait bounds how long a retried or postponed handler holds its
+// slot waiting for its run's end, stored ahead; past it the wait goes on
+// in the background.
 const endedJobWait = time.Second
 
 // endedJobGone makes the deletion of the Job of the run this handler's
@@ -45,11 +46,11 @@ const endedJobWait = time.Second
 // clean up; or the delivery is retried, and the redelivery — which did
 // not end the run — has none either. The run's end is stored, so no one
 // needs the Job: it goes now rather than when the janitor comes back to
-// it. An end stored ahead is waited for when the message is settled, and
-// for endedJobWait at most otherwise (a retry or a look later must not
-// hold its slot for long: the redelivery of a run's own claimer cleans it
-// up); a run whose end failed to be stored keeps its Job for the
-// take-over. An action whose own After deletes the same run's Job is left
+// it. An end stored ahead is waited for when the message is settled;
+// otherwise for endedJobWait at most with the slot held (a retry or a
+// look later must not hold it for long), and then in the background, the
+// Job deleted once the end is stored; a run whose end failed to be stored
+// keeps its Job for the take-over. An action whose own After deletes the same run's Job is left
 // as it is (a Settle whose decision names that run; a last delivery's
 // failed publish, which has no After, is not); a message handed back at
 // shutdown leaves the Job to the janitor.
@@ -62,26 +63,43 @@ func (w *Worker) endedJobGone(act fairq.Action, ended endedRun, cleansOwn bool, 
 	}
 	settle := act.Kind == fairq.Settle
 	after := act.After
-	act.After = func() {
-		if after != nil {
-			after()
-		}
-		stored := ended.end.settled
-		if !settle {
-			stored = func() bool { return ended.end.settledWithin(endedJobWait) }
-		}
-		if mutant.On("ended-job-without-its-end") {
-			stored = func() bool { return true }
-		}
-		if !stored() {
-			return
-		}
+	cleanup := func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 		defer cancel()
 		if err := w.backend.Cleanup(ctx, ended.key, ended.run); err != nil {
 			log.Warn("deleting the Job of the run this handler ended failed; ttlSecondsAfterFinished or the janitor removes it",
 				zap.String("key", ended.key), zap.String("run", ended.run), zap.Error(err))
 		}
+	}
+	act.After = func() {
+		if after != nil {
+			after()
+		}
+		switch {
+		case mutant.On("ended-job-without-its-end"):
+		case settle:
+			if !ended.end.settled() {
+				return
+			}
+		case !ended.end.settledWithin(endedJobWait):
+			if mutant.On("ended-job-given-up") {
+				return
+			}
+			// Not stored, or still being written (a NATS hiccup, its
+			// retries): the slot goes back now, and the Job once the
+			// end is stored. Nobody else would delete it: a redelivery
+			// finds the request decided by another message, whose
+			// decision names no run.
+			w.bg.Add(1)
+			go func() {
+				defer w.bg.Done()
+				if ended.end.settled() {
+					cleanup()
+				}
+			}()
+			return
+		}
+		cleanup()
 	}
 	return act
 }

@@ -42,28 +42,36 @@ func TestTheJobOfAnEndedRunGoesOnlyOnceItsEndIsStored(t *testing.T) {
 	t.Parallel()
 	conflict := errors.New("wrong last sequence")
 	for _, tc := range []struct {
-		name    string
-		kind    fairq.ActionKind
-		end     *endAhead
+		name string
+		kind fairq.ActionKind
+		// the run's end: its write returns err after delay, from when
+		// the subtest starts
+		delay   time.Duration
+		err     error
 		deleted bool
+		// later: deleted only after the action's After returned, once
+		// the end is stored.
+		later bool
 	}{
-		{"settled, the end stored", fairq.Settle, endStoredAfter(0, nil), true},
-		{"settled, the end stored after 2s: waited for", fairq.Settle, endStoredAfter(2*time.Second, nil), true},
-		{"settled, a newer run stored over it", fairq.Settle, endStoredAfter(0, runs.ErrSuperseded), true},
-		{"settled, the end not stored", fairq.Settle, endStoredAfter(0, conflict), false},
-		{"retried, the end stored", fairq.Retry, endStoredAfter(0, nil), true},
-		{"retried, the end not stored", fairq.Retry, endStoredAfter(0, conflict), false},
-		{"retried, the end still being written after endedJobWait", fairq.Retry, endStoredAfter(5*endedJobWait, nil), false},
-		{"looked at later, the end stored", fairq.Later, endStoredAfter(0, nil), true},
-		{"looked at later, the end still being written after endedJobWait", fairq.Later, endStoredAfter(5*endedJobWait, nil), false},
-		{"handed back at shutdown", fairq.HandBack, endStoredAfter(0, nil), false},
+		{"settled, the end stored", fairq.Settle, 0, nil, true, false},
+		{"settled, the end stored after 2s: waited for", fairq.Settle, 2 * time.Second, nil, true, false},
+		{"settled, a newer run stored over it", fairq.Settle, 0, runs.ErrSuperseded, true, false},
+		{"settled, the end not stored", fairq.Settle, 0, conflict, false, false},
+		{"retried, the end stored", fairq.Retry, 0, nil, true, false},
+		{"retried, the end not stored", fairq.Retry, 0, conflict, false, false},
+		{"retried, the end not stored after endedJobWait", fairq.Retry, 3 * endedJobWait, conflict, false, false},
+		{"retried, the end stored after endedJobWait", fairq.Retry, 3 * endedJobWait, nil, true, true},
+		{"looked at later, the end stored", fairq.Later, 0, nil, true, false},
+		{"looked at later, the end stored after endedJobWait", fairq.Later, 3 * endedJobWait, nil, true, true},
+		{"handed back at shutdown", fairq.HandBack, 0, nil, false, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			rec := cleanupRecorder{calls: make(chan [2]string, 1)}
 			w := &Worker{backend: rec}
 			ran := false
-			act := w.endedJobGone(fairq.Action{Kind: tc.kind, After: func() { ran = true }}, endedRun{key: "k", run: "r1", end: tc.end}, false, ledger.Decision{}, zap.NewNop())
+			end := endStoredAfter(tc.delay, tc.err)
+			act := w.endedJobGone(fairq.Action{Kind: tc.kind, After: func() { ran = true }}, endedRun{key: "k", run: "r1", end: end}, false, ledger.Decision{}, zap.NewNop())
 			if act.Kind != tc.kind {
 				t.Fatalf("the action's kind changed from %v to %v", tc.kind, act.Kind)
 			}
@@ -74,9 +82,25 @@ func TestTheJobOfAnEndedRunGoesOnlyOnceItsEndIsStored(t *testing.T) {
 					t.Fatal("the action's own After did not run")
 				}
 				if tc.kind != fairq.Settle && time.Since(start) > endedJobWait+2*time.Second {
-					t.Fatalf("a %v action's After took %v; it waits for the run's end endedJobWait (%v) at most", tc.kind, time.Since(start), endedJobWait)
+					t.Fatalf("a %v action's After took %v; it holds its slot for the run's end endedJobWait (%v) at most", tc.kind, time.Since(start), endedJobWait)
 				}
 			}
+			if tc.later {
+				select {
+				case got := <-rec.calls:
+					select {
+					case <-end.stored:
+						rec.calls <- got // after the end (a stalled test): checked below
+					default:
+						t.Fatalf("the Job of run %s was deleted before the run's end was stored", got[1])
+					}
+				default:
+				}
+			}
+			// Whatever is deleted in the background is, once the end's
+			// write has returned.
+			<-end.stored
+			w.bg.Wait()
 			select {
 			case got := <-rec.calls:
 				if !tc.deleted {

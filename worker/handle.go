@@ -341,14 +341,22 @@ func (w *Worker) decide(ctx context.Context, in fairq.Incoming) (action fairq.Ac
 			return
 		}
 		if v.CleanupKey != "" && !w.cfg.KeepJobs && !mutant.On("no-job-cleanup") {
-			if own := v.CleanupKey == ended.key && v.CleanupRun == ended.run; !own && !w.runEnded(actx, v.CleanupKey, v.CleanupRun) {
+			// A context of its own: actx was made as the decision began,
+			// and an end stored ahead slowly (its write retried) or a
+			// slow mark may have used it up.
+			cctx, ccancel := context.WithTimeout(context.WithoutCancel(actx), 15*time.Second)
+			defer ccancel()
+			if mutant.On("own-cleanup-on-decision-context") {
+				cctx = actx
+			}
+			if own := v.CleanupKey == ended.key && v.CleanupRun == ended.run; !own && !w.runEnded(cctx, v.CleanupKey, v.CleanupRun) {
 				// A decision read back from the ledger (or adopted from
 				// it) names the run of whoever decided it, whose end may
 				// not be stored (its decider killed while storing it
 				// ahead): that run's Job stays for the take-over.
 				return
 			}
-			if err := w.backend.Cleanup(actx, v.CleanupKey, v.CleanupRun); err != nil {
+			if err := w.backend.Cleanup(cctx, v.CleanupKey, v.CleanupRun); err != nil {
 				log.Warn("cleanup failed; ttlSecondsAfterFinished will remove the job", zap.Error(err))
 			}
 		}
