@@ -50,10 +50,10 @@ const endedJobWait = time.Second
 // otherwise for endedJobWait at most with the slot held (a retry or a
 // look later must not hold it for long), and then in the background, the
 // Job deleted once the end is stored; a run whose end failed to be stored
-// keeps its Job for the take-over. An action whose own After deletes the same run's Job is left
-// as it is (a Settle whose decision names that run; a last delivery's
-// failed publish, which has no After, is not); a message handed back at
-// shutdown leaves the Job to the janitor.
+// keeps its Job for the take-over. An action whose own After deletes the
+// same run's Job is left as it is (a Settle whose decision names that
+// run; a last delivery's failed publish, which has no After, is not); a
+// message handed back at shutdown leaves the Job to the janitor.
 func (w *Worker) endedJobGone(act fairq.Action, ended endedRun, cleansOwn bool, d ledger.Decision, log *zap.Logger) fairq.Action {
 	if ended.key == "" || w.cfg.KeepJobs || act.Kind == fairq.HandBack || mutant.On("ended-job-left-to-decision") {
 		return act
