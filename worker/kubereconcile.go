@@ -74,9 +74,7 @@ func (k *KubeBackend) reconcileJob(ctx context.Context, name string, finish func
 		// API server asked, and the registry answers for a Pod gone
 		// (outcome).
 		if wait := podLook - time.Since(o.FinishedAt); wait > 0 {
-			// At most podLook: the finish time is the API server's
-			// clock, which may run ahead of this worker's.
-			return min(wait, podLook), false
+			return wait, false
 		}
 		apiPods, err := kube.PodsOf(ctx, k.client, job)
 		if err != nil {
