@@ -6,7 +6,6 @@ import (
 
 	"github.com/buildq/buildq/internal/kaniko"
 	"github.com/buildq/buildq/internal/kube"
-	"github.com/buildq/buildq/worker/internal/mutant"
 )
 
 // The kube backend's reconciler: the outcome of a finished Job whose
@@ -62,31 +61,7 @@ func (k *KubeBackend) reconcileJob(ctx context.Context, name string, finish func
 	}
 	key := job.Annotations[kaniko.AnnotationKey]
 	o := kube.JobOutcome(job, pods)
-	if key == "" || !o.Done {
-		return 0, false
-	}
-	if o.Pending && !mutant.On("reconcile-waits-for-gone-pod") {
-		// Succeeded, its Pod not in the cache: still to come (the Pod
-		// cache lags the Job's), or deleted before any watcher saw its
-		// final status, when nothing else would end the run of an owner
-		// that is gone. The Job is looked at again podLook after it
-		// finished, when a lagging cache has the Pod; only then is the
-		// API server asked, and the registry answers for a Pod gone
-		// (outcome).
-		if wait := podLook - time.Since(o.FinishedAt); wait > 0 {
-			return wait, false
-		}
-		apiPods, err := kube.PodsOf(ctx, k.client, job)
-		if err != nil {
-			return 0, ctx.Err() == nil
-		}
-		if len(apiPods) > 0 {
-			if o = kube.JobOutcome(job, apiPods); o.Pending {
-				return podLook, false
-			}
-		}
-	}
-	if o.Pending && mutant.On("reconcile-waits-for-gone-pod") {
+	if key == "" || !o.Done || o.Pending {
 		return 0, false
 	}
 	out, err := k.outcome(ctx, name, job.UID, job.Annotations[kaniko.AnnotationImage], o)
