@@ -36,11 +36,8 @@ type KubeBackend struct {
 	cfg         kaniko.Config
 	identity    string
 	digestGrace time.Duration
-	// podLook: how long into digestGrace a finished Job's missing Pod is
-	// looked for on the API server.
-	podLook time.Duration
-	resolve func(ctx context.Context, ref string) (string, error)
-	presign Presigner
+	resolve     func(ctx context.Context, ref string) (string, error)
+	presign     Presigner
 	// logSource reads pods/log; log is the backend's logger.
 	logSource kube.LogSource
 	log       *zap.Logger
@@ -89,7 +86,7 @@ func NewKubeBackend(client kubernetes.Interface, watcher *kube.Watcher, cfg kani
 		return nil, fmt.Errorf("kaniko config: %w", err)
 	}
 	k := &KubeBackend{client: client, watcher: watcher, cfg: cfg, identity: "kaniko@" + cfg.ExecutorImage,
-		digestGrace: 10 * time.Second, podLook: podLook, logSource: kube.NewLogSource(client, cfg.Namespace), log: zap.NewNop()}
+		digestGrace: 10 * time.Second, logSource: kube.NewLogSource(client, cfg.Namespace), log: zap.NewNop()}
 	k.finished = workqueue.NewTypedRateLimitingQueueWithConfig(
 		workqueue.NewTypedItemExponentialFailureRateLimiter[string](reconcileRetryFloor, reconcileRetryMax),
 		workqueue.TypedRateLimitingQueueConfig[string]{Name: "buildq-finished-jobs"})
@@ -157,19 +154,14 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 
 	seen := false
 	jobUID := createdUID
-	// grace: how long a finished Job's Pod may lag behind it (once);
-	// look: when the API server is asked whether the Pod is still to
-	// come, or gone for good (once, podLook into the grace).
+	// grace: how long a finished Job's Pod may lag behind it (once).
 	var (
-		grace, look           <-chan time.Time
-		graceTimer, lookTimer *time.Timer
+		grace      <-chan time.Time
+		graceTimer *time.Timer
 	)
 	defer func() {
 		if graceTimer != nil {
 			graceTimer.Stop()
-		}
-		if lookTimer != nil {
-			lookTimer.Stop()
 		}
 	}()
 	// A Job created and deleted while the informer's watch was broken never
@@ -215,10 +207,6 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 			if (o.Pending || podLag) && grace == nil {
 				graceTimer = time.NewTimer(k.digestGrace)
 				grace = graceTimer.C
-				if k.podLook < k.digestGrace && !mutant.On("pod-gone-waits-grace") {
-					lookTimer = time.NewTimer(k.podLook)
-					look = lookTimer.C
-				}
 			}
 		case seen, created && k.watcher.Deleted(k.cfg.Namespace, name, createdUID):
 			// Gone: seen and then not, or deleted before this goroutine
@@ -233,19 +221,6 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 					return k.deleted(name), nil
 				}
 			}
-		case <-look:
-			look = nil
-			// Finished, and its Pod not in the cache yet: the API server
-			// tells a Pod still to come from one deleted (by hand, or by
-			// a node's eviction), which would otherwise hold the run for
-			// the whole grace. Without an answer the grace decides.
-			apiPods, err := kube.PodsOf(ctx, k.client, cur)
-			if err != nil {
-				continue
-			}
-			if o := kube.JobOutcome(cur, apiPods); len(apiPods) == 0 || !o.Pending {
-				return drained(k.outcome(ctx, name, jobUID, b.Destinations[0], o))
-			}
 		case <-grace:
 			// Succeeded, but its Pod (and so the digest) never reached the
 			// cache: it was deleted. The registry has the answer.
@@ -256,12 +231,6 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 		}
 	}
 }
-
-// podLook is how long a finished Job's Pod may be missing from the cache
-// before the API server is asked whether it exists: longer than the Pod
-// cache usually lags the Job's (no request on a build's usual path, P4 in
-// docs/benchmarks.md), far shorter than digestGrace.
-const podLook = 2 * time.Second
 
 // nodeSyncWait bounds the one wait for the Node cache (placeable).
 const nodeSyncWait = 10 * time.Second

@@ -367,27 +367,6 @@ func (n *fakeNode) end(job *batchv1.Job, exit int32, message string) error {
 	return n.endContainer(job, kaniko.ContainerName, exit, message)
 }
 
-// succeedPodGone marks job succeeded as the Job controller would, with no
-// Pod left to show it: the Pod deleted (by hand, or evicted) before any
-// watcher saw its final status.
-func (n *fakeNode) succeedPodGone(job *batchv1.Job) error {
-	return n.api.do(func() error {
-		cur, err := n.liveLocked(job.Namespace, job.Name, job.UID)
-		if err != nil {
-			return err
-		}
-		now := metav1.Now()
-		j := cur.DeepCopy()
-		start := cur.CreationTimestamp
-		j.Status.StartTime, j.Status.Succeeded, j.Status.CompletionTime = &start, 1, &now
-		j.Status.Conditions = []batchv1.JobCondition{
-			{Type: batchv1.JobSuccessCriteriaMet, Status: corev1.ConditionTrue, LastTransitionTime: now},
-			{Type: batchv1.JobComplete, Status: corev1.ConditionTrue, LastTransitionTime: now},
-		}
-		return n.api.updateLocked(jobsGVR, j, "node")
-	})
-}
-
 // endContainer is end with the Pod's container that terminated named:
 // kaniko's, or the fetch-context init container's (which fails the Pod
 // before kaniko runs).

@@ -243,47 +243,24 @@ func (w *Watcher) Get(namespace, jobName string) (*batchv1.Job, []*corev1.Pod, b
 		return nil, nil, false
 	}
 	job := obj.(*batchv1.Job)
+	sel := labels.SelectorFromSet(labels.Set{batchv1.JobNameLabel: jobName})
 	var pods []*corev1.Pod
 	for _, o := range w.pods.GetIndexer().List() {
-		if p := o.(*corev1.Pod); ownPod(job, p) {
-			pods = append(pods, p)
+		p := o.(*corev1.Pod)
+		if p.Namespace != namespace {
+			continue
 		}
+		if !sel.Matches(labels.Set(p.Labels)) && jobNameOf(p) != jobName {
+			continue
+		}
+		// A Job deleted and created again under the same name may leave
+		// Pods of the old one behind: only this Job's own Pods count.
+		if uid := p.Labels[batchv1.ControllerUidLabel]; uid != "" && job.UID != "" && uid != string(job.UID) {
+			continue
+		}
+		pods = append(pods, p)
 	}
 	return job, pods, true
-}
-
-// ownPod reports whether p is one of job's Pods.
-func ownPod(job *batchv1.Job, p *corev1.Pod) bool {
-	if p.Namespace != job.Namespace {
-		return false
-	}
-	sel := labels.SelectorFromSet(labels.Set{batchv1.JobNameLabel: job.Name})
-	if !sel.Matches(labels.Set(p.Labels)) && jobNameOf(p) != job.Name {
-		return false
-	}
-	// A Job deleted and created again under the same name may leave Pods
-	// of the old one behind: only this Job's own Pods count.
-	if uid := p.Labels[batchv1.ControllerUidLabel]; uid != "" && job.UID != "" && uid != string(job.UID) {
-		return false
-	}
-	return true
-}
-
-// PodsOf lists job's Pods straight from the API server (buildq's Pods,
-// picked as Get picks them), for when the Pod cache may lag behind the
-// Job's: whether a finished Job's Pod is still to come or gone for good.
-func PodsOf(ctx context.Context, client kubernetes.Interface, job *batchv1.Job) ([]*corev1.Pod, error) {
-	list, err := client.CoreV1().Pods(job.Namespace).List(ctx, metav1.ListOptions{LabelSelector: kaniko.ManagedBySelector})
-	if err != nil {
-		return nil, err
-	}
-	var pods []*corev1.Pod
-	for i := range list.Items {
-		if p := &list.Items[i]; ownPod(job, p) {
-			pods = append(pods, p)
-		}
-	}
-	return pods, nil
 }
 
 // Finished reports whether a Job has reached a terminal condition, and
