@@ -56,32 +56,9 @@ func TestAHandlerWhoseDecisionLosesStillDeletesItsRunsJob(t *testing.T) {
 			// was published).
 			hook := func(w *Worker) {
 				w.faults = &faultHooks{beforeFinalize: func(string) {
-					ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-					defer cancel()
-					le, err := w.ledger.Get(ctx, req.Tenant, req.RequestID)
-					if err != nil || le == nil {
-						t.Errorf("read the request's entry: %v (%v)", le, err)
-						return
+					if decideElsewhere(t, w, req, key, digest.Load().(string), tc.published) {
+						decided.Store(true)
 					}
-					d := ledger.Decision{Tenant: req.Tenant, Name: req.Name, Data: v1.ResultData{RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name,
-						Key: key, Status: v1.StatusSucceeded, Origin: v1.OriginInflight, Digest: digest.Load().(string),
-						Timings: v1.Timings{FinishedAt: time.Now().UTC()}}}
-					if tc.published {
-						if _, err := w.publish(ctx, d); err != nil {
-							t.Errorf("publish the other message's result: %v", err)
-							return
-						}
-					}
-					e2 := le.E
-					r := d.Data
-					e2.Result, e2.State, e2.Origin, e2.Digest = &r, string(r.Status), r.Origin, r.Digest
-					e2.Published, e2.Worker, e2.UpdatedAt = tc.published, "w2", time.Now().UTC()
-					raw, _ := json.Marshal(e2)
-					if _, err := w.ledger.Bucket().Update(ctx, RequestIndexKey(req.Tenant, req.RequestID), raw, le.Rev); err != nil {
-						t.Errorf("write the other message's decision: %v", err)
-						return
-					}
-					decided.Store(true)
 				}}
 			}
 			core, logs := observer.New(zapcore.InfoLevel)
@@ -209,4 +186,37 @@ func TestADecisionReadBackNeverDeletesTheJobOfARunWhoseEndIsNotStored(t *testing
 	if r := e.claim(key); r == nil || r.Run != run || r.State != v1.StateBuilding {
 		t.Fatalf("the run's record %+v, want it untouched", r)
 	}
+}
+
+// decideElsewhere writes into req's ledger entry the decision another
+// message of the request made first, as worker w2 would (succeeded from
+// key's run with digest, origin inflight), publishing its result first
+// when published. It reports whether the decision was written.
+func decideElsewhere(t *testing.T, w *Worker, req *v1.Request, key, digest string, published bool) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	le, err := w.ledger.Get(ctx, req.Tenant, req.RequestID)
+	if err != nil || le == nil {
+		t.Errorf("read the request's entry: %v (%v)", le, err)
+		return false
+	}
+	d := ledger.Decision{Tenant: req.Tenant, Name: req.Name, Data: v1.ResultData{RequestID: req.RequestID, Tenant: req.Tenant, Name: req.Name,
+		Key: key, Status: v1.StatusSucceeded, Origin: v1.OriginInflight, Digest: digest,
+		Timings: v1.Timings{FinishedAt: time.Now().UTC()}}}
+	if published {
+		if _, err := w.publish(ctx, d); err != nil {
+			t.Errorf("publish the other message's result: %v", err)
+			return false
+		}
+	}
+	e2 := le.E
+	r := d.Data
+	e2.Result, e2.State, e2.Origin, e2.Digest = &r, string(r.Status), r.Origin, r.Digest
+	e2.Published, e2.Worker, e2.UpdatedAt = published, "w2", time.Now().UTC()
+	raw, _ := json.Marshal(e2)
+	if _, err := w.ledger.Bucket().Update(ctx, RequestIndexKey(req.Tenant, req.RequestID), raw, le.Rev); err != nil {
+		t.Errorf("write the other message's decision: %v", err)
+		return false
+	}
+	return true
 }
