@@ -224,7 +224,6 @@ func startConformanceKube(t *testing.T, w *world, name string) (*KubeBackend, *a
 	if err != nil {
 		t.Fatal(err)
 	}
-	backend.WithDigestResolver(func(ctx context.Context, ref string) (string, error) { return w.reg.client.Head(ctx, ref) })
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(func() {
 		cancel()

@@ -53,17 +53,24 @@ func finishedJob(name, key, run string) (*batchv1.Job, *corev1.Pod) {
 // worker starts them).
 func reconcileWorld(t *testing.T, jobs int) *KubeBackend {
 	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
 	client := fake.NewClientset()
 	for i := range jobs {
 		job, pod := finishedJob(fmt.Sprintf("buildq-%04d", i), fmt.Sprintf("key-%04d", i), "run-1")
-		if _, err := client.BatchV1().Jobs(testNamespace).Create(ctx, job, metav1.CreateOptions{}); err != nil {
+		if _, err := client.BatchV1().Jobs(testNamespace).Create(context.Background(), job, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
-		if _, err := client.CoreV1().Pods(testNamespace).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		if _, err := client.CoreV1().Pods(testNamespace).Create(context.Background(), pod, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
 	}
+	return reconcileBackend(t, client)
+}
+
+// reconcileBackend is a KubeBackend over client, its informers started
+// and synced, stopped when the test ends.
+func reconcileBackend(t *testing.T, client *fake.Clientset) *KubeBackend {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
 	factory := kube.NewInformerFactory(client, testNamespace)
 	watcher, err := kube.NewWatcher(factory, nil)
 	if err != nil {
@@ -202,11 +209,7 @@ func TestFinishedJobOfADeadOwnerIsReconciled(t *testing.T) {
 			}
 			// Level-triggered: the next event for the finished Job (here, a
 			// label change) makes the worker look at it.
-			j, _ := e.kube.BatchV1().Jobs(testNamespace).Get(context.Background(), job.Name, metav1.GetOptions{})
-			j.Labels["touched"] = "yes"
-			if _, err := e.kube.BatchV1().Jobs(testNamespace).Update(context.Background(), j, metav1.UpdateOptions{}); err != nil {
-				t.Fatal(err)
-			}
+			e.touchJob(job.Name)
 			if tc.want == v1.StateSucceeded {
 				eventually(t, 10*time.Second, "the record to be final", func() bool {
 					cur, _, err := r.w.runs.Get(context.Background(), key)
@@ -259,5 +262,19 @@ func TestReconcilerEndsOnlyTheJobsOwnRun(t *testing.T) {
 	}
 	if got, _, err = w.runs.Get(ctx, key); err != nil || got.State != v1.StateFailed || got.Run != "current-run" {
 		t.Fatalf("the run's own Job outcome did not end it: %+v (%v)", got, err)
+	}
+}
+
+// touchJob changes a label of Job name: an event for it, which makes
+// the workers' reconcilers look at it.
+func (e *env) touchJob(name string) {
+	e.t.Helper()
+	j, err := e.kube.BatchV1().Jobs(testNamespace).Get(context.Background(), name, metav1.GetOptions{})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	j.Labels["touched"] = "yes"
+	if _, err := e.kube.BatchV1().Jobs(testNamespace).Update(context.Background(), j, metav1.UpdateOptions{}); err != nil {
+		e.t.Fatal(err)
 	}
 }

@@ -3,7 +3,6 @@ package worker
 import (
 	"cmp"
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"slices"
@@ -24,19 +23,19 @@ import (
 	"github.com/buildq/buildq/internal/attest"
 	"github.com/buildq/buildq/internal/kaniko"
 	"github.com/buildq/buildq/internal/kube"
-	"github.com/buildq/buildq/internal/registry"
 	"github.com/buildq/buildq/worker/internal/mutant"
 )
 
 // KubeBackend runs builds as kaniko Jobs and observes them through
 // informers.
 type KubeBackend struct {
-	client      kubernetes.Interface
-	watcher     *kube.Watcher
-	cfg         kaniko.Config
-	identity    string
+	client   kubernetes.Interface
+	watcher  *kube.Watcher
+	cfg      kaniko.Config
+	identity string
+	// digestGrace: how long a finished Job's Pod may lag behind it in
+	// the cache before the run ends without it (podGone).
 	digestGrace time.Duration
-	resolve     func(ctx context.Context, ref string) (string, error)
 	presign     Presigner
 	// logSource reads pods/log; log is the backend's logger.
 	logSource kube.LogSource
@@ -47,6 +46,9 @@ type KubeBackend struct {
 	// name it, none is dropped, a transient failure is retried with
 	// backoff and a claim that still looks alive is looked at again later.
 	finished workqueue.TypedRateLimitingInterface[string]
+	// podless: when the reconciler first found each succeeded Job
+	// without its Pod (podGrace); its goroutine's alone.
+	podless map[types.UID]time.Time
 	// prepared are Jobs made ahead of their runs (kubeprepare.go).
 	prepared preparedJobs
 }
@@ -65,16 +67,6 @@ func (k *KubeBackend) WithPresigner(p Presigner) *KubeBackend {
 // WithLogger sets the backend's logger.
 func (k *KubeBackend) WithLogger(l *zap.Logger) *KubeBackend {
 	k.log = l
-	return k
-}
-
-// DigestResolver looks up the digest of a pushed reference in the registry.
-type DigestResolver func(ctx context.Context, ref string) (string, error)
-
-// WithDigestResolver sets how the digest of a succeeded Job is found when
-// its Pod is gone before the worker saw its termination message.
-func (k *KubeBackend) WithDigestResolver(r DigestResolver) *KubeBackend {
-	k.resolve = r
 	return k
 }
 
@@ -202,7 +194,7 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 			// after the Job: wait for it as for a success's digest.
 			podLag := o.Done && !o.Succeeded && len(pods) == 0
 			if o.Done && !o.Pending && !podLag {
-				return drained(k.outcome(ctx, name, jobUID, b.Destinations[0], o))
+				return drained(k.outcome(ctx, name, jobUID, o))
 			}
 			if (o.Pending || podLag) && grace == nil {
 				graceTimer = time.NewTimer(k.digestGrace)
@@ -222,10 +214,13 @@ func (k *KubeBackend) Run(ctx context.Context, b Build, started Started) (Outcom
 				}
 			}
 		case <-grace:
-			// Succeeded, but its Pod (and so the digest) never reached the
-			// cache: it was deleted. The registry has the answer.
+			// Finished, but its Pod never reached the cache: it was
+			// deleted, and a success's digest with it.
 			o := kube.JobOutcome(cur, pods)
-			return drained(k.outcome(ctx, name, jobUID, b.Destinations[0], o))
+			if o.Pending {
+				return drained(podGone(name, jobUID, b.Destinations[0], o), nil)
+			}
+			return drained(k.outcome(ctx, name, jobUID, o))
 		case <-ctx.Done():
 			return Outcome{}, ctx.Err()
 		}
@@ -320,7 +315,26 @@ func (k *KubeBackend) deleted(name string) Outcome {
 	return Outcome{Reason: v1.ReasonJobDeleted, Job: name, Message: fmt.Sprintf("job %s was deleted before it finished", name)}
 }
 
-func (k *KubeBackend) outcome(ctx context.Context, name string, uid types.UID, dest string, o kube.Outcome) (Outcome, error) {
+// podGone is the end of a run whose Job succeeded but whose Pod was gone
+// before the cache showed its status, and with it the digest kaniko
+// reported (o.Pending past digestGrace). The image now at the run's first
+// tag (dest) cannot be shown to be this build's: anyone who may push
+// there may have pushed since. So nothing is recorded as built and the
+// run answers nobody, as a run whose Pod found its tag taken
+// (v1.ReasonTagTaken): every request of it looks again, the claimer's own
+// check answers it with the image at its tag (origin cache, never written
+// to the index), and a request whose tag is free builds.
+func podGone(name string, uid types.UID, dest string, o kube.Outcome) Outcome {
+	if mutant.On("pod-gone-push-failed") {
+		return Outcome{Reason: v1.ReasonPushFailed, Job: name, JobUID: string(uid), Message: fmt.Sprintf("job %s succeeded but its pod reported no image digest", name)}
+	}
+	return Outcome{
+		Reason: v1.ReasonTagTaken, Job: name, JobUID: string(uid), StartedAt: o.StartedAt, FinishedAt: o.FinishedAt,
+		Message: fmt.Sprintf("job %s succeeded, but its pod was gone before the worker read the digest it pushed: the image now at %s cannot be shown to be this build's; nothing is recorded, and every request of the run looks again", name, dest),
+	}
+}
+
+func (k *KubeBackend) outcome(ctx context.Context, name string, uid types.UID, o kube.Outcome) (Outcome, error) {
 	out := Outcome{
 		Succeeded: o.Succeeded, Digest: o.Digest, Reason: o.Reason, Message: o.Message,
 		LogTail: o.LogTail, Job: name, JobUID: string(uid), StartedAt: o.StartedAt, FinishedAt: o.FinishedAt,
@@ -337,20 +351,10 @@ func (k *KubeBackend) outcome(ctx context.Context, name string, uid types.UID, d
 			}
 		}
 	}
-	if out.Succeeded && out.Digest == "" && k.resolve != nil {
-		d, err := k.resolve(ctx, dest)
-		switch {
-		case err == nil:
-			out.Digest = d
-		case ctx.Err() != nil:
-			return Outcome{}, ctx.Err()
-		case !errors.Is(err, registry.ErrNotFound):
-			// Only the registry saying "not there" makes this a failed
-			// push; anything else is asked again later.
-			return Outcome{}, Transient(fmt.Errorf("resolve the digest of %s: %w", dest, err))
-		}
-	}
 	if out.Succeeded && out.Digest == "" {
+		// Not handed here (a success without a digest is o.Pending,
+		// waited for and then podGone); should one come, it is no
+		// success.
 		out.Succeeded = false
 		out.Reason = v1.ReasonPushFailed
 		out.Message = fmt.Sprintf("job %s succeeded but its pod reported no image digest", name)

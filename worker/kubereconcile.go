@@ -4,8 +4,11 @@ import (
 	"context"
 	"time"
 
+	"k8s.io/apimachinery/pkg/types"
+
 	"github.com/buildq/buildq/internal/kaniko"
 	"github.com/buildq/buildq/internal/kube"
+	"github.com/buildq/buildq/worker/internal/mutant"
 )
 
 // The kube backend's reconciler: the outcome of a finished Job whose
@@ -61,15 +64,63 @@ func (k *KubeBackend) reconcileJob(ctx context.Context, name string, finish func
 	}
 	key := job.Annotations[kaniko.AnnotationKey]
 	o := kube.JobOutcome(job, pods)
-	if key == "" || !o.Done || o.Pending {
+	if key == "" || !o.Done {
 		return 0, false
 	}
-	out, err := k.outcome(ctx, name, job.UID, job.Annotations[kaniko.AnnotationImage], o)
-	if err != nil {
-		return 0, ctx.Err() == nil
+	var out Outcome
+	if o.Pending {
+		// Succeeded, and its Pod not (yet) in the cache: a Pod event
+		// brings the Job back here; a Pod gone for good ends the run
+		// once the grace a run's own watch gives it is over (podGone),
+		// so that no orphaned run's Job stands until a request of the
+		// key comes back to take the run over.
+		wait, over := k.podGrace(job.UID)
+		if !over {
+			return wait, false
+		}
+		out = podGone(name, job.UID, job.Annotations[kaniko.AnnotationImage], o)
+	} else {
+		var err error
+		if out, err = k.outcome(ctx, name, job.UID, o); err != nil {
+			return 0, ctx.Err() == nil
+		}
 	}
 	out.Run = job.Annotations[kaniko.AnnotationRun]
 	secrets := kaniko.SecretValues(job)
 	out.Message, out.LogTail = maskSecrets(out.Message, secrets), maskSecrets(out.LogTail, secrets)
 	return finish(ctx, key, out), false
 }
+
+// podGrace reports whether the succeeded Job uid has waited digestGrace
+// for its Pod since the reconciler first found it without one, and if
+// not, how much longer. Only the reconciler's goroutine calls it.
+func (k *KubeBackend) podGrace(uid types.UID) (wait time.Duration, over bool) {
+	if mutant.On("pod-gone-left-standing") {
+		return 0, false
+	}
+	now := time.Now()
+	if k.podless == nil {
+		k.podless = map[types.UID]time.Time{}
+	}
+	since, ok := k.podless[uid]
+	if !ok {
+		// Jobs gone, or whose Pod came, are swept here: the map holds
+		// the podless Jobs of the last ten minutes.
+		for u, t := range k.podless {
+			if now.Sub(t) > podlessKept {
+				delete(k.podless, u)
+			}
+		}
+		k.podless[uid] = now
+		return k.digestGrace, false
+	}
+	if wait := k.digestGrace - now.Sub(since); wait > 0 {
+		return wait, false
+	}
+	// Kept: a run whose claim still looks alive is looked at again
+	// (finishOrphan), and its grace is over already.
+	return 0, true
+}
+
+// podlessKept: how long podGrace remembers a podless Job.
+const podlessKept = 10 * time.Minute

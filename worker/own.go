@@ -320,8 +320,8 @@ func refusedRun(rec *v1.BuildRecord) bool {
 // own inputs.
 func (w *builder) lookAgainAfterRefusal(ctx context.Context, req *v1.Request, ended *v1.BuildRecord, repo string, dests []string, seq uint64) (*v1.BuildRecord, v1.Origin, bool, error) {
 	tag := firstOf(ended.Destinations)
-	w.log.Info("the build's first tag held an image when its Pod started; nothing was built, looking again",
-		zap.String("key", ended.Key), zap.String("run", ended.Run), zap.String("tag", tag))
+	w.log.Info("nothing is recorded as built (the build's first tag held an image when its Pod started, or its Pod was gone before its digest was read); looking again",
+		zap.String("key", ended.Key), zap.String("run", ended.Run), zap.String("tag", tag), zap.String("why", ended.Message))
 	if !mutant.On("tag-taken-keeps-preflight") {
 		w.looks.forgetPreflight(tag)
 	}

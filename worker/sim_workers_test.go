@@ -164,7 +164,6 @@ func (w *simWorld) start(s *simSlot) {
 		return
 	}
 	backend.WithPresigner(simPresign)
-	backend.WithDigestResolver(func(ctx context.Context, ref string) (string, error) { return w.world.reg.client.Head(ctx, ref) })
 	w.mu.Lock()
 	if w.identity == "" {
 		w.identity = backend.Identity()

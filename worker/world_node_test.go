@@ -371,6 +371,17 @@ func (n *fakeNode) end(job *batchv1.Job, exit int32, message string) error {
 // kaniko's, or the fetch-context init container's (which fails the Pod
 // before kaniko runs).
 func (n *fakeNode) endContainer(job *batchv1.Job, container string, exit int32, message string) error {
+	return n.endJob(job, container, exit, message, true)
+}
+
+// endWithoutPod plays a build that succeeded and whose Pod was deleted
+// before any informer saw it: the Job's conditions say it succeeded, and
+// no Pod tells the digest kaniko pushed.
+func (n *fakeNode) endWithoutPod(job *batchv1.Job) error {
+	return n.endJob(job, kaniko.ContainerName, 0, "", false)
+}
+
+func (n *fakeNode) endJob(job *batchv1.Job, container string, exit int32, message string, withPod bool) error {
 	ns, name, uid := job.Namespace, job.Name, job.UID
 	if ns == "" {
 		ns = testNamespace
@@ -418,8 +429,10 @@ func (n *fakeNode) endContainer(job *batchv1.Job, container string, exit int32, 
 		} else {
 			pod.Status.InitContainerStatuses = terminated
 		}
-		if _, err := n.api.createLocked(podsGVR, pod, ns, "node"); err != nil {
-			return err
+		if withPod {
+			if _, err := n.api.createLocked(podsGVR, pod, ns, "node"); err != nil {
+				return err
+			}
 		}
 		j := cur.DeepCopy()
 		start := cur.CreationTimestamp

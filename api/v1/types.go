@@ -327,9 +327,12 @@ const (
 	ReasonGitSubPath = "GitSubPathNotFound"
 	// ReasonTagTaken: a build record's reason, never a result's. The
 	// run's first tag held an image when its build Pod started, so the
-	// Pod refused to build over it. Nothing was built; every request of
-	// the run looks again, and the requests of that tag are answered
-	// with the image found there, as when their own check finds it first.
+	// Pod refused to build over it; or the run's Job succeeded but its
+	// Pod was gone before the worker read the digest it pushed, so the
+	// image now at the tag cannot be shown to be the build's. Nothing is
+	// recorded as built; every request of the run looks again, and the
+	// requests of that tag are answered with the image found there, as
+	// when their own check finds it first.
 	ReasonTagTaken = "TagTaken"
 )
 

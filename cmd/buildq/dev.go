@@ -218,7 +218,7 @@ func runDev(ctx context.Context, stderr io.Writer, c *serveConfig, gw *devGatewa
 			return err
 		}
 		defer stopKube()
-		backend = kb.WithDigestResolver(reg.Head).WithPresigner(presign)
+		backend = kb.WithPresigner(presign)
 		executor = "kaniko Jobs in namespace " + kc.Namespace
 	} else {
 		work := filepath.Join(dataDir, "work")

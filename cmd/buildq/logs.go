@@ -266,7 +266,7 @@ func (l *logsRun) run(ctx context.Context, req v1.LogsRequest) error {
 			if rep.Reason == v1.ReasonTagTaken {
 				// The run built nothing and answers nobody: its requests
 				// go on (docs/design.md, "The dedupe index").
-				fmt.Fprintf(l.stderr, "buildq logs: nothing was built: the build's first tag already held an image when it started; its requests look again (most are answered with that image) — see buildq status\n")
+				fmt.Fprintf(l.stderr, "buildq logs: nothing is recorded as built: the build's first tag already held an image when it started, or its Pod was gone before its digest was read; its requests look again (most are answered with the image at their tag) — see buildq status\n")
 				return nil
 			}
 			if err := l.out.Flush(); err != nil {

@@ -210,7 +210,7 @@ func TestLogsFollowEndsWithTheBuild(t *testing.T) {
 		{"failed", "BuildFailed", 1, "buildq: build failed: BuildFailed\n"},
 		{"canceled", "Canceled", 1, "buildq: build canceled: Canceled\n"},
 		// A run refused for its tag answers nobody: not the request's end.
-		{"failed", "TagTaken", 0, "buildq logs: nothing was built: the build's first tag already held an image when it started; its requests look again (most are answered with that image) — see buildq status\n"},
+		{"failed", "TagTaken", 0, "buildq logs: nothing is recorded as built: the build's first tag already held an image when it started, or its Pod was gone before its digest was read; its requests look again (most are answered with the image at their tag) — see buildq status\n"},
 	} {
 		t.Run(c.state+"/"+c.reason, func(t *testing.T) {
 			t.Parallel()

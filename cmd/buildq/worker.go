@@ -179,7 +179,7 @@ func runWorker(ctx context.Context, c *serveConfig) error {
 		return err
 	}
 	defer stopKube()
-	backend.WithDigestResolver(reg.Head).WithPresigner(presign)
+	backend.WithPresigner(presign)
 	setWaiting("not taking requests: connecting to NATS")
 
 	c.nats.name = "buildq-worker " + cfg.ID
