@@ -69,11 +69,13 @@ func (k *KubeBackend) reconcileJob(ctx context.Context, name string, finish func
 	}
 	var out Outcome
 	if o.Pending {
-		// Succeeded, and its Pod not (yet) in the cache: a Pod event
-		// brings the Job back here; a Pod gone for good ends the run
-		// once the grace a run's own watch gives it is over (podGone),
-		// so that no orphaned run's Job stands until a request of the
-		// key comes back to take the run over.
+		// Succeeded, and its Pod not (yet) in the cache: looked at
+		// again once the grace a run's own watch gives the Pod is over
+		// (Pod events reach only the runs' own watches, not this
+		// queue), when a Pod that came tells the digest and one gone
+		// for good ends the run (podGone), so that no orphaned run's
+		// Job stands until a request of the key comes back to take the
+		// run over.
 		wait, over := k.podGrace(job.UID)
 		if !over {
 			return wait, false
