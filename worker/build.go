@@ -75,7 +75,9 @@ func (w *builder) build(ctx context.Context, req *v1.Request, key, repo string, 
 			return false, nil
 		}
 		if r.State == v1.StateFailed && r.Reason == v1.ReasonTagTaken && !mutant.On("tag-taken-answers") {
-			// Nothing was built: the claimer looks again too.
+			// Nothing was built: the claimer looks again too, its run's
+			// Job gone first.
+			w.refusedJobGone(ctx, r)
 			return false, nil
 		}
 		if r.State != v1.StateFailed || r.Reason != v1.ReasonCanceled || mutant.On("claimer-takes-others-cancel") {

@@ -4,8 +4,9 @@ package worker
 // succeeded but whose Pod was gone before the worker read the digest it
 // pushed ends TagTaken, recording nothing. Each test plays a hostile
 // tenant who pushes over the run's tag, a worker stopped or frozen at the
-// worst moment, a Pod that reaches the cache just after the grace, or a
-// NATS write whose reply is lost — and checks that every request is
+// worst moment, or a Pod that reaches the cache just after the grace (a
+// NATS write of the end lost, or landed with its reply lost, is
+// endwrite_test.go's) — and checks that every request is
 // answered once, that no build record of the key ever names an image
 // buildq did not build (the hand-pushed one), and that no Job stands.
 
@@ -271,67 +272,6 @@ func TestPodGoneAttackPodArrivesJustAfterTheGrace(t *testing.T) {
 	}
 	if n := len(resultFor(results, req.RequestID)); n != 1 {
 		t.Errorf("%d results", n)
-	}
-}
-
-// Attack (4): the owner's write of the podless run's end lands but its
-// reply is lost (a NATS hiccup), once or every time for a while; a tenant
-// has pushed over the tag. The request is answered once with the image at
-// its tag, nothing names that image in the index, and the Job goes.
-func TestPodGoneAttackEndWriteReplyLost(t *testing.T) {
-	t.Parallel()
-	for _, fate := range []string{writeLanded, writeLost} {
-		t.Run(fate, func(t *testing.T) {
-			t.Parallel()
-			e := setup(t)
-			tr := newTestRegistry(t)
-			req := request("pod-gone-attack-nats-" + fate)
-			key := v1.BuildKey(req, kanikoID)
-			var tries atomic.Int32
-			e.startWorkerFull("w1", fetchKaniko(), withRegistry(tr), nil, func(w *Worker) {
-				withPresigner(w)
-				withDigestGrace(300 * time.Millisecond)(w)
-				w.runs.UseBucket(&faultyKV{KeyValue: w.runs.Bucket(), onUpdate: func(k string, value []byte) string {
-					var r v1.BuildRecord
-					if k != key || json.Unmarshal(value, &r) != nil || r.Reason != v1.ReasonTagTaken {
-						return writePasses
-					}
-					if n := tries.Add(1); fate == writeLanded && n == 1 || fate == writeLost && n <= 2 {
-						return fate
-					}
-					return writePasses
-				}})
-			})
-			results := e.collect()
-			hist := watchRecords(t, e, key)
-			if _, err := e.pub.Publish(context.Background(), req); err != nil {
-				t.Fatal(err)
-			}
-			job := e.waitJob(jobOf(req))
-			built := tr.push(t, destination(job))
-			hand := tr.push(t, destination(job))
-			if err := e.world.node.endWithoutPod(job); err != nil {
-				t.Fatal(err)
-			}
-			// A lost end is retried with backoff after the claim lapses
-			// (1.5 leases), adopting the Job and waiting out its grace again.
-			eventually(t, 45*time.Second, "the request answered", func() bool { return len(resultFor(results, req.RequestID)) > 0 })
-			r := oneResult(t, results, req.RequestID)
-			if tries.Load() == 0 {
-				t.Fatal("the run's end was never written")
-			}
-			answeredWithTagOrBuild(t, r, hand)
-			eventually(t, 30*time.Second, "the Job gone", e.jobGone(job.Name))
-			hist.never(t, hand, "pushed by hand over the run's tag")
-			hist.never(t, built, "pushed by the podless run")
-			if rec := e.claim(key); rec == nil || !rec.Final() {
-				t.Fatalf("the key's record %+v, want final", rec)
-			}
-			time.Sleep(time.Second)
-			if n := len(resultFor(results, req.RequestID)); n != 1 {
-				t.Errorf("%d results", n)
-			}
-		})
 	}
 }
 
