@@ -17,6 +17,24 @@ import (
 	"github.com/buildq/buildq/internal/kaniko"
 )
 
+// firstRefusedEnd is a worker hook: the first write of key's end as a
+// run that built nothing (TagTaken) meets fate (writeLost, writeLanded);
+// tries counts those writes.
+func firstRefusedEnd(key, fate string, tries *atomic.Int32) func(*Worker) {
+	return func(w *Worker) {
+		w.runs.UseBucket(&faultyKV{KeyValue: w.runs.Bucket(), onUpdate: func(k string, value []byte) string {
+			var r v1.BuildRecord
+			if k != key || json.Unmarshal(value, &r) != nil || r.Reason != v1.ReasonTagTaken {
+				return writePasses
+			}
+			if tries.Add(1) == 1 {
+				return fate
+			}
+			return writePasses
+		}})
+	}
+}
+
 // A run that built nothing (its Pod gone, podGone: an end endAhead never
 // stores) whose end's first write is lost: the claim is released at
 // once, the request's retry takes the run over and stores the end, and
@@ -42,20 +60,7 @@ func TestAFailedEndWriteLetsTheClaimGo(t *testing.T) {
 				// retry nor the Job's delete waits for it (nor for the
 				// janitor, which looks every lease).
 				c.Lease = time.Minute
-			}, nil, func(w *Worker) {
-				withPresigner(w)
-				withDigestGrace(300 * time.Millisecond)(w)
-				w.runs.UseBucket(&faultyKV{KeyValue: w.runs.Bucket(), onUpdate: func(k string, value []byte) string {
-					var r v1.BuildRecord
-					if k != key || json.Unmarshal(value, &r) != nil || r.Reason != v1.ReasonTagTaken {
-						return writePasses
-					}
-					if tries.Add(1) == 1 {
-						return fate
-					}
-					return writePasses
-				}})
-			})
+			}, nil, podlessWorker(300*time.Millisecond, firstRefusedEnd(key, fate, &tries)))
 			results := e.collect()
 			hist := watchRecords(t, e, key)
 			if _, err := e.pub.Publish(context.Background(), req); err != nil {
@@ -63,11 +68,7 @@ func TestAFailedEndWriteLetsTheClaimGo(t *testing.T) {
 			}
 			job := e.waitJob(jobOf(req))
 			run := job.Annotations[kaniko.AnnotationRun]
-			built := tr.push(t, destination(job))
-			hand := tr.push(t, destination(job))
-			if err := e.world.node.endWithoutPod(job); err != nil {
-				t.Fatal(err)
-			}
+			built, hand := e.losePod(tr, job)
 			// Well within the lease (a minute) and its lapse.
 			r := oneResult(t, results, req.RequestID)
 			if r.Data.Status != v1.StatusSucceeded || r.Data.Origin != v1.OriginCache || r.Data.Digest != hand {

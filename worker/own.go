@@ -340,29 +340,6 @@ func (w *builder) lookAgainAfterRefusal(ctx context.Context, req *v1.Request, en
 	return w.build(ctx, req, ended.Key, repo, dests, seq, nil)
 }
 
-// refusedJobGone deletes the Job of r, the stored end of a run that
-// built nothing (refusedRun), when the informer cache still shows it: an
-// end stored by whoever did not delete the Job after it (the owner, whose
-// write landed but whose reply was lost; the reconciler) leaves it to the
-// claimer, who comes back to the run to look again. From the cache only:
-// no API request for a Job that is gone.
-func (w *builder) refusedJobGone(ctx context.Context, r *v1.BuildRecord) {
-	j, ok := w.backend.(jobJanitor)
-	if !ok || w.cfg.KeepJobs || mutant.On("refused-job-left") {
-		return
-	}
-	for _, ref := range j.BuildJobs() {
-		if ref.Key != r.Key || ref.Run != r.Run || r.Run == "" {
-			continue
-		}
-		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-		if err := j.DeleteJob(dctx, ref.Name, ref.UID); err != nil {
-			w.log.Info("deleting the Job of a run that built nothing failed; the janitor deletes it", zap.String("key", r.Key), zap.String("run", r.Run), zap.Error(err))
-		}
-		cancel()
-	}
-}
-
 // firstOf is the first of refs, or "".
 func firstOf(refs []string) string {
 	if len(refs) == 0 {

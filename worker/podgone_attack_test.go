@@ -76,6 +76,18 @@ func watchRecords(t *testing.T, e *env, key string) *recordHistory {
 	return h
 }
 
+// publishWatched publishes req with every version of its key's record
+// watched from before, and waits for its Job.
+func publishWatched(t *testing.T, e *env, req *v1.Request) (key string, hist *recordHistory, job *batchv1.Job) {
+	t.Helper()
+	key = v1.BuildKey(req, kanikoID)
+	hist = watchRecords(t, e, key)
+	if _, err := e.pub.Publish(context.Background(), req); err != nil {
+		t.Fatal(err)
+	}
+	return key, hist, e.waitJob(jobOf(req))
+}
+
 // never fails t if any record of the history names digest.
 func (h *recordHistory) never(t *testing.T, digest, what string) {
 	t.Helper()
@@ -104,26 +116,11 @@ func (h *recordHistory) sawTagTaken(run string) bool {
 // container's termination message, as a Pod that reaches the cache late.
 func latePod(t *testing.T, e *env, job *batchv1.Job, digest string) {
 	t.Helper()
-	now := metav1.Now()
-	lbl := map[string]string{}
-	for k, v := range job.Spec.Template.Labels {
-		lbl[k] = v
-	}
-	lbl[batchv1.JobNameLabel] = job.Name
-	lbl[batchv1.ControllerUidLabel] = string(job.UID)
-	lbl["job-name"] = job.Name
-	lbl["controller-uid"] = string(job.UID)
-	pod := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{
-			Name: job.Name + "-late", Namespace: testNamespace, Labels: lbl,
-			OwnerReferences: []metav1.OwnerReference{{APIVersion: "batch/v1", Kind: "Job", Name: job.Name, UID: job.UID}},
-		},
-		Spec: job.Spec.Template.Spec,
-		Status: corev1.PodStatus{Phase: corev1.PodSucceeded, ContainerStatuses: []corev1.ContainerStatus{{
-			Name:  kaniko.ContainerName,
-			State: corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{ExitCode: 0, Message: digest, FinishedAt: now}},
-		}}},
-	}
+	pod := jobPod(job, job.Name+"-late", true)
+	pod.Status.ContainerStatuses = []corev1.ContainerStatus{{
+		Name:  kaniko.ContainerName,
+		State: corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{ExitCode: 0, Message: digest, FinishedAt: metav1.Now()}},
+	}}
 	if _, err := e.kube.CoreV1().Pods(testNamespace).Create(context.Background(), pod, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -160,15 +157,13 @@ func TestPodGoneAttackOwnerFrozenBeforeItsEndIsStored(t *testing.T) {
 	tr := newTestRegistry(t)
 	release := make(chan struct{})
 	var paused atomic.Bool
-	e.startWorkerFull("w1", fetchKaniko(), withRegistry(tr), nil, func(w *Worker) {
-		withPresigner(w)
-		withDigestGrace(300 * time.Millisecond)(w)
+	e.startWorkerFull("w1", fetchKaniko(), withRegistry(tr), nil, podlessWorker(300*time.Millisecond, func(w *Worker) {
 		w.faults = &faultHooks{beforeFinalize: func(string) {
 			if paused.CompareAndSwap(false, true) {
 				<-release
 			}
 		}}
-	})
+	}))
 	t.Cleanup(func() {
 		select {
 		case <-release:
@@ -179,12 +174,7 @@ func TestPodGoneAttackOwnerFrozenBeforeItsEndIsStored(t *testing.T) {
 	results := e.collect()
 	ctx := context.Background()
 	req := request("pod-gone-attack-frozen")
-	key := v1.BuildKey(req, kanikoID)
-	hist := watchRecords(t, e, key)
-	if _, err := e.pub.Publish(ctx, req); err != nil {
-		t.Fatal(err)
-	}
-	job := e.waitJob(jobOf(req))
+	key, hist, job := publishWatched(t, e, req)
 	run := job.Annotations[kaniko.AnnotationRun]
 	other := request("pod-gone-attack-frozen")
 	other.Name, other.RequestID = "api", "pod-gone-attack-frozen-other"
@@ -192,27 +182,12 @@ func TestPodGoneAttackOwnerFrozenBeforeItsEndIsStored(t *testing.T) {
 		t.Fatal(err)
 	}
 	eventually(t, 10*time.Second, "the other request parked on the run", func() bool { return e.isParked(key, other.RequestID) })
-	built := tr.push(t, destination(job))
-	hand := tr.push(t, destination(job))
-	if err := e.world.node.endWithoutPod(job); err != nil {
-		t.Fatal(err)
-	}
+	built, hand := e.losePod(tr, job)
 	eventually(t, 10*time.Second, "the owner frozen before storing its end", paused.Load)
-	e.startWorkerFull("w2", fetchKaniko(), withRegistry(tr), nil, func(w *Worker) {
-		withPresigner(w)
-		withDigestGrace(300 * time.Millisecond)(w)
-	})
+	e.startWorkerFull("w2", fetchKaniko(), withRegistry(tr), nil, podlessWorker(300*time.Millisecond))
 	eventually(t, 20*time.Second, "the run ended by the reconciler as having built nothing", func() bool { return hist.sawTagTaken(run) })
 	// The parked request looks again and builds.
-	var again *batchv1.Job
-	eventually(t, 20*time.Second, "a new Job of the key", func() bool {
-		j, err := e.kube.BatchV1().Jobs(testNamespace).Get(ctx, job.Name, metav1.GetOptions{})
-		if err != nil || j.UID == job.UID {
-			return false
-		}
-		again = j
-		return true
-	})
+	again := e.jobInPlaceOf(job, "a new Job of the key")
 	rebuilt := tr.push(t, destination(again))
 	e.kubelet(again, 0, rebuilt)
 	close(release)
@@ -240,26 +215,13 @@ func TestPodGoneAttackPodArrivesJustAfterTheGrace(t *testing.T) {
 	e := setup(t)
 	tr := newTestRegistry(t)
 	for _, id := range []string{"w1", "w2"} {
-		e.startWorkerFull(id, fetchKaniko(), withRegistry(tr), nil, func(w *Worker) {
-			withPresigner(w)
-			withDigestGrace(300 * time.Millisecond)(w)
-		})
+		e.startWorkerFull(id, fetchKaniko(), withRegistry(tr), nil, podlessWorker(300*time.Millisecond))
 	}
 	results := e.collect()
-	ctx := context.Background()
 	req := request("pod-gone-attack-late-pod")
-	key := v1.BuildKey(req, kanikoID)
-	hist := watchRecords(t, e, key)
-	if _, err := e.pub.Publish(ctx, req); err != nil {
-		t.Fatal(err)
-	}
-	job := e.waitJob(jobOf(req))
+	key, hist, job := publishWatched(t, e, req)
 	run := job.Annotations[kaniko.AnnotationRun]
-	built := tr.push(t, destination(job))
-	hand := tr.push(t, destination(job))
-	if err := e.world.node.endWithoutPod(job); err != nil {
-		t.Fatal(err)
-	}
+	built, hand := e.losePod(tr, job)
 	eventually(t, 20*time.Second, "the run ended as having built nothing", func() bool { return hist.sawTagTaken(run) })
 	latePod(t, e, job, built)
 	r := oneResult(t, results, req.RequestID)
@@ -284,25 +246,13 @@ func TestPodGoneAttackOwnerStopsWhileTheReconcilerEndsTheRun(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
-	w1, _ := e.startWorkerFull("w1", fetchKaniko(), withRegistry(tr), nil, func(w *Worker) {
-		withPresigner(w)
-		withDigestGrace(5 * time.Second)(w)
-	})
+	w1, _ := e.startWorkerFull("w1", fetchKaniko(), withRegistry(tr), nil, podlessWorker(5*time.Second))
 	results := e.collect()
-	ctx := context.Background()
 	req := request("pod-gone-attack-owner-stops")
-	key := v1.BuildKey(req, kanikoID)
-	hist := watchRecords(t, e, key)
-	if _, err := e.pub.Publish(ctx, req); err != nil {
-		t.Fatal(err)
-	}
-	job := e.waitJob(jobOf(req))
+	key, hist, job := publishWatched(t, e, req)
 	built := tr.push(t, destination(job))
 	hand := tr.push(t, destination(job))
-	e.startWorkerFull("w2", fetchKaniko(), withRegistry(tr), nil, func(w *Worker) {
-		withPresigner(w)
-		withDigestGrace(200 * time.Millisecond)(w)
-	})
+	e.startWorkerFull("w2", fetchKaniko(), withRegistry(tr), nil, podlessWorker(200*time.Millisecond))
 	if err := e.world.node.endWithoutPod(job); err != nil {
 		t.Fatal(err)
 	}
@@ -434,19 +384,11 @@ func TestPodGoneAttackAnotherTenantsHandPushNeverAnswersAcme(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
-	e.startWorkerFull("w1", fetchKaniko(), withRegistry(tr), nil, func(w *Worker) {
-		withPresigner(w)
-		withDigestGrace(300 * time.Millisecond)(w)
-	})
+	e.startWorkerFull("w1", fetchKaniko(), withRegistry(tr), nil, podlessWorker(300*time.Millisecond))
 	results := e.collect()
 	ctx := context.Background()
 	evil := mallorys("pod-gone-attack-cross-tenant")
-	key := v1.BuildKey(evil, kanikoID)
-	hist := watchRecords(t, e, key)
-	if _, err := e.pub.Publish(ctx, evil); err != nil {
-		t.Fatal(err)
-	}
-	job := e.waitJob(jobOf(evil))
+	key, hist, job := publishWatched(t, e, evil)
 	victim := request("pod-gone-attack-cross-tenant")
 	victim.RequestID = "pod-gone-attack-cross-tenant-acme"
 	if v1.BuildKey(victim, kanikoID) != key {
@@ -456,20 +398,8 @@ func TestPodGoneAttackAnotherTenantsHandPushNeverAnswersAcme(t *testing.T) {
 		t.Fatal(err)
 	}
 	eventually(t, 10*time.Second, "acme's request parked on mallory's run", func() bool { return e.parkedAs(key, "acme", victim.RequestID) })
-	built := tr.push(t, destination(job))
-	hand := tr.push(t, destination(job))
-	if err := e.world.node.endWithoutPod(job); err != nil {
-		t.Fatal(err)
-	}
-	var again *batchv1.Job
-	eventually(t, 20*time.Second, "a Job of acme's request", func() bool {
-		j, err := e.kube.BatchV1().Jobs(testNamespace).Get(ctx, job.Name, metav1.GetOptions{})
-		if err != nil || j.UID == job.UID {
-			return false
-		}
-		again = j
-		return true
-	})
+	built, hand := e.losePod(tr, job)
+	again := e.jobInPlaceOf(job, "a Job of acme's request")
 	rebuilt := tr.push(t, destination(again))
 	e.kubelet(again, 0, rebuilt)
 	var r v1.Result

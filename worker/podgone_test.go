@@ -35,6 +35,48 @@ func withDigestGrace(d time.Duration) func(*Worker) {
 	return func(w *Worker) { w.backend.(*KubeBackend).digestGrace = d }
 }
 
+// podlessWorker is the hook of a worker of fetchKaniko (withPresigner)
+// whose backend waits grace for a succeeded Job's Pod, then more.
+func podlessWorker(grace time.Duration, more ...func(*Worker)) func(*Worker) {
+	return func(w *Worker) {
+		withPresigner(w)
+		withDigestGrace(grace)(w)
+		for _, f := range more {
+			f(w)
+		}
+	}
+}
+
+// losePod plays a build of job that pushed its image to the run's first
+// tag, an image pushed over it by hand, and the build's Pod deleted
+// unseen (the Job succeeded): the digests of the build's image and of
+// the hand-pushed one.
+func (e *env) losePod(tr *testRegistry, job *batchv1.Job) (built, hand string) {
+	e.t.Helper()
+	built = tr.push(e.t, destination(job))
+	hand = tr.push(e.t, destination(job))
+	if err := e.world.node.endWithoutPod(job); err != nil {
+		e.t.Fatal(err)
+	}
+	return built, hand
+}
+
+// jobInPlaceOf waits for the Job that stands in old's place: its name (the
+// key's), another UID.
+func (e *env) jobInPlaceOf(old *batchv1.Job, what string) *batchv1.Job {
+	e.t.Helper()
+	var next *batchv1.Job
+	eventually(e.t, 20*time.Second, what, func() bool {
+		j, err := e.kube.BatchV1().Jobs(testNamespace).Get(context.Background(), old.Name, metav1.GetOptions{})
+		if err != nil || j.UID == old.UID {
+			return false
+		}
+		next = j
+		return true
+	})
+	return next
+}
+
 // The image at a run's tag, pushed over by hand after the build pushed
 // it, while the build's Pod was deleted unseen: a request of the same
 // content for another repository, parked on the run, is not answered
@@ -48,10 +90,7 @@ func TestARunWhosePodIsGoneAnswersNobodyWithTheImageAtItsTag(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	tr := newTestRegistry(t)
-	e.startWorkerFull("w1", fetchKaniko(), withRegistry(tr), nil, func(w *Worker) {
-		withPresigner(w)
-		withDigestGrace(500 * time.Millisecond)(w)
-	})
+	e.startWorkerFull("w1", fetchKaniko(), withRegistry(tr), nil, podlessWorker(500*time.Millisecond))
 	results := e.collect()
 	ctx := context.Background()
 	req := request("pod-gone")
@@ -67,21 +106,9 @@ func TestARunWhosePodIsGoneAnswersNobodyWithTheImageAtItsTag(t *testing.T) {
 	key := v1.BuildKey(req, kanikoID)
 	eventually(t, 10*time.Second, "the other repository's request parked on the run", func() bool { return e.isParked(key, other.RequestID) })
 
-	built := tr.push(t, destination(job))
-	hand := tr.push(t, destination(job))
-	if err := e.world.node.endWithoutPod(job); err != nil {
-		t.Fatal(err)
-	}
+	built, hand := e.losePod(tr, job)
 	// The other repository's request builds the key again.
-	var again *batchv1.Job
-	eventually(t, 20*time.Second, "a Job of the other repository's request", func() bool {
-		j, err := e.kube.BatchV1().Jobs(testNamespace).Get(ctx, job.Name, metav1.GetOptions{})
-		if err != nil || j.UID == job.UID {
-			return false
-		}
-		again = j
-		return true
-	})
+	again := e.jobInPlaceOf(job, "a Job of the other repository's request")
 	if !strings.Contains(destination(again), "/api:") {
 		t.Fatalf("the Job built after the Pod was gone pushes to %s, want the other repository's tag", destination(again))
 	}

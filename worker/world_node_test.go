@@ -393,14 +393,6 @@ func (n *fakeNode) endJob(job *batchv1.Job, container string, exit int32, messag
 			return err
 		}
 		now := metav1.Now()
-		lbl := map[string]string{}
-		for k, v := range cur.Spec.Template.Labels {
-			lbl[k] = v
-		}
-		lbl[batchv1.JobNameLabel] = cur.Name
-		lbl[batchv1.ControllerUidLabel] = string(cur.UID)
-		lbl["job-name"] = cur.Name
-		lbl["controller-uid"] = string(cur.UID)
 		podName := fmt.Sprintf("%s-%s", cur.Name, strings.TrimPrefix(string(cur.UID), "uid-"))
 		for i := 2; ; i++ {
 			if _, err := n.api.tracker.Get(podsGVR, ns, podName); apierrors.IsNotFound(err) {
@@ -408,16 +400,7 @@ func (n *fakeNode) endJob(job *batchv1.Job, container string, exit int32, messag
 			}
 			podName = fmt.Sprintf("%s-%s-%d", cur.Name, strings.TrimPrefix(string(cur.UID), "uid-"), i)
 		}
-		pod := &corev1.Pod{
-			ObjectMeta: metav1.ObjectMeta{
-				Name: podName, Namespace: ns, Labels: lbl,
-				OwnerReferences: []metav1.OwnerReference{{APIVersion: "batch/v1", Kind: "Job", Name: cur.Name, UID: cur.UID}},
-			},
-			Spec: cur.Spec.Template.Spec,
-			Status: corev1.PodStatus{
-				Phase: map[bool]corev1.PodPhase{true: corev1.PodSucceeded, false: corev1.PodFailed}[exit == 0],
-			},
-		}
+		pod := jobPod(cur, podName, exit == 0)
 		terminated := []corev1.ContainerStatus{{
 			Name: container,
 			State: corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{
@@ -478,4 +461,31 @@ func (n *fakeNode) endJob(job *batchv1.Job, container string, exit int32, messag
 		})
 	}
 	return nil
+}
+
+// jobPod is a Pod the Job controller would have made for job, called
+// name, ended (succeeded or failed) with no container status yet.
+func jobPod(job *batchv1.Job, name string, succeeded bool) *corev1.Pod {
+	lbl := map[string]string{}
+	for k, v := range job.Spec.Template.Labels {
+		lbl[k] = v
+	}
+	lbl[batchv1.JobNameLabel] = job.Name
+	lbl[batchv1.ControllerUidLabel] = string(job.UID)
+	lbl["job-name"] = job.Name
+	lbl["controller-uid"] = string(job.UID)
+	ns := job.Namespace
+	if ns == "" {
+		ns = testNamespace
+	}
+	return &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{
+			Name: name, Namespace: ns, Labels: lbl,
+			OwnerReferences: []metav1.OwnerReference{{APIVersion: "batch/v1", Kind: "Job", Name: job.Name, UID: job.UID}},
+		},
+		Spec: job.Spec.Template.Spec,
+		Status: corev1.PodStatus{
+			Phase: map[bool]corev1.PodPhase{true: corev1.PodSucceeded, false: corev1.PodFailed}[succeeded],
+		},
+	}
 }
