@@ -124,6 +124,19 @@ func (w *builder) finishOrphan(ctx context.Context, key string, out Outcome) tim
 	}
 	if ok, err := w.runs.EndAt(ctx, final, rev); err == nil && ok {
 		w.log.Info("stored the outcome of a build whose owner is gone", zap.String("key", key), zap.String("run", cur.Run), zap.String("state", final.State))
+		// Whoever stores a run's end deletes its Job: its requests may
+		// all be answered already (an end written ahead of the decision
+		// that failed, its claim let go), and then nobody else comes
+		// back to it but the janitor, leases later. The delete, not the
+		// wait for the Job to be gone: this is the reconciler's one
+		// goroutine.
+		if !w.cfg.KeepJobs && !mutant.On("orphan-end-leaves-job") {
+			dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+			if err := w.backend.Cleanup(dctx, key, cur.Run); err != nil {
+				w.log.Info("deleting the Job of a build whose owner is gone failed; the janitor deletes it", zap.String("key", key), zap.Error(err))
+			}
+			cancel()
+		}
 	}
 	return 0
 }

@@ -213,7 +213,8 @@ func TestTheReconcilerEndsASucceededJobWhosePodNeverCame(t *testing.T) {
 // A run whose owner died, whose Job then succeeded and whose Pod was
 // deleted unseen: the reconciler ends it as having built nothing, so it
 // does not stand building until a request of the key comes back (the
-// fault simulation's seed 188: job-left-behind), and the Job goes.
+// fault simulation's seed 188: job-left-behind), and deletes its Job,
+// which nobody else may come back to (seed 188 again: late-job-cleanup).
 func TestAnOrphanedRunWhosePodIsGoneIsEnded(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
@@ -231,7 +232,9 @@ func TestAnOrphanedRunWhosePodIsGoneIsEnded(t *testing.T) {
 	if err := e.world.node.endWithoutPod(created); err != nil {
 		t.Fatal(err)
 	}
-	r := e.startWorkerHooked("w1", nil, nil, withDigestGrace(300*time.Millisecond))
+	// A lease the janitor would take to come back: the Job goes with the
+	// reconciler's end (mutant "orphan-end-leaves-job").
+	r := e.startWorkerHooked("w1", func(c *Config) { c.Lease = time.Minute }, nil, withDigestGrace(300*time.Millisecond))
 	// A dead worker's claim, released: nothing waits on its lease.
 	rec, _ := json.Marshal(v1.BuildRecord{Key: key, State: v1.StateBuilding, Run: "r1", LeaseMs: 1000,
 		RequestID: "gone", Tenant: "acme", Name: "web", Repository: "registry.test:5000/acme/web",
