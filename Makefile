@@ -98,7 +98,7 @@ bench: ## Benchmarks; they print figures, they assert nothing
 # as JSON into BENCH_OUT; bench-report renders them into the page and its
 # plot. CPU profiles of the workers: BUILDQ_BENCH_PPROF=<dir>.
 BENCH_OUT ?= docs/benchmarks
-bench-e2e: tools node-packages ## P1–P8, P10–P13: buildq against same-run baselines on the integration suite's real components (< 10 min); writes docs/benchmarks.md
+bench-e2e: tools node-packages ## P1–P8, P10–P13: buildq against same-run baselines on the integration suite's real components (about 11 min); writes docs/benchmarks.md
 	@mkdir -p $(BENCH_OUT)
 	set -o pipefail; BUILDQ_BENCH_OUT=$(abspath $(BENCH_OUT)) $(GO) test -tags 'integration benche2e' -count=1 -timeout 20m \
 	  -run '^TestBenchE2E' -v ./integration/ 2>&1 | tee /tmp/buildq-bench-e2e.log | grep -E '^(--- |PASS|FAIL|ok|panic)|P[0-9] |bench_.*_test.go'

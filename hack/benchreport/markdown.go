@@ -36,7 +36,7 @@ func renderMarkdown(results []benchfmt.Result, svgLink string) []byte {
 	p := func(format string, args ...any) { fmt.Fprintf(&w, format, args...) }
 
 	p("%s\n\n# buildq: end-to-end benchmarks\n\n", header)
-	p("Reproduce with `make bench-e2e` (P1–P8, under 10 minutes on 2 cores) and " +
+	p("Reproduce with `make bench-e2e` (P1–P8 and P10–P13, about 11 minutes on 2 cores) and " +
 		"`make bench-scale` (P9, up to 45 minutes); each writes one JSON file per figure " +
 		"into `docs/benchmarks/`, and `go run ./hack/benchreport` turns them into this page")
 	if svgLink != "" {
