@@ -73,15 +73,17 @@ func (w *Worker) answerAtIntake(ctx context.Context, msg jetstream.Msg, atOnce b
 	if !ok {
 		return false, nil
 	}
-	log := w.log.With(zap.Uint64("seq", meta.Sequence.Stream))
+	// The request's sequence goes on each line as a field of its own: a
+	// child logger (With) would copy the encoder for every hit.
+	seq := zap.Uint64("seq", meta.Sequence.Stream)
 	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
 	res, err := w.ledger.Deliver(actx, le, v.Decision, ledger.Delivery{Publish: w.publish, Unmarked: true})
 	if err != nil || res.Status != ledger.Published {
 		cancel()
 		// Recorded, not published: the queue's handler finds the
 		// decision in the entry and publishes it.
-		log.Warn("publishing a cache hit's result failed; the request goes to the queue, whose handler publishes its recorded decision",
-			zap.String("requestId", v.Data.RequestID), zap.Error(err))
+		w.log.Warn("publishing a cache hit's result failed; the request goes to the queue, whose handler publishes its recorded decision",
+			seq, zap.String("requestId", v.Data.RequestID), zap.Error(err))
 		return false, nil
 	}
 	w.cfg.Metrics.hitAnswered(at)
@@ -90,14 +92,14 @@ func (w *Worker) answerAtIntake(ctx context.Context, msg jetstream.Msg, atOnce b
 		if err := w.ack(actx, msg, fairq.Action{Kind: fairq.Settle, RequestID: v.Data.RequestID}); err != nil {
 			// The message comes again: its handler must find the result
 			// marked published, not publish it a second time.
-			log.Warn("ack of a cache hit answered at intake failed; marking its result published for the redelivery",
-				zap.String("requestId", v.Data.RequestID), zap.Error(err))
+			w.log.Warn("ack of a cache hit answered at intake failed; marking its result published for the redelivery",
+				seq, zap.String("requestId", v.Data.RequestID), zap.Error(err))
 			if !mutant.On("intake-never-marks") {
 				res.Mark(actx)
 			}
 		}
 		d := res.Decision.Data
-		log.Info("request done", zap.String("requestId", d.RequestID), zap.String("status", string(d.Status)),
+		w.log.Info("request done", seq, zap.String("requestId", d.RequestID), zap.String("status", string(d.Status)),
 			zap.String("origin", string(d.Origin)), zap.String("digest", d.Digest), zap.Bool("atIntake", true))
 	}
 }

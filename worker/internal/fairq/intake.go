@@ -165,10 +165,6 @@ func (q *Queue) admit(ctx context.Context, msg jetstream.Msg) (settle func()) {
 	if t, ok := strings.CutPrefix(msg.Subject(), v1.RequestsPrefix+"."); ok && v1.DNSLabelProblem(t) == "" {
 		tenant = t
 	}
-	var view intakeView
-	_ = json.Unmarshal(msg.Data(), &view) // a body that does not decode is refused when it is taken
-	prio, _ := v1.PriorityOf(view.Priority)
-
 	if n := headerBytes(msg.Headers()); n > maxRequestHeaderBytes {
 		// The queue's copy adds headers: a block near JetStream's 64 KiB
 		// limit would be refused there on every try, holding intake.
@@ -184,6 +180,11 @@ func (q *Queue) admit(ctx context.Context, msg jetstream.Msg) (settle func()) {
 			return settle
 		}
 	}
+	// What the queue orders a request by, read only when intake did not
+	// answer it (an answer decodes the body in full itself).
+	var view intakeView
+	_ = json.Unmarshal(msg.Data(), &view) // a body that does not decode is refused when it is taken
+	prio, _ := v1.PriorityOf(view.Priority)
 	if hd, ok := q.h.(Holder); ok && tenant != invalidTenant && meta.NumDelivered == 1 {
 		// A request whose key's build is queued or running elsewhere may
 		// wait for it here, holding no intake slot and no place in the
