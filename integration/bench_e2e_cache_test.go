@@ -41,10 +41,6 @@ func TestBenchE2ECacheHits(t *testing.T) {
 	src.publish(first)
 	results.wait(t, []string{first.RequestID}, time.Minute)
 	w.stop(t, syscall.SIGTERM)
-	rate := func(times []time.Time) float64 {
-		slices.SortFunc(times, func(a, b time.Time) int { return a.Compare(b) })
-		return float64(len(times)-1) / times[len(times)-1].Sub(times[0]).Seconds()
-	}
 
 	// The baseline's world, on the same server: the build record the
 	// worker stored, the same request bodies.
@@ -84,7 +80,7 @@ func TestBenchE2ECacheHits(t *testing.T) {
 		// The worker stays up, idle, while the baseline runs, as it did
 		// when the two ran once each; it stops before the next round's
 		// requests are queued.
-		rounds = append(rounds, round{buildq: rate(got), base: base.run(t, n)})
+		rounds = append(rounds, round{buildq: perSecond(got), base: base.run(t, n)})
 		if r < p3Rounds-1 {
 			w.stop(t, syscall.SIGTERM)
 		}
@@ -256,8 +252,14 @@ func (b *p3Baseline) run(t *testing.T, n int) float64 {
 	wg.Wait()
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	slices.SortFunc(b.at, func(x, y time.Time) int { return x.Compare(y) })
-	return float64(len(b.at)-1) / b.at[len(b.at)-1].Sub(b.at[0]).Seconds()
+	return perSecond(b.at)
+}
+
+// perSecond is the rate of the arrivals in times (sorted in place), from
+// the first to the last.
+func perSecond(times []time.Time) float64 {
+	slices.SortFunc(times, func(a, b time.Time) int { return a.Compare(b) })
+	return float64(len(times)-1) / times[len(times)-1].Sub(times[0]).Seconds()
 }
 
 // countTraffic counts every message clients send to the suite's NATS
